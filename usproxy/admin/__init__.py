@@ -1,0 +1,1 @@
+"""Admin surface: health checks, Prometheus metrics, /services and /flows over HTTP."""

@@ -1,0 +1,150 @@
+"""Agent: wires a source, the Proxier, its datapaths and the admin server, and runs them.
+
+Life: the source lists (a manifest that cannot be parsed at start raises ConfigError: exit 2), the
+admin server binds, the SyncRunner and the source's watch run as guarded tasks, and SIGTERM or
+SIGINT stops everything in reverse order, releasing what the datapaths installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from usproxy.admin.health import Health, evaluate
+from usproxy.admin.metrics import Metrics
+from usproxy.admin.server import AdminServer
+from usproxy.config import ProxyConfig
+from usproxy.datapath import Datapath
+from usproxy.errors import ConfigError
+from usproxy.proxier import Proxier
+from usproxy.types import format_hostport
+
+log = logging.getLogger(__name__)
+
+
+def build_datapaths(cfg: ProxyConfig, metrics: Metrics) -> list[Datapath]:
+    """The relay always; kernel offload layers on top when allowed and available."""
+    from usproxy.relay.relay import Relay
+
+    return [Relay(cfg, metrics)]
+
+
+class Agent:
+    """One running usproxy agent."""
+
+    def __init__(self, cfg: ProxyConfig, datapaths: list[Datapath] | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.datapaths = datapaths if datapaths is not None else build_datapaths(cfg, self.metrics)
+        self.proxier = Proxier(self.datapaths, metrics=self.metrics, node_name=cfg.node_name,
+                               min_sync_period=cfg.min_sync_period, sync_period=cfg.sync_period)
+        self.admin = AdminServer(self, cfg.healthz_bind_address, cfg.metrics_bind_address)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+        self.started_at = time.time()
+
+    # -- AdminView ----------------------------------------------------------------------------
+    def health(self) -> Health:
+        return evaluate(self.proxier.last_updated, self.proxier.oldest_queued, 2 * self.cfg.sync_period)
+
+    def services_view(self) -> list[dict[str, Any]]:
+        out = []
+        for spn in sorted(self.proxier.service_map):
+            st = self.proxier.state_of(spn)
+            if st is None:
+                continue
+            sp = st.service_port
+            where = self.proxier.placement(spn)
+            out.append({
+                "servicePortName": str(spn), "protocol": sp.protocol,
+                "clusterIPs": [str(ip) for ip in sp.cluster_ips], "port": sp.port,
+                "nodePort": sp.node_port, "type": sp.service_type,
+                "externalIPs": [str(ip) for ip in sp.external_ips_all()],
+                "sessionAffinity": sp.session_affinity, "affinityTimeoutSeconds": sp.affinity_timeout,
+                "externalTrafficPolicy": sp.external_traffic_policy,
+                "internalTrafficPolicy": sp.internal_traffic_policy,
+                "endpoints": [{"address": str(ep), "ready": ep.ready, "serving": ep.serving,
+                               "terminating": ep.terminating, "nodeName": ep.node_name,
+                               "usable": ep in st.cluster_endpoints} for ep in st.endpoints],
+                "datapath": where.datapath, "reason": where.reason,
+            })
+        return out
+
+    def flows_view(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for dp in self.datapaths:
+            flows = getattr(dp, "flows_view", None)
+            if flows is not None:
+                out.extend(flows())
+        return out
+
+    # -- running ------------------------------------------------------------------------------
+    def _guard(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("task %s ended unexpectedly; stopping the agent", name)
+                self._stop.set()
+        self._tasks.append(asyncio.create_task(guarded(), name=name))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def start(self) -> None:
+        """List the source, bind admin, start tasks. Raises ConfigError on unparsable input."""
+        source = self._make_source()
+        await self.admin.start()
+        for role, addr in self.admin.bound.items():
+            log.info("serving %s on %s", role, format_hostport(addr[0], addr[1]))
+        self._guard("sync-runner", self.proxier.runner.loop())
+        self._guard("source", source.run())
+
+    def _make_source(self) -> Any:
+        if self.cfg.services is not None:
+            from usproxy.sources.static import StaticSource, watch_sighup
+
+            src = StaticSource(self.cfg.services, self.proxier,
+                               on_error=lambda e: self.metrics.config_errors.labels("manifest").inc())
+            src.load_initial()
+            watch_sighup(src)
+            return src
+        if self.cfg.kubeconfig is not None or _in_cluster():
+            from usproxy.sources.kube import KubeSource
+
+            return KubeSource(self.cfg, self.proxier, self.metrics)
+        raise ConfigError("give --services PATH or --kubeconfig PATH", obj="usproxy run")
+
+    async def run(self) -> None:
+        """Start, wait for SIGTERM/SIGINT or stop(), shut down."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.stop)
+            except (NotImplementedError, RuntimeError):
+                pass
+        try:
+            await self.start()
+            await self._stop.wait()
+        finally:
+            await self.shutdown()
+
+    async def shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self.proxier.close()
+        await self.admin.stop()
+
+
+def _in_cluster() -> bool:
+    import os
+
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))

@@ -1,0 +1,154 @@
+"""The `usproxy` command: run, explain, flows, status, check.
+
+Exit codes: 0 done, 1 runtime failure, 2 bad usage or bad input (the message names the object
+and field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from usproxy.config import ProxyConfig, load_kube_proxy_configuration, parse_duration, with_overrides
+from usproxy.errors import ConfigError
+
+log = logging.getLogger("usproxy")
+
+
+def _run_parser(sub: Any) -> None:
+    p = sub.add_parser("run", help="run the agent")
+    p.add_argument("--services", type=Path, help="Kubernetes manifests (file or directory)")
+    p.add_argument("--kubeconfig", type=Path, help="watch the API server of this kubeconfig")
+    p.add_argument("--config", type=Path, help="a KubeProxyConfiguration file; flags override it")
+    p.add_argument("--offload", choices=["auto", "nftables", "bpf", "none"])
+    p.add_argument("--offload-after", type=float, metavar="SECONDS")
+    p.add_argument("--healthz-bind-address", metavar="HOST:PORT")
+    p.add_argument("--metrics-bind-address", metavar="HOST:PORT")
+    p.add_argument("--hostname-override", metavar="NAME")
+    p.add_argument("--nodeport-addresses", metavar="CIDR,...",
+                   type=lambda s: tuple(x for x in s.split(",") if x))
+    p.add_argument("--vip-interface", metavar="NAME")
+    p.add_argument("--lb-policy", choices=["roundRobin", "random", "leastConnections"])
+    p.add_argument("--sync-period", metavar="DURATION")
+    p.add_argument("--min-sync-period", metavar="DURATION")
+    p.add_argument("--conntrack-max-per-core", type=int)
+    p.add_argument("--conntrack-min", type=int)
+    p.add_argument("--udp-idle-timeout", metavar="DURATION")
+    p.add_argument("--bpf-cgroup", type=Path)
+    p.add_argument("--cleanup", action="store_true", default=None,
+                   help="remove everything usproxy installed in the kernel, then exit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="usproxy", description="A Kubernetes Service proxy in Python")
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _run_parser(sub)
+    e = sub.add_parser("explain", help="render Services as each kube-proxy mode would hold them")
+    e.add_argument("rest", nargs=argparse.REMAINDER)
+    for name, helptext in (("flows", "print the running agent's flow table"),
+                           ("status", "print the running agent's ServicePorts")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT")
+        s.add_argument("--json", action="store_true")
+    c = sub.add_parser("check", help="probe this node's kernel datapaths")
+    c.add_argument("--json", action="store_true")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    cfg = load_kube_proxy_configuration(args.config) if args.config else ProxyConfig()
+    overrides = {k: getattr(args, k) for k in vars(args) if k not in ("command", "verbose", "config")}
+    for key in ("sync_period", "min_sync_period", "udp_idle_timeout"):
+        if overrides.get(key) is not None:
+            overrides[key] = parse_duration(overrides[key], "--" + key.replace("_", "-"))
+    return with_overrides(cfg, overrides)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if cfg.cleanup:
+        from usproxy.cleanup import cleanup
+
+        return int(cleanup(cfg))
+    from usproxy.agent import Agent
+
+    import uvloop
+
+    async def main() -> None:
+        await Agent(cfg).run()
+
+    uvloop.run(main())
+    return 0
+
+
+def _get_json(addr: str, path: str) -> Any:
+    url = f"http://{addr}{path}"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.load(resp)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from usproxy.table import render_services
+
+    rows = _get_json(args.metrics_bind_address, "/services")
+    print(json.dumps(rows, indent=1) if args.json else render_services(rows))
+    return 0
+
+
+def cmd_flows(args: argparse.Namespace) -> int:
+    from usproxy.table import render_flows
+
+    rows = _get_json(args.metrics_bind_address, "/flows")
+    print(json.dumps(rows, indent=1) if args.json else render_flows(rows))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from usproxy.capabilities import probe_all
+    from usproxy.table import render_table
+
+    caps = probe_all()
+    if args.json:
+        print(json.dumps([c.as_dict() for c in caps], indent=1))
+    else:
+        print(render_table(["capability", "available", "detail"],
+                           [[c.name, "yes" if c.available else "no", c.detail] for c in caps]))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from usproxy.explain.cli import main as explain_main
+
+    return int(explain_main(args.rest))
+
+
+COMMANDS = {"run": cmd_run, "status": cmd_status, "flows": cmd_flows, "check": cmd_check,
+            "explain": cmd_explain}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose or
+                        args.command == "run" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as err:
+        print(f"usproxy: {err}", file=sys.stderr)
+        return 2
+    except (urllib.error.URLError, ConnectionError) as err:
+        print(f"usproxy: cannot reach the agent: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

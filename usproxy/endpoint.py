@@ -1,0 +1,82 @@
+"""Endpoint: one backend address of a ServicePort, and which endpoints are usable.
+
+Conditions follow EndpointSlice semantics (discovery.k8s.io/v1): `ready` and `serving` default to
+true when unset, `terminating` to false. Usable endpoints are the ready ones; if none is ready,
+the serving and terminating ones (as kube-proxy pkg/proxy/topology.go CategorizeEndpoints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from usproxy.service_port import ServicePort
+from usproxy.types import IPAddress, format_hostport
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Endpoint:
+    """One endpoint of one ServicePort: address, port and EndpointSlice conditions."""
+
+    ip: IPAddress
+    port: int
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    node_name: str | None = None
+    zone: str | None = None
+    zone_hints: tuple[str, ...] = ()
+
+    @property
+    def address(self) -> tuple[IPAddress, int]:
+        return (self.ip, self.port)
+
+    def __str__(self) -> str:
+        return format_hostport(self.ip, self.port)
+
+
+def usable(endpoints: Iterable[Endpoint]) -> tuple[Endpoint, ...]:
+    """Ready endpoints, or if there are none, the serving and terminating ones."""
+    eps = tuple(endpoints)
+    ready = tuple(ep for ep in eps if ep.ready)
+    if ready:
+        return ready
+    return tuple(ep for ep in eps if ep.serving and ep.terminating)
+
+
+def _topology_filtered(
+    eps: tuple[Endpoint, ...], sp: ServicePort, zone: str | None
+) -> tuple[Endpoint, ...]:
+    """Zone hints as kube-proxy: only when every endpoint has hints and some match our zone."""
+    if sp.traffic_distribution != "PreferClose" or zone is None or not eps:
+        return eps
+    if any(not ep.zone_hints for ep in eps):
+        return eps
+    same = tuple(ep for ep in eps if zone in ep.zone_hints)
+    return same or eps
+
+
+@dataclass(frozen=True, slots=True)
+class CategorizedEndpoints:
+    """Endpoints for traffic from inside the cluster (ClusterIP) and from outside (NodePort,
+    externalIPs, LoadBalancer IPs), after traffic policies and topology."""
+
+    cluster: tuple[Endpoint, ...]
+    external: tuple[Endpoint, ...]
+
+
+def categorize(
+    sp: ServicePort, endpoints: Sequence[Endpoint], node_name: str | None, zone: str | None = None
+) -> CategorizedEndpoints:
+    """Apply internalTrafficPolicy, externalTrafficPolicy and topology to a ServicePort's endpoints.
+
+    As kube-proxy pkg/proxy/topology.go: "Local" policies use only this node's usable endpoints
+    (by nodeName); "Cluster" uses every usable endpoint, narrowed by zone hints when the Service
+    asks for trafficDistribution PreferClose and the hints allow it.
+    """
+    all_usable = usable(endpoints)
+    local = usable(ep for ep in endpoints if node_name is not None and ep.node_name == node_name)
+    cluster_wide = _topology_filtered(all_usable, sp, zone)
+    cluster = local if sp.internal_traffic_policy == "Local" else cluster_wide
+    external = local if sp.external_traffic_policy == "Local" else cluster_wide
+    return CategorizedEndpoints(cluster=cluster, external=external)

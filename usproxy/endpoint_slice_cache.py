@@ -1,0 +1,40 @@
+"""EndpointSliceCache: the slices of every Service, merged into endpoints per ServicePortName.
+
+As kube-proxy pkg/proxy/endpointslicecache.go: a Service may have many slices; the same address
+and port may appear in more than one (during a slice rewrite), and then counts once, preferring
+the entry that is ready. Endpoints come out sorted, so equal sets compare equal.
+"""
+
+from __future__ import annotations
+
+from usproxy.endpoint import Endpoint
+from usproxy.endpoint_slice import EndpointSlice
+from usproxy.types import NamespacedName, ServicePortName
+
+EndpointsByPort = dict[ServicePortName, tuple[Endpoint, ...]]
+
+
+class EndpointSliceCache:
+    """Current slices per Service, by slice name."""
+
+    def __init__(self) -> None:
+        self._slices: dict[NamespacedName, dict[NamespacedName, EndpointSlice]] = {}
+
+    def apply(self, previous: EndpointSlice | None, current: EndpointSlice | None) -> None:
+        if previous is not None:
+            self._slices.get(previous.service, {}).pop(previous.name, None)
+            if not self._slices.get(previous.service):
+                self._slices.pop(previous.service, None)
+        if current is not None:
+            self._slices.setdefault(current.service, {})[current.name] = current
+
+    def endpoints_for(self, service: NamespacedName) -> EndpointsByPort:
+        merged: dict[ServicePortName, dict[tuple[object, int], Endpoint]] = {}
+        for es in self._slices.get(service, {}).values():
+            for spn, eps in es.endpoints.items():
+                by_addr = merged.setdefault(spn, {})
+                for ep in eps:
+                    seen = by_addr.get(ep.address)
+                    if seen is None or (ep.ready and not seen.ready):
+                        by_addr[ep.address] = ep
+        return {spn: tuple(sorted(eps.values())) for spn, eps in merged.items()}

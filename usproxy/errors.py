@@ -1,0 +1,34 @@
+"""One small exception family per boundary.
+
+ConfigError: bad input (manifests, flags, configuration files); its message names the object
+(kind namespace/name), the field path and what is wrong. SourceError: a source cannot deliver.
+OffloadError: a kernel datapath refused a transaction; carries errno when the kernel gave one.
+"""
+
+from __future__ import annotations
+
+
+class UsproxyError(Exception):
+    """Base of every error usproxy raises on purpose."""
+
+
+class ConfigError(UsproxyError):
+    """Bad input. `str(err)` is "<Kind> <namespace>/<name>: <field.path>: <what is wrong>"."""
+
+    def __init__(self, message: str, *, obj: str = "", field: str = "") -> None:
+        self.obj = obj
+        self.field = field
+        parts = [p for p in (obj, field) if p]
+        super().__init__(": ".join([*parts, message]))
+
+
+class SourceError(UsproxyError):
+    """A source (file, API server) could not be read."""
+
+
+class OffloadError(UsproxyError):
+    """A kernel datapath transaction failed; `errno` is the kernel's, or 0 when unknown."""
+
+    def __init__(self, message: str, errno: int = 0) -> None:
+        self.errno = errno
+        super().__init__(message if not errno else f"{message} (errno {errno})")

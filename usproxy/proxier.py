@@ -1,0 +1,177 @@
+"""Proxier: owns the change trackers and maps, and drives the datapaths in `sync()`.
+
+Sources call the Provider methods (`on_service_update`, `on_endpoint_slice_update`,
+`on_services_synced`, `on_endpoint_slices_synced`); each change queues a sync on the SyncRunner.
+Nothing syncs before every source has listed once (as kube-proxy's isInitialized). A sync hands
+each datapath only the ServicePorts that changed; a failed sync makes the next one full.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from usproxy.admin.metrics import Metrics
+from usproxy.datapath import Datapath, Placement, ServicePortState, SyncRequest
+from usproxy.endpoint import Endpoint, categorize
+from usproxy.endpoint_slice import EndpointSlice
+from usproxy.endpoints_change_tracker import EndpointsChangeTracker, EndpointsMap
+from usproxy.service import Service
+from usproxy.service_change_tracker import ServiceChangeTracker, ServicePortMap
+from usproxy.sync_runner import SyncRunner
+from usproxy.types import IPAddress, ServicePortName
+
+log = logging.getLogger(__name__)
+
+
+class Proxier:
+    """The mode-free core. `datapaths` are synced in order; the first that places a
+    ServicePort in `placement()` is reported as serving it."""
+
+    def __init__(
+        self,
+        datapaths: Sequence[Datapath],
+        *,
+        metrics: Metrics | None = None,
+        node_name: str | None = None,
+        zone: str | None = None,
+        min_sync_period: float = 1.0,
+        sync_period: float = 30.0,
+    ) -> None:
+        self.datapaths = list(datapaths)
+        self.metrics = metrics or Metrics()
+        self.node_name = node_name
+        self.zone = zone
+        self.service_tracker = ServiceChangeTracker()
+        self.endpoints_tracker = EndpointsChangeTracker()
+        self.service_map = ServicePortMap()
+        self.endpoints_map = EndpointsMap()
+        self._cluster_ips: dict[IPAddress, int] = {}
+        self._synced = {"services": False, "endpointslices": False}
+        self._need_full = True
+        self.last_updated: float | None = None  # wall time of the last successful sync
+        self.oldest_queued: float | None = None  # wall time of the oldest change not yet synced
+        self.runner = SyncRunner(self.sync, min_interval=min_sync_period, max_interval=sync_period,
+                                 on_queued=self._queued)
+
+    # -- Provider ---------------------------------------------------------------------------
+    def on_service_update(self, previous: Service | None, current: Service | None) -> None:
+        if self.service_tracker.update(previous, current):
+            self.runner.run()
+
+    def on_endpoint_slice_update(self, previous: EndpointSlice | None, current: EndpointSlice | None) -> None:
+        if self.endpoints_tracker.update(previous, current):
+            self.runner.run()
+
+    def on_services_synced(self) -> None:
+        self._synced["services"] = True
+        self.runner.run()
+
+    def on_endpoint_slices_synced(self) -> None:
+        self._synced["endpointslices"] = True
+        self.runner.run()
+
+    @property
+    def initialized(self) -> bool:
+        return all(self._synced.values())
+
+    def _queued(self) -> None:
+        now = time.time()
+        self.metrics.sync_last_queued.set(now)
+        if self.oldest_queued is None:
+            self.oldest_queued = now
+
+    # -- sync -------------------------------------------------------------------------------
+    async def sync(self) -> None:
+        """One sync: apply tracked changes and hand them to every datapath."""
+        if not self.initialized:
+            log.debug("not syncing: sources have not listed yet")
+            return
+        start = time.monotonic()
+        queued = self.oldest_queued
+        self.metrics.service_changes_pending.set(0)
+        request = self._build_request()
+        try:
+            for dp in self.datapaths:
+                await dp.sync(request)
+        except Exception:
+            self._need_full = True
+            self.metrics.sync_failures.inc()
+            raise
+        self._need_full = False
+        self._finish(start, queued)
+
+    def _finish(self, start: float, queued: float | None) -> None:
+        now = time.time()
+        self.metrics.sync_duration.observe(time.monotonic() - start)
+        self.metrics.sync_last_timestamp.set(now)
+        if queued is not None:
+            self.metrics.network_programming.observe(max(0.0, now - queued))
+        self.last_updated = now
+        if self.oldest_queued == queued:
+            self.oldest_queued = None
+        counts: dict[str, int] = {}
+        for spn in self.service_map:
+            where = self.placement(spn).datapath
+            counts[where] = counts.get(where, 0) + 1
+        for dp_name in {"userspace", "nftables", "bpf", *counts}:
+            self.metrics.service_ports.labels(dp_name).set(counts.get(dp_name, 0))
+
+    def _build_request(self) -> SyncRequest:
+        svc_change = self.service_map.update_from(self.service_tracker)
+        ep_change = self.endpoints_map.update_from(self.endpoints_tracker)
+        self.metrics.service_changes_total.inc(len(svc_change.changed))
+        self.metrics.endpoint_changes_total.inc(len(ep_change.updated))
+        changed = svc_change.changed | ep_change.updated
+        changed |= self._track_cluster_ips(svc_change.added | svc_change.updated, svc_change.removed)
+        full = self._need_full
+        names = set(self.service_map) | changed if full else changed
+        changes = {spn: self.state_of(spn) for spn in names}
+        removed = {spn: frozenset(eps) for spn, eps in ep_change.removed.items()}
+        return SyncRequest(changes=changes, removed_endpoints=removed, full=full)
+
+    def _track_cluster_ips(self, upserted: set[ServicePortName], removed: Mapping[ServicePortName, Any]) -> set[ServicePortName]:
+        """Keep the ClusterIP set; return ServicePorts whose endpoints must be re-filtered."""
+        before = set(self._cluster_ips)
+        self._cluster_ips = {}
+        for sp in self.service_map.values():
+            for ip in sp.cluster_ips:
+                self._cluster_ips[ip] = self._cluster_ips.get(ip, 0) + 1
+        moved = before ^ set(self._cluster_ips)
+        if not moved:
+            return set()
+        return {spn for spn, eps in self.endpoints_map.items() if any(ep.ip in moved for ep in eps)}
+
+    def state_of(self, spn: ServicePortName) -> ServicePortState | None:
+        """The ServicePortState the datapaths should hold for `spn` now (None: removed)."""
+        sp = self.service_map.get(spn)
+        if sp is None:
+            return None
+        eps = tuple(self._acceptable(spn, self.endpoints_map.get(spn, ())))
+        cat = categorize(sp, eps, self.node_name, self.zone)
+        return ServicePortState(sp, eps, cat.cluster, cat.external)
+
+    def _acceptable(self, spn: ServicePortName, eps: Sequence[Endpoint]) -> list[Endpoint]:
+        out = []
+        for ep in eps:
+            if ep.ip in self._cluster_ips:
+                log.error("EndpointSlice of %s: endpoint %s is a ClusterIP, refused", spn, ep)
+                continue
+            out.append(ep)
+        return out
+
+    def placement(self, spn: ServicePortName) -> Placement:
+        for dp in reversed(self.datapaths):
+            where = dp.placement(spn)
+            if where is not None:
+                return where
+        return Placement("none", "not synced")
+
+    async def close(self) -> None:
+        for dp in reversed(self.datapaths):
+            try:
+                await dp.close()
+            except Exception:
+                log.exception("closing datapath %s", dp.name)

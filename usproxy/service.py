@@ -1,0 +1,159 @@
+"""v1 Service: parse a raw body into ServicePorts, and decide which Services the proxy skips.
+
+Skipped, as kube-proxy pkg/proxy/util ShouldSkipService and its service-proxy-name filter:
+headless Services (clusterIP None), ExternalName Services, and Services labelled
+`service.kubernetes.io/service-proxy-name` unless the label names usproxy. Every other problem is
+a ConfigError naming the Service and the field.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+from usproxy.fields import Fields, describe
+from usproxy.service_port import (
+    DEFAULT_AFFINITY_TIMEOUT,
+    MAX_AFFINITY_TIMEOUT,
+    DatapathName,
+    LBPolicy,
+    ServicePort,
+    ServiceType,
+    SessionAffinity,
+    TrafficPolicy,
+)
+from usproxy.types import PROTOCOLS, IPAddress, NamespacedName, Protocol, ServicePortName
+
+log = logging.getLogger(__name__)
+
+PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
+PROXY_NAME = "usproxy"
+LB_POLICY_ANNOTATION = "usproxy.io/lb-policy"
+DATAPATH_ANNOTATION = "usproxy.io/datapath"
+LB_POLICIES = ("roundRobin", "random", "leastConnections")
+DATAPATHS = ("userspace", "nftables", "bpf")
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    """A parsed Service: its name and its ServicePorts keyed by ServicePortName."""
+
+    name: NamespacedName
+    ports: Mapping[ServicePortName, ServicePort]
+
+
+def skip_reason(raw: Mapping[str, Any]) -> str | None:
+    """Why kube-proxy would ignore this Service, or None when it must be proxied."""
+    spec = raw.get("spec") or {}
+    meta = raw.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if isinstance(labels, Mapping) and labels.get(PROXY_NAME_LABEL) not in (None, PROXY_NAME):
+        return f"labelled {PROXY_NAME_LABEL}={labels.get(PROXY_NAME_LABEL)}"
+    if isinstance(spec, Mapping) and spec.get("type") == "ExternalName":
+        return "type ExternalName"
+    if isinstance(spec, Mapping) and spec.get("clusterIP") == "None":
+        return "headless (clusterIP None)"
+    return None
+
+
+def _cluster_ips(spec: Fields) -> tuple[IPAddress, ...]:
+    texts = spec.str_list("clusterIPs") or ([spec.text("clusterIP")] if spec.data.get("clusterIP") else [])
+    if not texts:
+        raise spec.error("clusterIP", "required (usproxy does not allocate ClusterIPs)")
+    ips = tuple(spec.ip(f"clusterIPs[{i}]", t) for i, t in enumerate(texts))
+    if len({ip.version for ip in ips}) != len(ips):
+        raise spec.error("clusterIPs", "at most one address per IP family")
+    return ips
+
+
+def _same_family(
+    spec: Fields, field: str, texts: list[str], families: set[Literal[4, 6]]
+) -> tuple[IPAddress, ...]:
+    """Parse addresses; those of a family the Service does not have are logged and skipped."""
+    out = []
+    for i, text in enumerate(texts):
+        ip = spec.ip(f"{field}[{i}]", text)
+        if ip.version not in families:
+            log.warning("%s: %s[%d]: %s is not of the Service's IP families, skipped",
+                        spec.obj, field, i, ip)
+            continue
+        out.append(ip)
+    return tuple(out)
+
+
+def _affinity(spec: Fields) -> tuple[SessionAffinity, int]:
+    affinity = cast(SessionAffinity, spec.choice("sessionAffinity", ("None", "ClientIP"), "None"))
+    cfg = spec.child("sessionAffinityConfig").child("clientIP")
+    timeout = cfg.integer("timeoutSeconds", DEFAULT_AFFINITY_TIMEOUT, lo=1, hi=MAX_AFFINITY_TIMEOUT)
+    return affinity, timeout
+
+
+def _port(p: Fields, svc: NamespacedName, many: bool) -> tuple[ServicePortName, int, int | str, int]:
+    name = p.text("name", "")
+    if many and not name:
+        raise p.error("name", "required when a Service has more than one port")
+    protocol = cast(Protocol, p.choice("protocol", PROTOCOLS, "TCP"))
+    port = p.integer("port", lo=1)
+    raw_target = p.data.get("targetPort", port)
+    target: int | str
+    if isinstance(raw_target, str) and not raw_target.isdigit():
+        target = raw_target
+    else:
+        target = p.integer("targetPort", port, lo=1) if not isinstance(raw_target, str) else int(raw_target)
+    node_port = p.integer("nodePort", 0)
+    return ServicePortName(svc.namespace, svc.name, name, protocol), port, target, node_port
+
+
+def parse_service(raw: Mapping[str, Any]) -> Service:
+    """Build a Service from a raw v1 Service body. Raises ConfigError naming object and field.
+
+    Call `skip_reason` first: this function expects a Service the proxy must serve.
+    """
+    top = Fields(describe("Service", raw), raw)
+    meta = top.child("metadata", required=True)
+    svc = NamespacedName(meta.text("namespace", "default") or "default", meta.text("name"))
+    spec = top.child("spec", required=True)
+    stype = cast(ServiceType, spec.choice("type", ("ClusterIP", "NodePort", "LoadBalancer"), "ClusterIP"))
+    cluster_ips = _cluster_ips(spec)
+    families = {ip.version for ip in cluster_ips}
+    ingress = [i.data["ip"] for i in top.child("status").child("loadBalancer").items("ingress") if i.data.get("ip")]
+    affinity, timeout = _affinity(spec)
+    annotations = meta.str_map("annotations")
+    common: dict[str, Any] = dict(
+        cluster_ips=cluster_ips,
+        service_type=stype,
+        session_affinity=affinity,
+        affinity_timeout=timeout,
+        external_traffic_policy=cast(TrafficPolicy, spec.choice("externalTrafficPolicy", ("Cluster", "Local"), "Cluster")),
+        internal_traffic_policy=cast(TrafficPolicy, spec.choice("internalTrafficPolicy", ("Cluster", "Local"), "Cluster")),
+        external_ips=_same_family(spec, "externalIPs", spec.str_list("externalIPs"), families),
+        load_balancer_ips=_same_family(top, "status.loadBalancer.ingress", ingress, families)
+        if stype == "LoadBalancer" else (),
+        traffic_distribution=spec.opt_str("trafficDistribution"),
+        lb_policy=cast(LBPolicy | None, _annotation(meta, annotations, LB_POLICY_ANNOTATION, LB_POLICIES)),
+        datapath=cast(DatapathName | None, _annotation(meta, annotations, DATAPATH_ANNOTATION, DATAPATHS)),
+        labels=tuple(sorted(meta.str_map("labels").items())),
+    )
+    port_fields = spec.items("ports")
+    if not port_fields:
+        raise spec.error("ports", "at least one port is required")
+    ports: dict[ServicePortName, ServicePort] = {}
+    for p in port_fields:
+        spn, port, target, node_port = _port(p, svc, len(port_fields) > 1)
+        if spn in ports:
+            raise p.error("name", f"duplicate port {spn.port!r}/{spn.protocol}")
+        if node_port and stype == "ClusterIP":
+            node_port = 0  # the API server clears it; a hand-written file may not
+        ports[spn] = ServicePort(name=spn, port=port, target_port=target, node_port=node_port, **common)
+    return Service(svc, ports)
+
+
+def _annotation(meta: Fields, annotations: dict[str, str], key: str, choices: tuple[str, ...]) -> str | None:
+    value = annotations.get(key)
+    if value is None:
+        return None
+    if value not in choices:
+        raise meta.error(f"annotations[{key}]", f"must be one of {', '.join(choices)}, got {value!r}")
+    return value

@@ -1,0 +1,143 @@
+"""Static source: Kubernetes manifests from a file or a directory, reloaded on change and SIGHUP.
+
+Files are polled (stat: inode, size, mtime) every `poll_interval` seconds, so an edit in place and
+an atomic rename are both seen within a second. Each file keeps its last good parse: a broken edit
+leaves that file's objects as they were and logs why; a bad object inside a good file is skipped
+with an error and counted. The first load is strict: a file that cannot be parsed at all raises
+ConfigError (the CLI exits 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from usproxy.endpoint_slice import EndpointSlice
+from usproxy.errors import ConfigError
+from usproxy.manifest import Manifests, load_file, manifest_files
+from usproxy.service import Service
+from usproxy.sources import Provider
+from usproxy.types import NamespacedName
+
+log = logging.getLogger(__name__)
+
+FileKey = tuple[int, int, int]
+
+
+def _stat_key(path: Path) -> FileKey | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class StaticSource:
+    """Feeds a Provider from manifests on disk."""
+
+    def __init__(
+        self,
+        path: Path,
+        provider: Provider,
+        *,
+        poll_interval: float = 0.2,
+        on_error: Callable[[ConfigError], None] | None = None,
+    ) -> None:
+        self.path = path
+        self.provider = provider
+        self.poll_interval = poll_interval
+        self.on_error = on_error
+        self._keys: dict[Path, FileKey | None] = {}
+        self._good: dict[Path, Manifests] = {}
+        self.services: dict[NamespacedName, Service] = {}
+        self.slices: dict[NamespacedName, EndpointSlice] = {}
+        self._reload = asyncio.Event()
+
+    def load_initial(self) -> None:
+        """First load; raises ConfigError when a file cannot be read or parsed at all."""
+        if not self.path.exists():
+            raise ConfigError("no such file or directory", obj=str(self.path))
+        for f in manifest_files(self.path):
+            self._keys[f] = _stat_key(f)
+            self._good[f] = self._report(load_file(f))
+        self._deliver()
+        self.provider.on_services_synced()
+        self.provider.on_endpoint_slices_synced()
+
+    def request_reload(self) -> None:
+        """Reload now (SIGHUP)."""
+        self._reload.set()
+
+    async def run(self) -> None:
+        """Poll for changes until cancelled."""
+        while True:
+            try:
+                await asyncio.wait_for(self._reload.wait(), self.poll_interval)
+            except TimeoutError:
+                pass
+            forced = self._reload.is_set()
+            self._reload.clear()
+            self.poll(force=forced)
+
+    def poll(self, force: bool = False) -> bool:
+        """Reload files that changed (all files when `force`); returns True if any did."""
+        files = manifest_files(self.path) if self.path.exists() else []
+        keys = {f: _stat_key(f) for f in files}
+        changed = [f for f in files if force or keys[f] != self._keys.get(f)]
+        gone = [f for f in self._keys if f not in keys]
+        if not changed and not gone:
+            return False
+        for f in gone:
+            self._good.pop(f, None)
+        for f in changed:
+            self._load_changed(f)
+        self._keys = keys
+        self._deliver()
+        return True
+
+    def _load_changed(self, f: Path) -> None:
+        try:
+            self._good[f] = self._report(load_file(f))
+            log.info("reloaded %s", f)
+        except ConfigError as err:
+            log.error("%s; keeping its last good state", err)
+            if self.on_error is not None:
+                self.on_error(err)
+
+    def _report(self, m: Manifests) -> Manifests:
+        for err in m.errors:
+            log.error("%s; skipped", err)
+            if self.on_error is not None:
+                self.on_error(err)
+        for why in m.skipped:
+            log.info("%s; not proxied", why)
+        return m
+
+    def _deliver(self) -> None:
+        merged = Manifests()
+        for f in sorted(self._good):
+            merged.merge(self._good[f])
+        for name in self.services.keys() - merged.services.keys():
+            self.provider.on_service_update(self.services.pop(name), None)
+        for name, svc in merged.services.items():
+            if self.services.get(name) != svc:
+                self.provider.on_service_update(self.services.get(name), svc)
+                self.services[name] = svc
+        for name in self.slices.keys() - merged.slices.keys():
+            self.provider.on_endpoint_slice_update(self.slices.pop(name), None)
+        for name, es in merged.slices.items():
+            if self.slices.get(name) != es:
+                self.provider.on_endpoint_slice_update(self.slices.get(name), es)
+                self.slices[name] = es
+
+
+def watch_sighup(source: StaticSource) -> None:
+    """Reload `source` on SIGHUP (main thread's loop only)."""
+    import signal
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, source.request_reload)
+    except (NotImplementedError, RuntimeError):  # pragma: no cover - not the main thread
+        log.warning("SIGHUP reload unavailable in this thread")

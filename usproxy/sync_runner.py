@@ -1,0 +1,147 @@
+"""SyncRunner: an asyncio port of kube-proxy's BoundedFrequencyRunner (pkg/util/async).
+
+`run()` asks for a sync; syncs happen at most `burst_runs` in a row and then no more often than
+once per `min_interval` seconds (a token bucket), and at least once per `max_interval` seconds.
+A sync that raises is logged and retried after `retry_interval`; the loop never ends because of
+it. Time comes from an injectable Clock, so tests drive it without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class RealClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+class FakeClock:
+    """A clock that only moves when `advance()` is called; sleepers wake as their time passes."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self._sleepers: list[tuple[float, asyncio.Future[None]]] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._sleepers.append((self.now + max(0.0, seconds), fut))
+        await fut
+
+    async def advance(self, seconds: float) -> None:
+        """Move time forward, waking sleepers in order and letting them run."""
+        target = self.now + seconds
+        while True:
+            due = sorted((t, f) for t, f in self._sleepers if t <= target and not f.done())
+            if not due:
+                break
+            self.now = max(self.now, due[0][0])
+            due[0][1].set_result(None)
+            self._sleepers = [(t, f) for t, f in self._sleepers if not f.done()]
+            for _ in range(5):
+                await asyncio.sleep(0)
+        self.now = target
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+
+class SyncRunner:
+    """Runs `fn` on request, bounded in frequency, at least every `max_interval` seconds."""
+
+    def __init__(
+        self,
+        fn: Callable[[], Awaitable[None]],
+        *,
+        min_interval: float = 1.0,
+        max_interval: float = 30.0,
+        burst_runs: int = 2,
+        retry_interval: float | None = None,
+        clock: Clock | None = None,
+        on_queued: Callable[[], None] | None = None,
+    ) -> None:
+        self.fn = fn
+        self.min_interval = min_interval
+        self.max_interval = max_interval
+        self.burst_runs = max(1, burst_runs)
+        self.retry_interval = retry_interval if retry_interval is not None else max(min_interval, 1.0)
+        self.clock: Clock = clock or RealClock()
+        self._on_queued = on_queued
+        self._wake = asyncio.Event()
+        self._tokens = float(self.burst_runs)
+        self._last_refill = self.clock.monotonic()
+        self._next_run = self.clock.monotonic() + max_interval
+        self.runs = 0
+        self.failures = 0
+
+    def run(self) -> None:
+        """Ask for a sync as soon as the frequency bound allows."""
+        if self._on_queued is not None:
+            self._on_queued()
+        self._wake.set()
+
+    def retry_after(self, seconds: float) -> None:
+        self._next_run = min(self._next_run, self.clock.monotonic() + seconds)
+        self._wake.set()
+
+    def _take_token_delay(self) -> float:
+        now = self.clock.monotonic()
+        rate = 1.0 / self.min_interval if self.min_interval > 0 else float("inf")
+        self._tokens = min(float(self.burst_runs), self._tokens + (now - self._last_refill) * rate)
+        self._last_refill = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return 0.0
+        return (1.0 - self._tokens) / rate
+
+    async def _wait(self) -> None:
+        timeout = self._next_run - self.clock.monotonic()
+        if self._wake.is_set() or timeout <= 0:
+            return
+        waiter = asyncio.ensure_future(self._wake.wait())
+        sleeper = asyncio.ensure_future(self.clock.sleep(timeout))
+        try:
+            await asyncio.wait({waiter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (waiter, sleeper):
+                t.cancel()
+
+    async def loop(self) -> None:
+        """Run forever (until cancelled)."""
+        while True:
+            await self._wait()
+            delay = self._take_token_delay()
+            while delay > 0:
+                await self.clock.sleep(delay)
+                delay = self._take_token_delay()
+            self._wake.clear()
+            await self._run_once()
+
+    async def _run_once(self) -> None:
+        self._next_run = self.clock.monotonic() + self.max_interval
+        try:
+            await self.fn()
+            self.runs += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.failures += 1
+            log.exception("sync failed; retrying in %.1fs", self.retry_interval)
+            self.retry_after(self.retry_interval)

@@ -1,0 +1,37 @@
+"""Plain-text tables for `usproxy status`, `usproxy flows` and `usproxy check`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def render_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(c) for c in header], *[[str(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def render_services(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for r in rows:
+        eps = ",".join(e["address"] for e in r["endpoints"] if e["usable"]) or "<none>"
+        front = ",".join(r["clusterIPs"]) + f":{r['port']}"
+        out.append([r["servicePortName"], r["protocol"], front, r["nodePort"] or "-",
+                    eps, r["datapath"], r["reason"]])
+    return render_table(["SERVICE PORT", "PROTO", "CLUSTER-IP:PORT", "NODEPORT", "ENDPOINTS",
+                         "DATAPATH", "WHY"], out)
+
+
+def render_flows(rows: list[dict[str, Any]]) -> str:
+    """One line per flow, in the manner of `conntrack -L`."""
+    lines = []
+    for f in rows:
+        o, r = f["original"], f["reply"]
+        lines.append(
+            f"{f['protocol'].lower():<4} {f['state']:<12} age={f['age']:.1f}s idle={f['idle']:.1f}s "
+            f"src={o['src']} dst={o['dst']} packets={f['packets_in']} bytes={f['bytes_in']} "
+            f"src={r['src']} dst={r['dst']} packets={f['packets_out']} bytes={f['bytes_out']} "
+            f"[{f['datapath']}] {f['service']}")
+    lines.append(f"usproxy flows: {len(rows)} flow entries have been shown.")
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""Shared names of the proxy model (as kube-proxy pkg/proxy/types.go).
+
+ServicePortName is the key of everything: namespace/name:portName plus protocol. Protocol is part
+of the key, so TCP 53 and UDP 53 of one Service are two ServicePorts (field case C22).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+Protocol: TypeAlias = Literal["TCP", "UDP", "SCTP"]
+PROTOCOLS: tuple[Protocol, ...] = ("TCP", "UDP", "SCTP")
+IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class NamespacedName:
+    """namespace/name of one API object."""
+
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ServicePortName:
+    """One port of one Service: namespace/name:port plus protocol.
+
+    `str()` follows kube-proxy's ServicePortName.String(): "ns/name:port", or "ns/name" for an
+    unnamed port; the protocol is shown by `key()` ("ns/name:port/TCP").
+    """
+
+    namespace: str
+    name: str
+    port: str
+    protocol: Protocol
+
+    @property
+    def service(self) -> NamespacedName:
+        return NamespacedName(self.namespace, self.name)
+
+    def __str__(self) -> str:
+        base = f"{self.namespace}/{self.name}"
+        return f"{base}:{self.port}" if self.port else base
+
+    def key(self) -> str:
+        return f"{self} {self.protocol}".replace(" ", "/")
+
+
+def format_hostport(ip: IPAddress | str, port: int) -> str:
+    """"ip:port" for IPv4, "[ip]:port" for IPv6 (field case C23)."""
+    text = str(ip)
+    return f"[{text}]:{port}" if ":" in text else f"{text}:{port}"
