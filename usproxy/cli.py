@@ -7,6 +7,8 @@ and field).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import json
 import logging
 import sys
@@ -79,12 +81,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         return int(cleanup(cfg))
     from usproxy.agent import Agent
 
-    import uvloop
-
     async def main() -> None:
         await Agent(cfg).run()
 
-    uvloop.run(main())
+    # USPROXY_EVENT_LOOP=asyncio runs on the default loop (tests run every relay case on both).
+    if os.environ.get("USPROXY_EVENT_LOOP") == "asyncio":
+        asyncio.run(main())
+    else:
+        import uvloop
+
+        uvloop.run(main())
     return 0
 
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Set-up from a fresh Debian 12 machine (as root): system packages, .venv at the repo root, the
+# package and its test tools. Safe to run again; it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  python3 python3-venv python3-pip      # the agent's interpreter (3.11 on Debian 12)
+  iproute2 procps                       # ip netns, veth, bridges; sysctl
+  nftables libnftables1 conntrack iptables   # kernel datapaths and their tools
+  clang llvm libbpf-dev libbpf1         # BPF programs (compiled at set-up)
+  dnsmasq-base dnsutils curl            # the demo's DNS pod, dig, curl
+  haproxy                               # the userspace peer in bench/
+)
+
+need_apt=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$p")
+done
+if [ "${#need_apt[@]}" -gt 0 ]; then
+  echo "== apt-get install ${need_apt[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import usproxy, pytest, scipy" 2>/dev/null || [ pyproject.toml -nt .venv/.installed ]; then
+  echo "== pip install -e .[test]"
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  touch .venv/.installed
+fi
+if [ -f usproxy/offload/bpf/build.py ]; then
+  .venv/bin/python -m usproxy.offload.bpf.build || echo "warning: BPF programs did not build; the BPF datapath will report itself unavailable"
+fi
+echo "== set-up done: .venv/bin/usproxy"

@@ -1,0 +1,111 @@
+"""Flow and FlowTable: usproxy's own conntrack for relayed traffic.
+
+A Flow has an original tuple (client → frontend, i.e. ClusterIP:port or node:NodePort) and a reply
+tuple (endpoint → the proxy's local address), bytes and packets each way (a "packet" is one read
+or one datagram), state, start and last activity (monotonic seconds). The table is bounded by
+`max_flows` (kube-proxy's conntrack max rule; see ProxyConfig.conntrack_max): `add` raises
+FlowTableFull instead of growing, so callers can refuse a new connection cleanly. Insert, lookup
+and delete are O(1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from usproxy.types import ServicePortName, format_hostport
+
+HostPort = tuple[str, int]
+
+
+class FlowTableFull(Exception):
+    """The table holds `max_flows` flows; the new one was not added."""
+
+
+@dataclass(slots=True, eq=False)
+class Flow:
+    """One relayed connection or UDP association. Mutable counters; identity by `id`."""
+
+    protocol: str
+    service: ServicePortName
+    client: HostPort
+    frontend: HostPort
+    endpoint: HostPort | None = None
+    local: HostPort | None = None
+    datapath: str = "userspace"
+    state: str = "NEW"
+    started: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    bytes_in: int = 0
+    packets_in: int = 0
+    bytes_out: int = 0
+    packets_out: int = 0
+    id: int = 0
+
+    def seen_in(self, n: int) -> None:
+        """Client → endpoint traffic (original direction)."""
+        self.bytes_in += n
+        self.packets_in += 1
+        self.last_seen = time.monotonic()
+
+    def seen_out(self, n: int) -> None:
+        """Endpoint → client traffic (reply direction)."""
+        self.bytes_out += n
+        self.packets_out += 1
+        self.last_seen = time.monotonic()
+
+    def as_dict(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        ep = format_hostport(*self.endpoint) if self.endpoint else "-"
+        local = format_hostport(*self.local) if self.local else "-"
+        return {
+            "id": self.id, "protocol": self.protocol, "state": self.state,
+            "age": round(now - self.started, 3), "idle": round(now - self.last_seen, 3),
+            "original": {"src": format_hostport(*self.client), "dst": format_hostport(*self.frontend)},
+            "reply": {"src": ep, "dst": local},
+            "packets_in": self.packets_in, "bytes_in": self.bytes_in,
+            "packets_out": self.packets_out, "bytes_out": self.bytes_out,
+            "datapath": self.datapath, "service": self.service.key(), "endpoint": ep,
+        }
+
+
+class FlowTable:
+    """All live flows, bounded by `max_flows`."""
+
+    def __init__(self, max_flows: int) -> None:
+        self.max_flows = max_flows
+        self._flows: dict[int, Flow] = {}
+        self._ids = itertools.count(1)
+        self.total = 0
+        self.refused = 0
+
+    def add(self, flow: Flow) -> Flow:
+        if len(self._flows) >= self.max_flows:
+            self.refused += 1
+            raise FlowTableFull(f"flow table full ({self.max_flows} flows)")
+        flow.id = next(self._ids)
+        self._flows[flow.id] = flow
+        self.total += 1
+        return flow
+
+    def remove(self, flow: Flow) -> None:
+        self._flows.pop(flow.id, None)
+
+    def get(self, flow_id: int) -> Flow | None:
+        return self._flows.get(flow_id)
+
+    def __len__(self) -> int:
+        return len(self._flows)
+
+    def __iter__(self) -> Iterator[Flow]:
+        return iter(list(self._flows.values()))
+
+    def count(self, protocol: str) -> int:
+        return sum(1 for f in self._flows.values() if f.protocol == protocol)
+
+    def view(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [f.as_dict(now) for f in self._flows.values()]

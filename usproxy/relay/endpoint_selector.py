@@ -1,0 +1,128 @@
+"""EndpointSelector: which endpoint a new connection or UDP flow goes to.
+
+Policies: roundRobin (kube-proxy 1.0 userspace's LoadBalancerRR, pkg/proxy/userspace/roundrobin.go),
+random (uniform, no modulo bias: `random.randrange`), leastConnections (fewest open flows, ties in
+round-robin order). sessionAffinity ClientIP: a client IP stays on its endpoint while it connects
+again within `timeout` seconds of its last connection (each new connection refreshes the timer);
+the pin moves when the endpoint is removed or fails. A failed endpoint is skipped for a short
+back-off unless every endpoint is backing off. Endpoint-set updates keep the round-robin position
+meaningful and keep affinity entries of endpoints that remain (C16).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from usproxy.endpoint import Endpoint
+from usproxy.service_port import LBPolicy, SessionAffinity
+
+FAIL_BACKOFF = 2.0  # seconds a failed endpoint is skipped
+
+
+@dataclass(slots=True)
+class Affinity:
+    endpoint: Endpoint
+    last_used: float
+
+
+class EndpointSelector:
+    """Picks endpoints for one ServicePort (one traffic kind)."""
+
+    def __init__(
+        self,
+        policy: LBPolicy = "roundRobin",
+        affinity: SessionAffinity = "None",
+        timeout: float = 10800.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.policy: LBPolicy = policy
+        self.affinity: SessionAffinity = affinity
+        self.timeout = timeout
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.endpoints: tuple[Endpoint, ...] = ()
+        self._next = 0
+        self._pins: dict[str, Affinity] = {}
+        self._failed_until: dict[Endpoint, float] = {}
+        self.active: dict[Endpoint, int] = {}
+
+    def update(self, endpoints: tuple[Endpoint, ...], policy: LBPolicy, affinity: SessionAffinity,
+               timeout: float) -> None:
+        """New endpoint set and settings; drops pins and back-offs of endpoints that left."""
+        if affinity != self.affinity or (affinity == "None"):
+            self._pins.clear()
+        self.policy, self.affinity, self.timeout = policy, affinity, timeout
+        if endpoints == self.endpoints:
+            return
+        kept = set(endpoints)
+        self._pins = {c: a for c, a in self._pins.items() if a.endpoint in kept}
+        self._failed_until = {e: t for e, t in self._failed_until.items() if e in kept}
+        self.active = {e: n for e, n in self.active.items() if e in kept}
+        self.endpoints = endpoints
+        self._next = self._next % len(endpoints) if endpoints else 0
+
+    def pins(self) -> dict[str, Endpoint]:
+        """Live affinity entries: client IP → endpoint."""
+        now = self.clock()
+        return {c: a.endpoint for c, a in self._pins.items() if now - a.last_used <= self.timeout}
+
+    def pick(self, client_ip: str, exclude: Collection[Endpoint] = ()) -> Endpoint | None:
+        """The endpoint for a new connection from `client_ip`, or None if there is none."""
+        if not self.endpoints:
+            return None
+        now = self.clock()
+        if self.affinity == "ClientIP":
+            pin = self._pins.get(client_ip)
+            if pin and now - pin.last_used <= self.timeout and pin.endpoint not in exclude:
+                pin.last_used = now
+                return pin.endpoint
+        ep = self._choose(self._candidates(now, exclude))
+        if ep is not None and self.affinity == "ClientIP":
+            self._pins[client_ip] = Affinity(ep, now)
+        return ep
+
+    def _candidates(self, now: float, exclude: Collection[Endpoint]) -> list[Endpoint]:
+        fresh = [e for e in self.endpoints if e not in exclude]
+        healthy = [e for e in fresh if self._failed_until.get(e, 0.0) <= now]
+        return healthy or fresh or list(self.endpoints)
+
+    def _choose(self, candidates: list[Endpoint]) -> Endpoint | None:
+        if not candidates:
+            return None
+        if self.policy == "random":
+            return candidates[self.rng.randrange(len(candidates))]
+        if self.policy == "leastConnections":
+            low = min(self.active.get(e, 0) for e in candidates)
+            candidates = [e for e in candidates if self.active.get(e, 0) == low]
+        return self._round_robin(candidates)
+
+    def _round_robin(self, candidates: list[Endpoint]) -> Endpoint:
+        allowed = set(candidates)
+        n = len(self.endpoints)
+        for step in range(n):
+            ep = self.endpoints[(self._next + step) % n]
+            if ep in allowed:
+                self._next = (self._next + step + 1) % n
+                return ep
+        return candidates[0]
+
+    def failed(self, ep: Endpoint, client_ip: str | None = None) -> None:
+        """`ep` refused or timed out: back off from it and drop pins to it."""
+        self._failed_until[ep] = self.clock() + FAIL_BACKOFF
+        self._pins = {c: a for c, a in self._pins.items() if a.endpoint != ep}
+
+    def opened(self, ep: Endpoint) -> None:
+        self.active[ep] = self.active.get(ep, 0) + 1
+        self._failed_until.pop(ep, None)
+
+    def closed(self, ep: Endpoint) -> None:
+        n = self.active.get(ep, 0) - 1
+        if n > 0:
+            self.active[ep] = n
+        else:
+            self.active.pop(ep, None)

@@ -1,0 +1,174 @@
+"""Relay: the userspace datapath (kube-proxy 1.0's userspace mode, done right).
+
+On its first sync it sets up the ClusterIP interface (VipInterface) and finds the node addresses
+for NodePorts (`--nodeport-addresses` CIDRs, default every local non-loopback address outside the
+ClusterIP interface). Each sync applies only the changed ServicePorts, one ServicePortRelay each;
+an error in one is logged and reported in its placement and never stops the others. Addresses
+follow the Services: an address stays while any ServicePort uses it. A UDP sweeper expires idle
+flows once a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import resource
+from collections.abc import Collection
+from typing import Any
+
+from usproxy.admin.metrics import Metrics
+from usproxy.config import ProxyConfig
+from usproxy.conntrack.flow_table import Flow, FlowTable
+from usproxy.datapath import Placement, ServicePortState, SyncRequest
+from usproxy.endpoint import Endpoint
+from usproxy.relay.service_port_relay import ServicePortRelay
+from usproxy.relay.udp import UdpRelay
+from usproxy.relay.vip_interface import VipInterface
+from usproxy.service_port import LBPolicy
+from usproxy.types import IPAddress, ServicePortName, format_hostport
+
+log = logging.getLogger(__name__)
+FD_RESERVE = 256  # descriptors kept for listeners, TCP flows and the admin server
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (as Go programs do); returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+class Relay:
+    """The userspace datapath: a Datapath named "userspace"."""
+
+    name = "userspace"
+
+    def __init__(self, cfg: ProxyConfig, metrics: Metrics | None = None,
+                 vip: VipInterface | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or Metrics()
+        self.vip = vip or VipInterface(cfg.vip_interface)
+        self.default_policy: LBPolicy = cfg.lb_policy  # type: ignore[assignment]
+        self.flow_table = FlowTable(cfg.conntrack_max())
+        nofile = raise_nofile_limit()
+        self.udp = UdpRelay(cfg.udp_idle_timeout, max(16, min(self.flow_table.max_flows, nofile - FD_RESERVE)))
+        self.ports: dict[ServicePortName, ServicePortRelay] = {}
+        self.node_ips: list[str] = []
+        self._sweeper: asyncio.Task[None] | None = None
+        self._started = False
+
+    # -- Datapath ------------------------------------------------------------------------------
+    async def sync(self, request: SyncRequest) -> None:
+        if not self._started:
+            await self._start()
+        elif request.full:
+            self.node_ips = await self._node_addresses()
+        for spn, state in request.changes.items():
+            try:
+                await self._sync_one(spn, state, request.removed_endpoints.get(spn, frozenset()))
+            except Exception:
+                log.exception("%s: relay sync failed", spn)
+        await self._sync_addresses()
+        for port in self.ports.values():
+            await port.retry_failed()
+
+    async def _start(self) -> None:
+        await self.vip.setup()
+        self.node_ips = await self._node_addresses()
+        log.info("NodePort addresses: %s", ", ".join(self.node_ips) or "none")
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self._started = True
+
+    async def _sync_one(self, spn: ServicePortName, state: ServicePortState | None,
+                        gone: Collection[Endpoint]) -> None:
+        port = self.ports.get(spn)
+        if state is None:
+            if port is not None:
+                del self.ports[spn]
+                await port.close()
+            return
+        for ip, _ in state.service_port.frontends():
+            await self.vip.add(ip)
+        if port is None:
+            port = self.ports[spn] = ServicePortRelay(self, state)
+        if gone:
+            port.drop_endpoints(gone)
+        await port.apply(state, self.node_ips)
+
+    async def _sync_addresses(self) -> None:
+        needed: set[IPAddress] = set()
+        for port in self.ports.values():
+            needed.update(ip for ip, _ in port.state.service_port.frontends())
+        for ip in self.vip.addresses - needed:
+            await self.vip.remove(ip)
+
+    async def _node_addresses(self) -> list[str]:
+        nets = [ipaddress.ip_network(c, strict=False) for c in self.cfg.nodeport_addresses]
+        out = []
+        for ifname, ip in await self.vip.local_addresses():
+            if ifname == self.vip.name or ip in self.vip.addresses or ip.is_link_local:
+                continue
+            if nets and not any(ip in n for n in nets):
+                continue
+            if not nets and ip.is_loopback:
+                continue
+            out.append(str(ip))
+        return sorted(set(out))
+
+    def placement(self, spn: ServicePortName) -> Placement | None:
+        port = self.ports.get(spn)
+        if port is None:
+            return None
+        if port.errors:
+            return Placement("userspace", "; ".join(sorted(set(port.errors.values()))))
+        listening = ", ".join(sorted(f"{format_hostport(a, p)}" for a, p, _ in port.listeners))
+        return Placement("userspace", f"listening on {listening}" if listening else "no usable endpoints: refused by the kernel")
+
+    def dump(self) -> str:
+        lines = [f"interface {self.vip.name} ({self.vip.kind}): "
+                 + " ".join(sorted(str(ip) for ip in self.vip.addresses))]
+        for spn in sorted(self.ports):
+            port = self.ports[spn]
+            ls = " ".join(f"{format_hostport(a, p)}[{k}]" for a, p, k in sorted(port.listeners))
+            eps = " ".join(str(e) for e in port.state.cluster_endpoints) or "<none>"
+            lines.append(f"{spn.key()} listen {ls or '<none>'} -> {eps}")
+        return "\n".join(lines)
+
+    def flows_view(self) -> list[dict[str, Any]]:
+        return self.flow_table.view()
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+        for port in list(self.ports.values()):
+            await port.close()
+        self.ports.clear()
+        for uf in list(self.udp.flows.values()):
+            self.udp.close_flow(uf)
+        if self._started:
+            await self.vip.close()
+
+    # -- flows ---------------------------------------------------------------------------------
+    def flow_opened(self, protocol: str) -> None:
+        self.metrics.flows_total.labels(protocol).inc()
+        self.metrics.flows.labels(protocol).inc()
+
+    def flow_closed(self, flow: Flow) -> None:
+        self.metrics.flows.labels(flow.protocol).dec()
+        self.metrics.flow_bytes.labels("original").inc(flow.bytes_in)
+        self.metrics.flow_bytes.labels("reply").inc(flow.bytes_out)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, max(0.1, self.cfg.udp_idle_timeout / 4)))
+            try:
+                self.udp.expire()
+            except Exception:
+                log.exception("UDP flow sweep failed")

@@ -1,0 +1,139 @@
+"""ServicePortRelay: the relay's runtime state for one ServicePort.
+
+It owns the listeners of that ServicePort (ClusterIPs and external IPs on `port`, node addresses
+on the NodePort; TCP or UDP by the ServicePort's protocol), one EndpointSelector per traffic kind
+("cluster" for ClusterIPs, "external" for NodePorts, externalIPs and LoadBalancer IPs, which obey
+externalTrafficPolicy), and counts of its flows. A frontend listens only while its kind has a
+usable endpoint, so the kernel refuses at once otherwise (C01, C03). `apply()` diffs listeners by
+(address, port, protocol) and touches nothing that did not change (C21).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Union
+
+from usproxy.conntrack.flow_table import Flow, HostPort
+from usproxy.datapath import ServicePortState
+from usproxy.endpoint import Endpoint
+from usproxy.relay.endpoint_selector import EndpointSelector
+from usproxy.relay.tcp import ClientSide, serve_kwargs
+from usproxy.relay.udp import UdpListener
+from usproxy.types import ServicePortName, format_hostport
+
+if TYPE_CHECKING:
+    from usproxy.relay.relay import Relay
+
+log = logging.getLogger(__name__)
+Listener = Union[asyncio.AbstractServer, UdpListener]
+ListenerKey = tuple[str, int, str]  # (address, port, kind)
+
+
+class ServicePortRelay:
+    """Listeners, selectors and flow bookkeeping of one ServicePort."""
+
+    def __init__(self, relay: Relay, state: ServicePortState) -> None:
+        self.relay = relay
+        self.spn: ServicePortName = state.service_port.name
+        self.state = state
+        self.selectors = {"cluster": EndpointSelector(), "external": EndpointSelector()}
+        self.listeners: dict[ListenerKey, Listener] = {}
+        self.errors: dict[ListenerKey, str] = {}
+        self.flows = 0
+
+    # -- configuration -------------------------------------------------------------------------
+    def desired(self, state: ServicePortState, node_ips: Collection[str]) -> set[ListenerKey]:
+        sp = state.service_port
+        out: set[ListenerKey] = set()
+        if state.cluster_endpoints:
+            out |= {(str(ip), sp.port, "cluster") for ip in sp.cluster_ips}
+        if state.external_endpoints:
+            out |= {(str(ip), sp.port, "external") for ip in sp.external_ips_all()}
+            if sp.node_port:
+                fams = {ip.version for ip in sp.cluster_ips}
+                out |= {(ip, sp.node_port, "external") for ip in node_ips
+                        if (6 if ":" in ip else 4) in fams}
+        return out
+
+    async def apply(self, state: ServicePortState, node_ips: Collection[str]) -> None:
+        """Take a new state: update selectors, then open and close listeners as needed."""
+        self.state = state
+        sp = state.service_port
+        policy = sp.lb_policy or self.relay.default_policy
+        for kind, eps in (("cluster", state.cluster_endpoints), ("external", state.external_endpoints)):
+            self.selectors[kind].update(eps, policy, sp.session_affinity, float(sp.affinity_timeout))
+        want = self.desired(state, node_ips)
+        for key in [k for k in self.listeners if k not in want]:
+            await self._close_listener(key)
+        for key in sorted(want - self.listeners.keys()):
+            await self._open_listener(key)
+
+    async def _open_listener(self, key: ListenerKey) -> None:
+        addr, port, kind = key
+        try:
+            if self.spn.protocol == "TCP":
+                loop = asyncio.get_running_loop()
+                self.listeners[key] = await loop.create_server(
+                    lambda: ClientSide(self, kind), addr, port, **serve_kwargs())
+            elif self.spn.protocol == "UDP":
+                self.listeners[key] = UdpListener(self.relay.udp, self, (addr, port), kind)
+            else:
+                self.errors[key] = f"{self.spn.protocol} is not relayed in userspace"
+                return
+        except OSError as err:
+            self.errors[key] = f"listen {format_hostport(addr, port)}: {err.strerror or err}"
+            log.error("%s: %s", self.spn, self.errors[key])
+            return
+        self.errors.pop(key, None)
+        log.debug("%s: listening on %s/%s", self.spn, format_hostport(addr, port), self.spn.protocol)
+
+    async def _close_listener(self, key: ListenerKey) -> None:
+        listener = self.listeners.pop(key)
+        listener.close()
+        if isinstance(listener, asyncio.AbstractServer):
+            # Established connections keep running (as kube-proxy); only accepting stops.
+            pass
+        self.errors.pop(key, None)
+
+    async def retry_failed(self) -> None:
+        for key in list(self.errors):
+            if key not in self.listeners:
+                await self._open_listener(key)
+
+    async def close(self) -> None:
+        for key in list(self.listeners):
+            await self._close_listener(key)
+
+    def drop_endpoints(self, gone: Collection[Endpoint]) -> None:
+        """UDP flows to endpoints that went away are closed now, not at idle timeout (C03)."""
+        addrs = {(str(ep.ip), ep.port) for ep in gone}
+        self.relay.udp.close_where(lambda uf: uf.listener.owner is self and uf.flow.endpoint in addrs)
+
+    # -- used by the TCP and UDP relays ----------------------------------------------------------
+    def selector(self, kind: str) -> EndpointSelector:
+        return self.selectors[kind]
+
+    def pick(self, kind: str, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
+        return self.selectors[kind].pick(client_ip, exclude)
+
+    def failed(self, kind: str, ep: Endpoint, client_ip: str) -> None:
+        self.selectors[kind].failed(ep, client_ip)
+
+    def opened(self, kind: str, ep: Endpoint) -> None:
+        self.selectors[kind].opened(ep)
+
+    def closed(self, kind: str, ep: Endpoint) -> None:
+        self.selectors[kind].closed(ep)
+
+    def new_flow(self, protocol: str, client: HostPort, frontend: HostPort) -> Flow:
+        flow = self.relay.flow_table.add(Flow(protocol, self.spn, client, frontend))
+        self.flows += 1
+        self.relay.flow_opened(protocol)
+        return flow
+
+    def end_flow(self, flow: Flow) -> None:
+        self.relay.flow_table.remove(flow)
+        self.flows -= 1
+        self.relay.flow_closed(flow)

@@ -1,0 +1,241 @@
+"""The TCP relay: one ClientSide and one EndpointSide asyncio Protocol per connection.
+
+Events in, writes out; no Streams on the hot path. Invariants:
+- Backpressure both ways: when one side's transport is over its high-water mark
+  (`pause_writing`), the other side stops reading until `resume_writing`. Data that arrives before
+  the endpoint connection exists is buffered up to DIAL_BUFFER bytes, then reading pauses.
+- Half-close per direction: EOF from one side becomes `write_eof()` on the other, which the loop
+  sends only after the buffered data (FIN after the last byte, C09/C11). Both EOFs seen: both legs
+  close.
+- A reset on one side is passed on as a reset (SO_LINGER 0) after the bytes already received from
+  it have been handed to the kernel.
+- Dials never block accepting: each runs as its own task with bounded timeouts (kube-proxy
+  userspace's 250 ms, 500 ms, 1 s, 2 s, pkg/proxy/userspace/proxysocket.go tryConnect), and a
+  refused or timed-out endpoint is retried on the next one (C14).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from typing import TYPE_CHECKING, Any, cast
+
+from usproxy.conntrack.flow_table import Flow, FlowTableFull
+from usproxy.endpoint import Endpoint
+from usproxy.ratelimit import RateLimitedLog
+
+if TYPE_CHECKING:
+    from usproxy.relay.service_port_relay import ServicePortRelay
+
+log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
+
+DIAL_TIMEOUTS = (0.25, 0.5, 1.0, 2.0)
+DIAL_BUFFER = 256 * 1024
+HIGH_WATER = 1024 * 1024
+LOW_WATER = 256 * 1024
+
+
+def tune(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    except OSError:
+        pass
+    cast(asyncio.WriteTransport, transport).set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+
+
+def reset(transport: asyncio.WriteTransport) -> None:
+    """Close with RST once our userspace buffer is flushed (SO_LINGER 0)."""
+    sock = transport.get_extra_info("socket")
+    try:
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    transport.close()
+
+
+class ClientSide(asyncio.Protocol):
+    """The accepted connection from the client to ClusterIP:port (or NodePort)."""
+
+    def __init__(self, owner: ServicePortRelay, kind: str) -> None:
+        self.owner = owner
+        self.kind = kind
+        self.transport: asyncio.Transport | None = None
+        self.upstream: EndpointSide | None = None
+        self.flow: Flow | None = None
+        self.pending = bytearray()
+        self.eof_in = False  # client sent FIN
+        self.eof_out = False  # endpoint sent FIN
+        self.dial: asyncio.Task[None] | None = None
+        self.endpoint: Endpoint | None = None
+        self.closed = False
+
+    # -- client events -------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        tune(transport)
+        client = transport.get_extra_info("peername")
+        front = transport.get_extra_info("sockname")
+        try:
+            self.flow = self.owner.new_flow("TCP", (client[0], client[1]), (front[0], front[1]))
+        except FlowTableFull:
+            limited.warning("flow table full: refusing %s", self.owner.spn)
+            reset(transport)
+            return
+        self.flow.state = "SYN_SENT"
+        self.dial = asyncio.get_running_loop().create_task(self._dial(client[0]))
+
+    def data_received(self, data: bytes) -> None:
+        if self.flow is not None:
+            self.flow.seen_in(len(data))
+        up = self.upstream
+        if up is not None and up.transport is not None:
+            up.transport.write(data)
+            return
+        self.pending += data
+        if len(self.pending) >= DIAL_BUFFER and self.transport is not None:
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self.eof_in = True
+        up = self.upstream
+        if up is not None and up.transport is not None:
+            up.transport.write_eof()
+            self._maybe_finish()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.dial is not None and not self.dial.done():
+            self.dial.cancel()
+        up = self.upstream
+        if up is not None and up.transport is not None and not up.transport.is_closing():
+            if exc is not None:
+                reset(up.transport)
+            else:
+                up.transport.close()
+        self._release()
+
+    def pause_writing(self) -> None:
+        if self.upstream is not None and self.upstream.transport is not None:
+            self.upstream.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.upstream is not None and self.upstream.transport is not None:
+            self.upstream.transport.resume_reading()
+
+    # -- dialing -------------------------------------------------------------------------------
+    async def _dial(self, client_ip: str) -> None:
+        loop = asyncio.get_running_loop()
+        tried: list[Endpoint] = []
+        for timeout in DIAL_TIMEOUTS:
+            ep = self.owner.pick(self.kind, client_ip, tried)
+            if ep is None:
+                break
+            tried.append(ep)
+            try:
+                _, side = await asyncio.wait_for(
+                    loop.create_connection(lambda: EndpointSide(self), str(ep.ip), ep.port), timeout)
+            except (OSError, TimeoutError) as err:
+                limited.warning("%s: endpoint %s failed (%s); trying the next", self.owner.spn, ep,
+                                type(err).__name__ if isinstance(err, TimeoutError) else err)
+                self.owner.failed(self.kind, ep, client_ip)
+                continue
+            self._connected(ep, side)
+            return
+        limited.warning("%s: no endpoint answered for %s", self.owner.spn, client_ip)
+        if self.transport is not None:
+            reset(self.transport)
+
+    def _connected(self, ep: Endpoint, side: EndpointSide) -> None:
+        assert side.transport is not None
+        if self.closed or self.transport is None or self.transport.is_closing():
+            side.transport.close()
+            return
+        self.endpoint = ep
+        self.owner.opened(self.kind, ep)
+        self.upstream = side
+        if self.flow is not None:
+            self.flow.endpoint = (str(ep.ip), ep.port)
+            local = side.transport.get_extra_info("sockname")
+            self.flow.local = (local[0], local[1])
+            self.flow.state = "ESTABLISHED"
+        if self.pending:
+            side.transport.write(bytes(self.pending))
+            self.pending.clear()
+        self.transport.resume_reading()
+        if self.eof_in:
+            side.transport.write_eof()
+
+    # -- teardown ------------------------------------------------------------------------------
+    def _maybe_finish(self) -> None:
+        if self.flow is not None:
+            self.flow.state = "FIN_WAIT" if not (self.eof_in and self.eof_out) else "CLOSING"
+        if self.eof_in and self.eof_out:
+            if self.transport is not None:
+                self.transport.close()
+            if self.upstream is not None and self.upstream.transport is not None:
+                self.upstream.transport.close()
+
+    def _release(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.flow is not None:
+            self.owner.end_flow(self.flow)
+        if self.endpoint is not None:
+            self.owner.closed(self.kind, self.endpoint)
+
+
+class EndpointSide(asyncio.Protocol):
+    """The proxy's connection to the chosen endpoint."""
+
+    def __init__(self, client: ClientSide) -> None:
+        self.client = client
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        tune(transport)
+
+    def data_received(self, data: bytes) -> None:
+        c = self.client
+        if c.flow is not None:
+            c.flow.seen_out(len(data))
+        if c.transport is not None:
+            c.transport.write(data)
+
+    def eof_received(self) -> bool:
+        c = self.client
+        c.eof_out = True
+        if c.transport is not None and not c.transport.is_closing():
+            c.transport.write_eof()
+        c._maybe_finish()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        c = self.client
+        t = c.transport
+        if t is not None and not t.is_closing():
+            if exc is not None:
+                reset(t)
+            else:
+                t.close()
+
+    def pause_writing(self) -> None:
+        if self.client.transport is not None:
+            self.client.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.client.transport is not None:
+            self.client.transport.resume_reading()
+
+
+def serve_kwargs() -> dict[str, Any]:
+    return {"reuse_address": True, "backlog": 4096}

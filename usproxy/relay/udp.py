@@ -1,0 +1,220 @@
+"""The UDP relay: listeners on frontend addresses and one connected socket per client flow.
+
+A flow is (frontend address, client address) → one endpoint, created atomically inside the
+datagram callback (two datagrams from a new client arriving back to back make one flow). Both the
+listener and the flow sockets are read with `add_reader` into one 64 KiB buffer, so a datagram of
+any size up to 65,507 bytes (65,527 over IPv6) keeps its boundaries and is never truncated (C05).
+Replies leave through the listener socket, which is bound to exactly the address the client sent
+to, so the reply's source is that address and port (C06). Flows are kept in last-activity order:
+idle ones (either direction counts) expire after `idle_timeout`, and when the fd budget or the
+flow table is full the longest-idle flow is evicted to make room (C08). ICMP errors from an
+endpoint surface as ECONNREFUSED on its flow: logged at a bounded rate, never fatal (issue item 7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
+from usproxy.endpoint import Endpoint
+from usproxy.ratelimit import RateLimitedLog
+
+if TYPE_CHECKING:
+    from usproxy.relay.service_port_relay import ServicePortRelay
+
+log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
+
+MAX_DATAGRAM = 65535
+FlowKey = tuple[HostPort, HostPort]  # (frontend, client)
+
+
+class UdpFlow:
+    """One client association: a socket connected to the chosen endpoint."""
+
+    __slots__ = ("key", "listener", "endpoint", "sock", "flow")
+
+    def __init__(self, key: FlowKey, listener: UdpListener, endpoint: Endpoint, sock: socket.socket,
+                 flow: Flow) -> None:
+        self.key = key
+        self.listener = listener
+        self.endpoint = endpoint
+        self.sock = sock
+        self.flow = flow
+
+
+class UdpRelay:
+    """Every UDP listener and flow of the agent, with one shared receive buffer."""
+
+    def __init__(self, idle_timeout: float, max_flows: int) -> None:
+        self.idle_timeout = idle_timeout
+        self.max_flows = max_flows
+        self.flows: OrderedDict[FlowKey, UdpFlow] = OrderedDict()
+        self.buf = bytearray(MAX_DATAGRAM)
+        self.view = memoryview(self.buf)
+
+    # -- flows ---------------------------------------------------------------------------------
+    def flow_for(self, listener: UdpListener, client: HostPort) -> UdpFlow | None:
+        key = (listener.frontend, client)
+        uf = self.flows.get(key)
+        if uf is not None:
+            self.flows.move_to_end(key)
+            return uf
+        return self._open(listener, key)
+
+    def _open(self, listener: UdpListener, key: FlowKey) -> UdpFlow | None:
+        ep = listener.owner.pick(listener.kind, key[1][0], ())
+        if ep is None:
+            return None
+        if len(self.flows) >= self.max_flows:
+            self.evict_oldest()
+        sock = self._socket(ep)
+        if sock is None:
+            return None
+        try:
+            flow = listener.owner.new_flow("UDP", key[1], key[0])
+        except FlowTableFull:
+            sock.close()
+            limited.warning("flow table full: dropping UDP for %s", listener.owner.spn)
+            return None
+        flow.endpoint, flow.state = (str(ep.ip), ep.port), "UNREPLIED"
+        local = sock.getsockname()
+        flow.local = (local[0], local[1])
+        uf = UdpFlow(key, listener, ep, sock, flow)
+        self.flows[key] = uf
+        listener.owner.opened(listener.kind, ep)
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._reply, uf)
+        return uf
+
+    def _socket(self, ep: Endpoint) -> socket.socket | None:
+        for _ in range(2):
+            try:
+                sock = socket.socket(socket.AF_INET6 if ep.ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM)
+            except OSError as err:
+                if err.errno not in (errno.EMFILE, errno.ENFILE) or not self.flows:
+                    limited.warning("cannot open a UDP socket: %s", err)
+                    return None
+                self.evict_oldest()  # free a descriptor and try once more
+                continue
+            sock.setblocking(False)
+            try:
+                sock.connect((str(ep.ip), ep.port))
+            except OSError as err:
+                sock.close()
+                limited.warning("cannot connect UDP to %s: %s", ep, err)
+                return None
+            return sock
+        return None
+
+    def close_flow(self, uf: UdpFlow) -> None:
+        if self.flows.pop(uf.key, None) is None:
+            return
+        try:
+            asyncio.get_running_loop().remove_reader(uf.sock.fileno())
+        except RuntimeError:
+            pass
+        uf.sock.close()
+        uf.listener.owner.closed(uf.listener.kind, uf.endpoint)
+        uf.listener.owner.end_flow(uf.flow)
+
+    def evict_oldest(self) -> None:
+        if self.flows:
+            self.close_flow(next(iter(self.flows.values())))
+
+    def expire(self, now: float | None = None) -> int:
+        """Close flows idle longer than the timeout; returns how many."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        while self.flows:
+            uf = next(iter(self.flows.values()))
+            if now - uf.flow.last_seen < self.idle_timeout:
+                break
+            self.close_flow(uf)
+            n += 1
+        return n
+
+    def close_where(self, pred: object) -> None:
+        for uf in [u for u in self.flows.values() if callable(pred) and pred(u)]:
+            self.close_flow(uf)
+
+    # -- datagrams -----------------------------------------------------------------------------
+    def _reply(self, uf: UdpFlow) -> None:
+        """Endpoint → client: read every queued reply, send each from the listener's address."""
+        for _ in range(64):
+            try:
+                n = uf.sock.recv_into(self.buf)
+            except BlockingIOError:
+                return
+            except OSError as err:  # ECONNREFUSED from ICMP port unreachable: transient
+                limited.warning("%s: endpoint %s: %s", uf.listener.owner.spn, uf.endpoint, err)
+                return
+            uf.flow.seen_out(n)
+            uf.flow.state = "ASSURED"
+            self.flows.move_to_end(uf.key)
+            uf.listener.send(self.view[:n], uf.key[1])
+
+
+class UdpListener:
+    """A UDP socket bound to one frontend (ClusterIP:port, external IP:port or node IP:NodePort)."""
+
+    def __init__(self, relay: UdpRelay, owner: ServicePortRelay, frontend: HostPort, kind: str) -> None:
+        self.relay = relay
+        self.owner = owner
+        self.frontend = frontend
+        self.kind = kind
+        family = socket.AF_INET6 if ":" in frontend[0] else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            self.sock.setblocking(False)
+            self.sock.bind(frontend)
+        except OSError:
+            self.sock.close()
+            raise
+        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._receive)
+
+    def _receive(self) -> None:
+        relay = self.relay
+        for _ in range(64):
+            try:
+                n, client = self.sock.recvfrom_into(relay.buf)
+            except BlockingIOError:
+                return
+            except OSError as err:
+                limited.warning("%s: listener %s: %s", self.owner.spn, self.frontend, err)
+                return
+            uf = relay.flow_for(self, (client[0], client[1]))
+            if uf is None:
+                continue
+            uf.flow.seen_in(n)
+            self._forward(uf, relay.view[:n])
+
+    def _forward(self, uf: UdpFlow, data: memoryview) -> None:
+        for _ in range(2):  # a pending ICMP error is reported by (and fails) one send: retry once
+            try:
+                uf.sock.send(data)
+                return
+            except BlockingIOError:
+                limited.warning("%s: send buffer full, datagram dropped", self.owner.spn)
+                return
+            except OSError as err:
+                limited.warning("%s: endpoint %s: %s", self.owner.spn, uf.endpoint, err)
+
+    def send(self, data: memoryview, client: HostPort) -> None:
+        try:
+            self.sock.sendto(data, client)
+        except OSError as err:
+            limited.warning("%s: reply to %s dropped: %s", self.owner.spn, client, err)
+
+    def close(self) -> None:
+        try:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        except RuntimeError:
+            pass
+        self.relay.close_where(lambda uf: uf.listener is self)
+        self.sock.close()
