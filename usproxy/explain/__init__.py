@@ -1,0 +1,6 @@
+"""`usproxy explain`: render one set of Services as each kube-proxy mode (and usproxy) holds them.
+
+Pure rendering: nothing here touches the kernel or the network, except `live` (read-only, and only
+when `--live` is asked). Every renderer reads the same `ServiceSet`, so the modes can be compared
+line for line; `cost` and `trace` reuse the renderers' structured rules instead of re-deriving them.
+"""

@@ -1,0 +1,431 @@
+"""The iptables-restore input kube-proxy's iptables mode writes for a ServiceSet.
+
+Follows kube-proxy pkg/proxy/iptables/proxier.go syncProxyRules and writeServiceToEndpointRules:
+KUBE-SERVICES / KUBE-NODEPORTS dispatch, KUBE-SVC-* (Cluster policy), KUBE-SVL-* (Local policy),
+KUBE-EXT-* (external destinations), KUBE-SEP-* (one per endpoint, DNAT), KUBE-MARK-MASQ,
+KUBE-POSTROUTING, the filter table's REJECT/DROP rules for Services without (local) endpoints,
+`-m statistic --mode random --probability 1/(n-i)` formatted "%0.10f", affinity via `-m recent`.
+
+Each rule is a `Rule`: its exact text tokens plus a structured `Match` that `trace` and `cost`
+evaluate, so the text shown and the path traced can never disagree. Output order is the canonical
+order kube-proxy's own tests compare in (proxier_test.go sortIPTablesRules): tables by name;
+KUBE-NODEPORTS, KUBE-SERVICES, then the other chains alphabetically; KUBE-SERVICES and
+KUBE-NODEPORTS rules by Service name with the NodePort tail rule last. (kube-proxy itself writes
+Services in Go map order.) LoadBalancerSourceRanges and health-check NodePorts are not in the
+ServicePort model and so are not rendered.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from usproxy.endpoint import Endpoint
+from usproxy.explain import chain_names as names
+from usproxy.explain.service_set import Family, FamilyPort, IPNetwork, Node, ServiceSet
+
+Table = Literal["filter", "nat"]
+MARK_MASQ = "KUBE-MARK-MASQ"
+SERVICES = "KUBE-SERVICES"
+NODEPORTS = "KUBE-NODEPORTS"
+EXTERNAL_SERVICES = "KUBE-EXTERNAL-SERVICES"
+POSTROUTING = "KUBE-POSTROUTING"
+NODEPORTS_TAIL = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
+LARGE_CLUSTER_ENDPOINTS = 1000  # largeClusterEndpointsThreshold: above it, SEP comments go
+LOCALHOST_NODEPORT_COUNTER = "localhost_nps_accepted_pkts"
+INVALID_DROP_COUNTER = "ct_state_invalid_dropped_pkts"
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """What a rule matches, for tracing. None means "not tested by this rule"."""
+
+    proto: str | None = None
+    src: IPNetwork | None = None
+    src_negated: bool = False
+    dst: IPNetwork | None = None
+    dst_negated: bool = False
+    dport: int | None = None
+    src_local: bool | None = None
+    dst_local: bool | None = None
+    probability: str | None = None
+    recent_check: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One `-A CHAIN ...` line: text tokens, structured match, target and DNAT destination."""
+
+    table: Table
+    chain: str
+    tokens: tuple[str, ...]
+    match: Match
+    target: str
+    to_destination: str | None = None
+    comment: str | None = None
+
+    def text(self) -> str:
+        return " ".join(("-A", self.chain, *self.tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """Host facts kube-proxy detects at start-up (defaults: a current Linux node)."""
+
+    localhost_nodeports: bool = True  # --iptables-localhost-nodeports (IPv4 only)
+    nfacct: bool = True  # the kernel has nfacct, so kube-proxy counts with it
+    random_fully: bool = True  # iptables >= 1.6.2: MASQUERADE --random-fully
+    conntrack_tcp_liberal: bool = False
+
+
+class _Builder:
+    """Accumulates one rule's tokens in kube-proxy's argument order, and its Match."""
+
+    def __init__(self, table: Table, chain: str) -> None:
+        self.table: Table = table
+        self.chain = chain
+        self.tokens: list[str] = []
+        self.m: dict[str, object] = {}
+        self.comment_text: str | None = None
+
+    def comment(self, text: str | None) -> _Builder:
+        if text is not None:
+            self.comment_text = text
+            self.tokens += ["-m", "comment", "--comment", f'"{text}"' if " " in text else text]
+        return self
+
+    def proto(self, proto: str) -> _Builder:
+        self.tokens += ["-m", proto, "-p", proto]
+        self.m["proto"] = proto
+        return self
+
+    def dst(self, net: str, negate: bool = False) -> _Builder:
+        self.tokens += ["!", "-d", net] if negate else ["-d", net]
+        self.m["dst"], self.m["dst_negated"] = ipaddress.ip_network(net, strict=False), negate
+        return self
+
+    def src(self, net: str, negate: bool = False) -> _Builder:
+        self.tokens += ["!", "-s", net] if negate else ["-s", net]
+        self.m["src"], self.m["src_negated"] = ipaddress.ip_network(net, strict=False), negate
+        return self
+
+    def dport(self, port: int) -> _Builder:
+        self.tokens += ["--dport", str(port)]
+        self.m["dport"] = port
+        return self
+
+    def addrtype(self, which: Literal["src", "dst"]) -> _Builder:
+        self.tokens += ["-m", "addrtype", f"--{which}-type", "LOCAL"]
+        self.m[f"{which}_local"] = True
+        return self
+
+    def raw(self, *tokens: str) -> _Builder:
+        self.tokens += tokens
+        return self
+
+    def probability(self, text: str) -> _Builder:
+        self.tokens += ["-m", "statistic", "--mode", "random", "--probability", text]
+        self.m["probability"] = text
+        return self
+
+    def recent_check(self, name: str, seconds: int) -> _Builder:
+        self.tokens += ["-m", "recent", "--name", name, "--rcheck", "--seconds", str(seconds), "--reap"]
+        self.m["recent_check"] = name
+        return self
+
+    def jump(self, target: str, *extra: str, to: str | None = None) -> Rule:
+        tokens = (*self.tokens, "-j", target, *extra) if target else tuple(self.tokens)
+        return Rule(self.table, self.chain, tokens, Match(**self.m),  # type: ignore[arg-type]
+                    target, to, self.comment_text)
+
+
+def probability(n: int) -> str:
+    """kube-proxy's computeProbability: 1/n as "%0.10f"."""
+    return f"{1.0 / n:0.10f}"
+
+
+@dataclass
+class Ruleset:
+    """The chains and rules of one family, in kube-proxy's emission order."""
+
+    family: Family
+    chains: dict[Table, list[str]] = field(default_factory=lambda: {"filter": [], "nat": []})
+    rules: list[Rule] = field(default_factory=list)
+
+    def chain(self, table: Table, name: str) -> None:
+        if name not in self.chains[table]:
+            self.chains[table].append(name)
+
+    def add(self, *rules: Rule) -> None:
+        self.rules.extend(rules)
+
+    def in_chain(self, table: Table, chain: str) -> list[Rule]:
+        return [r for r in self.rules if r.table == table and r.chain == chain]
+
+
+@dataclass(frozen=True, slots=True)
+class _Ctx:
+    family: Family
+    node: Node
+    opts: Options
+    large: bool
+
+    @property
+    def cluster_cidr(self) -> str | None:
+        cidr = self.node.cluster_cidr(self.family)
+        return str(cidr) if cidr is not None else None
+
+
+def build(ss: ServiceSet, family: Family, opts: Options = Options()) -> Ruleset:
+    """Every chain and rule kube-proxy's `family` proxier writes for `ss`."""
+    fps = ss.family_ports(family)
+    total = sum(len(fp.endpoints) for fp in fps)
+    ctx = _Ctx(family, ss.node, opts, total > LARGE_CLUSTER_ENDPOINTS)
+    rs = Ruleset(family)
+    _top_level(rs, ctx)
+    for fp in fps:
+        _service_port(rs, ctx, fp)
+    _nodeports_tail(rs, ctx)
+    _forward(rs, ctx)
+    return rs
+
+
+def _top_level(rs: Ruleset, ctx: _Ctx) -> None:
+    for chain in (SERVICES, EXTERNAL_SERVICES, "KUBE-FORWARD", NODEPORTS, "KUBE-PROXY-FIREWALL"):
+        rs.chain("filter", chain)
+    for chain in (SERVICES, NODEPORTS, POSTROUTING, MARK_MASQ):
+        rs.chain("nat", chain)
+    mark = ctx.node.masquerade_mark
+    masq = ("--random-fully",) if ctx.opts.random_fully else ()
+    rs.add(
+        _Builder("nat", POSTROUTING).raw("-m", "mark", "!", "--mark", f"{mark}/{mark}").jump("RETURN"),
+        _Builder("nat", POSTROUTING).jump("MARK", "--xor-mark", mark),
+        _Builder("nat", POSTROUTING).comment("kubernetes service traffic requiring SNAT")
+        .jump("MASQUERADE", *masq),
+        _Builder("nat", MARK_MASQ).jump("MARK", "--or-mark", mark),
+    )
+    if ctx.family == 4 and ctx.opts.localhost_nodeports:
+        rs.chain("filter", "KUBE-FIREWALL")
+        rs.add(_Builder("filter", "KUBE-FIREWALL").comment("block incoming localnet connections")
+               .raw("-d", "127.0.0.0/8", "!", "-s", "127.0.0.0/8", "-m", "conntrack", "!",
+                    "--ctstate", "RELATED,ESTABLISHED,DNAT").jump("DROP"))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The per-ServicePort decisions of syncProxyRules, before any rule is written."""
+
+    internal_chain: str
+    external_policy_chain: str
+    has_internal: bool
+    has_external: bool
+    uses_cluster_chain: bool
+    uses_local_chain: bool
+    uses_ext_chain: bool
+    internal_filter: tuple[str, str] | None  # (target, comment) when internal traffic is refused
+    external_filter: tuple[str, str] | None
+
+
+def plan(fp: FamilyPort) -> Plan:
+    """Which chains a ServicePort uses and what refuses its traffic (kube-proxy's variables)."""
+    spn = fp.name
+    local_ok = len(fp.local) > 0
+    has_internal = fp.has_endpoints and (not fp.internal_policy_local or local_ok)
+    has_external = fp.has_endpoints and (not fp.external_policy_local or local_ok)
+    none = ("REJECT", f"{spn} has no endpoints")
+    no_local = ("DROP", f"{spn} has no local endpoints")
+    return Plan(
+        internal_chain=names.svl_chain(spn) if fp.internal_policy_local else names.svc_chain(spn),
+        external_policy_chain=names.svl_chain(spn) if fp.external_policy_local else names.svc_chain(spn),
+        has_internal=has_internal, has_external=has_external,
+        uses_cluster_chain=bool(fp.cluster) and fp.uses_cluster_endpoints,
+        uses_local_chain=bool(fp.local) and fp.uses_local_endpoints,
+        uses_ext_chain=fp.has_endpoints and fp.externally_accessible,
+        internal_filter=None if has_internal else (none if not fp.has_endpoints else no_local),
+        external_filter=None if has_external else (none if not fp.has_endpoints else no_local),
+    )
+
+
+def _service_port(rs: Ruleset, ctx: _Ctx, fp: FamilyPort) -> None:
+    p = plan(fp)
+    _capture(rs, ctx, fp, p)
+    _internal(rs, ctx, fp, p)
+    _external(rs, ctx, fp, p)
+    spn = fp.name
+    if p.uses_cluster_chain:
+        rs.chain("nat", names.svc_chain(spn))
+        rs.add(*_to_endpoints(ctx, fp, names.svc_chain(spn), fp.cluster))
+    if p.uses_local_chain:
+        rs.chain("nat", names.svl_chain(spn))
+        rs.add(*_to_endpoints(ctx, fp, names.svl_chain(spn), fp.local))
+    for ep in fp.reachable:
+        _endpoint(rs, ctx, fp, ep)
+
+
+def _capture(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
+    """KUBE-SERVICES / KUBE-NODEPORTS entries, or the filter rules that refuse the traffic."""
+    spn, port, ext = fp.name, fp.sp.port, names.ext_chain(fp.name)
+    if p.has_internal:
+        rs.add(_Builder("nat", SERVICES).comment(f"{spn} cluster IP").proto(fp.proto)
+               .dst(str(fp.cluster_ip)).dport(port).jump(p.internal_chain))
+    elif p.internal_filter:
+        rs.add(_Builder("filter", SERVICES).comment(p.internal_filter[1]).proto(fp.proto)
+               .dst(str(fp.cluster_ip)).dport(port).jump(p.internal_filter[0]))
+    for kind, ips in (("external IP", fp.external_ips), ("loadbalancer IP", fp.lb_ips)):
+        for ip in ips:
+            if fp.has_endpoints:
+                rs.add(_Builder("nat", SERVICES).comment(f"{spn} {kind}").proto(fp.proto)
+                       .dst(str(ip)).dport(port).jump(ext))
+            if p.external_filter:
+                rs.add(_Builder("filter", EXTERNAL_SERVICES).comment(p.external_filter[1])
+                       .proto(fp.proto).dst(str(ip)).dport(port).jump(p.external_filter[0]))
+    if fp.sp.node_port:
+        _nodeport(rs, ctx, fp, p)
+
+
+def _nodeport(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
+    spn, np, ext = fp.name, fp.sp.node_port, names.ext_chain(fp.name)
+    if fp.has_endpoints:
+        if ctx.opts.localhost_nodeports and ctx.family == 4 and ctx.opts.nfacct:
+            rs.add(_Builder("nat", NODEPORTS).comment(str(spn)).proto(fp.proto)
+                   .dst("127.0.0.0/8").dport(np)
+                   .raw("-m", "nfacct", "--nfacct-name", LOCALHOST_NODEPORT_COUNTER).jump(ext))
+        rs.add(_Builder("nat", NODEPORTS).comment(str(spn)).proto(fp.proto).dport(np).jump(ext))
+    if p.external_filter:
+        rs.add(_Builder("filter", EXTERNAL_SERVICES).comment(p.external_filter[1])
+               .addrtype("dst").proto(fp.proto).dport(np).jump(p.external_filter[0]))
+
+
+def _internal(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
+    """Masquerade off-cluster traffic to the ClusterIP (needs the local-traffic detector)."""
+    if p.has_internal and ctx.cluster_cidr:
+        rs.add(_Builder("nat", p.internal_chain).comment(f"{fp.name} cluster IP").proto(fp.proto)
+               .dst(str(fp.cluster_ip)).dport(fp.sp.port).src(ctx.cluster_cidr, negate=True)
+               .jump(MARK_MASQ))
+
+
+def _external(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
+    """KUBE-EXT-*: masquerade (Cluster policy) or the local short-circuits (Local policy)."""
+    if not p.uses_ext_chain:
+        return
+    spn, ext, svc = fp.name, names.ext_chain(fp.name), names.svc_chain(fp.name)
+    rs.chain("nat", ext)
+    if not fp.external_policy_local:
+        rs.add(_Builder("nat", ext).comment(f"masquerade traffic for {spn} external destinations")
+               .jump(MARK_MASQ))
+    else:
+        if ctx.cluster_cidr:
+            rs.add(_Builder("nat", ext).comment(f"pod traffic for {spn} external destinations")
+                   .src(ctx.cluster_cidr).jump(svc))
+        rs.add(_Builder("nat", ext).comment(f"masquerade LOCAL traffic for {spn} external destinations")
+               .addrtype("src").jump(MARK_MASQ),
+               _Builder("nat", ext).comment(f"route LOCAL traffic for {spn} external destinations")
+               .addrtype("src").jump(svc))
+    if p.has_external:
+        rs.add(_Builder("nat", ext).jump(p.external_policy_chain))
+
+
+def _to_endpoints(ctx: _Ctx, fp: FamilyPort, chain: str, eps: Sequence[Endpoint]) -> list[Rule]:
+    """Affinity checks, then the 1/(n-i) probability ladder (writeServiceToEndpointRules)."""
+    out = []
+    comment = (lambda ep: None) if ctx.large else (lambda ep: f"{fp.name} -> {ep}")
+    if fp.sp.session_affinity == "ClientIP":
+        for ep in eps:
+            sep = names.sep_chain(fp.name, ep)
+            out.append(_Builder("nat", chain).comment(comment(ep))
+                       .recent_check(sep, fp.sp.affinity_timeout).jump(sep))
+    n = len(eps)
+    for i, ep in enumerate(eps):
+        b = _Builder("nat", chain).comment(comment(ep))
+        if i < n - 1:
+            b.probability(probability(n - i))
+        out.append(b.jump(names.sep_chain(fp.name, ep)))
+    return out
+
+
+def _endpoint(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, ep: Endpoint) -> None:
+    sep = names.sep_chain(fp.name, ep)
+    comment = None if ctx.large else str(fp.name)
+    rs.chain("nat", sep)
+    dnat = _Builder("nat", sep).comment(comment)
+    if fp.sp.session_affinity == "ClientIP":
+        dnat.raw("-m", "recent", "--name", sep, "--set")
+    rs.add(_Builder("nat", sep).comment(comment).src(str(ep.ip)).jump(MARK_MASQ),
+           dnat.proto(fp.proto).jump("DNAT", "--to-destination", str(ep), to=str(ep)))
+
+
+def _nodeports_tail(rs: Ruleset, ctx: _Ctx) -> None:
+    """The last KUBE-SERVICES rule: local destinations go on to KUBE-NODEPORTS."""
+    ips = ctx.node.ips_of(ctx.family)
+    if not ips:
+        b = _Builder("nat", SERVICES).comment(NODEPORTS_TAIL).addrtype("dst")
+        if ctx.family == 6:
+            b.dst("::1/128", negate=True)
+        elif not ctx.opts.localhost_nodeports:
+            b.dst("127.0.0.0/8", negate=True)
+        rs.add(b.jump(NODEPORTS))
+        return
+    for ip in ips:
+        rs.add(_Builder("nat", SERVICES).comment(NODEPORTS_TAIL).dst(str(ip)).jump(NODEPORTS))
+
+
+def _forward(rs: Ruleset, ctx: _Ctx) -> None:
+    mark = ctx.node.masquerade_mark
+    if not ctx.opts.conntrack_tcp_liberal:
+        b = _Builder("filter", "KUBE-FORWARD").raw("-m", "conntrack", "--ctstate", "INVALID")
+        if ctx.opts.nfacct:
+            b.raw("-m", "nfacct", "--nfacct-name", INVALID_DROP_COUNTER)
+        rs.add(b.jump("DROP"))
+    rs.add(_Builder("filter", "KUBE-FORWARD").comment("kubernetes forwarding rules")
+           .raw("-m", "mark", "--mark", f"{mark}/{mark}").jump("ACCEPT"),
+           _Builder("filter", "KUBE-FORWARD").comment("kubernetes forwarding conntrack rule")
+           .raw("-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED").jump("ACCEPT"))
+
+
+def _chain_order(chains: Sequence[str]) -> list[str]:
+    first = [c for c in (NODEPORTS, SERVICES) if c in chains]
+    return first + sorted(c for c in chains if c not in first)
+
+
+def _service_key(rule: Rule) -> tuple[int, str]:
+    """orderByCommentServiceName, with the NodePort tail rule kept last."""
+    text = rule.comment or ""
+    if "must be the last rule" in text:
+        return (1, "")
+    cut = min((i for i in (text.find(" "), text.find(":")) if i >= 0), default=len(text))
+    return (0, text[:cut])
+
+
+def ordered(rs: Ruleset, table: Table) -> list[tuple[str, list[Rule]]]:
+    """Chains of one table with their rules, in the canonical order."""
+    out = []
+    for chain in _chain_order(rs.chains[table]):
+        rules = rs.in_chain(table, chain)
+        if chain in (SERVICES, NODEPORTS):
+            rules = sorted(rules, key=_service_key)
+        out.append((chain, rules))
+    return out
+
+
+def render_ruleset(rs: Ruleset) -> str:
+    """iptables-restore text: *filter then *nat, each with chain lines, rules and COMMIT."""
+    lines: list[str] = []
+    for table in ("filter", "nat"):
+        chains = ordered(rs, table)
+        lines.append(f"*{table}")
+        lines += [f":{chain} - [0:0]" for chain, _ in chains]
+        lines += [r.text() for _, rules in chains for r in rules]
+        lines.append("COMMIT")
+    return "\n".join(lines) + "\n"
+
+
+def render(ss: ServiceSet, opts: Options = Options()) -> str:
+    """The whole iptables view: one iptables-restore input per IP family."""
+    parts = []
+    for family in ss.families():
+        tool = "iptables-restore" if family == 4 else "ip6tables-restore"
+        parts.append(f"# {tool} input kube-proxy (iptables mode) writes, IPv{family}\n"
+                     + render_ruleset(build(ss, family, opts)))
+    return "\n".join(parts) if parts else "# no Services with a ClusterIP\n"

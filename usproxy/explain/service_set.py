@@ -1,0 +1,206 @@
+"""ServiceSet: the parsed Services and endpoints every renderer reads, split per IP family.
+
+kube-proxy runs one proxier per IP family; `FamilyPort` is one ServicePort as the proxier of one
+family sees it: that family's ClusterIP, externalIPs and LoadBalancer IPs, and that family's
+endpoints in kube-proxy's order (sorted by "ip:port" text, as pkg/proxy/endpointslicecache.go
+sorts them). Endpoint categories follow kube-proxy pkg/proxy/topology.go CategorizeEndpoints,
+computed with `usproxy.endpoint.categorize`. Invariant: values only, nothing here does I/O except
+`load_service_set`, which reads manifest files.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal, TypeAlias
+
+from usproxy.endpoint import Endpoint, categorize, usable
+from usproxy.errors import ConfigError
+from usproxy.manifest import Manifests, load_file, manifest_files
+from usproxy.service_port import ServicePort
+from usproxy.types import IPAddress, ServicePortName
+
+Family: TypeAlias = Literal[4, 6]
+IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
+FAMILIES: tuple[Family, ...] = (4, 6)
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """The node the rendering is for: what kube-proxy learns from flags and the Node object.
+
+    `name` decides which endpoints are local (EndpointSlice nodeName); `ips` are the node
+    addresses (NodePort addresses, kube-proxy's --nodeport-addresses=primary); `cluster_cidrs`
+    enable the local-traffic detector (kube-proxy --cluster-cidr, detect-local-mode ClusterCIDR);
+    `service_cidrs` enable nftables' "drop traffic to unallocated ClusterIPs" rule.
+    """
+
+    name: str | None = None
+    ips: tuple[IPAddress, ...] = ()
+    cluster_cidrs: tuple[IPNetwork, ...] = ()
+    service_cidrs: tuple[IPNetwork, ...] = ()
+    masquerade_mark: str = "0x4000"
+
+    def ips_of(self, family: Family) -> tuple[IPAddress, ...]:
+        return tuple(ip for ip in self.ips if ip.version == family)
+
+    def cluster_cidr(self, family: Family) -> IPNetwork | None:
+        return next((c for c in self.cluster_cidrs if c.version == family), None)
+
+    def service_cidrs_of(self, family: Family) -> tuple[IPNetwork, ...]:
+        return tuple(c for c in self.service_cidrs if c.version == family)
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyPort:
+    """One ServicePort as one family's proxier sees it, with its endpoints categorized.
+
+    `cluster` are the endpoints for "Cluster" policy, `local` for "Local" policy (this node's),
+    `reachable` the union of the two that are in use; `has_endpoints` is true when the Service has
+    a usable endpoint anywhere (kube-proxy's hasAnyEndpoints).
+    """
+
+    sp: ServicePort
+    family: Family
+    cluster_ip: IPAddress
+    external_ips: tuple[IPAddress, ...]
+    lb_ips: tuple[IPAddress, ...]
+    endpoints: tuple[Endpoint, ...]
+    cluster: tuple[Endpoint, ...]
+    local: tuple[Endpoint, ...]
+    has_endpoints: bool
+
+    @property
+    def name(self) -> ServicePortName:
+        return self.sp.name
+
+    @property
+    def proto(self) -> str:
+        """Lower-case protocol, as kube-proxy writes it in rules."""
+        return self.sp.protocol.lower()
+
+    @property
+    def externally_accessible(self) -> bool:
+        """NodePort, externalIPs or LoadBalancer IPs (kube-proxy ServicePort.ExternallyAccessible)."""
+        return bool(self.sp.node_port or self.external_ips or self.lb_ips)
+
+    @property
+    def external_policy_local(self) -> bool:
+        return self.externally_accessible and self.sp.external_traffic_policy == "Local"
+
+    @property
+    def internal_policy_local(self) -> bool:
+        return self.sp.internal_traffic_policy == "Local"
+
+    @property
+    def uses_cluster_endpoints(self) -> bool:
+        return not self.internal_policy_local or (
+            self.externally_accessible and not self.external_policy_local)
+
+    @property
+    def uses_local_endpoints(self) -> bool:
+        return self.internal_policy_local or self.external_policy_local
+
+    @property
+    def internal(self) -> tuple[Endpoint, ...]:
+        """Endpoints ClusterIP traffic goes to."""
+        return self.local if self.internal_policy_local else self.cluster
+
+    @property
+    def external(self) -> tuple[Endpoint, ...]:
+        """Endpoints NodePort / externalIP / LoadBalancer traffic goes to."""
+        return self.local if self.external_policy_local else self.cluster
+
+    @property
+    def reachable(self) -> tuple[Endpoint, ...]:
+        """Every endpoint some rule of this ServicePort may reach, in kube-proxy order."""
+        cluster = self.cluster if self.uses_cluster_endpoints else ()
+        local = self.local if self.uses_local_endpoints else ()
+        seen = {str(ep): ep for ep in (*cluster, *local)}
+        return tuple(sorted(seen.values(), key=str))
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSet:
+    """Every ServicePort with all its endpoints (every family), sorted by ServicePortName."""
+
+    ports: tuple[tuple[ServicePort, tuple[Endpoint, ...]], ...]
+    node: Node = Node()
+    skipped: tuple[str, ...] = ()
+
+    def families(self) -> tuple[Family, ...]:
+        """The IP families some ServicePort has a ClusterIP of, IPv4 first."""
+        present = {ip.version for sp, _ in self.ports for ip in sp.cluster_ips}
+        return tuple(f for f in FAMILIES if f in present)
+
+    def family_ports(self, family: Family) -> tuple[FamilyPort, ...]:
+        out = []
+        for sp, eps in self.ports:
+            fp = family_port(sp, eps, family, self.node.name)
+            if fp is not None:
+                out.append(fp)
+        return tuple(out)
+
+
+def _of(family: Family, ips: Iterable[IPAddress]) -> tuple[IPAddress, ...]:
+    return tuple(ip for ip in ips if ip.version == family)
+
+
+def family_port(sp: ServicePort, endpoints: Sequence[Endpoint], family: Family,
+                node_name: str | None) -> FamilyPort | None:
+    """The ServicePort as the `family` proxier sees it, or None if it has no ClusterIP there."""
+    cluster_ips = _of(family, sp.cluster_ips)
+    if not cluster_ips:
+        return None
+    eps = tuple(sorted((ep for ep in endpoints if ep.ip.version == family), key=str))
+    # categorize() applies each policy; asking for both lets one call yield both lists.
+    both = categorize(replace(sp, internal_traffic_policy="Cluster", external_traffic_policy="Local"),
+                      eps, node_name)
+    return FamilyPort(
+        sp=sp, family=family, cluster_ip=cluster_ips[0],
+        external_ips=_of(family, sp.external_ips), lb_ips=_of(family, sp.load_balancer_ips),
+        endpoints=eps, cluster=both.cluster, local=both.external,
+        has_endpoints=bool(usable(eps)),
+    )
+
+
+def merge_endpoints(m: Manifests) -> dict[ServicePortName, tuple[Endpoint, ...]]:
+    """Endpoints per ServicePortName over every slice; one address:port counts once, ready wins.
+
+    As kube-proxy pkg/proxy/endpointslicecache.go: slices of one Service are merged, duplicates
+    (during a slice rewrite) are kept once, preferring the ready one.
+    """
+    merged: dict[ServicePortName, dict[str, Endpoint]] = {}
+    for es in sorted(m.slices.values(), key=lambda s: (s.name.namespace, s.name.name)):
+        for spn, eps in es.endpoints.items():
+            by_addr = merged.setdefault(spn, {})
+            for ep in eps:
+                seen = by_addr.get(str(ep))
+                if seen is None or (ep.ready and not seen.ready):
+                    by_addr[str(ep)] = ep
+    return {spn: tuple(sorted(eps.values(), key=str)) for spn, eps in merged.items()}
+
+
+def service_set(m: Manifests, node: Node = Node()) -> ServiceSet:
+    """A ServiceSet from parsed manifests. Raises the first ConfigError of `m.errors`."""
+    if m.errors:
+        raise m.errors[0]
+    eps = merge_endpoints(m)
+    ports = sorted((sp for svc in m.services.values() for sp in svc.ports.values()),
+                   key=lambda sp: sp.name)
+    return ServiceSet(tuple((sp, eps.get(sp.name, ())) for sp in ports), node, tuple(m.skipped))
+
+
+def load_manifests(path: Path) -> Manifests:
+    """Every manifest under `path` (a file or a directory). Raises ConfigError."""
+    files = manifest_files(path)
+    if not path.exists():
+        raise ConfigError("no such file or directory", obj=str(path))
+    if not files:
+        raise ConfigError("no manifest files (*.yaml, *.yml, *.json)", obj=str(path))
+    out = Manifests()
+    for f in files:
+        out.merge(load_file(f))
+    return out
