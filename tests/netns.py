@@ -11,13 +11,13 @@ sockets it creates belong there (setns is per thread).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pyroute2 import netns as pr_netns
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -28,16 +28,28 @@ def nsexec(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProce
     return sh("ip", "netns", "exec", ns, *args, check=check)
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 @contextlib.contextmanager
 def inside(ns: str) -> Iterator[None]:
     """Run the block with this thread in netns `ns`; restore the original namespace after."""
     original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
     try:
-        pr_netns.setns(ns)
+        _setns(target)
         yield
     finally:
-        pr_netns.setns(original, flags=0)
+        _setns(original)
         os.close(original)
+        os.close(target)
 
 
 @dataclass

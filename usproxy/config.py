@@ -38,7 +38,7 @@ class ProxyConfig:
     vip_interface: str = "usproxy0"
     lb_policy: str = "roundRobin"
     sync_period: float = 30.0
-    min_sync_period: float = 1.0
+    min_sync_period: float = 0.25
     conntrack_max_per_core: int = 32768
     conntrack_min: int = 131072
     udp_idle_timeout: float = 30.0
