@@ -1,0 +1,150 @@
+"""ApiListWatch: list and watch one API resource over kubernetes_asyncio's ApiClient, as raw dicts.
+
+Requests go through `ApiClient.call_api` (so kubeconfig and in-cluster credentials, TLS and token
+refresh all come from kubernetes_asyncio) with `_preload_content=False`: bodies are decoded here,
+never deserialised into V1 models, so objects reach the model with their API field names, exactly
+as the static source reads them from YAML.
+
+Invariants: every failure surfaces as a SourceError subclass (ApiError with the status, Gone for
+410), aiohttp.ClientError or TimeoutError, never as a half-decoded object. A watch line without
+its trailing newline is a stream cut mid-event and is an error, not an event. Each request has a
+deadline (list) or a read timeout (watch), so a silent server cannot stall a reflector forever.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any, cast
+
+import aiohttp
+
+from usproxy.errors import SourceError
+from usproxy.sources.reflector import ApiError, Gone, ListBody, ListResult, ReflectorOptions, WatchEvent, status_error
+
+SERVICES = "/api/v1/services"
+ENDPOINT_SLICES = "/apis/discovery.k8s.io/v1/endpointslices"
+NODES = "/api/v1/nodes"
+
+Query = list[tuple[str, str]]
+
+
+class ApiListWatch:
+    """The ListWatch of one cluster-wide resource path (client-go cache.NewFilteredListWatchFromClient)."""
+
+    def __init__(self, api: Any, path: str, *, label_selector: str = "", field_selector: str = "",
+                 options: ReflectorOptions | None = None) -> None:
+        self.api = api  # kubernetes_asyncio.client.ApiClient (untyped)
+        self.path = path
+        self.selectors: Query = [(k, v) for k, v in (("labelSelector", label_selector),
+                                                     ("fieldSelector", field_selector)) if v]
+        self.opts = options or ReflectorOptions()
+
+    async def list(self, resource_version: str) -> ListResult:
+        """Every page of the list (client-go pager): the first at `resource_version`, then by token."""
+        items: list[dict[str, Any]] = []
+        query: Query = [("resourceVersion", resource_version)] if resource_version else []
+        while True:
+            body = await self._get_list(query + [("limit", str(self.opts.page_size))])
+            items.extend(body.get("items") or [])
+            meta = body.get("metadata") or {}
+            token = meta.get("continue") or ""
+            if not token:
+                return ListResult(items, _list_resource_version(dict(meta)))
+            query = [("continue", token)]  # the token pins the resourceVersion of the first page
+
+    async def watch(self, resource_version: str, timeout: float) -> AsyncGenerator[WatchEvent, None]:
+        """Events after `resource_version` until the server ends the stream (after `timeout`)."""
+        query: Query = [("watch", "true"), ("resourceVersion", resource_version),
+                        ("allowWatchBookmarks", "true"), ("timeoutSeconds", str(max(1, round(timeout))))]
+        read = self.opts.read_timeout
+        deadline = aiohttp.ClientTimeout(total=timeout + read, sock_connect=read, sock_read=read)
+        async with await self._get(query, deadline) as resp:
+            await raise_for_status(resp)
+            while True:
+                line = await _readline(resp)
+                if not line:
+                    return
+                if not line.endswith(b"\n"):
+                    raise SourceError("watch stream cut in the middle of an event")
+                if line.strip():
+                    yield decode_event(line)
+
+    async def _get_list(self, query: Query) -> ListBody:
+        timeout = aiohttp.ClientTimeout(total=self.opts.list_timeout, sock_read=self.opts.read_timeout)
+        async with await self._get(query, timeout) as resp:
+            await raise_for_status(resp)
+            body = decode_json(await resp.read(), resp.content_type)
+        if not isinstance(body.get("items", []), list) or not str(body.get("kind", "List")).endswith("List"):
+            raise SourceError(f"GET {self.path}: not a list (kind {body.get('kind')!r})")
+        return cast(ListBody, body)
+
+    async def _get(self, query: Query, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        resp = await self.api.call_api(
+            self.path, "GET", query_params=query + self.selectors,
+            header_params={"Accept": "application/json"}, auth_settings=["BearerToken"],
+            response_types_map={}, _preload_content=False, _request_timeout=timeout)
+        return cast(aiohttp.ClientResponse, resp)
+
+
+async def _readline(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.content.readline()
+    except ValueError as err:  # aiohttp: one line larger than its read buffer
+        raise SourceError(f"watch event too large: {err}") from None
+
+
+def _list_resource_version(meta: Mapping[str, Any]) -> str:
+    rv = meta.get("resourceVersion")
+    if not isinstance(rv, str) or not rv:
+        raise SourceError("list without metadata.resourceVersion")
+    return rv
+
+
+async def raise_for_status(resp: aiohttp.ClientResponse) -> None:
+    """Turn a non-2xx answer into Gone or ApiError, with the Status message or a page excerpt."""
+    if 200 <= resp.status < 300:
+        return
+    raw = await resp.content.read(4096)
+    try:
+        status = decode_json(raw, resp.content_type)
+    except SourceError:
+        status = {}
+    if status.get("kind") == "Status":
+        err = status_error({"code": resp.status, **status})
+        raise err
+    if resp.status == 410:
+        raise Gone(f"HTTP 410 {resp.reason}")
+    raise ApiError(f"HTTP {resp.status} {resp.reason}: {excerpt(raw, resp.content_type)}", resp.status)
+
+
+def decode_json(raw: bytes, content_type: str) -> dict[str, Any]:
+    """A JSON object from a body, or a SourceError saying what came instead (an HTML page...)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise SourceError(f"expected JSON, got {content_type or 'no content type'}: {excerpt(raw, content_type)}") from None
+    if not isinstance(body, dict):
+        raise SourceError(f"expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def decode_event(line: bytes) -> WatchEvent:
+    """One watch line as a WatchEvent; a SourceError for anything else."""
+    body = decode_json(line, "watch stream")
+    kind, obj = body.get("type"), body.get("object")
+    if not isinstance(kind, str) or not isinstance(obj, dict):
+        raise SourceError(f"malformed watch event: {excerpt(line, 'application/json')}")
+    return WatchEvent(type=kind, object=obj)
+
+
+_TAG = re.compile(rb"<[^>]*>")
+
+
+def excerpt(raw: bytes, content_type: str, limit: int = 120) -> str:
+    """The start of a body for a log line; markup stripped from HTML error pages."""
+    if "html" in content_type or raw.lstrip()[:1] == b"<":
+        raw = _TAG.sub(b" ", raw)
+    text = " ".join(raw.decode("utf-8", "replace").split())
+    return (text[:limit] + "...") if len(text) > limit else text or "<empty body>"

@@ -1,0 +1,283 @@
+"""Kubernetes API source: v1 Services and discovery.k8s.io/v1 EndpointSlices from a live API server.
+
+As kube-proxy's config handlers over shared informers: one Reflector per resource (list, then
+watch; see reflector.py) feeds an ObjectCache, which parses raw bodies with the same functions as
+the static source and hands (previous, current) pairs to the Provider. A third Reflector follows
+this node's Node object for its `topology.kubernetes.io/zone` label.
+
+Invariants:
+- `on_services_synced` / `on_endpoint_slices_synced` are called once, after the first successful
+  list of that resource; nothing syncs before (kube-proxy's isInitialized).
+- A relist delivers deletes for objects that vanished between the two lists and nothing for
+  objects that did not change; it never flushes.
+- An unreachable API server changes nothing: the Provider keeps the last known state and the
+  datapaths keep serving it. Only the server can delete.
+- An invalid object is logged naming object and field, counted in `usproxy_config_errors{kind}`,
+  and its previous good version stays in force; other objects are unaffected.
+- Filtering as kube-proxy: `!service.kubernetes.io/headless` as a server-side label selector on
+  both resources; headless and ExternalName Services, and objects whose
+  `service.kubernetes.io/service-proxy-name` names another proxy, skipped client-side (a label
+  selector cannot say "absent or usproxy").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import suppress
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+import yaml
+
+from usproxy.admin.metrics import Metrics
+from usproxy.config import ProxyConfig
+from usproxy.endpoint_slice import EndpointSlice, parse_endpoint_slice
+from usproxy.errors import ConfigError
+from usproxy.service import PROXY_NAME, PROXY_NAME_LABEL, Service, parse_service, skip_reason
+from usproxy.sources import Provider
+from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICES, ApiListWatch
+from usproxy.sources.reflector import RawObject, Reflector, ReflectorOptions
+from usproxy.types import NamespacedName
+
+log = logging.getLogger(__name__)
+
+HEADLESS_LABEL = "service.kubernetes.io/headless"
+ZONE_LABEL = "topology.kubernetes.io/zone"
+LABEL_SELECTOR = f"!{HEADLESS_LABEL}"  # kube-proxy's server-side filter (cmd/kube-proxy/app/server.go)
+USER_AGENT = "usproxy/0.1.0"
+
+T = TypeVar("T")
+
+
+class NodeAwareProvider(Provider, Protocol):
+    """A Provider that also takes this node's name and zone (the Proxier reads both at sync)."""
+
+    node_name: str | None
+    zone: str | None
+
+
+def _key(raw: RawObject) -> NamespacedName | None:
+    meta = raw.get("metadata")
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("name"), str):
+        return None
+    ns = meta.get("namespace")
+    return NamespacedName(ns if isinstance(ns, str) and ns else "default", meta["name"])
+
+
+class ObjectCache(Generic[T]):
+    """Parsed objects of one kind by namespace/name: the Store of one Reflector.
+
+    Delivers (previous, current) pairs only for real change; keeps the last good version of an
+    object whose new version does not parse.
+    """
+
+    def __init__(self, kind: str, *, parse: Callable[[RawObject], T], skip: Callable[[RawObject], str | None],
+                 deliver: Callable[[T | None, T | None], None], on_synced: Callable[[], None],
+                 on_error: Callable[[str], None]) -> None:
+        self.kind = kind
+        self.parse = parse
+        self.skip = skip
+        self.deliver = deliver
+        self.on_synced = on_synced
+        self.on_error = on_error
+        self.objects: dict[NamespacedName, T] = {}
+        self.skipped: set[NamespacedName] = set()
+        self.synced = False
+
+    def replace(self, items: list[dict[str, Any]]) -> None:
+        """A full list: deletes for what vanished, updates for what changed, then synced once."""
+        present = {k for k in map(_key, items) if k is not None}
+        for name in [n for n in self.objects if n not in present]:
+            self.deliver(self.objects.pop(name), None)
+        self.skipped &= present
+        for raw in items:
+            self.upsert(raw)
+        if not self.synced:
+            self.synced = True
+            self.on_synced()
+
+    def upsert(self, obj: dict[str, Any]) -> None:
+        name = _key(obj)
+        if name is None:
+            self._invalid(ConfigError("metadata.name: required", obj=self.kind))
+            return
+        why = self.skip(obj)
+        if why is not None:
+            self._skip(name, why)
+            return
+        self.skipped.discard(name)
+        try:
+            current = self.parse(obj)
+        except ConfigError as err:
+            self._invalid(err, kept=name in self.objects)
+            return
+        previous = self.objects.get(name)
+        if previous != current:
+            self.objects[name] = current
+            self.deliver(previous, current)
+
+    def delete(self, obj: dict[str, Any]) -> None:
+        name = _key(obj)
+        if name is None:
+            return
+        self.skipped.discard(name)
+        if name in self.objects:
+            self.deliver(self.objects.pop(name), None)
+
+    def _skip(self, name: NamespacedName, why: str) -> None:
+        if name not in self.skipped:
+            log.info("%s %s: %s; not proxied", self.kind, name, why)
+            self.skipped.add(name)
+        if name in self.objects:  # e.g. a Service relabelled for another proxy: it leaves us
+            self.deliver(self.objects.pop(name), None)
+
+    def _invalid(self, err: ConfigError, kept: bool = False) -> None:
+        log.error("%s; %s", err, "keeping its previous version" if kept else "skipped")
+        self.on_error(self.kind)
+
+
+def slice_skip_reason(raw: RawObject) -> str | None:
+    """Why kube-proxy would not see this EndpointSlice (its informer's label selector)."""
+    meta = raw.get("metadata")
+    labels = meta.get("labels") if isinstance(meta, Mapping) else None
+    if not isinstance(labels, Mapping):
+        return None
+    if labels.get(PROXY_NAME_LABEL) not in (None, PROXY_NAME):
+        return f"labelled {PROXY_NAME_LABEL}={labels.get(PROXY_NAME_LABEL)}"
+    if HEADLESS_LABEL in labels:
+        return f"labelled {HEADLESS_LABEL}"
+    return None
+
+
+class NodeZone:
+    """Store of this node's Node object: copies its zone label to the Provider.
+
+    The zone narrows endpoints by topology hints (trafficDistribution PreferClose). A zone that
+    changes after the first sync applies to each ServicePort at its next change.
+    """
+
+    def __init__(self, node_name: str, provider: NodeAwareProvider) -> None:
+        self.node_name = node_name
+        self.provider = provider
+
+    def replace(self, items: list[dict[str, Any]]) -> None:
+        mine = [n for n in items if (n.get("metadata") or {}).get("name") == self.node_name]
+        if not mine:
+            log.warning("Node %s not found; topology zone unknown", self.node_name)
+        for node in mine:
+            self.upsert(node)
+
+    def upsert(self, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        if meta.get("name") != self.node_name:
+            return
+        labels = meta.get("labels") or {}
+        zone = labels.get(ZONE_LABEL) if isinstance(labels, Mapping) else None
+        zone = zone if isinstance(zone, str) and zone else None
+        if zone != self.provider.zone:
+            log.info("Node %s: zone %s", self.node_name, zone or "<none>")
+            self.provider.zone = zone
+
+    def delete(self, obj: dict[str, Any]) -> None:
+        """A deleted Node keeps its last zone: the proxy keeps serving until it is stopped."""
+
+
+ClientConfig = Callable[[], Awaitable[Any]]
+
+
+def client_config(kubeconfig: Path | None) -> ClientConfig:
+    """Check the kubeconfig (or in-cluster environment) now; return how to build the Configuration.
+
+    Raises ConfigError naming the file when it cannot be used (`usproxy run` exits 2).
+    """
+    from kubernetes_asyncio.client import Configuration
+    from kubernetes_asyncio.config import ConfigException
+    from kubernetes_asyncio.config.incluster_config import load_incluster_config
+    from kubernetes_asyncio.config.kube_config import KubeConfigLoader, KubeConfigMerger
+
+    if kubeconfig is None:
+        configuration = Configuration()
+        try:
+            load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        except ConfigException as err:
+            raise ConfigError(str(err), obj="in-cluster configuration") from None
+
+        async def in_cluster() -> Any:
+            return configuration
+        return in_cluster
+    where = f"kubeconfig {kubeconfig}"
+    if not kubeconfig.is_file():
+        raise ConfigError("no such file", obj=where)
+    try:
+        loader = KubeConfigLoader(config_dict=KubeConfigMerger(str(kubeconfig)).config, config_base_path=None)
+    except (ConfigException, OSError, yaml.YAMLError, KeyError, TypeError, AttributeError) as err:
+        raise ConfigError(f"cannot use: {' '.join(str(err).split())}", obj=where) from None
+
+    async def from_file() -> Any:
+        configuration = Configuration()
+        try:
+            await loader.load_and_set(configuration)
+        except (ConfigException, OSError, KeyError, TypeError, ValueError) as err:
+            raise ConfigError(f"cannot use: {' '.join(str(err).split())}", obj=where) from None
+        return configuration
+    return from_file
+
+
+class KubeSource:
+    """Feeds a Provider from a live API server: Services, EndpointSlices, and this node's zone."""
+
+    def __init__(self, cfg: ProxyConfig, provider: NodeAwareProvider, metrics: Metrics | None = None, *,
+                 options: ReflectorOptions | None = None, node_wait: float = 5.0) -> None:
+        self.provider = provider
+        self.metrics = metrics
+        self.options = options or ReflectorOptions()
+        self.node_wait = node_wait
+        # kube-proxy: --hostname-override, else the node's hostname (NODE_NAME is read by ProxyConfig)
+        self.node_name = cfg.node_name or socket.gethostname().lower()
+        if provider.node_name is None:
+            provider.node_name = self.node_name
+        self._client_config = client_config(cfg.kubeconfig)
+        self.services: ObjectCache[Service] = ObjectCache(
+            "Service", parse=parse_service, skip=skip_reason, deliver=provider.on_service_update,
+            on_synced=provider.on_services_synced, on_error=self._count_error)
+        self.slices: ObjectCache[EndpointSlice] = ObjectCache(
+            "EndpointSlice", parse=parse_endpoint_slice, skip=slice_skip_reason,
+            deliver=provider.on_endpoint_slice_update, on_synced=provider.on_endpoint_slices_synced,
+            on_error=self._count_error)
+        self.node = NodeZone(self.node_name, provider)
+        self.reflectors: dict[str, Reflector] = {}
+
+    def _count_error(self, kind: str) -> None:
+        if self.metrics is not None:
+            self.metrics.config_errors.labels(kind).inc()
+
+    async def run(self) -> None:
+        """Run the reflectors until cancelled. The Node is looked up first (for at most
+        `node_wait` seconds) so the first sync already knows the zone."""
+        from kubernetes_asyncio.client import ApiClient
+
+        configuration = await self._client_config()
+        async with ApiClient(configuration) as api:
+            api.user_agent = USER_AGENT
+            self.reflectors = self._reflectors(api)
+            async with asyncio.TaskGroup() as tasks:
+                node = self.reflectors["node"]
+                tasks.create_task(node.run(), name="reflector-node")
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(node.attempted.wait(), self.node_wait)
+                for name in ("services", "endpointslices"):
+                    tasks.create_task(self.reflectors[name].run(), name=f"reflector-{name}")
+
+    def _reflectors(self, api: Any) -> dict[str, Reflector]:
+        opts = self.options
+        node_lw = ApiListWatch(api, NODES, field_selector=f"metadata.name={self.node_name}", options=opts)
+        svc_lw = ApiListWatch(api, SERVICES, label_selector=LABEL_SELECTOR, options=opts)
+        eps_lw = ApiListWatch(api, ENDPOINT_SLICES, label_selector=LABEL_SELECTOR, options=opts)
+        return {
+            "node": Reflector(f"Node {self.node_name}", node_lw, self.node, opts),
+            "services": Reflector("Services", svc_lw, self.services, opts),
+            "endpointslices": Reflector("EndpointSlices", eps_lw, self.slices, opts),
+        }
