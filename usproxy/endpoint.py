@@ -14,7 +14,7 @@ from usproxy.service_port import ServicePort
 from usproxy.types import IPAddress, format_hostport
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     """One endpoint of one ServicePort: address, port and EndpointSlice conditions."""
 
@@ -33,6 +33,13 @@ class Endpoint:
 
     def __str__(self) -> str:
         return format_hostport(self.ip, self.port)
+
+    def sort_key(self) -> tuple[int, int, int]:
+        """Order by family, address, port: IPv4 and IPv6 endpoints sort together safely."""
+        return (self.ip.version, int(self.ip), self.port)
+
+    def __lt__(self, other: Endpoint) -> bool:
+        return self.sort_key() < other.sort_key()
 
 
 def usable(endpoints: Iterable[Endpoint]) -> tuple[Endpoint, ...]:

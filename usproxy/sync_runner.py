@@ -56,11 +56,15 @@ class FakeClock:
             self.now = max(self.now, due[0][0])
             due[0][1].set_result(None)
             self._sleepers = [(t, f) for t, f in self._sleepers if not f.done()]
-            for _ in range(5):
-                await asyncio.sleep(0)
+            await _settle()
         self.now = target
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await _settle()
+
+
+async def _settle(rounds: int = 20) -> None:
+    """Let woken tasks run (a FakeClock helper)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
 
 
 class SyncRunner:
@@ -84,7 +88,8 @@ class SyncRunner:
         self.retry_interval = retry_interval if retry_interval is not None else max(min_interval, 1.0)
         self.clock: Clock = clock or RealClock()
         self._on_queued = on_queued
-        self._wake = asyncio.Event()
+        self._kick = asyncio.Event()  # re-evaluate: a request arrived or the schedule moved
+        self._requested = False
         self._tokens = float(self.burst_runs)
         self._last_refill = self.clock.monotonic()
         self._next_run = self.clock.monotonic() + max_interval
@@ -95,11 +100,13 @@ class SyncRunner:
         """Ask for a sync as soon as the frequency bound allows."""
         if self._on_queued is not None:
             self._on_queued()
-        self._wake.set()
+        self._requested = True
+        self._kick.set()
 
     def retry_after(self, seconds: float) -> None:
+        """Run again within `seconds` even if nothing asks for it."""
         self._next_run = min(self._next_run, self.clock.monotonic() + seconds)
-        self._wake.set()
+        self._kick.set()
 
     def _take_token_delay(self) -> float:
         now = self.clock.monotonic()
@@ -112,16 +119,19 @@ class SyncRunner:
         return (1.0 - self._tokens) / rate
 
     async def _wait(self) -> None:
-        timeout = self._next_run - self.clock.monotonic()
-        if self._wake.is_set() or timeout <= 0:
-            return
-        waiter = asyncio.ensure_future(self._wake.wait())
-        sleeper = asyncio.ensure_future(self.clock.sleep(timeout))
-        try:
-            await asyncio.wait({waiter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (waiter, sleeper):
-                t.cancel()
+        """Until a sync was requested or the next scheduled run is due."""
+        while not self._requested:
+            timeout = self._next_run - self.clock.monotonic()
+            if timeout <= 0:
+                return
+            self._kick.clear()
+            waiter = asyncio.ensure_future(self._kick.wait())
+            sleeper = asyncio.ensure_future(self.clock.sleep(timeout))
+            try:
+                await asyncio.wait({waiter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (waiter, sleeper):
+                    t.cancel()
 
     async def loop(self) -> None:
         """Run forever (until cancelled)."""
@@ -131,7 +141,7 @@ class SyncRunner:
             while delay > 0:
                 await self.clock.sleep(delay)
                 delay = self._take_token_delay()
-            self._wake.clear()
+            self._requested = False
             await self._run_once()
 
     async def _run_once(self) -> None:

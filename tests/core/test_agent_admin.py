@@ -1,0 +1,103 @@
+"""The agent with a fake datapath over real HTTP on loopback: /healthz and /livez (kube-proxy's
+JSON, 503 when a queued change waited too long), /metrics with kube-proxy names, /services, a
+manifest edit (atomic rename) visible within 1 s, a broken edit keeping the last good state."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from usproxy.admin.health import evaluate
+from usproxy.agent import Agent
+from usproxy.config import ProxyConfig
+from usproxy.datapath import FakeDatapath
+
+SVC = """\
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: default}}
+spec:
+  clusterIP: 10.96.10.10
+  ports: [{{name: http, port: {port}, targetPort: 8080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: web-1, namespace: default, labels: {{kubernetes.io/service-name: web}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints: [{{addresses: [10.244.1.5]}}]
+"""
+
+
+def write(path: Path, text: str) -> None:
+    tmp = path.with_name("." + path.name + ".tmp")
+    tmp.write_text(text)
+    os.rename(tmp, path)
+
+
+@pytest.fixture
+async def agent(tmp_path: Path) -> Any:
+    write(tmp_path / "svc.yaml", SVC.format(port=80))
+    cfg = ProxyConfig(services=tmp_path, healthz_bind_address="127.0.0.1:0",
+                      metrics_bind_address="127.0.0.1:0", min_sync_period=0.05)
+    a = Agent(cfg, datapaths=[FakeDatapath("userspace")])
+    await a.start()
+    try:
+        yield a
+    finally:
+        await a.shutdown()
+
+
+async def get(a: Agent, role: str, path: str) -> tuple[int, Any]:
+    host, port = a.admin.bound[role]
+    async with aiohttp.ClientSession() as s, s.get(f"http://{host}:{port}{path}") as r:
+        return r.status, (await r.json() if "json" in r.content_type else await r.text())
+
+
+async def wait_for(cond: Any, timeout: float = 1.0) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if await cond():
+            return time.monotonic() - start
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+async def test_healthz_livez_metrics_services(agent: Agent) -> None:
+    async def synced() -> bool:
+        return agent.proxier.last_updated is not None
+    await wait_for(synced)
+    for path in ("/healthz", "/livez"):
+        status, body = await get(agent, "healthz", path)
+        assert status == 200 and set(body) == {"lastUpdated", "currentTime", "nodeEligible"}
+    status, text = await get(agent, "metrics", "/metrics")
+    assert status == 200 and "kubeproxy_sync_proxy_rules_duration_seconds_count" in text
+    assert "kubeproxy_sync_proxy_rules_last_timestamp_seconds" in text
+    status, rows = await get(agent, "metrics", "/services")
+    assert [(r["servicePortName"], r["port"], r["endpoints"][0]["address"]) for r in rows] == [
+        ("default/web:http", 80, "10.244.1.5:8080")]
+
+
+async def test_edit_shows_within_one_second_and_broken_edit_keeps_state(agent: Agent, tmp_path: Path) -> None:
+    write(tmp_path / "svc.yaml", SVC.format(port=81))
+
+    async def port_is(p: int) -> bool:
+        _, rows = await get(agent, "metrics", "/services")
+        return bool(rows) and rows[0]["port"] == p
+    await wait_for(lambda: port_is(81))
+    write(tmp_path / "svc.yaml", "kind: Service\n  broken: [")
+    await asyncio.sleep(0.5)
+    assert await port_is(81)
+    assert agent.metrics.config_errors.labels("manifest")._value.get() >= 1
+
+
+def test_health_rule_follows_kube_proxy() -> None:
+    assert evaluate(None, None, 60, now=1000).healthy  # starting up
+    assert evaluate(900, 990, 60, now=1000).healthy  # queued 10 s ago
+    assert not evaluate(900, 930, 60, now=1000).healthy  # queued 70 s ago, never synced since

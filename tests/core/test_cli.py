@@ -1,0 +1,40 @@
+"""The CLI: a manifest that cannot be parsed gives exit 2 naming the problem; missing input is a
+usage error; `usproxy check` prints its table; status/flows without an agent exit 1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+USPROXY = [sys.executable, "-m", "usproxy"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*USPROXY, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_garbage_file_exits_2_naming_it(tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("apiVersion: v1\nkind: Service\n  metadata: [\n")
+    res = run("run", "--services", str(f), "--healthz-bind-address", "127.0.0.1:0",
+              "--metrics-bind-address", "127.0.0.1:0")
+    assert res.returncode == 2
+    assert f"{f}: cannot parse" in res.stderr
+
+
+def test_missing_path_exits_2(tmp_path: Path) -> None:
+    res = run("run", "--services", str(tmp_path / "nope"))
+    assert res.returncode == 2 and "no such file or directory" in res.stderr
+
+
+def test_check_prints_table() -> None:
+    res = run("check")
+    assert res.returncode == 0
+    for cap in ("interface bridge", "nftables", "bpf cgroup hooks", "conntrack"):
+        assert cap in res.stdout
+
+
+def test_status_without_agent_exits_1() -> None:
+    res = run("status", "--metrics-bind-address", "127.0.0.1:1")
+    assert res.returncode == 1 and "cannot reach the agent" in res.stderr

@@ -1,0 +1,68 @@
+"""KubeProxyConfiguration loading: known fields map to ProxyConfig, unknown ones are named in a
+warning, durations parse Go's form, flags override the file, bad values name the field."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from usproxy.cli import build_parser, config_from_args
+from usproxy.config import load_kube_proxy_configuration, parse_duration
+from usproxy.errors import ConfigError
+
+CONFIG = """\
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+healthzBindAddress: 0.0.0.0:11256
+metricsBindAddress: 127.0.0.1:11249
+clientConnection:
+  kubeconfig: /etc/kubernetes/proxy.conf
+  qps: 5
+nodePortAddresses: [192.0.2.0/24]
+conntrack:
+  maxPerCore: 1000
+  min: 5000
+  udpTimeout: 45s
+iptables:
+  minSyncPeriod: 500ms
+  syncPeriod: 1m0s
+ipvs:
+  scheduler: rr
+"""
+
+
+def test_known_fields_and_unknown_warned(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    f = tmp_path / "kp.yaml"
+    f.write_text(CONFIG)
+    with caplog.at_level(logging.WARNING):
+        cfg = load_kube_proxy_configuration(f)
+    assert cfg.healthz_bind_address == "0.0.0.0:11256"
+    assert str(cfg.kubeconfig) == "/etc/kubernetes/proxy.conf"
+    assert cfg.nodeport_addresses == ("192.0.2.0/24",)
+    assert (cfg.min_sync_period, cfg.sync_period, cfg.udp_idle_timeout) == (0.5, 60.0, 45.0)
+    assert cfg.conntrack_max(cores=2) == 5000 and cfg.conntrack_max(cores=8) == 8000
+    assert "clientConnection.qps" in caplog.text and "ipvs.scheduler" in caplog.text
+
+
+def test_flags_override_file(tmp_path: Path) -> None:
+    f = tmp_path / "kp.yaml"
+    f.write_text(CONFIG)
+    args = build_parser().parse_args(["run", "--config", str(f), "--healthz-bind-address", "127.0.0.1:1",
+                                      "--udp-idle-timeout", "2s"])
+    cfg = config_from_args(args)
+    assert cfg.healthz_bind_address == "127.0.0.1:1" and cfg.udp_idle_timeout == 2.0
+    assert cfg.metrics_bind_address == "127.0.0.1:11249"
+
+
+@pytest.mark.parametrize("text,seconds", [("30s", 30.0), ("1m0s", 60.0), ("250ms", 0.25), ("1h", 3600.0), (5, 5.0)])
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text, "x") == seconds
+
+
+def test_bad_value_names_file_and_field(tmp_path: Path) -> None:
+    f = tmp_path / "kp.yaml"
+    f.write_text("kind: KubeProxyConfiguration\nconntrack:\n  udpTimeout: soon\n")
+    with pytest.raises(ConfigError, match=r"KubeProxyConfiguration .*kp.yaml: conntrack.udpTimeout: not a duration"):
+        load_kube_proxy_configuration(f)

@@ -1,0 +1,166 @@
+"""Parsing Services and EndpointSlices from kubectl output: every Service type, skips, multi-slice
+merging, dual-stack, named targetPorts, unset conditions, JSON, and errors naming object and field
+(with hypothesis fuzzing: garbled input gives ConfigError, never a crash)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.core.fixtures import KUBECTL_OUTPUT
+from usproxy.endpoint_slice_cache import EndpointSliceCache
+from usproxy.errors import ConfigError
+from usproxy.manifest import objects_from, parse_documents
+from usproxy.types import NamespacedName, ServicePortName
+
+WEB_HTTP = ServicePortName("default", "web", "http", "TCP")
+
+
+def load() -> Any:
+    return objects_from(parse_documents(KUBECTL_OUTPUT))
+
+
+def test_kubectl_list_loads_unchanged() -> None:
+    m = load()
+    assert m.errors == []
+    assert set(m.services) == {NamespacedName("default", "web"), NamespacedName("shop", "lb"),
+                               NamespacedName("kube-system", "kube-dns")}
+    assert len(m.slices) == 5
+
+
+def test_skips_headless_externalname_and_other_proxies() -> None:
+    skipped = " ".join(load().skipped)
+    assert "default/headless: headless" in skipped
+    assert "default/ext: type ExternalName" in skipped
+    assert "service-proxy-name=somebody-else" in skipped
+
+
+def test_nodeport_service_ports() -> None:
+    web = load().services[NamespacedName("default", "web")]
+    sp = web.ports[WEB_HTTP]
+    assert (sp.port, sp.node_port, sp.target_port, sp.service_type) == (80, 30080, "http", "NodePort")
+    assert sp.cluster_ips == (ipaddress.ip_address("10.96.10.10"),)
+    assert sp.session_affinity == "None" and sp.affinity_timeout == 10800
+
+
+def test_loadbalancer_dual_stack_affinity_and_external_ips() -> None:
+    lb = load().services[NamespacedName("shop", "lb")]
+    sp = lb.ports[ServicePortName("shop", "lb", "", "TCP")]
+    assert [str(ip) for ip in sp.cluster_ips] == ["10.96.20.1", "fd00:96::14"]
+    assert [str(ip) for ip in sp.external_ips] == ["203.0.113.7"]
+    assert [str(ip) for ip in sp.load_balancer_ips] == ["198.51.100.20"]
+    assert (sp.session_affinity, sp.affinity_timeout, sp.external_traffic_policy) == ("ClientIP", 600, "Local")
+
+
+def test_same_port_number_tcp_and_udp_are_two_service_ports() -> None:
+    dns = load().services[NamespacedName("kube-system", "kube-dns")]
+    assert {(p.port, p.protocol) for p in dns.ports} == {("dns", "UDP"), ("dns-tcp", "TCP")}
+
+
+def test_multi_slice_merge_named_target_port_and_conditions() -> None:
+    cache = EndpointSliceCache()
+    for es in load().slices.values():
+        cache.apply(None, es)
+    eps = cache.endpoints_for(NamespacedName("default", "web"))[WEB_HTTP]
+    by_ip = {str(e.ip): e for e in eps}
+    assert set(by_ip) == {"10.244.1.10", "10.244.2.10", "10.244.3.10"}
+    assert all(e.port == 8080 for e in eps)  # targetPort "http" resolved by the slice
+    assert (by_ip["10.244.2.10"].ready, by_ip["10.244.2.10"].serving, by_ip["10.244.2.10"].terminating) == (False, True, True)
+    unset = by_ip["10.244.3.10"]  # conditions {}: ready and serving default to true
+    assert (unset.ready, unset.serving, unset.terminating) == (True, True, False)
+
+
+def test_dual_stack_slices_merge_per_family() -> None:
+    cache = EndpointSliceCache()
+    for es in load().slices.values():
+        cache.apply(None, es)
+    eps = cache.endpoints_for(NamespacedName("shop", "lb"))[ServicePortName("shop", "lb", "", "TCP")]
+    assert sorted(str(e.ip) for e in eps) == ["10.244.5.5", "fd00:244::5"]
+
+
+def test_json_input_loads_like_yaml() -> None:
+    as_json = json.dumps(yaml.safe_load(KUBECTL_OUTPUT))
+    assert set(objects_from(parse_documents(as_json)).services) == set(load().services)
+
+
+def test_multi_document_yaml() -> None:
+    docs = yaml.safe_load(KUBECTL_OUTPUT)["items"]
+    text = "\n---\n".join(yaml.safe_dump(d) for d in docs)
+    assert len(objects_from(parse_documents(text)).slices) == 5
+
+
+BAD_CASES = [
+    ({"spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 0}]}}, "Service default/x: spec.ports[0].port: must be between 1 and 65535, got 0"),
+    ({"spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80, "protocol": "ICMP"}]}}, "spec.ports[0].protocol: must be one of TCP, UDP, SCTP"),
+    ({"spec": {"clusterIP": "10.96.0.999", "ports": [{"port": 80}]}}, "spec.clusterIPs[0]: not a valid IP address"),
+    ({"spec": {"ports": [{"port": 80}]}}, "spec.clusterIP: required"),
+    ({"spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}, {"port": 81}]}}, "spec.ports[0].name: required when a Service has more than one port"),
+    ({"spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}], "sessionAffinity": "Cookie"}}, "spec.sessionAffinity: must be one of None, ClientIP"),
+    ({"spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}], "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}}}},
+     "spec.sessionAffinityConfig.clientIP.timeoutSeconds: must be between 1 and 86400"),
+    ({"spec": {"clusterIP": "10.96.0.1", "ports": "80"}}, "spec.ports: must be a list"),
+]
+
+
+@pytest.mark.parametrize("body,message", BAD_CASES)
+def test_bad_service_is_reported_by_object_and_field_and_skipped(body: dict[str, Any], message: str) -> None:
+    good = {"kind": "Service", "metadata": {"name": "ok"}, "spec": {"clusterIP": "10.96.0.2", "ports": [{"port": 80}]}}
+    bad = {"kind": "Service", "metadata": {"name": "x"}, **body}
+    m = objects_from([bad, good])
+    assert [str(e) for e in m.errors][0].startswith("Service default/x: ")
+    assert message in str(m.errors[0])
+    assert NamespacedName("default", "ok") in m.services  # the other Service is unaffected
+
+
+def test_refused_endpoint_addresses_are_dropped() -> None:
+    es = {"kind": "EndpointSlice", "addressType": "IPv4",
+          "metadata": {"name": "s", "labels": {"kubernetes.io/service-name": "x"}},
+          "ports": [{"port": 80}],
+          "endpoints": [{"addresses": [a]} for a in ("127.0.0.1", "169.254.1.1", "224.0.0.1", "0.0.0.0", "10.244.1.1")]}
+    m = objects_from([es])
+    eps = m.slices[NamespacedName("default", "s")].endpoints[ServicePortName("default", "x", "", "TCP")]
+    assert [str(e.ip) for e in eps] == ["10.244.1.1"]
+
+
+def test_slice_without_service_label_is_an_error() -> None:
+    m = objects_from([{"kind": "EndpointSlice", "metadata": {"name": "s"}, "endpoints": []}])
+    assert "EndpointSlice default/s: metadata.labels[kubernetes.io/service-name]: required" in str(m.errors[0])
+
+
+def test_unparsable_text_raises_config_error_naming_source() -> None:
+    with pytest.raises(ConfigError, match="^f.yaml: cannot parse"):
+        parse_documents("kind: Service\n  bad: [", "f.yaml")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-70000, 70000) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(kind=st.sampled_from(["Service", "EndpointSlice", "List"]), body=st.dictionaries(
+    st.sampled_from(["metadata", "spec", "status", "ports", "endpoints", "addressType", "items"]),
+    json_values, max_size=5))
+def test_fuzzed_objects_give_config_errors_never_crashes(kind: str, body: dict[str, Any]) -> None:
+    try:
+        m = objects_from(parse_documents(json.dumps({"kind": kind, **body})))
+    except ConfigError:
+        return
+    for err in m.errors:
+        assert isinstance(err, ConfigError) and str(err)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=200))
+def test_fuzzed_text_gives_config_error_or_objects(text: str) -> None:
+    try:
+        objects_from(parse_documents(text))
+    except ConfigError as err:
+        assert str(err).startswith("<input>")

@@ -1,0 +1,105 @@
+"""Proxier with a FakeDatapath: no sync before every source listed, only changed ServicePorts are
+handed over, a failed sync makes the next one full, endpoints equal to a ClusterIP are refused,
+and traffic policies shape cluster/external endpoints."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from usproxy.datapath import FakeDatapath
+from usproxy.endpoint import Endpoint, categorize
+from usproxy.endpoint_slice import EndpointSlice
+from usproxy.proxier import Proxier
+from usproxy.service import Service
+from usproxy.service_port import ServicePort
+from usproxy.types import NamespacedName, ServicePortName
+
+
+def spn(name: str) -> ServicePortName:
+    return ServicePortName("default", name, "", "TCP")
+
+
+def service(name: str, ip: str, **kw: object) -> Service:
+    p = spn(name)
+    return Service(NamespacedName("default", name),
+                   {p: ServicePort(p, (ipaddress.ip_address(ip),), 80, 8080, **kw)})  # type: ignore[arg-type]
+
+
+def eps(name: str, *ips: str, node: str | None = None, ready: bool = True) -> EndpointSlice:
+    e = tuple(Endpoint(ipaddress.ip_address(i), 8080, ready=ready, node_name=node) for i in ips)
+    return EndpointSlice(NamespacedName("default", name + "-1"), NamespacedName("default", name), "IPv4", {spn(name): e})
+
+
+async def test_no_sync_before_all_sources_listed() -> None:
+    fake = FakeDatapath()
+    p = Proxier([fake])
+    p.on_service_update(None, service("a", "10.96.0.1"))
+    p.on_services_synced()
+    await p.sync()
+    assert fake.syncs == []
+    p.on_endpoint_slices_synced()
+    await p.sync()
+    assert len(fake.syncs) == 1 and fake.syncs[0].full
+
+
+async def test_only_changed_service_ports_are_synced() -> None:
+    fake = FakeDatapath()
+    p = Proxier([fake])
+    p.on_services_synced()
+    p.on_endpoint_slices_synced()
+    for n, ip in (("a", "10.96.0.1"), ("b", "10.96.0.2")):
+        p.on_service_update(None, service(n, ip))
+        p.on_endpoint_slice_update(None, eps(n, "10.244.1.1"))
+    await p.sync()
+    p.on_endpoint_slice_update(eps("b", "10.244.1.1"), eps("b", "10.244.2.2"))
+    await p.sync()
+    last = fake.syncs[-1]
+    assert set(last.changes) == {spn("b")} and not last.full
+    assert {str(e.ip) for e in last.removed_endpoints[spn("b")]} == {"10.244.1.1"}
+    assert fake.dump() == ("default/a/TCP 10.96.0.1:80 -> 10.244.1.1:8080\n"
+                           "default/b/TCP 10.96.0.2:80 -> 10.244.2.2:8080")
+    p.on_service_update(service("a", "10.96.0.1"), None)
+    await p.sync()
+    assert fake.syncs[-1].changes == {spn("a"): None}
+
+
+async def test_failed_sync_makes_next_sync_full() -> None:
+    fake = FakeDatapath()
+    p = Proxier([fake])
+    p.on_services_synced()
+    p.on_endpoint_slices_synced()
+    p.on_service_update(None, service("a", "10.96.0.1"))
+    await p.sync()
+    p.on_service_update(None, service("b", "10.96.0.2"))
+    fake.fail_next = 1
+    try:
+        await p.sync()
+    except RuntimeError:
+        pass
+    await p.sync()
+    assert fake.syncs[-1].full and set(fake.syncs[-1].changes) == {spn("a"), spn("b")}
+
+
+async def test_endpoint_equal_to_a_cluster_ip_is_refused() -> None:
+    fake = FakeDatapath()
+    p = Proxier([fake])
+    p.on_services_synced()
+    p.on_endpoint_slices_synced()
+    p.on_service_update(None, service("a", "10.96.0.1"))
+    p.on_service_update(None, service("b", "10.96.0.2"))
+    p.on_endpoint_slice_update(None, eps("a", "10.96.0.2", "10.244.1.1"))
+    await p.sync()
+    assert [str(e.ip) for e in fake.state[spn("a")].cluster_endpoints] == ["10.244.1.1"]
+
+
+def test_traffic_policies_and_terminating_fallback() -> None:
+    sp = service("a", "10.96.0.1", internal_traffic_policy="Local", external_traffic_policy="Cluster").ports[spn("a")]
+    here = Endpoint(ipaddress.ip_address("10.244.1.1"), 80, node_name="me")
+    there = Endpoint(ipaddress.ip_address("10.244.2.2"), 80, node_name="other")
+    cat = categorize(sp, (here, there), "me")
+    assert cat.cluster == (here,) and cat.external == (here, there)
+    dying = Endpoint(ipaddress.ip_address("10.244.3.3"), 80, ready=False, serving=True, terminating=True)
+    gone = Endpoint(ipaddress.ip_address("10.244.4.4"), 80, ready=False, serving=False, terminating=True)
+    plain = service("b", "10.96.0.2").ports[spn("b")]
+    assert categorize(plain, (dying, gone), None).cluster == (dying,)
+    assert categorize(plain, (dying, here), None).cluster == (here,)
