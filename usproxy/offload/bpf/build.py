@@ -1,0 +1,106 @@
+"""Compile sock_lb.c into a BPF object, at set-up or on first use.
+
+`python -m usproxy.offload.bpf.build` (the README's set-up step) writes sock_lb-<hash>.o next to
+the source, named after the source's sha256. `object_path()` uses the object whose name matches the
+current source, prebuilt or in a cache directory, and otherwise compiles into the cache, so an
+edited source is never served by a stale object. The flags are those ../shared/PLATFORM.md found to work here
+(clang -target bpf -O2 -g); -mcpu=v3 gives the atomic fetch-and-add the round-robin counter uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from usproxy.errors import OffloadError
+
+SOURCE = Path(__file__).with_name("sock_lb.c")
+INCLUDE = "/usr/include/x86_64-linux-gnu"
+CLANG_CANDIDATES = ("clang", "clang-16", "clang-15", "clang-14")
+
+
+def source_hash() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(os.environ.get("USPROXY_BPF_CACHE", str(Path(base) / "usproxy" / "bpf")))
+
+
+def find_clang() -> str | None:
+    for name in CLANG_CANDIDATES:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def compile_object(out: Path) -> Path:
+    """Compile SOURCE into `out` (atomically: a reader never sees half an object)."""
+    clang = find_clang()
+    if clang is None:
+        raise OffloadError("no clang to compile the BPF programs (apt-get install clang libbpf-dev)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".o.tmp")
+    os.close(fd)
+    cmd = [clang, "-target", "bpf", "-O2", "-g", "-mcpu=v3", "-Wall", f"-I{INCLUDE}",
+           "-c", str(SOURCE), "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise OffloadError(f"clang failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def _object_name(digest: str) -> str:
+    return f"sock_lb-{digest[:16]}.o"
+
+
+def object_path() -> Path:
+    """A BPF object built from the current source: prebuilt, cached, or compiled now."""
+    override = os.environ.get("USPROXY_BPF_OBJECT")
+    if override:
+        return Path(override)
+    name = _object_name(source_hash())
+    prebuilt = SOURCE.with_name(name)
+    if prebuilt.exists():
+        return prebuilt
+    cached = cache_dir() / name
+    if cached.exists():
+        return cached
+    return compile_object(cached)
+
+
+def build_prebuilt() -> Path:
+    """Compile next to the source (the set-up step); drop objects of older sources."""
+    out = compile_object(SOURCE.with_name(_object_name(source_hash())))
+    for old in SOURCE.parent.glob("sock_lb-*.o"):
+        if old != out:
+            old.unlink()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m usproxy.offload.bpf.build",
+                                     description="compile usproxy's BPF socket load balancer")
+    parser.add_argument("--cache", action="store_true", help="build into the cache, not the package")
+    args = parser.parse_args(argv)
+    try:
+        out = object_path() if args.cache else build_prebuilt()
+    except OffloadError as err:
+        print(f"usproxy: {err}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""BpfDatapath: the KernelDatapath that balances Services at connect(), as Cilium's socket LB.
+
+Programs attached to a cgroup v2 directory (`--bpf-cgroup`) rewrite the destination of connect()
+and of unconnected UDP sendmsg() from a ClusterIP to an endpoint, and rewrite it back at recvmsg()
+and getpeername() (Cilium bpf/bpf_sock.c: sock4_connect, sock4_sendmsg, sock4_recvmsg,
+sock4_getpeername). So it serves only `local` traffic: sockets of processes in that cgroup subtree
+(every process on the node for the cgroup v2 root, pods included). Packets arriving from elsewhere
+(NodePort, externalIPs) never pass these hooks and stay with nftables or the relay.
+
+Invariants: `apply` writes per changed element and is all-or-nothing (a journal restores every
+element on failure); maps, programs and links are pinned, so an agent that exits leaves traffic
+flowing and a new one reads the maps back instead of rebuilding them; `cleanup` removes it all.
+A ServicePort without usable endpoints is installed with count 0: connect() and sendmsg() fail
+with ECONNREFUSED at once (field case C01).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from usproxy.datapath import ServicePortState
+from usproxy.endpoint import Endpoint
+from usproxy.offload.bpf import libbpf as bpf
+from usproxy.offload.bpf import loader
+from usproxy.offload.bpf.layout import (
+    F_AFFINITY,
+    F_MAGLEV,
+    F_ROUND_ROBIN,
+    PROTO_NAMES,
+    PROTO_NUMBERS,
+    FlowVal,
+    SvcKey,
+)
+from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want, address_family
+from usproxy.offload.kernel_datapath import Capability, TrafficKind
+from usproxy.types import ServicePortName, format_hostport
+
+log = logging.getLogger(__name__)
+
+Selection = Literal["random", "roundRobin", "maglev"]
+FLOW_ROWS_MAX = 10000
+
+
+def spn_from_key(text: str) -> ServicePortName | None:
+    """Parse ServicePortName.key() ("ns/name:port/TCP" or "ns/name/TCP") back."""
+    rest, _, proto = text.rpartition("/")
+    ns, _, name_port = rest.partition("/")
+    name, _, port = name_port.partition(":")
+    if proto not in ("TCP", "UDP", "SCTP") or not ns or not name:
+        return None
+    return ServicePortName(ns, name, port, proto)  # type: ignore[arg-type]
+
+
+class BpfDatapath:
+    """Socket load balancing in cgroup BPF hooks (see the module docstring).
+
+    `selection` is the default for ServicePorts without usproxy.io/lb-policy: "random" (a random
+    slot per TCP connect, as Cilium), "roundRobin" (a shared counter per ServicePort) or "maglev"
+    (Cilium's Maglev tables: a socket's hash keeps its endpoint when others come and go). UDP
+    always hashes the socket cookie, so one socket keeps one endpoint (Cilium's sock_local_cookie).
+    """
+
+    name = "bpf"
+    traffic: frozenset[TrafficKind] = frozenset({"local"})
+
+    def __init__(self, cgroup: Path = Path("/sys/fs/cgroup/unified"),
+                 pin_root: Path = loader.DEFAULT_PIN_ROOT, *, selection: Selection = "random") -> None:
+        self.cgroup = cgroup
+        self.pins = loader.PinLayout(pin_root)
+        self.selection = selection
+        self._lb: loader.SockLB | None = None
+        self._tables: Tables | None = None
+        self._groups: dict[int, Group] = {}  # service id -> group
+        self._by_spn: dict[ServicePortName, dict[int, int]] = {}  # spn -> family -> service id
+        self.last_writes = 0  # map elements written by the last apply (tests: cost ∝ change)
+
+    # -- capability -------------------------------------------------------------------------
+    def probe(self) -> Capability:
+        """BPF syscall, cgroup v2 at `cgroup`, bpffs, and an object to load. Never raises."""
+        try:
+            detail = self._probe()
+        except Exception as err:  # noqa: BLE001 - a probe reports, it never raises
+            return Capability("bpf", False, f"{type(err).__name__}: {err}")
+        if detail is not None:
+            return Capability("bpf", False, detail)
+        return Capability("bpf", True, f"socket LB at connect() for cgroup {self.cgroup}; pins in {self.pins.base}")
+
+    def _probe(self) -> str | None:
+        if not self.cgroup.is_dir() or loader.mount_type(self.cgroup) != "cgroup2":
+            return f"no cgroup v2 at {self.cgroup} (--bpf-cgroup)"
+        try:
+            os.close(bpf.map_create(bpf.BPF_MAP_TYPE_ARRAY, "usp_probe", 4, 4, 1))
+        except bpf.BpfError as err:
+            return f"BPF unavailable: {err}"
+        if loader.mount_type(loader.BPFFS) != "bpf" and not loader.BPFFS.is_dir():
+            return f"no bpffs at {loader.BPFFS} and nowhere to mount it"
+        from usproxy.offload.bpf.build import object_path
+
+        object_path()  # compiles on first use; raises OffloadError when it cannot
+        return None
+
+    def unsupported(self, state: ServicePortState) -> str | None:
+        """Why the socket LB cannot serve this ServicePort, or None."""
+        sp = state.service_port
+        if sp.protocol not in PROTO_NUMBERS:
+            return f"{sp.protocol}: the socket LB handles TCP and UDP only"
+        if not sp.cluster_ips:
+            return "headless Service: no ClusterIP to translate"
+        if sp.lb_policy == "leastConnections":
+            return "leastConnections: the socket LB keeps no per-endpoint connection counts"
+        return None
+
+    # -- KernelDatapath ---------------------------------------------------------------------
+    def _open(self) -> Tables:
+        if self._tables is None:
+            lb = loader.SockLB(self.pins, self.cgroup)
+            lb.open()
+            self._lb, self._tables = lb, Tables(lb.maps)
+            self._groups = self._tables.read_groups()
+            self._drop_orphans(self._tables)
+            self._index()
+            log.info("bpf socket LB attached to %s (%s, %d service groups)", self.cgroup,
+                     "maps read back from pins" if lb.reused else "new maps", len(self._groups))
+        return self._tables
+
+    def _drop_orphans(self, tables: Tables) -> None:
+        """Groups without a frontend or a readable name (an agent that died mid-write) go."""
+        orphans = [g for g in self._groups.values() if not g.frontends or spn_from_key(g.name) is None]
+        if not orphans:
+            return
+        journal = Journal()
+        for g in orphans:
+            tables.remove_group(journal, g)
+            del self._groups[g.id]
+        log.warning("bpf: removed %d orphaned service groups found in the pinned maps", len(orphans))
+
+    def _index(self) -> None:
+        self._by_spn = {}
+        for sid, g in self._groups.items():
+            spn = spn_from_key(g.name)
+            if spn is not None and g.frontends:
+                family = address_family(min(g.frontends).ip)
+                self._by_spn.setdefault(spn, {})[family] = sid
+
+    async def apply(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> None:
+        """Install or remove ServicePorts in one transaction. Raises OffloadError."""
+        tables = self._open()
+        journal = Journal()
+        ids = IdAllocator(self._groups, (b for g in self._groups.values() for b in g.backends))
+        groups, by_spn = dict(self._groups), {k: dict(v) for k, v in self._by_spn.items()}
+        try:
+            for spn in sorted(changes):
+                self._apply_one(tables, journal, ids, groups, by_spn, spn, changes[spn])
+        except Exception:
+            journal.rollback()
+            raise
+        self._groups, self._by_spn = groups, {k: v for k, v in by_spn.items() if v}
+        self.last_writes = journal.writes
+
+    def _apply_one(self, tables: Tables, j: Journal, ids: IdAllocator, groups: dict[int, Group],
+                   by_spn: dict[ServicePortName, dict[int, int]], spn: ServicePortName,
+                   state: ServicePortState | None) -> None:
+        wants = self._wants(spn, state) if state is not None else {}
+        have = by_spn.setdefault(spn, {})
+        for family, sid in sorted(have.items()):
+            if family not in wants:
+                tables.remove_group(j, groups.pop(sid))
+                del have[family]
+        for family, want in sorted(wants.items()):
+            old = groups.get(have[family]) if family in have else None
+            g = tables.sync_group(j, old, want, ids)
+            groups[g.id] = g
+            have[family] = g.id
+
+    def _wants(self, spn: ServicePortName, state: ServicePortState) -> dict[int, Want]:
+        """One Want per IP family of the ServicePort's ClusterIPs."""
+        sp = state.service_port
+        proto = PROTO_NUMBERS[sp.protocol]
+        out: dict[int, Want] = {}
+        for ip in sp.cluster_ips:
+            family = address_family(ip)
+            eps = sorted({ep.address for ep in state.cluster_endpoints if address_family(ep.ip) == family})
+            out[family] = Want(spn.key(), frozenset({SvcKey(ip, sp.port, proto)}), tuple(eps),
+                               sp.affinity_timeout, self._flags(state))
+        return out
+
+    def _flags(self, state: ServicePortState) -> int:
+        sp = state.service_port
+        flags = F_AFFINITY if sp.session_affinity == "ClientIP" else 0
+        policy = sp.lb_policy or self.selection
+        if self.selection == "maglev" and sp.lb_policy is None:
+            return flags | F_MAGLEV
+        return flags | (F_ROUND_ROBIN if policy == "roundRobin" else 0)
+
+    async def read_back(self) -> dict[ServicePortName, tuple[Endpoint, ...]]:
+        """The ServicePorts the pinned maps hold, with the endpoints their slots name."""
+        self._open()
+        out: dict[ServicePortName, list[Endpoint]] = {}
+        for spn, families in self._by_spn.items():
+            for sid in families.values():
+                g = self._groups[sid]
+                out.setdefault(spn, []).extend(Endpoint(g.backends[b][0], g.backends[b][1]) for b in g.slots)
+        return {spn: tuple(sorted(eps)) for spn, eps in out.items()}
+
+    async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
+        """Affinity to removed endpoints is purged by `apply`; unconnected UDP sockets pick a new
+        endpoint at their next send. Connected UDP sockets keep the address they connected to
+        (the socket LB rewrote connect() itself): they are counted and logged here."""
+        if self._tables is None or not removed:
+            return
+        gone = {(ep.ip, ep.port) for eps in removed.values() for ep in eps}
+        stuck = [f for f in self._flows() if f.proto == PROTO_NUMBERS["UDP"] and (f.be_ip, f.be_port) in gone]
+        if stuck:
+            log.warning("bpf: %d UDP sockets still connected to removed endpoints; they recover "
+                        "when the application reconnects", len(stuck))
+
+    def _flows(self) -> list[FlowVal]:
+        assert self._tables is not None
+        items = bpf.map_items(self._tables.fds["usp_flows"], FlowVal.KEY_SIZE, FlowVal.SIZE)
+        return [FlowVal.unpack(v) for _, v in items[:FLOW_ROWS_MAX]]
+
+    def flows_view(self) -> list[dict[str, Any]]:
+        """Sockets the programs steered and that are still open, in the /flows row format."""
+        if self._tables is None:
+            return []
+        now = time.monotonic_ns()
+        return [self._flow_row(f, now) for f in self._flows()]
+
+    def _flow_row(self, f: FlowVal, now: int) -> dict[str, Any]:
+        g = self._groups.get(f.svc_id)
+        proto = PROTO_NAMES.get(f.proto, str(f.proto))
+        return {
+            "protocol": proto, "state": "CONNECTED" if proto == "TCP" else "STEERED",
+            "age": max(0, now - f.created) / 1e9, "idle": max(0, now - f.last) / 1e9,
+            "original": {"src": f"netns:{f.netns}", "dst": format_hostport(f.svc_ip, f.svc_port)},
+            "reply": {"src": format_hostport(f.be_ip, f.be_port), "dst": f"netns:{f.netns}"},
+            "packets_in": f.packets, "bytes_in": 0, "packets_out": 0, "bytes_out": 0,
+            "datapath": "bpf", "service": _spn_text(g.name) if g else f"<service {f.svc_id}>",
+        }
+
+    def dump(self, *, counters: bool = False) -> str:
+        """Stable text of the installed maps; `counters` adds per-endpoint selection counts."""
+        if self._tables is None:
+            return ""
+        selected = {b: v.selected for b, v in self._tables.backends().items()} if counters else {}
+        lines = [f"bpf cgroup={self.cgroup} pins={self.pins.base}"]
+        for g in sorted(self._groups.values(), key=lambda g: (g.name, g.id)):
+            lines += _group_lines(g, selected)
+        return "\n".join(lines)
+
+    def affinity_view(self) -> list[dict[str, Any]]:
+        """Live affinity entries: client netns, service, endpoint, seconds since last use."""
+        if self._tables is None:
+            return []
+        now = time.monotonic_ns()
+        out = []
+        for e in self._tables.affinity():
+            g = self._groups.get(e.svc_id)
+            addr = g.backends.get(e.backend_id) if g else None
+            out.append({"client": f"netns:{e.client}", "service": _spn_text(g.name) if g else str(e.svc_id),
+                        "endpoint": format_hostport(*addr) if addr else str(e.backend_id),
+                        "idle": max(0, now - e.last_used) / 1e9})
+        return out
+
+    async def cleanup(self) -> None:
+        """Detach every program and remove every pin (`usproxy run --cleanup`)."""
+        self.close()
+        for what in loader.remove(self.pins):
+            log.info("bpf cleanup: removed %s", what)
+        self._groups, self._by_spn = {}, {}
+
+    def close(self) -> None:
+        """Release this process's fds; pinned programs and maps stay (agent restart, C20)."""
+        if self._lb is not None:
+            self._lb.close()
+        self._lb, self._tables = None, None
+
+
+def _spn_text(key: str) -> str:
+    spn = spn_from_key(key)
+    return str(spn) if spn else key
+
+
+def _group_lines(g: Group, selected: dict[int, int]) -> list[str]:
+    flags = [n for bit, n in ((F_AFFINITY, "affinity"), (F_MAGLEV, "maglev"), (F_ROUND_ROBIN, "roundRobin"))
+             if g.val.flags & bit] or ["random"]
+    head = f"service {g.name} id={g.id} count={g.val.count} select={','.join(flags)}"
+    if g.val.flags & F_AFFINITY:
+        head += f" timeout={g.val.affinity_timeout}s"
+    lines = [head]
+    for key in sorted(g.frontends):
+        lines.append(f"  frontend {format_hostport(key.ip, key.port)}/{PROTO_NAMES.get(key.proto, key.proto)}")
+    for i, bid in enumerate(g.slots, 1):
+        ip, port = g.backends[bid]
+        extra = f" selected={selected.get(bid, 0)}" if selected else ""
+        lines.append(f"  slot {i} -> backend {bid} {format_hostport(ip, port)}{extra}")
+    if g.maglev is not None:
+        lines.append(f"  maglev table {len(g.maglev)} entries")
+    return lines

@@ -1,0 +1,242 @@
+"""The socket LB in the kernel: load the object, attach it to a cgroup, pin maps and links.
+
+Pins live under `<pin_root>/v<LAYOUT_VERSION>/` on bpffs: `maps/<map>` and `links/<program>`.
+Because the links are pinned, programs stay attached and maps keep their contents when the agent
+exits; an agent restart reuses the pinned maps (the new programs are loaded against them) and swaps
+each pinned link to its new program with BPF_LINK_UPDATE, so there is no moment without a program
+(field case C20). `remove()` detaches and unpins everything (`usproxy run --cleanup`).
+
+Links are attached with BPF_LINK_CREATE in multi-attach mode: programs of others on the same cgroup
+stay, as Cilium's socket LB coexists with other cgroup programs (bpf/bpf_sock.c hooks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from usproxy.offload.bpf import libbpf as bpf
+from usproxy.offload.bpf.build import object_path
+from usproxy.offload.bpf.layout import LAYOUT_VERSION
+
+log = logging.getLogger(__name__)
+
+BPFFS = Path("/sys/fs/bpf")
+DEFAULT_PIN_ROOT = BPFFS / "usproxy"
+
+PROGRAMS: dict[str, int] = {
+    "usp_connect4": bpf.BPF_CGROUP_INET4_CONNECT,
+    "usp_connect6": bpf.BPF_CGROUP_INET6_CONNECT,
+    "usp_sendmsg4": bpf.BPF_CGROUP_UDP4_SENDMSG,
+    "usp_sendmsg6": bpf.BPF_CGROUP_UDP6_SENDMSG,
+    "usp_recvmsg4": bpf.BPF_CGROUP_UDP4_RECVMSG,
+    "usp_recvmsg6": bpf.BPF_CGROUP_UDP6_RECVMSG,
+    "usp_getpeername4": bpf.BPF_CGROUP_INET4_GETPEERNAME,
+    "usp_getpeername6": bpf.BPF_CGROUP_INET6_GETPEERNAME,
+    "usp_sock_release": bpf.BPF_CGROUP_INET_SOCK_RELEASE,
+}
+MAPS = ("usp_services", "usp_slots", "usp_backends", "usp_affinity", "usp_revnat", "usp_flows",
+        "usp_maglev", "usp_names")
+
+
+# -- mounts ------------------------------------------------------------------------------------
+
+def mount_type(path: Path) -> str | None:
+    """The filesystem type of the mount that holds `path` (longest mount point prefix)."""
+    best, fstype = "", None
+    target = str(path.resolve()) if path.exists() else str(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            mnt = fields[4].replace("\\040", " ")
+            sep = fields.index("-")
+            inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) >= len(best):
+                best, fstype = mnt, fields[sep + 1]
+    return fstype
+
+
+def ensure_bpffs(where: Path = BPFFS) -> bool:
+    """Mount bpffs at `where` if nothing is mounted there; True when this call mounted it."""
+    if mount_type(where) == "bpf":
+        return False
+    where.mkdir(parents=True, exist_ok=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                           ctypes.c_void_p]
+    if libc.mount(b"bpf", str(where).encode(), b"bpf", 0, None) != 0:
+        err = ctypes.get_errno()
+        raise bpf.BpfError(f"mount bpffs at {where}: {os.strerror(err)}", err)
+    log.info("mounted bpffs at %s", where)
+    return True
+
+
+def cgroup_id(cgroup: Path) -> int:
+    """The cgroup id the kernel reports in link fdinfo: the cgroup directory's inode."""
+    return os.stat(cgroup).st_ino
+
+
+# -- pins --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PinLayout:
+    """Where one usproxy instance pins its objects."""
+
+    root: Path
+
+    @property
+    def base(self) -> Path:
+        return self.root / f"v{LAYOUT_VERSION}"
+
+    @property
+    def maps(self) -> Path:
+        return self.base / "maps"
+
+    @property
+    def links(self) -> Path:
+        return self.base / "links"
+
+    def exists(self) -> bool:
+        return self.maps.is_dir()
+
+
+@contextlib.contextmanager
+def _fd(path: Path) -> Iterator[int | None]:
+    """An fd for a pinned object, or None when nothing is pinned there."""
+    try:
+        fd = bpf.obj_get(str(path))
+    except bpf.BpfError as err:
+        if err.errno == errno.ENOENT:
+            yield None
+            return
+        raise
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+class SockLB:
+    """The loaded socket LB of one pin layout: map fds by name; programs live in pinned links."""
+
+    def __init__(self, pins: PinLayout, cgroup: Path) -> None:
+        self.pins = pins
+        self.cgroup = cgroup
+        self.maps: dict[str, int] = {}
+        self.reused = False  # maps came from pins (an agent restart), not created empty
+
+    def open(self) -> None:
+        """Load programs against the pinned maps (creating and pinning missing ones), then attach
+        or swap every link. Raises BpfError; on failure nothing attached before is detached."""
+        if self.pins.root.is_relative_to(BPFFS):
+            ensure_bpffs(BPFFS)
+        self.pins.maps.mkdir(parents=True, exist_ok=True)
+        self.pins.links.mkdir(parents=True, exist_ok=True)
+        obj = bpf.BpfObject(str(object_path()))
+        try:
+            self.reused = self._reuse_maps(obj)
+            obj.load()
+            self._pin_new_maps(obj)
+            self._attach_all(obj)
+        finally:
+            obj.close()
+        self.maps = {name: bpf.obj_get(str(self.pins.maps / name)) for name in MAPS}
+
+    def _reuse_maps(self, obj: bpf.BpfObject) -> bool:
+        reused = False
+        for name in obj.map_names():
+            with _fd(self.pins.maps / name) as fd:
+                if fd is not None:
+                    obj.reuse_map(name, fd)
+                    reused = True
+        return reused
+
+    def _pin_new_maps(self, obj: bpf.BpfObject) -> None:
+        for name in obj.map_names():
+            path = self.pins.maps / name
+            if not path.exists():
+                bpf.obj_pin(obj.map_fd(name), str(path))
+
+    def _attach_all(self, obj: bpf.BpfObject) -> None:
+        cg = os.open(self.cgroup, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for prog, attach_type in PROGRAMS.items():
+                self._attach(obj.prog_fd(prog), prog, attach_type, cg)
+        finally:
+            os.close(cg)
+
+    def _attach(self, prog_fd: int, prog: str, attach_type: int, cg: int) -> None:
+        path = self.pins.links / prog
+        with _fd(path) as old:
+            if old is not None and int(bpf.fdinfo(old).get("cgroup_id", "0")) == cgroup_id(self.cgroup):
+                bpf.link_update(old, prog_fd)
+                return
+            new = bpf.link_create(prog_fd, cg, attach_type)
+            try:
+                if old is not None:  # the cgroup changed: the new link first, then the old goes
+                    bpf.link_detach(old)
+                    path.unlink()
+                bpf.obj_pin(new, str(path))
+            finally:
+                os.close(new)
+
+    def close(self) -> None:
+        """Close this process's fds; pins keep programs attached and maps filled."""
+        for fd in self.maps.values():
+            os.close(fd)
+        self.maps.clear()
+
+
+def attached_links(pins: PinLayout) -> dict[str, dict[str, str]]:
+    """fdinfo of every pinned link (program name -> link_type, prog_id, cgroup_id, ...)."""
+    out: dict[str, dict[str, str]] = {}
+    if not pins.links.is_dir():
+        return out
+    for path in sorted(pins.links.iterdir()):
+        with _fd(path) as fd:
+            if fd is not None:
+                out[path.name] = bpf.fdinfo(fd)
+    return out
+
+
+def remove(pins: PinLayout) -> list[str]:
+    """Detach every pinned link and remove every pin of `pins.root`; what was removed."""
+    removed: list[str] = []
+    if not pins.root.exists():
+        return removed
+    for base in sorted(p for p in pins.root.iterdir() if p.is_dir()):  # every layout version
+        removed += _remove_links(base / "links") + _remove_tree(base)
+    with contextlib.suppress(OSError):
+        pins.root.rmdir()
+    return removed
+
+
+def _remove_links(links: Path) -> list[str]:
+    removed = []
+    if links.is_dir():
+        for path in sorted(links.iterdir()):
+            with _fd(path) as fd:
+                if fd is not None:
+                    with contextlib.suppress(bpf.BpfError):
+                        bpf.link_detach(fd)
+            path.unlink()
+            removed.append(f"link {path.name}")
+    return removed
+
+
+def _remove_tree(base: Path) -> list[str]:
+    removed = []
+    for path in sorted(base.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_dir():
+            path.rmdir()
+        else:
+            path.unlink()
+            removed.append(f"map {path.name}")
+    base.rmdir()
+    return removed

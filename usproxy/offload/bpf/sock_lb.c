@@ -1,0 +1,541 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * usproxy socket load balancer: Service translation at connect() and sendmsg(), reverse
+ * translation at recvmsg() and getpeername(), for processes in one cgroup v2 subtree.
+ *
+ * The behaviour follows Cilium's socket LB (bpf/bpf_sock.c, bpf/lib/lb.h); the code is usproxy's.
+ * Layout is mirrored in usproxy/offload/bpf/layout.py: change both together and bump
+ * LAYOUT_VERSION there (pinned maps of another layout are never reused).
+ *
+ * Addresses are 16 bytes in network order; IPv4 is held as v4-mapped IPv6 (::ffff:a.b.c.d), so
+ * one services map serves connect4, connect6 and v4-mapped addresses on IPv6 sockets alike.
+ * Ports are in network order in the low 16 bits, as in struct bpf_sock_addr.
+ *
+ * Build: clang -target bpf -O2 -g -mcpu=v3 -I/usr/include/x86_64-linux-gnu -c sock_lb.c
+ */
+#include <linux/bpf.h>
+#include <linux/in.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#define SYS_REJECT	0
+#define SYS_PROCEED	1
+#define ECONNREFUSED	111
+
+#define F_AFFINITY	(1U << 0)	/* sessionAffinity: ClientIP (per client netns, as Cilium) */
+#define F_MAGLEV	(1U << 1)	/* select through the Maglev table, not the slots */
+#define F_ROUND_ROBIN	(1U << 2)	/* TCP connect: a shared counter instead of a random draw */
+
+#define MAGLEV_M	16381		/* Maglev table size (prime), Cilium's default */
+
+#define NOT_A_SERVICE	1
+
+struct svc_key {
+	__u32 addr[4];
+	__u32 port;			/* network order, low 16 bits */
+	__u32 proto;			/* IPPROTO_TCP or IPPROTO_UDP */
+};
+
+struct svc_val {
+	__u32 count;			/* usable endpoints; 0 refuses at once */
+	__u32 id;			/* service id: slots, backends, affinity and names use it */
+	__u32 affinity_timeout;		/* seconds */
+	__u32 flags;
+	__u32 rr;			/* round-robin counter (kernel writes it) */
+	__u32 pad;
+};
+
+struct slot_key {
+	__u32 svc_id;
+	__u32 slot;			/* 1 .. count */
+};
+
+struct backend_val {
+	__u32 addr[4];
+	__u32 port;			/* network order, low 16 bits */
+	__u32 svc_id;			/* the service this backend id belongs to */
+	__u64 selected;			/* times chosen (kernel writes it) */
+};
+
+struct affinity_key {
+	__u64 client;			/* netns cookie of the connecting process */
+	__u32 svc_id;
+	__u32 pad;
+};
+
+struct affinity_val {
+	__u64 last_used;		/* CLOCK_MONOTONIC ns */
+	__u32 backend_id;
+	__u32 pad;
+};
+
+struct revnat_key {
+	__u64 cookie;			/* socket cookie */
+	__u32 addr[4];			/* backend */
+	__u32 port;
+	__u32 pad;
+};
+
+struct revnat_val {
+	__u32 addr[4];			/* service frontend */
+	__u32 port;
+	__u32 svc_id;
+};
+
+struct flow_val {
+	__u64 created;			/* CLOCK_MONOTONIC ns */
+	__u64 last;
+	__u64 netns;
+	__u64 packets;			/* connects + unconnected sends */
+	__u32 svc_id;
+	__u32 backend_id;
+	__u32 proto;
+	__u32 svc_port;
+	__u32 svc_addr[4];
+	__u32 be_addr[4];
+	__u32 be_port;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct svc_key);
+	__type(value, struct svc_val);
+} usp_services SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1 << 20);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct slot_key);
+	__type(value, __u32);
+} usp_slots SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1 << 20);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct backend_val);
+} usp_backends SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct affinity_key);
+	__type(value, struct affinity_val);
+} usp_affinity SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 262144);
+	__type(key, struct revnat_key);
+	__type(value, struct revnat_val);
+} usp_revnat SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 262144);
+	__type(key, __u64);
+	__type(value, struct flow_val);
+} usp_flows SEC(".maps");
+
+/* Not read by the programs: lets a restarted agent name what it finds (read-back). */
+struct name_val {
+	char text[256];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct name_val);
+} usp_names SEC(".maps");
+
+struct maglev_inner {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAGLEV_M);
+	__type(key, __u32);
+	__type(value, __u32);
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
+	__uint(max_entries, 65536);
+	__type(key, __u32);
+	__array(values, struct maglev_inner);
+} usp_maglev SEC(".maps");
+
+/* A fixed mixer (splitmix64's finaliser): socket cookies are sequential, selection must not be. */
+static __always_inline __u64 mix64(__u64 x)
+{
+	x ^= x >> 33;
+	x *= 0xff51afd7ed558ccdULL;
+	x ^= x >> 33;
+	x *= 0xc4ceb9fe1a85ec53ULL;
+	x ^= x >> 33;
+	return x;
+}
+
+static __always_inline void key_from_v4(struct svc_key *key, __u32 ip4, __u32 port, __u32 proto)
+{
+	key->addr[0] = 0;
+	key->addr[1] = 0;
+	key->addr[2] = bpf_htonl(0x0000ffff);
+	key->addr[3] = ip4;
+	key->port = port & 0xffff;
+	key->proto = proto;
+}
+
+static __always_inline void key_from_v6(struct svc_key *key, struct bpf_sock_addr *ctx)
+{
+	key->addr[0] = ctx->user_ip6[0];
+	key->addr[1] = ctx->user_ip6[1];
+	key->addr[2] = ctx->user_ip6[2];
+	key->addr[3] = ctx->user_ip6[3];
+	key->port = ctx->user_port & 0xffff;
+	key->proto = ctx->protocol;
+}
+
+static __always_inline int proto_handled(__u32 proto)
+{
+	return proto == IPPROTO_TCP || proto == IPPROTO_UDP;
+}
+
+/* Affinity as Cilium's lb4_affinity_backend_id_by_netns: expired entries are deleted, a hit
+ * refreshes last_used, so the timeout counts from the last new connection. */
+static __always_inline __u32 affinity_get(struct svc_val *svc, __u64 client, __u64 now)
+{
+	struct affinity_key k = { .client = client, .svc_id = svc->id };
+	struct affinity_val *v = bpf_map_lookup_elem(&usp_affinity, &k);
+
+	if (!v)
+		return 0;
+	if (v->last_used + (__u64)svc->affinity_timeout * 1000000000ULL <= now) {
+		bpf_map_delete_elem(&usp_affinity, &k);
+		return 0;
+	}
+	v->last_used = now;
+	return v->backend_id;
+}
+
+static __always_inline void affinity_put(struct svc_val *svc, __u64 client, __u64 now, __u32 id)
+{
+	struct affinity_key k = { .client = client, .svc_id = svc->id };
+	struct affinity_val v = { .last_used = now, .backend_id = id };
+
+	bpf_map_update_elem(&usp_affinity, &k, &v, BPF_ANY);
+}
+
+static __always_inline __u32 pick_maglev(struct svc_val *svc, __u64 h)
+{
+	void *table = bpf_map_lookup_elem(&usp_maglev, &svc->id);
+	__u32 idx = h % MAGLEV_M;
+	__u32 *id;
+
+	if (!table)
+		return 0;
+	id = bpf_map_lookup_elem(table, &idx);
+	return id ? *id : 0;
+}
+
+/* Slot selection as Cilium's socket LB: a random draw for TCP, the socket cookie for UDP (a
+ * datagram socket keeps its endpoint across unconnected sends), modulo the endpoint count. */
+static __always_inline __u32 pick(struct bpf_sock_addr *ctx, struct svc_val *svc)
+{
+	struct slot_key sk = { .svc_id = svc->id };
+	__u32 *id, count = svc->count;
+	__u64 h;
+
+	if (ctx->protocol == IPPROTO_UDP)
+		h = mix64(bpf_get_socket_cookie(ctx));
+	else if (svc->flags & F_ROUND_ROBIN)
+		h = __sync_fetch_and_add(&svc->rr, 1);
+	else
+		h = bpf_get_prandom_u32();
+	if (svc->flags & F_MAGLEV) {
+		__u32 mid = pick_maglev(svc, h);
+
+		if (mid)
+			return mid;
+	}
+	if (!count)
+		return 0;
+	sk.slot = (__u32)(h % count) + 1;
+	id = bpf_map_lookup_elem(&usp_slots, &sk);
+	return id ? *id : 0;
+}
+
+static __always_inline struct backend_val *backend_of(struct svc_val *svc, __u32 id)
+{
+	struct backend_val *be;
+
+	if (!id)
+		return NULL;
+	be = bpf_map_lookup_elem(&usp_backends, &id);
+	if (!be || be->svc_id != svc->id)
+		return NULL;
+	return be;
+}
+
+static __always_inline int same_revnat(const struct revnat_val *a, const struct revnat_val *b)
+{
+	return a->addr[0] == b->addr[0] && a->addr[1] == b->addr[1] && a->addr[2] == b->addr[2] &&
+	       a->addr[3] == b->addr[3] && a->port == b->port && a->svc_id == b->svc_id;
+}
+
+/* Remember the translation for this socket: the reverse entry (recvmsg, getpeername) and the
+ * flow row. Written only when it changed, so a busy unconnected UDP socket costs no update. */
+static __always_inline void remember(struct bpf_sock_addr *ctx, const struct svc_key *key,
+				     struct svc_val *svc, struct backend_val *be, __u32 be_id,
+				     __u64 now, __u64 netns)
+{
+	__u64 cookie = bpf_get_socket_cookie(ctx);
+	struct revnat_key rk = { .cookie = cookie, .port = be->port };
+	struct revnat_val rv = { .port = key->port, .svc_id = svc->id };
+	struct revnat_val *old;
+	struct flow_val *f;
+	struct flow_val nf = {};
+
+	__builtin_memcpy(rk.addr, be->addr, sizeof(rk.addr));
+	__builtin_memcpy(rv.addr, key->addr, sizeof(rv.addr));
+	old = bpf_map_lookup_elem(&usp_revnat, &rk);
+	if (!old || !same_revnat(old, &rv))
+		bpf_map_update_elem(&usp_revnat, &rk, &rv, BPF_ANY);
+
+	f = bpf_map_lookup_elem(&usp_flows, &cookie);
+	if (f && f->svc_id == svc->id && f->backend_id == be_id) {
+		f->last = now;
+		__sync_fetch_and_add(&f->packets, 1);
+		return;
+	}
+	nf.created = now;
+	nf.last = now;
+	nf.netns = netns;
+	nf.packets = 1;
+	nf.svc_id = svc->id;
+	nf.backend_id = be_id;
+	nf.proto = key->proto;
+	nf.svc_port = key->port;
+	nf.be_port = be->port;
+	__builtin_memcpy(nf.svc_addr, key->addr, sizeof(nf.svc_addr));
+	__builtin_memcpy(nf.be_addr, be->addr, sizeof(nf.be_addr));
+	bpf_map_update_elem(&usp_flows, &cookie, &nf, BPF_ANY);
+}
+
+/*
+ * Translate `key` (the destination the application asked for) to an endpoint, as Cilium's
+ * __sock4_xlate_fwd: 0 and `*out` set when translated, NOT_A_SERVICE when the address is no
+ * Service (or no slot answered: the connect proceeds untouched, as Cilium does), -ECONNREFUSED
+ * when the Service has no usable endpoint.
+ */
+static __always_inline int xlate_fwd(struct bpf_sock_addr *ctx, const struct svc_key *key,
+				     struct backend_val **out)
+{
+	struct svc_val *svc = bpf_map_lookup_elem(&usp_services, key);
+	struct backend_val *be = NULL;
+	__u64 now, netns = 0;
+	__u32 id = 0;
+
+	if (!svc)
+		return NOT_A_SERVICE;
+	if (!svc->count)
+		return -ECONNREFUSED;
+	now = bpf_ktime_get_ns();
+	netns = bpf_get_netns_cookie(ctx);
+	if (svc->flags & F_AFFINITY) {
+		id = affinity_get(svc, netns, now);
+		be = backend_of(svc, id);
+	}
+	if (!be) {
+		id = pick(ctx, svc);
+		be = backend_of(svc, id);
+		if (!be)
+			return NOT_A_SERVICE;
+		if (svc->flags & F_AFFINITY)
+			affinity_put(svc, netns, now, id);
+	}
+	__sync_fetch_and_add(&be->selected, 1);
+	remember(ctx, key, svc, be, id, now, netns);
+	*out = be;
+	return 0;
+}
+
+/* Reverse translation (Cilium's __sock4_xlate_rev): the endpoint's address becomes the
+ * Service's again, unless the Service is gone or was replaced (then the entry is dropped). */
+static __always_inline int xlate_rev(struct bpf_sock_addr *ctx, const struct svc_key *seen,
+				     struct revnat_val **out)
+{
+	struct revnat_key rk = { .cookie = bpf_get_socket_cookie(ctx), .port = seen->port };
+	struct svc_key sk = { .port = 0 };
+	struct revnat_val *rv;
+	struct svc_val *svc;
+
+	__builtin_memcpy(rk.addr, seen->addr, sizeof(rk.addr));
+	rv = bpf_map_lookup_elem(&usp_revnat, &rk);
+	if (!rv)
+		return NOT_A_SERVICE;
+	__builtin_memcpy(sk.addr, rv->addr, sizeof(sk.addr));
+	sk.port = rv->port;
+	sk.proto = seen->proto;
+	svc = bpf_map_lookup_elem(&usp_services, &sk);
+	if (!svc || svc->id != rv->svc_id) {
+		bpf_map_delete_elem(&usp_revnat, &rk);
+		return NOT_A_SERVICE;
+	}
+	*out = rv;
+	return 0;
+}
+
+static __always_inline int is_v4_mapped(const __u32 *addr)
+{
+	return addr[0] == 0 && addr[1] == 0 && addr[2] == bpf_htonl(0x0000ffff);
+}
+
+static __always_inline int fwd4(struct bpf_sock_addr *ctx)
+{
+	struct backend_val *be = NULL;
+	struct svc_key key = {};
+	int ret;
+
+	if (!proto_handled(ctx->protocol))
+		return SYS_PROCEED;
+	key_from_v4(&key, ctx->user_ip4, ctx->user_port, ctx->protocol);
+	ret = xlate_fwd(ctx, &key, &be);
+	if (ret < 0) {
+		bpf_set_retval(ret);
+		return SYS_REJECT;
+	}
+	if (ret == 0 && be && is_v4_mapped(be->addr)) {
+		ctx->user_ip4 = be->addr[3];
+		ctx->user_port = be->port;
+	}
+	return SYS_PROCEED;
+}
+
+static __always_inline int fwd6(struct bpf_sock_addr *ctx)
+{
+	struct backend_val *be = NULL;
+	struct svc_key key = {};
+	int ret;
+
+	if (!proto_handled(ctx->protocol))
+		return SYS_PROCEED;
+	key_from_v6(&key, ctx);
+	ret = xlate_fwd(ctx, &key, &be);
+	if (ret < 0) {
+		bpf_set_retval(ret);
+		return SYS_REJECT;
+	}
+	if (ret == 0 && be) {
+		ctx->user_ip6[0] = be->addr[0];
+		ctx->user_ip6[1] = be->addr[1];
+		ctx->user_ip6[2] = be->addr[2];
+		ctx->user_ip6[3] = be->addr[3];
+		ctx->user_port = be->port;
+	}
+	return SYS_PROCEED;
+}
+
+static __always_inline int rev4(struct bpf_sock_addr *ctx)
+{
+	struct revnat_val *rv = NULL;
+	struct svc_key seen = {};
+
+	if (!proto_handled(ctx->protocol))
+		return SYS_PROCEED;
+	key_from_v4(&seen, ctx->user_ip4, ctx->user_port, ctx->protocol);
+	if (xlate_rev(ctx, &seen, &rv) == 0 && rv) {
+		ctx->user_ip4 = rv->addr[3];
+		ctx->user_port = rv->port;
+	}
+	return SYS_PROCEED;
+}
+
+static __always_inline int rev6(struct bpf_sock_addr *ctx)
+{
+	struct revnat_val *rv = NULL;
+	struct svc_key seen = {};
+
+	if (!proto_handled(ctx->protocol))
+		return SYS_PROCEED;
+	key_from_v6(&seen, ctx);
+	if (xlate_rev(ctx, &seen, &rv) == 0 && rv) {
+		ctx->user_ip6[0] = rv->addr[0];
+		ctx->user_ip6[1] = rv->addr[1];
+		ctx->user_ip6[2] = rv->addr[2];
+		ctx->user_ip6[3] = rv->addr[3];
+		ctx->user_port = rv->port;
+	}
+	return SYS_PROCEED;
+}
+
+SEC("cgroup/connect4")
+int usp_connect4(struct bpf_sock_addr *ctx)
+{
+	return fwd4(ctx);
+}
+
+SEC("cgroup/connect6")
+int usp_connect6(struct bpf_sock_addr *ctx)
+{
+	return fwd6(ctx);
+}
+
+SEC("cgroup/sendmsg4")
+int usp_sendmsg4(struct bpf_sock_addr *ctx)
+{
+	return fwd4(ctx);
+}
+
+SEC("cgroup/sendmsg6")
+int usp_sendmsg6(struct bpf_sock_addr *ctx)
+{
+	return fwd6(ctx);
+}
+
+SEC("cgroup/recvmsg4")
+int usp_recvmsg4(struct bpf_sock_addr *ctx)
+{
+	return rev4(ctx);
+}
+
+SEC("cgroup/recvmsg6")
+int usp_recvmsg6(struct bpf_sock_addr *ctx)
+{
+	return rev6(ctx);
+}
+
+SEC("cgroup/getpeername4")
+int usp_getpeername4(struct bpf_sock_addr *ctx)
+{
+	return rev4(ctx);
+}
+
+SEC("cgroup/getpeername6")
+int usp_getpeername6(struct bpf_sock_addr *ctx)
+{
+	return rev6(ctx);
+}
+
+/* A socket that goes away takes its flow row and its reverse entry with it. */
+SEC("cgroup/sock_release")
+int usp_sock_release(struct bpf_sock *sk)
+{
+	__u64 cookie = bpf_get_socket_cookie(sk);
+	struct flow_val *f = bpf_map_lookup_elem(&usp_flows, &cookie);
+	struct revnat_key rk = { .cookie = cookie };
+
+	if (!f)
+		return SYS_PROCEED;
+	__builtin_memcpy(rk.addr, f->be_addr, sizeof(rk.addr));
+	rk.port = f->be_port;
+	bpf_map_delete_elem(&usp_revnat, &rk);
+	bpf_map_delete_elem(&usp_flows, &cookie);
+	return SYS_PROCEED;
+}
+
+char LICENSE[] SEC("license") = "GPL";
