@@ -1,0 +1,137 @@
+"""`usproxy explain` and `usproxy explain trace`: argument parsing and the order of the views.
+
+`main(argv)` gets everything after `explain`. Bad input raises ConfigError (usproxy/cli.py turns
+it into exit 2 with the object and field named); argparse usage errors exit 2 as well; `--live`
+with nothing readable exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from usproxy.errors import ConfigError
+from usproxy.explain import bpf, cost, iptables, ipvs, nftables, trace, userspace
+from usproxy.explain.live import read_live
+from usproxy.explain.service_set import IPNetwork, Node, ServiceSet, load_manifests, service_set
+from usproxy.types import IPAddress
+
+MODES = ("userspace", "iptables", "ipvs", "nftables", "bpf")
+TITLES = {
+    "userspace": "1. userspace: kube-proxy 1.0 portals and proxy, then usproxy's relay",
+    "iptables": "2. iptables: kube-proxy's iptables mode",
+    "ipvs": "3. ipvs: kube-proxy's IPVS mode",
+    "nftables": "4. nftables: kube-proxy's nftables mode",
+    "bpf": "5. bpf: a BPF socket load balancer (cilium-dbg views)",
+}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--services", type=Path, metavar="PATH", help="Kubernetes manifests (file or directory)")
+    p.add_argument("--kubeconfig", type=Path, help="read a live API server (not available yet)")
+    p.add_argument("--mode", default="all", choices=[*MODES, "all"])
+    p.add_argument("--node-ip", action="append", default=[], metavar="IP",
+                   help="this node's address (repeat or comma-separate); NodePort addresses")
+    p.add_argument("--node-name", metavar="NAME", help="decides which endpoints are local")
+    p.add_argument("--cluster-cidr", action="append", default=[], metavar="CIDR",
+                   help="pod CIDR: enables kube-proxy's local-traffic masquerade rules")
+    p.add_argument("--service-cidr", action="append", default=[], metavar="CIDR")
+    p.add_argument("--nft-format", choices=["list", "dump"], default="list",
+                   help="`nft list table` text, or kube-proxy's transaction lines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="usproxy explain",
+                                description="render Services as each kube-proxy mode holds them")
+    _common(p)
+    p.add_argument("--live", action="store_true", help="also show this node's running agent")
+    p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT")
+    return p
+
+
+def build_trace_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="usproxy explain trace",
+                                description="the path one new connection takes in each mode")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST:PORT/PROTO")
+    _common(p)
+    return p
+
+
+def _split(values: list[str]) -> list[str]:
+    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
+def _parsed(values: list[str], flag: str, parse: Callable[[str], object]) -> list[object]:
+    out = []
+    for v in _split(values):
+        try:
+            out.append(parse(v))
+        except ValueError as err:
+            raise ConfigError(str(err), obj="usproxy explain", field=flag) from None
+    return out
+
+
+def node_from(args: argparse.Namespace) -> Node:
+    def net(v: str) -> IPNetwork:
+        return ipaddress.ip_network(v, strict=False)
+
+    ips: list[IPAddress] = _parsed(args.node_ip, "--node-ip", ipaddress.ip_address)  # type: ignore[assignment]
+    cidrs: list[IPNetwork] = _parsed(args.cluster_cidr, "--cluster-cidr", net)  # type: ignore[assignment]
+    scidrs: list[IPNetwork] = _parsed(args.service_cidr, "--service-cidr", net)  # type: ignore[assignment]
+    return Node(args.node_name, tuple(ips), tuple(cidrs), tuple(scidrs))
+
+
+def load(args: argparse.Namespace) -> ServiceSet:
+    if args.kubeconfig is not None:
+        raise ConfigError("the API-server source is not available to explain yet; use --services",
+                          obj="usproxy explain", field="--kubeconfig")
+    if args.services is None:
+        raise ConfigError("required", obj="usproxy explain", field="--services")
+    m = load_manifests(args.services)
+    for err in m.errors[1:]:
+        print(f"usproxy: {err}", file=sys.stderr)
+    return service_set(m, node_from(args))
+
+
+def render_mode(ss: ServiceSet, mode: str, nft_format: str = "list") -> str:
+    renderers: dict[str, Callable[[ServiceSet], str]] = {
+        "userspace": userspace.render, "iptables": iptables.render, "ipvs": ipvs.render,
+        "nftables": lambda s: nftables.render(s, nft_format), "bpf": bpf.render,
+    }
+    return f"==== {TITLES[mode]} ====\n\n{renderers[mode](ss)}"
+
+
+def render_all(ss: ServiceSet, modes: tuple[str, ...], nft_format: str = "list") -> str:
+    parts = [render_mode(ss, m, nft_format) for m in modes]
+    parts.append("==== 6. why, in numbers ====\n\n" + cost.render(ss))
+    if ss.skipped:
+        parts.append("# skipped, as kube-proxy skips them:\n" + "\n".join(f"#   {s}" for s in ss.skipped) + "\n")
+    return "\n".join(parts)
+
+
+def _modes(mode: str) -> tuple[str, ...]:
+    return MODES if mode == "all" else (mode,)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["trace"]:
+        targs = build_trace_parser().parse_args(argv[1:])
+        ss = load(targs)
+        pkt = trace.parse_packet(targs.src, targs.dst, ss)
+        print(trace.render(ss, pkt, _modes(targs.mode)), end="")
+        return 0
+    args = build_parser().parse_args(argv)
+    if args.services is not None or not args.live:
+        print(render_all(load(args), _modes(args.mode), args.nft_format), end="")
+    if args.live:
+        live = read_live(args.metrics_bind_address)
+        if live is None:
+            print(f"usproxy: --live: no running agent at {args.metrics_bind_address} and no usproxy "
+                  "nftables table: nothing to show", file=sys.stderr)
+            return 1
+        print("==== 7. live: this node ====\n\n" + live, end="")
+    return 0

@@ -1,0 +1,131 @@
+"""Why, in numbers: what a new connection costs and what one endpoint change rewrites, per mode.
+
+First-packet costs come from `trace` (rules evaluated and lookups made, for a pod reaching each
+ClusterIP; mean and worst over the ServicePorts). Change costs count what each proxier writes
+when one endpoint of one ServicePort is added: iptables rewrites every top-level chain and the
+filter table in full plus that Service's own chains (kube-proxy's partial sync), nftables flushes
+and rewrites the Service's chain and adds one endpoint chain in one transaction, IPVS adds one real
+server, a BPF load balancer writes one backend, one slot and the slot-0 count, a relay writes
+nothing to the kernel. For iptables, each `-m statistic` probability is shown beside the share of
+new connections its endpoint really gets: rule i of n matches with 1/(n-i) of what reaches it, and
+(n-i)/n reaches it, so every endpoint gets 1/n.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from fractions import Fraction
+
+from usproxy.explain import iptables, nftables
+from usproxy.explain.chain_names import nft_base
+from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.explain.trace import Packet, Path, trace_iptables, trace_nftables
+from usproxy.table import render_table
+from usproxy.types import IPAddress
+
+POD_SOURCE_V4 = ipaddress.ip_address("10.255.255.254")
+POD_SOURCE_V6 = ipaddress.ip_address("fd00:ffff::fffe")
+
+
+def ladder(n: int) -> list[tuple[str, Fraction, Fraction]]:
+    """For n endpoints: (probability text, share reaching the rule, share it really gets)."""
+    out = []
+    for i in range(n):
+        text = iptables.probability(n - i) if i < n - 1 else "(always)"
+        reach = Fraction(n - i, n)
+        out.append((text, reach, reach * Fraction(1, n - i)))
+    return out
+
+
+def _pod_source(fp: FamilyPort, ss: ServiceSet) -> IPAddress:
+    cidr = ss.node.cluster_cidr(fp.family)
+    if cidr is not None:
+        return cidr[-2] if cidr.num_addresses > 2 else cidr[0]
+    return POD_SOURCE_V4 if fp.family == 4 else POD_SOURCE_V6
+
+
+def _first_packet(ss: ServiceSet, tracer: object) -> tuple[float, int, float]:
+    """Mean rules, worst rules, mean lookups for a pod reaching each ClusterIP."""
+    rules, lookups = [], []
+    for family in ss.families():
+        for fp in ss.family_ports(family):
+            pkt = Packet(_pod_source(fp, ss), fp.cluster_ip, fp.sp.port, fp.sp.protocol)
+            paths: list[Path] = tracer(ss, pkt)  # type: ignore[operator]
+            rules.append(float(sum(p.share * p.rules for p in paths)))
+            lookups.append(float(sum(p.share * p.lookups for p in paths)))
+    if not rules:
+        return 0.0, 0, 0.0
+    return sum(rules) / len(rules), int(max(rules)), sum(lookups) / len(lookups)
+
+
+def _iptables_change(ss: ServiceSet) -> tuple[int, int]:
+    """(lines written by a partial sync after one endpoint change of the largest Service, full)."""
+    full = worst = 0
+    for family in ss.families():
+        rs = iptables.build(ss, family)
+        total = len(rs.rules) + sum(len(c) for c in rs.chains.values())
+        full += total
+        own: dict[str, int] = {}
+        for r in rs.rules:
+            if r.chain.startswith(("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-SEP-")):
+                own[r.chain] = own.get(r.chain, 0) + 2  # the rule, and its chain's line
+        by_service: dict[str, int] = {}
+        for fp in ss.family_ports(family):
+            chains = {r.chain for r in rs.rules if str(fp.name) in (r.comment or "")}
+            by_service[str(fp.name.service)] = by_service.get(str(fp.name.service), 0) + sum(
+                own.get(c, 0) for c in chains)
+        others = sum(own.values())
+        mine = max(by_service.values(), default=0)
+        worst += total - others + mine
+    return worst, full
+
+
+def _nftables_change(ss: ServiceSet) -> int:
+    """Commands in the transaction that adds one endpoint to the largest ServicePort."""
+    worst = 0
+    for family in ss.families():
+        t = nftables.build(ss, family)
+        for fp in ss.family_ports(family):
+            chain = t.chains.get(f"service-{nft_base(fp.name)}")
+            rules = len(chain.rules) if chain else 0
+            # flush + rewrite the service chain, add endpoint chain + its 2 rules
+            worst = max(worst, 1 + rules + 3 + (1 if fp.sp.session_affinity == "ClientIP" else 0))
+    return worst
+
+
+def render(ss: ServiceSet) -> str:
+    ipt_mean, ipt_worst, _ = _first_packet(ss, trace_iptables)
+    nft_mean, nft_worst, nft_lookups = _first_packet(ss, trace_nftables)
+    ipt_lines, ipt_full = _iptables_change(ss)
+    n_ports = sum(len(ss.family_ports(f)) for f in ss.families())
+    rows = [
+        ["userspace (1.0)", f"~{(n_ports + 1) / 2:.1f} portal rules, then a copy through userspace",
+         "0 (in-memory list)"],
+        ["usproxy relay", "1 socket lookup (ClusterIP is a local address), then a copy",
+         "0 kernel writes"],
+        ["iptables", f"{ipt_mean:.1f} rules (worst {ipt_worst}), linear in Services",
+         f"{ipt_lines} lines of iptables-restore (full sync: {ipt_full})"],
+        ["ipvs", "2 iptables rules + 2 ipset lookups + 1 IPVS hash lookup", "1 real server (+1 ipset entry if local)"],
+        ["nftables", f"{nft_mean:.1f} rules (worst {nft_worst}), {nft_lookups:.1f} map lookups",
+         f"{_nftables_change(ss)} commands in one transaction"],
+        ["bpf", "0 rules, 3 map lookups at connect()", "3 map elements (backend, slot, slot-0 count)"],
+    ]
+    out = ["# Why, in numbers (a pod opening a new connection to each ClusterIP; one endpoint added)",
+           render_table(["MODE", "FIRST PACKET OF A NEW CONNECTION", "ONE ENDPOINT CHANGE WRITES"], rows),
+           "", "# iptables: each rule's probability and the share of new connections it really gets"]
+    out += _ladders(ss)
+    return "\n".join(out) + "\n"
+
+
+def _ladders(ss: ServiceSet) -> list[str]:
+    out, seen = [], set()
+    for family in ss.families():
+        for fp in ss.family_ports(family):
+            n = len(fp.cluster)
+            if n < 2 or (fp.name, n) in seen:
+                continue
+            seen.add((fp.name, n))
+            rows = [[f"{fp.name} -> {ep}", text, str(reach), str(share)]
+                    for ep, (text, reach, share) in zip(fp.cluster, ladder(n))]
+            out.append(render_table(["RULE", "--probability", "REACHES IT", "REALLY GETS"], rows))
+    return out or ["(no ServicePort has more than one endpoint)"]

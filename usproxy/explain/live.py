@@ -1,0 +1,59 @@
+"""`--live`: this node's real state, read (never changed) from a running agent and the kernel.
+
+Reads GET http://<metrics address>/services and /flows (JSON, see usproxy/table.py) and, when a
+`usproxy` nftables table exists, `nft list table inet usproxy` (or ip/ip6). Best effort: each
+source that cannot be read is reported as such; `read_live` returns None only when nothing at all
+could be read, so the command can exit 1 with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from typing import Any
+
+from usproxy.table import render_flows, render_services
+
+TIMEOUT = 3.0
+
+
+def _get(addr: str, path: str) -> Any:
+    with urllib.request.urlopen(f"http://{addr}{path}", timeout=TIMEOUT) as resp:
+        return json.load(resp)
+
+
+def _nft_table() -> str | None:
+    nft = shutil.which("nft")
+    if nft is None:
+        return None
+    for family in ("inet", "ip", "ip6"):
+        try:
+            done = subprocess.run([nft, "list", "table", family, "usproxy"], capture_output=True,
+                                  text=True, timeout=TIMEOUT, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if done.returncode == 0:
+            return done.stdout
+    return None
+
+
+def read_live(addr: str) -> str | None:
+    """The live view, or None when neither the agent nor the kernel table could be read."""
+    parts, got = [], False
+    for path, render in (("/services", render_services), ("/flows", render_flows)):
+        try:
+            rows = _get(addr, path)
+            parts.append(f"# live {path} from http://{addr}\n{render(rows)}\n")
+            got = True
+        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as err:
+            parts.append(f"# live {path}: not available from http://{addr} ({err})\n")
+    table = _nft_table()
+    if table is not None:
+        parts.append(f"# live: nft list table usproxy\n{table}")
+        got = True
+    else:
+        parts.append("# live: no usproxy nftables table (or nft not installed / not permitted)\n")
+    return "\n".join(parts) if got else None
