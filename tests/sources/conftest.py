@@ -38,9 +38,9 @@ def svc(name: str, ip: str, port: int = 80, ns: str = "default", **meta: Any) ->
 
 
 def eps(name: str, service: str, ips: list[str], port: int = 8080, ns: str = "default",
-        node: str = "node-a", **labels: str) -> dict[str, Any]:
+        node: str = "node-a", labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {"metadata": {"name": name, "namespace": ns,
-                         "labels": {"kubernetes.io/service-name": service, **labels}},
+                         "labels": {"kubernetes.io/service-name": service, **(labels or {})}},
             "addressType": "IPv4",
             "endpoints": [{"addresses": [ip], "conditions": {"ready": True}, "nodeName": node} for ip in ips],
             "ports": [{"name": "http", "port": port, "protocol": "TCP"}]}
@@ -61,9 +61,11 @@ class Recorder:
         self.slices: dict[NamespacedName, EndpointSlice] = {}
         self.calls: list[tuple[str, object, object]] = []
         self.synced: list[str] = []
+        self.order: list[str] = []
 
     def on_service_update(self, previous: Service | None, current: Service | None) -> None:
         self.calls.append(("service", previous, current))
+        self.order.append("service")
         assert (previous is None) == ((previous or current).name not in self.services)  # type: ignore[union-attr]
         if current is None:
             del self.services[previous.name]  # type: ignore[union-attr]
@@ -72,6 +74,7 @@ class Recorder:
 
     def on_endpoint_slice_update(self, previous: EndpointSlice | None, current: EndpointSlice | None) -> None:
         self.calls.append(("slice", previous, current))
+        self.order.append("slice")
         assert (previous is None) == ((previous or current).name not in self.slices)  # type: ignore[union-attr]
         if current is None:
             del self.slices[previous.name]  # type: ignore[union-attr]
@@ -80,9 +83,11 @@ class Recorder:
 
     def on_services_synced(self) -> None:
         self.synced.append("services")
+        self.order.append("synced:services")
 
     def on_endpoint_slices_synced(self) -> None:
         self.synced.append("endpointslices")
+        self.order.append("synced:endpointslices")
 
     def deletes(self) -> int:
         return sum(1 for _, _, cur in self.calls if cur is None)
