@@ -1,0 +1,232 @@
+"""usproxy demo: real traffic through ClusterIPs and a NodePort, in network namespaces.
+
+Builds a node namespace running the agent on a copy of examples/, three web pods and a DNS pod
+(dnsmasq), and a client namespace; sends requests to the ClusterIP and the NodePort and counts
+which pod answered; shows the flow table and `usproxy status`; asks DNS through the kube-dns
+ClusterIP with dig; edits the EndpointSlice live and shows the effect; shows that a Service with
+no endpoints is refused at once. Everything is torn down at the end, also on Ctrl-C.
+Run as root: `bash scripts/demo.sh` (or .venv/bin/python demo/run_demo.py after set-up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+USPROXY = str(ROOT / ".venv" / "bin" / "usproxy")
+PREFIX = "usdemo"
+NODE = f"{PREFIX}-node"
+PODS = {"web-1": "10.244.1.10", "web-2": "10.244.2.10", "web-3": "10.244.3.10", "coredns-1": "10.244.4.53"}
+CLIENT = ("client", "10.244.9.10")
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, check=check, text=True, capture_output=True)
+
+
+def ns(name: str) -> str:
+    return f"{PREFIX}-{name}"
+
+
+def in_ns(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return sh("ip", "netns", "exec", name, *args, check=check)
+
+
+def title(text: str) -> None:
+    print(f"\n\033[1m== {text}\033[0m", flush=True)
+
+
+class Demo:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.workdir = Path(tempfile.mkdtemp(prefix="usproxy-demo-"))
+        self.agent: subprocess.Popen[bytes] | None = None
+
+    # -- topology ----------------------------------------------------------------------------
+    def build(self) -> None:
+        teardown_leftovers()
+        sh("ip", "netns", "add", NODE)
+        in_ns(NODE, "ip", "link", "set", "lo", "up")
+        in_ns(NODE, "ip", "link", "add", "usbr0", "type", "bridge")
+        for addr in ("10.244.0.1/16", "192.0.2.10/24"):
+            in_ns(NODE, "ip", "addr", "add", addr, "dev", "usbr0")
+        in_ns(NODE, "ip", "link", "set", "usbr0", "up")
+        in_ns(NODE, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        for i, (name, ip) in enumerate([*PODS.items(), CLIENT]):
+            self.add_host(name, ip, i)
+
+    def add_host(self, name: str, ip: str, i: int) -> None:
+        n = ns(name)
+        sh("ip", "netns", "add", n)
+        in_ns(NODE, "ip", "link", "add", f"veth{i}", "type", "veth", "peer", "name", "eth0", "netns", n)
+        in_ns(NODE, "ip", "link", "set", f"veth{i}", "master", "usbr0", "up")
+        in_ns(n, "ip", "addr", "add", f"{ip}/16", "dev", "eth0")
+        in_ns(n, "ip", "link", "set", "eth0", "up")
+        in_ns(n, "ip", "link", "set", "lo", "up")
+        in_ns(n, "ip", "route", "add", "default", "via", "10.244.0.1")
+
+    def spawn(self, netns: str, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+        out = log.open("ab") if log else subprocess.DEVNULL
+        p = subprocess.Popen(["ip", "netns", "exec", netns, *args], stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def start_pods(self) -> None:
+        for name, ip in PODS.items():
+            if name.startswith("web"):
+                self.spawn(ns(name), sys.executable, str(ROOT / "demo" / "pod_server.py"), name, ip, "8080")
+        self.spawn(ns("coredns-1"), "dnsmasq", "--no-daemon", "--no-resolv", "--no-hosts", "--pid-file=",
+                   "--user=root", "--bind-interfaces", f"--listen-address={PODS['coredns-1']}",
+                   "--address=/web.default.svc.cluster.local/10.96.10.10",
+                   "--txt-record=whoami.cluster.local,coredns-1")
+        time.sleep(0.5)
+
+    def start_agent(self) -> None:
+        shutil.copytree(ROOT / "examples", self.workdir / "services")
+        log = self.workdir / "agent.log"
+        self.agent = self.spawn(NODE, USPROXY, "run", "--services", str(self.workdir / "services"),
+                                "--offload-after", "3", log=log)
+        for _ in range(100):
+            try:
+                if not self.admin("/healthz", 10256)["lastUpdated"].startswith("0001"):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise SystemExit(f"agent did not start; log:\n{log.read_text()}")
+
+    def admin(self, path: str, port: int = 10249) -> dict[str, str]:
+        out = in_ns(NODE, sys.executable, "-c",
+                    f"import urllib.request,sys;sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:{port}{path}',timeout=3).read().decode())",
+                    check=False)
+        if out.returncode != 0:
+            raise OSError(out.stderr.strip().splitlines()[-1] if out.stderr else "no answer")
+        return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+    # -- traffic -------------------------------------------------------------------------------
+    def requests(self, url: str, n: int) -> Counter[str]:
+        code = (f"import urllib.request,collections\nc=collections.Counter()\n"
+                f"for _ in range({n}):\n"
+                f"  try: c[urllib.request.urlopen('{url}',timeout=3).read().decode().strip()]+=1\n"
+                f"  except Exception as e: c['error: '+type(e).__name__]+=1\n"
+                f"print(dict(c))")
+        out = in_ns(ns(CLIENT[0]), sys.executable, "-c", code)
+        return Counter(eval(out.stdout))  # our own printed dict
+
+    def run(self) -> None:
+        title("Topology: node (agent), pods web-1..3 and coredns-1, a client; all in network namespaces")
+        self.build()
+        self.start_pods()
+        self.start_agent()
+        print(in_ns(NODE, USPROXY, "status").stdout)
+        title("30 requests to the ClusterIP http://10.96.10.10/ (round robin over three pods)")
+        show(self.requests("http://10.96.10.10/", 30))
+        title("30 requests to the NodePort http://192.0.2.10:30080/")
+        show(self.requests("http://192.0.2.10:30080/", 30))
+        self.show_flows()
+        title("DNS through the kube-dns ClusterIP: dig @10.96.0.10")
+        for q in ("web.default.svc.cluster.local A", "whoami.cluster.local TXT"):
+            print(f"$ dig +short @10.96.0.10 {q}")
+            print(in_ns(ns(CLIENT[0]), "dig", "+short", "+time=2", "+tries=1", "@10.96.0.10", *q.split()).stdout.strip())
+        title("A Service with no endpoints is refused at once (nothing listens on 10.96.20.20:80)")
+        self.refused("10.96.20.20", 80)
+        self.live_edit()
+        self.offload_phase()
+        title("Agent log (last lines)")
+        print("\n".join((self.workdir / "agent.log").read_text().splitlines()[-8:]))
+
+    def show_flows(self) -> None:
+        title("The flow table while three connections are open (usproxy flows)")
+        code = ("import socket,time,subprocess\n"
+                "s=[socket.create_connection(('10.96.10.10',80)) for _ in range(3)]\n"
+                "time.sleep(1.5)\n")
+        holder = subprocess.Popen(["ip", "netns", "exec", ns(CLIENT[0]), sys.executable, "-c", code])
+        time.sleep(0.8)
+        print(in_ns(NODE, USPROXY, "flows").stdout)
+        holder.wait()
+
+    def refused(self, ip: str, port: int) -> None:
+        code = (f"import socket,time\nt=time.monotonic()\n"
+                f"try:\n  socket.create_connection(('{ip}',{port}),timeout=3)\n  print('connected?!')\n"
+                f"except OSError as e: print(f'{{e.strerror}} after {{(time.monotonic()-t)*1000:.1f}} ms')")
+        print(in_ns(ns(CLIENT[0]), sys.executable, "-c", code).stdout.strip())
+
+    def live_edit(self) -> None:
+        title("Live edit: web-3 becomes not ready in the EndpointSlice (file rewritten atomically)")
+        path = self.workdir / "services" / "services.yaml"
+        text = path.read_text()
+        marker = "  - addresses: [10.244.3.10]\n    conditions: {ready: true, serving: true, terminating: false}"
+        edited = text.replace(marker, marker.replace("ready: true", "ready: false"), 1)
+        tmp = path.with_name(".services.yaml.tmp")
+        tmp.write_text(edited)
+        os.rename(tmp, path)
+        time.sleep(1.0)
+        show(self.requests("http://10.96.10.10/", 30))
+
+    def offload_phase(self) -> None:
+        title("Where each ServicePort is served now (usproxy status)")
+        print(in_ns(NODE, USPROXY, "status").stdout)
+        nft = in_ns(NODE, "nft", "list", "tables", check=False).stdout
+        if "usproxy" in nft:
+            title("Kernel offload: the usproxy nftables table")
+            out = in_ns(NODE, "nft", "list", "table", "ip", "usproxy", check=False).stdout
+            print("\n".join(out.splitlines()[:40]))
+
+    def close(self) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.send_signal(signal.SIGTERM)
+            try:
+                self.agent.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        teardown_leftovers()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def show(counts: Counter[str]) -> None:
+    print("answered by: " + "  ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+
+
+def teardown_leftovers() -> None:
+    listed = sh("ip", "netns", "list", check=False).stdout.split("\n")
+    for line in listed:
+        name = line.split(" ")[0]
+        if name.startswith(PREFIX + "-"):
+            for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            sh("ip", "netns", "del", name, check=False)
+
+
+def main() -> int:
+    if os.geteuid() != 0:
+        print("the demo needs root (network namespaces)", file=sys.stderr)
+        return 1
+    demo = Demo()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        demo.run()
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted: tearing down", file=sys.stderr)
+        return 130
+    finally:
+        demo.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
