@@ -1,0 +1,121 @@
+"""KernelConntrack: the kernel conntrack entries of offloaded ServicePorts, via pyroute2.
+
+Two jobs, as kube-proxy's pkg/proxy/conntrack (CleanStaleEntries): delete UDP entries whose reply
+comes from an endpoint that went away (else a one-way UDP sender keeps its DNAT to a dead endpoint
+forever, field case C03), and delete UDP entries to a frontend that had no endpoints (else a
+sender's earlier "refused" entry outlives the 0 -> N change). pyroute2's Conntrack deletes one
+entry per request. It also lists the DNATed entries of offloaded frontends for /flows.
+
+pyroute2's synchronous API cannot run inside a running event loop, so every call runs in one
+worker thread, which first enters `netns` when one is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from usproxy.types import format_hostport
+
+log = logging.getLogger(__name__)
+
+IPS_DST_NAT = 0x20
+PROTO_NUM = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
+PROTO_NAME = {v: k for k, v in PROTO_NUM.items()}
+
+FrontendKey = tuple[str, str, int]  # (address or "*" for NodePorts, PROTO, port)
+
+
+class KernelConntrack:
+    """Deletes and lists kernel conntrack entries, in `netns` when given."""
+
+    def __init__(self, netns: str | None = None) -> None:
+        self.netns = netns
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="conntrack", initializer=self._enter)
+
+    def _enter(self) -> None:
+        if self.netns is not None:
+            from pyroute2 import netns as pr_netns
+
+            pr_netns.setns(self.netns)
+
+    async def delete_udp(self, *, reply_src: Iterable[tuple[str, int]] = (),
+                         orig_dst: Iterable[tuple[str, int]] = ()) -> int:
+        """Delete UDP entries whose reply source or original destination is one of the given
+        (address, port). Returns how many were deleted."""
+        rs, od = set(reply_src), set(orig_dst)
+        if not rs and not od:
+            return 0
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._delete_udp, rs, od)
+
+    def _delete_udp(self, reply_src: set[tuple[str, int]], orig_dst: set[tuple[str, int]]) -> int:
+        from pyroute2 import Conntrack
+        from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+        deleted = 0
+        ct = Conntrack()
+        try:
+            for e in list(ct.dump_entries(tuple_orig=NFCTAttrTuple(proto=socket.IPPROTO_UDP))):
+                o, r = e.tuple_orig, e.tuple_reply
+                if (str(r.saddr), r.sport) in reply_src or (str(o.daddr), o.dport) in orig_dst:
+                    try:
+                        ct.entry("del", tuple_orig=o)
+                        deleted += 1
+                    except Exception as err:  # gone meanwhile: fine
+                        log.debug("conntrack delete %s: %s", o, err)
+        finally:
+            ct.close()
+        return deleted
+
+    def flows(self, frontends: Mapping[FrontendKey, str], datapath: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """DNATed entries to `frontends` (key -> ServicePortName text), as /flows rows."""
+        if not frontends:
+            return []
+        fut = self._pool.submit(self._flows, dict(frontends), datapath)
+        try:
+            return fut.result(timeout)
+        except Exception as err:
+            log.warning("listing kernel conntrack: %s", err)
+            return []
+
+    def _flows(self, frontends: dict[FrontendKey, str], datapath: str) -> list[dict[str, Any]]:
+        from pyroute2 import Conntrack
+
+        rows = []
+        ct = Conntrack()
+        try:
+            for e in ct.dump_entries():
+                row = _row(e, frontends, datapath)
+                if row is not None:
+                    rows.append(row)
+        finally:
+            ct.close()
+        return rows
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _row(e: Any, frontends: dict[FrontendKey, str], datapath: str) -> dict[str, Any] | None:
+    if not (e.status or 0) & IPS_DST_NAT:
+        return None
+    o, r = e.tuple_orig, e.tuple_reply
+    proto = PROTO_NAME.get(o.proto)
+    if proto is None:
+        return None
+    service = frontends.get((str(o.daddr), proto, o.dport)) or frontends.get(("*", proto, o.dport))
+    if service is None:
+        return None
+    state = e.protoinfo.state_name() if e.protoinfo is not None else ("ASSURED" if e.status & 0x4 else "UNREPLIED")
+    return {
+        "protocol": proto, "state": state, "age": 0.0, "idle": 0.0, "timeout": e.timeout,
+        "original": {"src": format_hostport(str(o.saddr), o.sport), "dst": format_hostport(str(o.daddr), o.dport)},
+        "reply": {"src": format_hostport(str(r.saddr), r.sport), "dst": format_hostport(str(r.daddr), r.dport)},
+        "packets_in": 0, "bytes_in": 0, "packets_out": 0, "bytes_out": 0,
+        "datapath": datapath, "service": service, "seen": time.time(),
+    }

@@ -1,0 +1,204 @@
+"""NftablesDatapath: the KernelDatapath that offloads ServicePorts into nftables maps.
+
+The layout and its diffs are in nftables_layout.py; the transport (libnftables in a worker thread)
+in nftables_client.py; read back after a restart in nftables_readback.py. Both families' changes go
+into one libnftables call, so one `apply` is one kernel transaction: all or nothing (as kube-proxy
+pkg/proxy/nftables/proxier.go syncProxyRules runs one knftables transaction per sync). The
+in-memory TableState changes only after the kernel accepted the transaction; after a refused one
+the table is read back, so the next diff starts from what the kernel really holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from usproxy.datapath import ServicePortState
+from usproxy.endpoint import Endpoint
+from usproxy.errors import OffloadError
+from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
+from usproxy.offload.kernel_datapath import Capability, TrafficKind
+from usproxy.offload.nftables_layout import (
+    FAMILIES,
+    TABLE,
+    Command,
+    Family,
+    PortRules,
+    TableState,
+    Transaction,
+    nft_family,
+    port_rules,
+    render,
+)
+from usproxy.offload.nftables_readback import read_table
+from usproxy.types import ServicePortName
+
+log = logging.getLogger(__name__)
+
+
+class NftTransport(Protocol):
+    """What the datapath needs from libnftables (NftClient) or its fake (FakeNftClient)."""
+
+    async def apply(self, commands: Sequence[Command]) -> None: ...
+
+    async def list_table(self, family: str, table: str) -> list[dict[str, Any]] | None: ...
+
+    def probe(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class NftablesDatapath:
+    """Kernel offload through nftables: serves locally originated and forwarded traffic."""
+
+    name = "nftables"
+    traffic: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
+
+    def __init__(self, transport: NftTransport | None = None, conntrack: KernelConntrack | None = None,
+                 *, netns: str | None = None, lb_policy: str = "roundRobin") -> None:
+        if transport is None:
+            from usproxy.offload.nftables_client import NftClient
+
+            transport = NftClient(netns)
+        self.transport = transport
+        self.conntrack = conntrack if conntrack is not None else KernelConntrack(netns)
+        self.lb_policy = lb_policy
+        self.tables: dict[Family, TableState] = {f: TableState(f) for f in FAMILIES}
+        self.transactions = 0
+
+    # -- KernelDatapath -----------------------------------------------------------------------
+    def probe(self) -> Capability:
+        try:
+            backend = self.transport.probe()
+        except Exception as err:  # never raises: the manager falls back to the relay
+            return Capability("nftables", False, f"nat table with maps and numgen refused: {err}")
+        return Capability("nftables", True, f"nat, concatenated maps, numgen ({backend})")
+
+    def unsupported(self, state: ServicePortState) -> str | None:
+        """What only the relay serves: SCTP (not offloaded), and selection policies other than
+        random (the kernel picks with `numgen random`; roundRobin, the agent default, is served
+        as random, an explicit roundRobin or leastConnections annotation is not)."""
+        sp = state.service_port
+        if sp.protocol == "SCTP":
+            return "SCTP is served by the relay only"
+        if sp.lb_policy in ("roundRobin", "leastConnections"):
+            return f"lb-policy {sp.lb_policy} is served by the relay only"
+        if sp.lb_policy is None and self.lb_policy == "leastConnections":
+            return "lb-policy leastConnections is served by the relay only"
+        return None
+
+    async def apply(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> None:
+        """One transaction for both families; OffloadError leaves the kernel unchanged."""
+        txs = [self._transaction(self.tables[f], changes) for f in FAMILIES]
+        commands = [c for tx in txs for c in tx.commands()]
+        zero_to_n = self._udp_zero_to_n(changes)
+        if commands:
+            try:
+                await self.transport.apply(commands)
+            except OffloadError:
+                await self._resync()
+                raise
+            for tx in txs:
+                tx.commit()
+            self.transactions += 1
+        if zero_to_n:
+            await self.conntrack.delete_udp(orig_dst=zero_to_n)
+
+    def _transaction(self, table: TableState, changes: Mapping[ServicePortName, ServicePortState | None]) -> Transaction:
+        tx = Transaction(table)
+        for spn, st in changes.items():
+            prev = table.rules.get(spn)
+            new = port_rules(st, table.family, prev) if st is not None else None
+            tx.update(prev, new)
+        return tx
+
+    def _udp_zero_to_n(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> set[tuple[str, int]]:
+        """UDP frontends that refused until now and get endpoints in this change (kube-proxy
+        clears their conntrack entries so earlier 'refused' flows do not stick)."""
+        out = set()
+        for spn, st in changes.items():
+            if st is None or spn.protocol != "UDP":
+                continue
+            for table in self.tables.values():
+                prev = table.rules.get(spn)
+                if prev is None:
+                    continue
+                for fe in prev.frontends:
+                    if fe.addr is not None and not prev.backend(fe.scope).targets and _has_targets(st, fe.scope):
+                        out.add((str(fe.addr), fe.port))
+        return out
+
+    async def read_back(self) -> dict[ServicePortName, tuple[Endpoint, ...]]:
+        await self._resync()
+        out: dict[ServicePortName, set[Endpoint]] = {}
+        for table in self.tables.values():
+            for spn, rules in table.rules.items():
+                out.setdefault(spn, set()).update(rules.endpoints())
+        return {spn: tuple(sorted(eps)) for spn, eps in out.items()}
+
+    async def _resync(self) -> None:
+        for f in FAMILIES:
+            try:
+                items = await self.transport.list_table(nft_family(f), TABLE)
+            except OffloadError as err:
+                log.error("reading back table %s %s: %s", nft_family(f), TABLE, err)
+                continue
+            self.tables[f] = read_table(f, items)
+
+    async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
+        targets = {(str(ep.ip), ep.port) for spn, eps in removed.items() if spn.protocol == "UDP" for ep in eps}
+        if targets:
+            n = await self.conntrack.delete_udp(reply_src=targets)
+            log.debug("deleted %d kernel conntrack entries of removed UDP endpoints", n)
+
+    def frontends(self) -> dict[FrontendKey, str]:
+        out: dict[FrontendKey, str] = {}
+        for table in self.tables.values():
+            for spn, rules in table.rules.items():
+                for fe in rules.frontends:
+                    out[(str(fe.addr) if fe.addr is not None else "*", spn.protocol, fe.port)] = str(spn)
+        return out
+
+    def flows_view(self) -> list[dict[str, Any]]:
+        return self.conntrack.flows(self.frontends(), self.name)
+
+    def dump(self) -> str:
+        lines = []
+        for table in self.tables.values():
+            for spn in sorted(table.rules):
+                lines += _dump_rules(table.rules[spn])
+        return "\n".join(lines)
+
+    async def cleanup(self) -> None:
+        """Delete the usproxy tables (both families), whether or not they exist."""
+        cmds = []
+        for f in FAMILIES:
+            cmds += [Command("add", "table", f), Command("delete", "table", f)]
+        await self.transport.apply(cmds)
+        self.tables = {f: TableState(f) for f in FAMILIES}
+
+    def close(self) -> None:
+        """Stop the worker threads; the kernel state stays (field case C20)."""
+        self.transport.close()
+        self.conntrack.close()
+
+    def installed(self) -> dict[Family, dict[ServicePortName, PortRules]]:
+        return {f: dict(t.rules) for f, t in self.tables.items()}
+
+
+def _has_targets(st: ServicePortState, scope: str) -> bool:
+    return bool(st.cluster_endpoints if scope == "cluster" else st.external_endpoints)
+
+
+def _dump_rules(r: PortRules) -> list[str]:
+    out = []
+    for fe in r.frontends:
+        be = r.backend(fe.scope)
+        eps = " ".join(t.hostport() for t in be.targets) or "reject"
+        extra = (" masq" if be.masq else "") + (f" affinity={be.affinity}s" if be.affinity else "")
+        out.append(f"{r.spn.key()} {fe.key()} -> {eps}{extra}")
+    return out
+
+
+__all__ = ["NftablesDatapath", "NftTransport", "render"]

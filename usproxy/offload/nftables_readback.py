@@ -1,0 +1,198 @@
+"""Read back: rebuild a TableState from `nft -j list table` output after an agent restart.
+
+kube-proxy's nftables mode rebuilds its whole table on the first sync; usproxy must not (field
+case C20: offloaded traffic must not notice a restart), so it reads the table back and the first
+sync applies only the difference. Verdict elements carry the ServicePortName (and " external" for
+external frontends) as their comment; slot maps give each frontend's endpoints by slot; affinity
+ServicePorts are read from their endpoint chains' `dnat` and `update ... timeout` statements.
+Anything that cannot be attributed is left to the next full sync, which replaces what differs.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from usproxy.offload.nftables_layout import (
+    Backend,
+    Family,
+    Frontend,
+    Kind,
+    PortRules,
+    Scope,
+    TableState,
+    Target,
+    parse_comment,
+    slot_chain,
+    slot_map,
+)
+from usproxy.types import ServicePortName
+
+_GROUP = re.compile(r"^(g|gm|npg|npgm)-(\d+)$")
+_VERDICT_MAPS: dict[str, Kind] = {"service-ips": "ip", "no-endpoint-services": "ip",
+                                  "service-nodeports": "np", "no-endpoint-nodeports": "np"}
+
+
+@dataclass
+class _Listing:
+    maps: dict[str, list[Any]] = field(default_factory=dict)
+    sets: dict[str, list[Any]] = field(default_factory=dict)
+    chains: set[str] = field(default_factory=set)
+    rules: dict[str, list[list[dict[str, Any]]]] = field(default_factory=dict)
+
+
+@dataclass
+class _Seen:
+    """Per ServicePort, the frontends found with their verdict target."""
+
+    frontends: list[tuple[Frontend, str]] = field(default_factory=list)
+
+
+def read_table(family: Family, items: list[dict[str, Any]] | None) -> TableState:
+    """The TableState that `items` (the JSON listing of one family's table) describes."""
+    state = TableState(family)
+    if not items:
+        return state
+    lst = _index(items)
+    state.slots = {k: _slot_count(lst, k) for k in ("ip", "np")}
+    state.groups = {c for c in lst.chains if _GROUP.match(c)}
+    seen = _verdicts(lst)
+    for spn, s in seen.items():
+        rules = _port_rules(family, spn, s, lst)
+        if rules is not None:
+            state.rules[spn] = rules
+    for rules in state.rules.values():
+        for ip in {t.ip for t in rules.targets()}:
+            state.hairpin[ip] += 1
+    return state
+
+
+def _index(items: list[dict[str, Any]]) -> _Listing:
+    lst = _Listing()
+    for it in items:
+        if "map" in it:
+            lst.maps[it["map"]["name"]] = it["map"].get("elem", [])
+        elif "set" in it:
+            lst.sets[it["set"]["name"]] = it["set"].get("elem", [])
+        elif "chain" in it:
+            lst.chains.add(it["chain"]["name"])
+        elif "rule" in it:
+            lst.rules.setdefault(it["rule"]["chain"], []).append(it["rule"].get("expr", []))
+    return lst
+
+
+def _slot_count(lst: _Listing, kind: Kind) -> int:
+    n = 0
+    while slot_map(kind, n) in lst.maps and slot_chain(kind, n) in lst.chains:
+        n += 1
+    return n
+
+
+def _verdicts(lst: _Listing) -> dict[ServicePortName, _Seen]:
+    seen: dict[ServicePortName, _Seen] = {}
+    for name, kind in _VERDICT_MAPS.items():
+        for key, value in lst.maps.get(name, []):
+            comment = key.get("elem", {}).get("comment") if isinstance(key, dict) else None
+            target = (value.get("goto") or {}).get("target") if isinstance(value, dict) else None
+            if comment is None or target is None:
+                continue
+            spn, scope = parse_comment(comment)
+            fe = _frontend(kind, _concat(key), scope)
+            if spn is not None and fe is not None:
+                seen.setdefault(spn, _Seen()).frontends.append((fe, target))
+    return seen
+
+
+def _concat(key: Any) -> list[Any]:
+    val = key.get("elem", {}).get("val", key) if isinstance(key, dict) else key
+    if isinstance(val, dict) and "concat" in val:
+        return list(val["concat"])
+    return [val]
+
+
+def _frontend(kind: Kind, parts: list[Any], scope: Scope) -> Frontend | None:
+    try:
+        if kind == "ip":
+            return Frontend(ipaddress.ip_address(parts[0]), str(parts[1]), int(parts[2]), scope)
+        return Frontend(None, str(parts[0]), int(parts[1]), "external")
+    except (ValueError, IndexError):
+        return None
+
+
+def _slot_targets(lst: _Listing, fe: Frontend, n: int) -> tuple[Target, ...] | None:
+    out = []
+    for i in range(n):
+        value = _lookup(lst.maps.get(slot_map(fe.kind, i), []), fe)
+        if value is None:
+            return None
+        out.append(value)
+    return tuple(out)
+
+
+def _lookup(elems: list[Any], fe: Frontend) -> Target | None:
+    want = fe.key()
+    for key, value in elems:
+        parts = _concat(key)
+        if " . ".join(str(p) for p in parts) == want:
+            v = _concat(value)
+            return Target(ipaddress.ip_address(v[0]), int(v[1]))
+    return None
+
+
+def _port_rules(family: Family, spn: ServicePortName, seen: _Seen, lst: _Listing) -> PortRules | None:
+    backends: dict[Scope, Backend] = {}
+    for fe, target in seen.frontends:
+        if fe.scope in backends:
+            continue
+        be = _backend(fe, target, lst)
+        if be is None:
+            return None
+        backends[fe.scope] = be
+    frontends = tuple(sorted((fe for fe, _ in seen.frontends),
+                             key=lambda f: (0 if f.addr is not None else 1, str(f.addr or ""), f.port)))
+    return PortRules(spn, family, frontends, backends.get("cluster", Backend()), backends.get("external", Backend()))
+
+
+def _backend(fe: Frontend, target: str, lst: _Listing) -> Backend | None:
+    if target == "reject-chain":
+        return Backend()
+    m = _GROUP.match(target)
+    if m:
+        targets = _slot_targets(lst, fe, int(m.group(2)))
+        return None if targets is None else Backend(targets, m.group(1).endswith("m"))
+    if target.startswith("aff-"):
+        return _affinity_backend(target, lst)
+    return None
+
+
+def _affinity_backend(chain: str, lst: _Listing) -> Backend | None:
+    masq, order = False, []
+    for expr in lst.rules.get(chain, []):
+        for stmt in expr:
+            if "mangle" in stmt:
+                masq = True
+            elif "vmap" in stmt and "numgen" in stmt["vmap"].get("key", {}):
+                order = [v["goto"]["target"] for _, v in stmt["vmap"]["data"]["set"]]
+            elif "goto" in stmt and not any("match" in s for s in expr):
+                order = [stmt["goto"]["target"]]
+    targets, timeout = [], 0
+    for ep_chain in order:
+        t, timeout = _endpoint_chain(lst.rules.get(ep_chain, []))
+        if t is None:
+            return None
+        targets.append(t)
+    return Backend(tuple(targets), masq, timeout) if targets else None
+
+
+def _endpoint_chain(rules: list[list[dict[str, Any]]]) -> tuple[Target | None, int]:
+    target, timeout = None, 0
+    for expr in rules:
+        for stmt in expr:
+            if "set" in stmt and isinstance(stmt["set"], Mapping) and stmt["set"].get("op") == "update":
+                timeout = int(stmt["set"]["elem"].get("elem", {}).get("timeout", 0))
+            elif "dnat" in stmt and "addr" in stmt["dnat"]:
+                target = Target(ipaddress.ip_address(stmt["dnat"]["addr"]), int(stmt["dnat"]["port"]))
+    return target, timeout
