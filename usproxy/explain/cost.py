@@ -46,16 +46,17 @@ def _pod_source(fp: FamilyPort, ss: ServiceSet) -> IPAddress:
 
 def _first_packet(ss: ServiceSet, tracer: object) -> tuple[float, int, float]:
     """Mean rules, worst rules, mean lookups for a pod reaching each ClusterIP."""
-    rules, lookups = [], []
+    rules, lookups, worst = [], [], 0
     for family in ss.families():
         for fp in ss.family_ports(family):
             pkt = Packet(_pod_source(fp, ss), fp.cluster_ip, fp.sp.port, fp.sp.protocol)
             paths: list[Path] = tracer(ss, pkt)  # type: ignore[operator]
             rules.append(float(sum(p.share * p.rules for p in paths)))
             lookups.append(float(sum(p.share * p.lookups for p in paths)))
+            worst = max([worst, *(p.rules for p in paths)])
     if not rules:
         return 0.0, 0, 0.0
-    return sum(rules) / len(rules), int(max(rules)), sum(lookups) / len(lookups)
+    return sum(rules) / len(rules), worst, sum(lookups) / len(lookups)
 
 
 def _iptables_change(ss: ServiceSet) -> tuple[int, int]:

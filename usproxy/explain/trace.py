@@ -5,7 +5,8 @@ trace can only follow rules that are really printed. A random choice (iptables `
 nftables `numgen`, IPVS rr, BPF slot) splits the walk: every branch is followed and reported with its
 exact share (fractions.Fraction). A new client has no affinity entry yet, so `-m recent --rcheck` and
 `@affinity-*` lookups do not match. Counts: `rules` are rules evaluated for the first packet,
-`lookups` are hash-map/set lookups (nftables maps, IPVS service table, BPF maps).
+`lookups` are hash-map/set lookups (nftables maps, IPVS service table, BPF maps). Counting stops at
+the verdict that decides where the connection lands (DNAT); filter checks after DNAT are not counted.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ class Path:
     lookups: int = 0
     result: str = ""
     masquerade: bool = False
+    stopped: bool = False  # nftables: a goto'd chain ended without a verdict; the base chain is done
 
     def fork(self, share: Fraction) -> Path:
         return Path(self.share * share, list(self.hops), self.rules, self.lookups, self.result,
-                    self.masquerade)
+                    self.masquerade, self.stopped)
 
 
 def parse_packet(src: str, dst: str, ss: ServiceSet) -> Packet:
@@ -165,6 +167,9 @@ def _nft_walk(t: nftables.Table, chain: str, pkt: Packet, path: Path, depth: int
     for i, rule in enumerate(t.chains[chain].rules, start=1):
         nxt = []
         for p in live:
+            if p.stopped:
+                done.append(p)
+                continue
             p.rules += 1
             ended, cont = _nft_rule(t, chain, i, rule, pkt, p, depth)
             done += ended
@@ -187,7 +192,9 @@ def _nft_rule(t: nftables.Table, chain: str, i: int, rule: nftables.NftRule, pkt
             q = p.fork(share)
             q.hops.append(f"{chain} rule {i}: numgen -> goto {target}")
             out += _nft_walk(t, target, pkt, q, depth + 1)
-        return [q for q in out if q.result], []
+        for q in out:
+            q.stopped = not q.result
+        return out, []
     if "ct state new" not in rule.text and not _matches(rule.match, pkt):
         return [], [p]
     return _nft_verdict(t, f"{chain} rule {i}: {rule.text}", rule.verdict, rule.to, pkt, p, depth)
@@ -229,27 +236,30 @@ def _nft_verdict(t: nftables.Table, hop: str, verdict: str, to: str | None, pkt:
     if depth >= MAX_DEPTH:
         raise RuntimeError(f"rule loop at {target}")
     out = _nft_walk(t, target, pkt, p, depth + 1)
-    ended = [q for q in out if q.result]
     if word == "goto":  # goto does not come back: a fall-through ends the base chain
-        return ended, []
-    return ended, [q for q in out if not q.result]
+        for q in out:
+            q.stopped = not q.result
+        return out, []
+    return [q for q in out if q.result or q.stopped], [q for q in out if not (q.result or q.stopped)]
 
 
 def trace_nftables(ss: ServiceSet, pkt: Packet) -> list[Path]:
     t = nftables.build(ss, pkt.dst.version)
     hook = "output" if pkt.src_local else "prerouting"
-    out = []
-    for p in _nft_walk(t, f"filter-{hook}-pre-dnat", pkt, Path()):
-        for q in (p,) if p.result else _nft_walk(t, f"nat-{hook}", pkt, p):
-            if q.result.startswith("dnat"):
-                out.append(q)
-                continue
-            after = "filter-output" if pkt.src_local else (
-                "filter-input" if pkt.dst_local else "filter-forward")
-            for r in (q,) if q.result else _nft_walk(t, after, pkt, q):
-                r.result = r.result or "no Service element matched: routed as addressed"
-                out.append(r)
-    return out
+    after = "filter-output" if pkt.src_local else (
+        "filter-input" if pkt.dst_local else "filter-forward")
+    paths = [Path()]
+    for base in (f"filter-{hook}-pre-dnat", f"nat-{hook}", after):
+        nxt = []
+        for p in paths:
+            p.stopped = False
+            nxt += [p] if p.result else _nft_walk(t, base, pkt, p)
+        paths = nxt
+        if base.startswith("nat") and all(p.result for p in paths):
+            break
+    for p in paths:
+        p.result = p.result or "no Service element matched: routed as addressed"
+    return paths
 
 
 # --- ipvs, bpf, userspace ------------------------------------------------------------------

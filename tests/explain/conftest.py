@@ -1,0 +1,29 @@
+"""Fixtures for the explain tests: our own Service sets under fixtures/, rendered for node-a."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import pytest
+
+from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GOLDEN = Path(__file__).parent / "golden"
+NODE = Node(
+    name="node-a",
+    ips=(ipaddress.ip_address("192.168.0.2"), ipaddress.ip_address("2001:db8::2")),
+    cluster_cidrs=(ipaddress.ip_network("10.244.0.0/16"), ipaddress.ip_network("fd00:10:244::/64")),
+    service_cidrs=(ipaddress.ip_network("10.96.0.0/16"),),
+)
+FIXTURE_NAMES = tuple(sorted(p.stem for p in FIXTURES.glob("*.yaml")))
+
+
+def load(name: str, node: Node = NODE) -> ServiceSet:
+    return service_set(load_manifests(FIXTURES / f"{name}.yaml"), node)
+
+
+@pytest.fixture(params=FIXTURE_NAMES)
+def fixture_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

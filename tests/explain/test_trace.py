@@ -1,0 +1,90 @@
+"""Tracing one new connection through each mode's rules: shares, landings, refusals, policies."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from tests.explain.conftest import load
+from usproxy.errors import ConfigError
+from usproxy.explain import trace
+
+
+def landings(mode: str, fixture: str, src: str, dst: str) -> dict[str, Fraction]:
+    ss = load(fixture)
+    paths = trace.TRACERS[mode](ss, trace.parse_packet(src, dst, ss))
+    assert sum(p.share for p in paths) == 1
+    out: dict[str, Fraction] = {}
+    for p in paths:
+        out[p.result] = out.get(p.result, Fraction(0)) + p.share
+    return out
+
+
+@pytest.mark.parametrize("mode", ["iptables", "nftables"])
+def test_three_endpoints_one_third_each(mode: str) -> None:
+    got = landings(mode, "clusterip", "10.244.9.9", "10.96.1.1:80/TCP")
+    assert sorted(got.values()) == [Fraction(1, 3)] * 3
+    assert {r.split()[-1] for r in got} == {"10.244.1.5:8080", "10.244.2.7:8080", "10.244.3.9:8080"}
+
+
+@pytest.mark.parametrize("mode", ["iptables", "nftables"])
+def test_zero_endpoints_are_rejected(mode: str) -> None:
+    assert landings(mode, "clusterip", "10.244.9.9", "10.96.1.3:80/TCP") == {"REJECT": 1}
+
+
+def test_only_a_terminating_endpoint_is_not_used_while_a_ready_one_exists() -> None:
+    got = landings("nftables", "clusterip", "10.244.9.9", "10.96.1.2:443/TCP")
+    assert got == {"dnat to 10.244.2.20:8443": 1}
+
+
+@pytest.mark.parametrize("mode", ["iptables", "nftables"])
+def test_external_client_to_local_policy_nodeport_stays_on_node(mode: str) -> None:
+    got = landings(mode, "nodeport", "203.0.113.7", "192.168.0.2:30081/TCP")
+    assert [r.split()[-1] for r in got] == ["10.244.1.31:8080"]
+
+
+@pytest.mark.parametrize("mode", ["iptables", "nftables"])
+def test_external_client_to_local_policy_without_local_endpoint_is_dropped(mode: str) -> None:
+    assert landings(mode, "nodeport", "203.0.113.7", "192.168.0.2:30082/TCP") == {"DROP": 1}
+
+
+def test_pod_to_local_policy_nodeport_is_short_circuited_to_cluster_endpoints() -> None:
+    got = landings("iptables", "nodeport", "10.244.9.9", "192.168.0.2:30082/TCP")
+    assert got == {"DNAT to 10.244.2.32:8080": 1}
+
+
+def test_cluster_policy_nodeport_masquerades() -> None:
+    ss = load("nodeport")
+    paths = trace.trace_iptables(ss, trace.parse_packet("203.0.113.7", "192.168.0.2:30080/TCP", ss))
+    assert all(p.masquerade for p in paths) and len(paths) == 2
+
+
+def test_udp_and_tcp_on_the_same_port_are_different_service_ports() -> None:
+    udp = landings("nftables", "affinity_udp", "10.244.9.9", "10.96.0.10:53/UDP")
+    tcp = landings("iptables", "affinity_udp", "10.244.9.9", "10.96.0.10:53/TCP")
+    assert set(udp) == {"dnat to 10.244.0.3:53", "dnat to 10.244.0.4:53"}
+    assert set(tcp) == {"DNAT to 10.244.0.3:53", "DNAT to 10.244.0.4:53"}
+
+
+def test_ipv6_is_traced_in_the_ip6_table() -> None:
+    got = landings("nftables", "dualstack", "fd00:10:244::9", "[fd00:10:96::4:1]:80/TCP")
+    assert set(got) == {"dnat to [fd00:10:244::6:1]:8080", "dnat to [fd00:10:244::6:2]:8080"}
+
+
+@pytest.mark.parametrize("mode", ["ipvs", "bpf", "userspace"])
+def test_other_modes_split_evenly(mode: str) -> None:
+    got = landings(mode, "clusterip", "10.244.9.9", "10.96.1.1:80/TCP")
+    assert sorted(got.values()) == [Fraction(1, 3)] * 3
+
+
+def test_render_names_every_mode() -> None:
+    ss = load("affinity_udp")
+    text = trace.render(ss, trace.parse_packet("10.244.9.9", "10.96.3.1:8000/TCP", ss), tuple(trace.TRACERS))
+    assert all(f"## {m}:" in text for m in trace.TRACERS)
+
+
+@pytest.mark.parametrize("dst", ["10.96.1.1", "10.96.1.1:http/TCP", "10.96.1.1:80/ICMP", "[fd00::1]:80/TCP"])
+def test_bad_destination_is_a_config_error(dst: str) -> None:
+    with pytest.raises(ConfigError):
+        trace.parse_packet("10.0.0.1", dst, load("clusterip"))
