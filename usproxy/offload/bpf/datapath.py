@@ -253,6 +253,17 @@ class BpfDatapath:
             lines += _group_lines(g, selected)
         return "\n".join(lines)
 
+    def selected(self, spn: ServicePortName) -> dict[str, int]:
+        """How often the programs chose each endpoint of `spn` ("ip:port" -> count)."""
+        if self._tables is None:
+            return {}
+        counts = self._tables.backends()
+        out: dict[str, int] = {}
+        for sid in self._by_spn.get(spn, {}).values():
+            for bid, (ip, port) in self._groups[sid].backends.items():
+                out[format_hostport(ip, port)] = counts[bid].selected if bid in counts else 0
+        return out
+
     def affinity_view(self) -> list[dict[str, Any]]:
         """Live affinity entries: client netns, service, endpoint, seconds since last use."""
         if self._tables is None:
