@@ -21,6 +21,7 @@ from usproxy.config import ProxyConfig
 from usproxy.datapath import Datapath
 from usproxy.errors import ConfigError
 from usproxy.proxier import Proxier
+from usproxy.ratelimit import RateLimitedLog
 from usproxy.types import format_hostport
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class Agent:
 
     async def start(self) -> None:
         """List the source, bind admin, start tasks. Raises ConfigError on unparsable input."""
+        asyncio.get_running_loop().set_exception_handler(_loop_exception_handler)
         source = self._make_source()
         await self.admin.start()
         for role, addr in self.admin.bound.items():
@@ -142,6 +144,16 @@ class Agent:
         self._tasks.clear()
         await self.proxier.close()
         await self.admin.stop()
+
+
+_limited = RateLimitedLog(log)
+
+
+def _loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """Errors the loop reports (e.g. accept() failing with EMFILE, after which asyncio backs off
+    and retries by itself) are logged at a bounded rate instead of once per event."""
+    exc = context.get("exception")
+    _limited.warning("event loop: %s%s", context.get("message", "error"), f": {exc!r}" if exc else "")
 
 
 def _in_cluster() -> bool:
