@@ -52,6 +52,7 @@ class Faults:
     cut_event: int = 0  # the next N watch events: half of the line is written, then the connection cut
     stall: int = 0  # the next N watches: headers, then silence (no bookmarks) until timeout
     end_at_once: int = 0  # the next N watches: 200 and an empty body
+    expire_continue: int = 0  # the next N continue tokens are too old (410 Expired)
     forbidden: set[str] = field(default_factory=set)  # resources answering 403
     only: set[str] = field(default_factory=set)
 
@@ -239,7 +240,7 @@ class FakeApiServer:
         token = q.get("continue")
         if token:
             snap = self._snapshots.get(token.split(":")[0])
-            if snap is None:
+            if snap is None or self.faults.take("expire_continue", resource):
                 return web.json_response(status(410, "Expired", "The provided continue parameter is too old"),
                                          status=410)
             rv, items = snap

@@ -210,6 +210,25 @@ async def test_zone_comes_from_this_nodes_labels(api: FakeApiServer, kubeconfig:
         await s.stop()
 
 
+async def test_node_being_deleted_is_not_eligible(api: FakeApiServer, source: Source) -> None:
+    api.apply("nodes", node("node-a"))
+    await eventually(lambda: source.source.reflectors.get("node") and source.source.reflectors["node"].synced.is_set())
+    assert source.source.node_eligible
+    tainted = node("node-a")
+    tainted["spec"] = {"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}
+    api.apply("nodes", tainted)
+    await eventually(lambda: not source.source.node_eligible, what="taint seen")
+    api.apply("nodes", node("node-a"))
+    await eventually(lambda: source.source.node_eligible, what="taint removed")
+    api.apply("nodes", {**node("node-a"), "metadata": {**node("node-a")["metadata"],
+                                                       "deletionTimestamp": "2026-01-01T00:00:00Z"}})
+    await eventually(lambda: not source.source.node_eligible, what="deletionTimestamp seen")
+    api.apply("nodes", node("node-a"))
+    await eventually(lambda: source.source.node_eligible)
+    api.delete("nodes", "node-a")
+    await eventually(lambda: not source.source.node_eligible, what="Node deleted")
+
+
 async def test_node_access_forbidden_is_tolerated(api: FakeApiServer, kubeconfig: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     api.faults.forbidden = {"nodes"}

@@ -8,6 +8,7 @@ resourceVersion (no relist) or relisted (after 410), with backoff rather than a 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -138,6 +139,24 @@ async def test_paged_list_reads_every_page_at_one_resource_version(api: FakeApiS
     pages = lists(api)
     assert [q.get("limit") for q in pages] == ["3", "3", "3"]
     assert "continue" in pages[1] and "resourceVersion" not in pages[1]
+
+
+async def test_expired_continue_token_relists_with_a_consistent_read(api: FakeApiServer, client: Any) -> None:
+    for i in range(5):
+        api.apply("services", svc(f"s{i}", f"10.96.0.{i + 1}"))
+    r = Running(client, dataclasses.replace(FAST, page_size=2))
+    try:
+        await r.reflector.synced.wait()  # resourceVersion "0": served whole from the cache, no paging
+        last = r.reflector.resource_version
+        api.faults.expire_continue = 1
+        api.replace_all("services", [svc(f"t{i}", f"10.96.1.{i + 1}") for i in range(5)])
+        api.end_streams()  # watch → 410 → paged relist → its token expires → 410 → relist
+        await eventually(lambda: same(api, r.store), what="list after the expired token")
+        first_pages = [q.get("resourceVersion", "") for q in lists(api) if "continue" not in q]
+        assert first_pages == ["0", last, ""]  # client-go: after a 410 list, read from etcd, not the cache
+        assert api.faults.expire_continue == 0
+    finally:
+        await r.stop()
 
 
 async def test_selectors_are_sent_and_honoured(api: FakeApiServer, client: Any) -> None:

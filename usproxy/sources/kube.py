@@ -3,7 +3,8 @@
 As kube-proxy's config handlers over shared informers: one Reflector per resource (list, then
 watch; see reflector.py) feeds an ObjectCache, which parses raw bodies with the same functions as
 the static source and hands (previous, current) pairs to the Provider. A third Reflector follows
-this node's Node object for its `topology.kubernetes.io/zone` label.
+this node's Node object for its `topology.kubernetes.io/zone` label and for whether the Node is
+being deleted (`node_eligible`, kube-proxy's /healthz nodeEligible).
 
 Invariants:
 - `on_services_synced` / `on_endpoint_slices_synced` are called once, after the first successful
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 HEADLESS_LABEL = "service.kubernetes.io/headless"
 ZONE_LABEL = "topology.kubernetes.io/zone"
+TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
 LABEL_SELECTOR = f"!{HEADLESS_LABEL}"  # kube-proxy's server-side filter (cmd/kube-proxy/app/server.go)
 USER_AGENT = "usproxy/0.1.0"
 
@@ -152,16 +154,20 @@ def slice_skip_reason(raw: RawObject) -> str | None:
     return None
 
 
-class NodeZone:
-    """Store of this node's Node object: copies its zone label to the Provider.
+class LocalNode:
+    """Store of this node's Node object: its zone for the Provider, and whether it is eligible.
 
-    The zone narrows endpoints by topology hints (trafficDistribution PreferClose). A zone that
-    changes after the first sync applies to each ServicePort at its next change.
+    The zone narrows endpoints by topology hints (trafficDistribution PreferClose); a zone that
+    changes after the first sync applies to each ServicePort at its next change. Eligibility is
+    kube-proxy's ProxierHealthServer.SyncNode: a Node being deleted (deletionTimestamp, or the
+    ToBeDeletedByClusterAutoscaler taint) or gone makes /healthz fail so load balancers drain it,
+    while /livez stays healthy.
     """
 
     def __init__(self, node_name: str, provider: NodeAwareProvider) -> None:
         self.node_name = node_name
         self.provider = provider
+        self.eligible = True
 
     def replace(self, items: list[dict[str, Any]]) -> None:
         mine = [n for n in items if (n.get("metadata") or {}).get("name") == self.node_name]
@@ -174,15 +180,28 @@ class NodeZone:
         meta = obj.get("metadata") or {}
         if meta.get("name") != self.node_name:
             return
-        labels = meta.get("labels") or {}
+        self._set_zone(meta.get("labels"))
+        taints = (obj.get("spec") or {}).get("taints") or []
+        deleting = bool(meta.get("deletionTimestamp")) or any(
+            isinstance(t, Mapping) and t.get("key") == TO_BE_DELETED_TAINT for t in taints)
+        self._set_eligible(not deleting)
+
+    def delete(self, obj: dict[str, Any]) -> None:
+        """A deleted Node keeps its last zone (the proxy serves until stopped) but is not eligible."""
+        if (obj.get("metadata") or {}).get("name") == self.node_name:
+            self._set_eligible(False)
+
+    def _set_zone(self, labels: object) -> None:
         zone = labels.get(ZONE_LABEL) if isinstance(labels, Mapping) else None
         zone = zone if isinstance(zone, str) and zone else None
         if zone != self.provider.zone:
             log.info("Node %s: zone %s", self.node_name, zone or "<none>")
             self.provider.zone = zone
 
-    def delete(self, obj: dict[str, Any]) -> None:
-        """A deleted Node keeps its last zone: the proxy keeps serving until it is stopped."""
+    def _set_eligible(self, eligible: bool) -> None:
+        if eligible != self.eligible:
+            log.info("Node %s: %s", self.node_name, "eligible again" if eligible else "being deleted")
+            self.eligible = eligible
 
 
 ClientConfig = Callable[[], Awaitable[Any]]
@@ -247,8 +266,13 @@ class KubeSource:
             "EndpointSlice", parse=parse_endpoint_slice, skip=slice_skip_reason,
             deliver=provider.on_endpoint_slice_update, on_synced=provider.on_endpoint_slices_synced,
             on_error=self._count_error)
-        self.node = NodeZone(self.node_name, provider)
+        self.node = LocalNode(self.node_name, provider)
         self.reflectors: dict[str, Reflector] = {}
+
+    @property
+    def node_eligible(self) -> bool:
+        """For /healthz (kube-proxy's nodeEligible): False while this Node is being deleted."""
+        return self.node.eligible
 
     def _count_error(self, kind: str) -> None:
         if self.metrics is not None:
