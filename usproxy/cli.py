@@ -140,7 +140,16 @@ COMMANDS = {"run": cmd_run, "status": cmd_status, "flows": cmd_flows, "check": c
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # argparse's REMAINDER does not take options that come first ("explain --services x"), so
+    # everything after "explain" is handed to the explain CLI untouched.
+    rest: list[str] | None = None
+    if "explain" in argv:
+        cut = argv.index("explain") + 1
+        argv, rest = argv[:cut], argv[cut:]
     args = build_parser().parse_args(argv)
+    if rest is not None:
+        args.rest = rest
     logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose or
                         args.command == "run" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -38,3 +38,9 @@ def test_check_prints_table() -> None:
 def test_status_without_agent_exits_1() -> None:
     res = run("status", "--metrics-bind-address", "127.0.0.1:1")
     assert res.returncode == 1 and "cannot reach the agent" in res.stderr
+
+
+def test_explain_takes_options_after_the_subcommand() -> None:
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    res = run("explain", "--services", str(examples), "--mode", "iptables")
+    assert res.returncode == 0 and "KUBE-SERVICES" in res.stdout
