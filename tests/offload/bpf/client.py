@@ -23,16 +23,25 @@ def _err(e: OSError) -> str:
     return errno.errorcode.get(e.errno or 0, str(e))
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _hostport(addr: tuple[object, ...]) -> str:
+    host = str(addr[0])
+    return f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
+
+
 def tcp(host: str, port: int, n: int) -> dict[str, object]:
     names: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     peers: Counter[str] = Counter()
     for _ in range(n):
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s = socket.socket(_family(host), socket.SOCK_STREAM)
         s.settimeout(3)
         try:
             s.connect((host, port))
-            peers["%s:%d" % s.getpeername()] += 1
+            peers[_hostport(s.getpeername())] += 1
             names[s.makefile().readline().strip()] += 1
         except OSError as e:
             errors[_err(e)] += 1

@@ -68,7 +68,9 @@ def _bpffs_restored() -> Iterator[None]:
         return
     was = loader.mount_type(loader.BPFFS) == "bpf"
     yield
-    if not was and loader.mount_type(loader.BPFFS) == "bpf" and not any(loader.BPFFS.iterdir()):
+    preloaded = {"maps.debug", "progs.debug"}  # the kernel's bpf_preload iterators
+    mine = [p for p in loader.BPFFS.iterdir() if p.name not in preloaded] if not was else []
+    if not was and loader.mount_type(loader.BPFFS) == "bpf" and not mine:
         subprocess.run(["umount", str(loader.BPFFS)], check=False)
 
 

@@ -23,9 +23,10 @@ def main() -> None:
     sel = selectors.DefaultSelector()
     counts: dict[str, int] = {}
     for port in map(int, sys.argv[2:]):
-        t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        t = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)  # dual stack: IPv4 and IPv6
         t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        t.bind(("0.0.0.0", port))
+        t.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        t.bind(("::", port))
         t.listen(1024)
         t.setblocking(False)
         sel.register(t, selectors.EVENT_READ, ("accept", port))
@@ -51,7 +52,7 @@ def main() -> None:
                     conn, _peer = sock.accept()
                 except BlockingIOError:
                     continue
-                local = conn.getsockname()[0]
+                local = conn.getsockname()[0].removeprefix("::ffff:")
                 counts[f"{local}:{port}/TCP"] = counts.get(f"{local}:{port}/TCP", 0) + 1
                 conn.setblocking(False)
                 try:

@@ -3,7 +3,8 @@
 Covers: TCP connect() to a ClusterIP reaches the endpoints directly (nothing in netns node is
 involved), getpeername shows the ClusterIP, DNS-style UDP replies come from the ClusterIP (connected
 and unconnected sockets), a ServicePort without endpoints refuses at once and recovers on 0->N
-(C01), and an endpoint change takes effect for the next connect().
+(C01), an endpoint change takes effect for the next connect(), and IPv6 (connect6 and
+v4-mapped addresses on IPv6 sockets, C23).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.offload.bpf.builders import ep, spn, state
+from tests.netns import nsexec
 from tests.offload.bpf.conftest import Env, nodeless
 
 pytestmark = pytest.mark.netns
@@ -79,3 +81,20 @@ async def test_endpoint_change_applies_to_the_next_connect(bpf_env: Env) -> None
     # no Service any more: the connect goes to the ClusterIP itself, which nothing serves here
     out = bpf_env.run(cli, "tcp", "10.96.10.10", 80, 1)
     assert out["names"] == {} and sum(out["errors"].values()) == 1
+
+
+async def test_ipv6_and_v4_mapped(bpf_env: Env) -> None:
+    be = bpf_env.server("be-a", "10.244.1.5", 8080)
+    cli = bpf_env.client_ns("cli", "10.244.9.10")
+    for ns, addr in ((be, "2001:db8:244:1::5/48"), (cli, "2001:db8:244:9::10/48")):
+        nsexec(ns, "ip", "-6", "addr", "add", addr, "dev", "eth0", "nodad")
+    v6 = spn("v6")
+    await bpf_env.dp.apply({
+        v6: state(v6, "2001:db8:96::a", 80, [ep("2001:db8:244:1::5")]),
+        WEB: state(WEB, "10.96.10.10", 80, [ep("10.244.1.5")]),
+    })
+
+    out = bpf_env.run(cli, "tcp", "2001:db8:96::a", 80, 20)
+    assert out["names"] == {"be-a": 20} and out["peers"] == {"[2001:db8:96::a]:80": 20}
+    mapped = bpf_env.run(cli, "tcp", "::ffff:10.96.10.10", 80, 20)  # an IPv6 socket, connect6
+    assert mapped["names"] == {"be-a": 20} and mapped["peers"] == {"[::ffff:10.96.10.10]:80": 20}

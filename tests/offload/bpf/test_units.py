@@ -1,0 +1,74 @@
+"""Pure pieces of the BPF datapath, no kernel: map layout bytes, Maglev tables, slot filling,
+ServicePortName parsing, and which ServicePorts the socket LB refuses."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.offload.bpf.builders import ep, spn, state
+from usproxy.offload.bpf import maglev
+from usproxy.offload.bpf.datapath import BpfDatapath, spn_from_key
+from usproxy.offload.bpf.layout import BackendVal, SvcKey, SvcVal, pack_addr, unpack_addr
+from usproxy.offload.bpf.tables import _fill_holes
+
+
+def test_addresses_are_v4_mapped_and_ports_network_order() -> None:
+    key = SvcKey(ipaddress.ip_address("10.96.0.10"), 53, 17).pack()
+    assert key.hex() == "00000000000000000000ffff0a60000a" + "0035" + "0000" + "11000000"
+    v6 = ipaddress.ip_address("2001:db8:96::a")
+    assert unpack_addr(pack_addr(v6)) == v6
+    assert SvcKey.unpack(key) == SvcKey(ipaddress.ip_address("10.96.0.10"), 53, 17)
+
+
+def test_values_round_trip() -> None:
+    assert SvcVal.unpack(SvcVal(3, 7, 10800, 5).pack()) == SvcVal(3, 7, 10800, 5)
+    be = BackendVal(ipaddress.ip_address("10.244.1.5"), 8080, 7)
+    assert BackendVal.unpack(be.pack()) == be
+
+
+def test_maglev_is_balanced_and_order_free() -> None:
+    names = [f"10.244.1.{i}:8080" for i in range(7)]
+    table = maglev.table(names, 1021)
+    counts = Counter(table)
+    assert len(counts) == 7 and max(counts.values()) - min(counts.values()) <= 1
+    assert maglev.table(list(reversed(names)), 1021) == table
+
+
+def test_maglev_removal_moves_little() -> None:
+    names = [f"10.244.{i}.30:8080" for i in range(10)]
+    before = [sorted(names)[i] for i in maglev.table(names, 16381)]
+    rest = names[:3] + names[4:]
+    after = [sorted(rest)[i] for i in maglev.table(rest, 16381)]
+    moved = sum(1 for b, a in zip(before, after) if b != a and b != names[3])
+    assert moved / 16381 < 0.05  # only the removed endpoint's positions move, plus a few
+
+
+@given(st.lists(st.integers(1, 40), unique=True, max_size=20), st.data())
+def test_fill_holes_keeps_kept_slots(slots: list[int], data: st.DataObject) -> None:
+    keep = set(data.draw(st.lists(st.sampled_from(slots), unique=True))) if slots else set()
+    new = data.draw(st.lists(st.integers(41, 80), unique=True, max_size=10))
+    out = _fill_holes(slots, keep, new)
+    assert sorted(out) == sorted(keep | set(new))
+    moved = [i for i, b in enumerate(slots) if b in keep and (i >= len(out) or out[i] != b)]
+    assert len(moved) <= max(0, len(slots) - len(keep))  # only tail survivors move into holes
+
+
+def test_serviceportname_round_trips_through_its_key() -> None:
+    for name in (spn("web", "http"), spn("dns", "", "UDP", ns="kube-system")):
+        assert spn_from_key(name.key()) == name
+    assert spn_from_key("garbage") is None
+
+
+def test_unsupported_service_ports() -> None:
+    dp = BpfDatapath()
+    sctp = spn("s", "", "SCTP")
+    assert "SCTP" in (dp.unsupported(state(sctp, "10.96.0.1", 80, [ep("10.244.1.1")])) or "")
+    assert "headless" in (dp.unsupported(state(spn("h"), (), 80, [])) or "")
+    lc = state(spn("l"), "10.96.0.2", 80, [], lb_policy="leastConnections")
+    assert "leastConnections" in (dp.unsupported(lc) or "")
+    assert dp.unsupported(state(spn("ok"), "10.96.0.3", 80, [ep("10.244.1.1")])) is None
+    assert dp.traffic == frozenset({"local"})
