@@ -21,6 +21,7 @@ from tests.offload.bpf.conftest import Env, attached_programs
 from usproxy.offload.bpf import loader
 from usproxy.datapath import ServicePortState
 from usproxy.offload.bpf.datapath import BpfDatapath
+from usproxy.offload.bpf.view import render_pinned
 from usproxy.types import ServicePortName
 
 pytestmark = pytest.mark.netns
@@ -42,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, {root!r})
 from tests.offload.bpf.test_restart import _states
 from usproxy.offload.bpf.datapath import BpfDatapath
+from usproxy.offload.bpf.view import render_pinned
 dp = BpfDatapath(Path({cgroup!r}), Path({pins!r}))
 asyncio.run(dp.apply(_states()))
 print(dp.dump(), flush=True)
@@ -66,8 +68,10 @@ async def test_restart_keeps_traffic_and_reconciles_without_writes(bpf_env: Env)
 
     hold = bpf_env.start(cli, "hold", "10.96.150.150", 80, "10.96.150.151", 4433)
     _ticks(hold, 10)
-    # no agent runs now: new connections still work
+    # no agent runs now: new connections still work, and the pinned state can be read
     assert bpf_env.run(cli, "tcp", "10.96.150.150", 80, 20)["errors"] == {}
+    text = render_pinned(bpf_env.pin_root)
+    assert text is not None and "link usp_connect4" in text and "steered sockets open: 2" in text
 
     restarted = BpfDatapath(bpf_env.cgroup, bpf_env.pin_root)
     bpf_env.dp = restarted
@@ -77,6 +81,9 @@ async def test_restart_keeps_traffic_and_reconciles_without_writes(bpf_env: Env)
     await restarted.apply(_states())
     assert restarted.last_writes == 0  # reconciled as a diff: nothing to write
     _ticks(hold, 10)
+    flows = restarted.flows_view()
+    assert sorted((f["protocol"], f["service"], f["original"]["dst"]) for f in flows) == [
+        ("TCP", "default/web", "10.96.150.150:80"), ("UDP", "default/quic", "10.96.150.151:4433")]
 
     out, _ = hold.communicate(input="", timeout=10)
     summary = json.loads(out.strip().splitlines()[-1])

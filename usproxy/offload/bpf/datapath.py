@@ -25,17 +25,10 @@ from typing import Any, Literal
 
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
+from usproxy.offload.bpf import loader, view
 from usproxy.offload.bpf import libbpf as bpf
-from usproxy.offload.bpf import loader
-from usproxy.offload.bpf.layout import (
-    F_AFFINITY,
-    F_MAGLEV,
-    F_ROUND_ROBIN,
-    PROTO_NAMES,
-    PROTO_NUMBERS,
-    FlowVal,
-    SvcKey,
-)
+from usproxy.offload.bpf.layout import F_AFFINITY, F_MAGLEV, F_ROUND_ROBIN, PROTO_NUMBERS, FlowVal, SvcKey
+from usproxy.offload.bpf.view import spn_from_key
 from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want, address_family
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.types import ServicePortName, format_hostport
@@ -44,16 +37,6 @@ log = logging.getLogger(__name__)
 
 Selection = Literal["random", "roundRobin", "maglev"]
 FLOW_ROWS_MAX = 10000
-
-
-def spn_from_key(text: str) -> ServicePortName | None:
-    """Parse ServicePortName.key() ("ns/name:port/TCP" or "ns/name/TCP") back."""
-    rest, _, proto = text.rpartition("/")
-    ns, _, name_port = rest.partition("/")
-    name, _, port = name_port.partition(":")
-    if proto not in ("TCP", "UDP", "SCTP") or not ns or not name:
-        return None
-    return ServicePortName(ns, name, port, proto)  # type: ignore[arg-type]
 
 
 class BpfDatapath:
@@ -229,29 +212,15 @@ class BpfDatapath:
         if self._tables is None:
             return []
         now = time.monotonic_ns()
-        return [self._flow_row(f, now) for f in self._flows()]
-
-    def _flow_row(self, f: FlowVal, now: int) -> dict[str, Any]:
-        g = self._groups.get(f.svc_id)
-        proto = PROTO_NAMES.get(f.proto, str(f.proto))
-        return {
-            "protocol": proto, "state": "CONNECTED" if proto == "TCP" else "STEERED",
-            "age": max(0, now - f.created) / 1e9, "idle": max(0, now - f.last) / 1e9,
-            "original": {"src": f"netns:{f.netns}", "dst": format_hostport(f.svc_ip, f.svc_port)},
-            "reply": {"src": format_hostport(f.be_ip, f.be_port), "dst": f"netns:{f.netns}"},
-            "packets_in": f.packets, "bytes_in": 0, "packets_out": 0, "bytes_out": 0,
-            "datapath": "bpf", "service": _spn_text(g.name) if g else f"<service {f.svc_id}>",
-        }
+        return [view.flow_row(f, self._groups, now) for f in self._flows()]
 
     def dump(self, *, counters: bool = False) -> str:
         """Stable text of the installed maps; `counters` adds per-endpoint selection counts."""
         if self._tables is None:
             return ""
         selected = {b: v.selected for b, v in self._tables.backends().items()} if counters else {}
-        lines = [f"bpf cgroup={self.cgroup} pins={self.pins.base}"]
-        for g in sorted(self._groups.values(), key=lambda g: (g.name, g.id)):
-            lines += _group_lines(g, selected)
-        return "\n".join(lines)
+        head = f"bpf cgroup={self.cgroup} pins={self.pins.base}"
+        return "\n".join([head, *view.group_lines(self._groups, selected)])
 
     def selected(self, spn: ServicePortName) -> dict[str, int]:
         """How often the programs chose each endpoint of `spn` ("ip:port" -> count)."""
@@ -269,14 +238,7 @@ class BpfDatapath:
         if self._tables is None:
             return []
         now = time.monotonic_ns()
-        out = []
-        for e in self._tables.affinity():
-            g = self._groups.get(e.svc_id)
-            addr = g.backends.get(e.backend_id) if g else None
-            out.append({"client": f"netns:{e.client}", "service": _spn_text(g.name) if g else str(e.svc_id),
-                        "endpoint": format_hostport(*addr) if addr else str(e.backend_id),
-                        "idle": max(0, now - e.last_used) / 1e9})
-        return out
+        return [view.affinity_row(e, self._groups, now) for e in self._tables.affinity()]
 
     async def cleanup(self) -> None:
         """Detach every program and remove every pin (`usproxy run --cleanup`)."""
@@ -290,26 +252,3 @@ class BpfDatapath:
         if self._lb is not None:
             self._lb.close()
         self._lb, self._tables = None, None
-
-
-def _spn_text(key: str) -> str:
-    spn = spn_from_key(key)
-    return str(spn) if spn else key
-
-
-def _group_lines(g: Group, selected: dict[int, int]) -> list[str]:
-    flags = [n for bit, n in ((F_AFFINITY, "affinity"), (F_MAGLEV, "maglev"), (F_ROUND_ROBIN, "roundRobin"))
-             if g.val.flags & bit] or ["random"]
-    head = f"service {g.name} id={g.id} count={g.val.count} select={','.join(flags)}"
-    if g.val.flags & F_AFFINITY:
-        head += f" timeout={g.val.affinity_timeout}s"
-    lines = [head]
-    for key in sorted(g.frontends):
-        lines.append(f"  frontend {format_hostport(key.ip, key.port)}/{PROTO_NAMES.get(key.proto, key.proto)}")
-    for i, bid in enumerate(g.slots, 1):
-        ip, port = g.backends[bid]
-        extra = f" selected={selected.get(bid, 0)}" if selected else ""
-        lines.append(f"  slot {i} -> backend {bid} {format_hostport(ip, port)}{extra}")
-    if g.maglev is not None:
-        lines.append(f"  maglev table {len(g.maglev)} entries")
-    return lines

@@ -1,0 +1,128 @@
+"""Read the pinned socket LB without changing it: text for `explain --live`, rows for /flows.
+
+`render_pinned()` opens the pinned maps read-only (BPF_OBJ_GET; nothing is loaded or attached),
+so it works from any process while an agent runs, or with no agent at all after one exited. The
+views follow what `cilium-dbg bpf lb list` and `cilium-dbg bpf lb maglev list` show: per frontend
+the slot -> backend table, plus the affinity entries and the sockets the programs steered.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from usproxy.offload.bpf import libbpf as bpf
+from usproxy.offload.bpf import loader
+from usproxy.offload.bpf.layout import (
+    F_AFFINITY,
+    F_MAGLEV,
+    F_ROUND_ROBIN,
+    PROTO_NAMES,
+    AffinityEntry,
+    FlowVal,
+)
+from usproxy.offload.bpf.tables import Group, Tables
+from usproxy.types import ServicePortName, format_hostport
+
+
+
+def spn_from_key(text: str) -> ServicePortName | None:
+    """Parse ServicePortName.key() ("ns/name:port/TCP" or "ns/name/TCP") back."""
+    rest, _, proto = text.rpartition("/")
+    ns, _, name_port = rest.partition("/")
+    name, _, port = name_port.partition(":")
+    if proto not in ("TCP", "UDP", "SCTP") or not ns or not name:
+        return None
+    return ServicePortName(ns, name, port, proto)  # type: ignore[arg-type]
+
+
+def spn_text(key: str) -> str:
+    spn = spn_from_key(key)
+    return str(spn) if spn else key
+
+
+def group_lines(groups: Mapping[int, Group], selected: Mapping[int, int]) -> list[str]:
+    """Per service group: its entry, frontends and slots (with selection counts if given)."""
+    lines: list[str] = []
+    for g in sorted(groups.values(), key=lambda g: (g.name, g.id)):
+        lines += _group_lines(g, selected)
+    return lines
+
+
+def _group_lines(g: Group, selected: Mapping[int, int]) -> list[str]:
+    bits = ((F_AFFINITY, "affinity"), (F_MAGLEV, "maglev"), (F_ROUND_ROBIN, "roundRobin"))
+    flags = [n for bit, n in bits if g.val.flags & bit] or ["random"]
+    head = f"service {g.name} id={g.id} count={g.val.count} select={','.join(flags)}"
+    if g.val.flags & F_AFFINITY:
+        head += f" timeout={g.val.affinity_timeout}s"
+    lines = [head]
+    for key in sorted(g.frontends):
+        lines.append(f"  frontend {format_hostport(key.ip, key.port)}/{PROTO_NAMES.get(key.proto, key.proto)}")
+    for i, bid in enumerate(g.slots, 1):
+        ip, port = g.backends[bid]
+        extra = f" selected={selected.get(bid, 0)}" if selected else ""
+        lines.append(f"  slot {i} -> backend {bid} {format_hostport(ip, port)}{extra}")
+    if g.maglev is not None:
+        lines.append(f"  maglev table {len(g.maglev)} entries")
+    return lines
+
+
+def flow_row(f: FlowVal, groups: Mapping[int, Group], now: int) -> dict[str, Any]:
+    """One steered socket in the /flows row format (usproxy/table.py render_flows). The client is
+    named by its netns cookie: at connect() the socket has no source address yet."""
+    g = groups.get(f.svc_id)
+    proto = PROTO_NAMES.get(f.proto, str(f.proto))
+    return {
+        "protocol": proto, "state": "CONNECTED" if proto == "TCP" else "STEERED",
+        "age": max(0, now - f.created) / 1e9, "idle": max(0, now - f.last) / 1e9,
+        "original": {"src": f"netns:{f.netns}", "dst": format_hostport(f.svc_ip, f.svc_port)},
+        "reply": {"src": format_hostport(f.be_ip, f.be_port), "dst": f"netns:{f.netns}"},
+        "packets_in": f.packets, "bytes_in": 0, "packets_out": 0, "bytes_out": 0,
+        "datapath": "bpf", "service": spn_text(g.name) if g else f"<service {f.svc_id}>",
+    }
+
+
+def affinity_row(e: AffinityEntry, groups: Mapping[int, Group], now: int) -> dict[str, Any]:
+    g = groups.get(e.svc_id)
+    addr = g.backends.get(e.backend_id) if g else None
+    return {"client": f"netns:{e.client}", "service": spn_text(g.name) if g else str(e.svc_id),
+            "endpoint": format_hostport(*addr) if addr else str(e.backend_id),
+            "idle": max(0, now - e.last_used) / 1e9}
+
+
+def render_pinned(pin_root: Path = loader.DEFAULT_PIN_ROOT) -> str | None:
+    """The pinned socket LB as text, or None when nothing is pinned at `pin_root`."""
+    pins = loader.PinLayout(pin_root)
+    if not pins.exists():
+        return None
+    fds: dict[str, int] = {}
+    try:
+        for name in loader.MAPS:
+            fds[name] = bpf.obj_get(str(pins.maps / name))
+        return _render(pins, Tables(fds))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _render(pins: loader.PinLayout, tables: Tables) -> str:
+    groups = tables.read_groups()
+    selected = {b: v.selected for b, v in tables.backends().items()}
+    now = time.monotonic_ns()
+    out = [f"# bpf socket LB pinned at {pins.base}"]
+    for prog, info in loader.attached_links(pins).items():
+        out.append(f"link {prog}: prog_id={info.get('prog_id')} cgroup_id={info.get('cgroup_id')}")
+    out += group_lines(groups, selected)
+    for e in tables.affinity():
+        r = affinity_row(e, groups, now)
+        out.append(f"affinity {r['client']} {r['service']} -> {r['endpoint']} idle={r['idle']:.1f}s")
+    flows = bpf.map_items(tables.fds["usp_flows"], FlowVal.KEY_SIZE, FlowVal.SIZE)
+    out.append(f"steered sockets open: {len(flows)}")
+    for _, raw in flows[:50]:
+        r = flow_row(FlowVal.unpack(raw), groups, now)
+        out.append(f"  {r['protocol'].lower()} {r['original']['src']} {r['original']['dst']} -> "
+                   f"{r['reply']['src']} age={r['age']:.1f}s [{r['service']}]")
+    return "\n".join(out)
