@@ -8,6 +8,7 @@ SIGINT stops everything in reverse order, releasing what the datapaths installed
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -31,7 +32,11 @@ def build_datapaths(cfg: ProxyConfig, metrics: Metrics) -> list[Datapath]:
     """The relay always; kernel offload layers on top when allowed and available."""
     from usproxy.relay.relay import Relay
 
-    return [Relay(cfg, metrics)]
+    if cfg.offload == "none":
+        return [Relay(cfg, metrics)]
+    from usproxy.offload.manager import OffloadManager, kernel_datapaths
+
+    return [Relay(cfg, metrics), OffloadManager(cfg, metrics, kernel_datapaths(cfg))]
 
 
 class Agent:
@@ -43,14 +48,21 @@ class Agent:
         self.datapaths = datapaths if datapaths is not None else build_datapaths(cfg, self.metrics)
         self.proxier = Proxier(self.datapaths, metrics=self.metrics, node_name=cfg.node_name,
                                min_sync_period=cfg.min_sync_period, sync_period=cfg.sync_period)
+        for dp in self.datapaths:
+            if hasattr(dp, "request_sync"):  # the offload manager wakes the sync when a window ends
+                dp.request_sync = self.proxier.runner.run
         self.admin = AdminServer(self, cfg.healthz_bind_address, cfg.metrics_bind_address)
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self.started_at = time.time()
+        self.source: Any = None
+        self.exit_code = 0
 
     # -- AdminView ----------------------------------------------------------------------------
     def health(self) -> Health:
-        return evaluate(self.proxier.last_updated, self.proxier.oldest_queued, 2 * self.cfg.sync_period)
+        h = evaluate(self.proxier.last_updated, self.proxier.oldest_queued, 2 * self.cfg.sync_period)
+        eligible = getattr(self.source, "node_eligible", True)
+        return dataclasses.replace(h, node_eligible=bool(eligible))
 
     def services_view(self) -> list[dict[str, Any]]:
         out = []
@@ -90,8 +102,13 @@ class Agent:
                 await coro
             except asyncio.CancelledError:
                 raise
+            except ConfigError as err:
+                log.error("%s; stopping the agent", err)
+                self.exit_code = 2
+                self._stop.set()
             except Exception:
                 log.exception("task %s ended unexpectedly; stopping the agent", name)
+                self.exit_code = 1
                 self._stop.set()
         self._tasks.append(asyncio.create_task(guarded(), name=name))
 
@@ -101,7 +118,7 @@ class Agent:
     async def start(self) -> None:
         """List the source, bind admin, start tasks. Raises ConfigError on unparsable input."""
         asyncio.get_running_loop().set_exception_handler(_loop_exception_handler)
-        source = self._make_source()
+        source = self.source = self._make_source()
         await self.admin.start()
         for role, addr in self.admin.bound.items():
             log.info("serving %s on %s", role, format_hostport(addr[0], addr[1]))

@@ -81,8 +81,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         return int(cleanup(cfg))
     from usproxy.agent import Agent
 
+    agent: list[Agent] = []
+
     async def main() -> None:
-        await Agent(cfg).run()
+        agent.append(Agent(cfg))
+        await agent[0].run()
 
     # USPROXY_EVENT_LOOP=asyncio runs on the default loop (tests run every relay case on both).
     if os.environ.get("USPROXY_EVENT_LOOP") == "asyncio":
@@ -91,7 +94,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         import uvloop
 
         uvloop.run(main())
-    return 0
+    return agent[0].exit_code if agent else 1
 
 
 def _get_json(addr: str, path: str) -> Any:

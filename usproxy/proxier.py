@@ -73,6 +73,13 @@ class Proxier:
         self._synced["endpointslices"] = True
         self.runner.run()
 
+    def set_zone(self, zone: str | None) -> None:
+        """This node's topology zone changed: every ServicePort is re-filtered at the next sync."""
+        if zone != self.zone:
+            self.zone = zone
+            self._need_full = True
+            self.runner.run()
+
     @property
     def initialized(self) -> bool:
         return all(self._synced.values())

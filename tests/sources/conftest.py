@@ -63,6 +63,9 @@ class Recorder:
         self.synced: list[str] = []
         self.order: list[str] = []
 
+    def set_zone(self, zone: str | None) -> None:
+        self.zone = zone
+
     def on_service_update(self, previous: Service | None, current: Service | None) -> None:
         self.calls.append(("service", previous, current))
         self.order.append("service")

@@ -34,17 +34,19 @@ def _json(body: object, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(body, indent=1) + "\n", status=status, content_type="application/json")
 
 
-def _health_handler(view: AdminView) -> Callable[[web.Request], Any]:
+def _health_handler(view: AdminView, require_eligible: bool) -> Callable[[web.Request], Any]:
     async def handle(request: web.Request) -> web.Response:
         h = view.health()
-        return _json(h.body(), 200 if h.healthy else 503)
+        ok = h.healthy and (h.node_eligible or not require_eligible)
+        return _json(h.body(), 200 if ok else 503)
     return handle
 
 
 def health_routes(app: web.Application, view: AdminView) -> None:
-    handler = _health_handler(view)
-    app.router.add_get("/healthz", handler)
-    app.router.add_get("/livez", handler)
+    """/healthz also fails while this node is being deleted (kube-proxy's nodeEligible);
+    /livez only reflects the proxy's own sync health."""
+    app.router.add_get("/healthz", _health_handler(view, require_eligible=True))
+    app.router.add_get("/livez", _health_handler(view, require_eligible=False))
 
 
 def metrics_routes(app: web.Application, view: AdminView) -> None:

@@ -60,6 +60,8 @@ class NodeAwareProvider(Provider, Protocol):
     node_name: str | None
     zone: str | None
 
+    def set_zone(self, zone: str | None) -> None: ...
+
 
 def _key(raw: RawObject) -> NamespacedName | None:
     meta = raw.get("metadata")
@@ -196,7 +198,7 @@ class LocalNode:
         zone = zone if isinstance(zone, str) and zone else None
         if zone != self.provider.zone:
             log.info("Node %s: zone %s", self.node_name, zone or "<none>")
-            self.provider.zone = zone
+            self.provider.set_zone(zone)
 
     def _set_eligible(self, eligible: bool) -> None:
         if eligible != self.eligible:
