@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 
 from tests.offload.bpf.builders import ep, spn, state
 from usproxy.offload.bpf import maglev
-from usproxy.offload.bpf.datapath import BpfDatapath, spn_from_key
+from usproxy.offload.bpf.datapath import BpfDatapath
+from usproxy.offload.bpf.view import spn_from_key
 from usproxy.offload.bpf.layout import BackendVal, SvcKey, SvcVal, pack_addr, unpack_addr
 from usproxy.offload.bpf.tables import _fill_holes
+from usproxy.offload.kernel_datapath import KernelDatapath
 
 
 def test_addresses_are_v4_mapped_and_ports_network_order() -> None:
@@ -72,3 +74,10 @@ def test_unsupported_service_ports() -> None:
     assert "leastConnections" in (dp.unsupported(lc) or "")
     assert dp.unsupported(state(spn("ok"), "10.96.0.3", 80, [ep("10.244.1.1")])) is None
     assert dp.traffic == frozenset({"local"})
+
+
+def test_is_a_kernel_datapath_and_takes_the_agents_lb_policy() -> None:
+    kd: KernelDatapath = BpfDatapath(selection="roundRobin")
+    assert kd.name == "bpf"
+    assert BpfDatapath(selection="maglev").selection == "maglev"
+    assert BpfDatapath(selection="leastConnections").selection == "random"

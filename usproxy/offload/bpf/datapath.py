@@ -51,11 +51,11 @@ class BpfDatapath:
     name = "bpf"
     traffic: frozenset[TrafficKind] = frozenset({"local"})
 
-    def __init__(self, cgroup: Path = Path("/sys/fs/cgroup/unified"),
-                 pin_root: Path = loader.DEFAULT_PIN_ROOT, *, selection: Selection = "random") -> None:
+    def __init__(self, cgroup: Path = Path("/sys/fs/cgroup/unified"), pin_root: Path | None = None,
+                 *, selection: str = "random") -> None:
         self.cgroup = cgroup
-        self.pins = loader.PinLayout(pin_root)
-        self.selection = selection
+        self.pins = loader.PinLayout(pin_root or loader.default_pin_root())
+        self.selection: Selection = _selection(selection)
         self._lb: loader.SockLB | None = None
         self._tables: Tables | None = None
         self._groups: dict[int, Group] = {}  # service id -> group
@@ -252,3 +252,11 @@ class BpfDatapath:
         if self._lb is not None:
             self._lb.close()
         self._lb, self._tables = None, None
+
+
+def _selection(policy: str) -> Selection:
+    """The agent's --lb-policy as a socket-LB selection; leastConnections has no kernel form."""
+    if policy in ("random", "roundRobin", "maglev"):
+        return policy  # type: ignore[return-value]
+    log.warning("bpf: --lb-policy %s is not available in the socket LB; using random", policy)
+    return "random"

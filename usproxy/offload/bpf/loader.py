@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 BPFFS = Path("/sys/fs/bpf")
 DEFAULT_PIN_ROOT = BPFFS / "usproxy"
+PIN_ROOT_ENV = "USPROXY_BPF_PINS"  # another pin root: tests, or two agents on one node
 
 PROGRAMS: dict[str, int] = {
     "usp_connect4": bpf.BPF_CGROUP_INET4_CONNECT,
@@ -75,6 +76,10 @@ def ensure_bpffs(where: Path = BPFFS) -> bool:
         raise bpf.BpfError(f"mount bpffs at {where}: {os.strerror(err)}", err)
     log.info("mounted bpffs at %s", where)
     return True
+
+
+def default_pin_root() -> Path:
+    return Path(os.environ.get(PIN_ROOT_ENV) or DEFAULT_PIN_ROOT)
 
 
 def cgroup_id(cgroup: Path) -> int:

@@ -93,9 +93,9 @@ def affinity_row(e: AffinityEntry, groups: Mapping[int, Group], now: int) -> dic
             "idle": max(0, now - e.last_used) / 1e9}
 
 
-def render_pinned(pin_root: Path = loader.DEFAULT_PIN_ROOT) -> str | None:
+def render_pinned(pin_root: Path | None = None) -> str | None:
     """The pinned socket LB as text, or None when nothing is pinned at `pin_root`."""
-    pins = loader.PinLayout(pin_root)
+    pins = loader.PinLayout(pin_root or loader.default_pin_root())
     if not pins.exists():
         return None
     fds: dict[str, int] = {}
