@@ -101,3 +101,13 @@ def test_health_rule_follows_kube_proxy() -> None:
     assert evaluate(None, None, 60, now=1000).healthy  # starting up
     assert evaluate(900, 990, 60, now=1000).healthy  # queued 10 s ago
     assert not evaluate(900, 930, 60, now=1000).healthy  # queued 70 s ago, never synced since
+
+
+async def test_healthz_fails_while_node_is_being_deleted_livez_does_not(agent: Agent) -> None:
+    class Deleting:
+        node_eligible = False
+    agent.source = Deleting()
+    status, body = await get(agent, "healthz", "/healthz")
+    assert status == 503 and body["nodeEligible"] is False
+    status, _ = await get(agent, "healthz", "/livez")
+    assert status == 200
