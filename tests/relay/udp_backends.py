@@ -1,5 +1,5 @@
 """UDP backend for the UDP relay tests, run inside a pod netns:
-`python3 udp_backends.py NAME ADDR PORT [--log FILE]`.
+`python3 udp_backends.py NAME ADDR PORT [--log FILE] [--mute]`.
 
 It answers each datagram with b"NAME|" + payload, or, when that would not fit in one datagram
 (65,507 bytes over IPv4, 65,527 over IPv6), with b"NAME|len=<n>|sha256=<hex>", so the test can
@@ -7,7 +7,7 @@ still check a maximum-size datagram arrived intact. A payload that starts with b
 answered after that many milliseconds, without holding up other datagrams (C08's slow backend).
 With --log it appends one line per datagram and flushes it at once:
 "<monotonic time> <peer ip> <peer port> <length> <hex of the first 16 bytes>".
-Stdlib only, single-threaded: one socket, one heap of delayed answers, select().
+With --mute it never answers (C03's one-way sink). Stdlib only, single-threaded: one socket, one heap of delayed answers, select().
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def delay_of(data: bytes) -> float:
     return int(head) / 1000 if head.isdigit() else 0.0
 
 
-def serve(name: bytes, sock: socket.socket, log: IO[str] | None) -> None:
+def serve(name: bytes, sock: socket.socket, log: IO[str] | None, mute: bool) -> None:
     limit = MAX_REPLY[sock.family]
     pending: list[tuple[float, int, bytes, tuple[str, int]]] = []
     seq = 0
@@ -50,7 +50,8 @@ def serve(name: bytes, sock: socket.socket, log: IO[str] | None) -> None:
                 log.write(f"{time.monotonic():.6f} {peer[0]} {peer[1]} {len(data)} {data[:16].hex()}\n")
                 log.flush()
             seq += 1
-            heapq.heappush(pending, (time.monotonic() + delay_of(data), seq, data, peer))
+            if not mute:
+                heapq.heappush(pending, (time.monotonic() + delay_of(data), seq, data, peer))
         while pending and pending[0][0] <= time.monotonic():
             _, _, data, peer = heapq.heappop(pending)
             try:
@@ -65,13 +66,14 @@ def main() -> None:
     p.add_argument("addr")
     p.add_argument("port", type=int)
     p.add_argument("--log")
+    p.add_argument("--mute", action="store_true")
     a = p.parse_args()
     sock = socket.socket(socket.AF_INET6 if ":" in a.addr else socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     sock.bind((a.addr, a.port))
     log = open(a.log, "a") if a.log else None
     print("ready", flush=True)
-    serve(a.name.encode(), sock, log)
+    serve(a.name.encode(), sock, log, a.mute)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,12 @@ _rlimit_lock = threading.Lock()
 
 
 def start_udpsrv(backends: Backends, ns: str, name: str, addr: str, port: int,
-                 log: Path | None = None) -> subprocess.Popen[bytes]:
+                 log: Path | None = None, mute: bool = False) -> subprocess.Popen[bytes]:
     cmd = ["ip", "netns", "exec", ns, sys.executable, UDPSRV, name, addr, str(port)]
     if log is not None:
         cmd += ["--log", str(log)]
+    if mute:
+        cmd.append("--mute")
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert p.stdout is not None
     assert p.stdout.readline() == b"ready\n"

@@ -14,14 +14,12 @@ import asyncio
 import ipaddress
 import logging
 import resource
-from collections.abc import Collection
 from typing import Any
 
 from usproxy.admin.metrics import Metrics
 from usproxy.config import ProxyConfig
 from usproxy.conntrack.flow_table import Flow, FlowTable
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
-from usproxy.endpoint import Endpoint
 from usproxy.relay.service_port_relay import ServicePortRelay
 from usproxy.relay.udp import UdpRelay
 from usproxy.relay.vip_interface import VipInterface
@@ -71,7 +69,7 @@ class Relay:
             self.node_ips = await self._node_addresses()
         for spn, state in request.changes.items():
             try:
-                await self._sync_one(spn, state, request.removed_endpoints.get(spn, frozenset()))
+                await self._sync_one(spn, state)
             except Exception:
                 log.exception("%s: relay sync failed", spn)
         await self._sync_addresses()
@@ -85,8 +83,7 @@ class Relay:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._started = True
 
-    async def _sync_one(self, spn: ServicePortName, state: ServicePortState | None,
-                        gone: Collection[Endpoint]) -> None:
+    async def _sync_one(self, spn: ServicePortName, state: ServicePortState | None) -> None:
         port = self.ports.get(spn)
         if state is None:
             if port is not None:
@@ -97,8 +94,6 @@ class Relay:
             await self.vip.add(ip)
         if port is None:
             port = self.ports[spn] = ServicePortRelay(self, state)
-        if gone:
-            port.drop_endpoints(gone)
         await port.apply(state, self.node_ips)
 
     async def _sync_addresses(self) -> None:

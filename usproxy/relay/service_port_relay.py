@@ -5,7 +5,8 @@ on the NodePort; TCP or UDP by the ServicePort's protocol), one EndpointSelector
 ("cluster" for ClusterIPs, "external" for NodePorts, externalIPs and LoadBalancer IPs, which obey
 externalTrafficPolicy), and counts of its flows. A frontend listens only while its kind has a
 usable endpoint, so the kernel refuses at once otherwise (C01, C03). `apply()` diffs listeners by
-(address, port, protocol) and touches nothing that did not change (C21).
+(address, port, protocol) and touches nothing that did not change (C21); after it, no UDP flow
+points at an endpoint outside its kind's usable set.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class ServicePortRelay:
         policy = sp.lb_policy or self.relay.default_policy
         for kind, eps in (("cluster", state.cluster_endpoints), ("external", state.external_endpoints)):
             self.selectors[kind].update(eps, policy, sp.session_affinity, float(sp.affinity_timeout))
+        self._close_stale_flows(state)
         want = self.desired(state, node_ips)
         for key in [k for k in self.listeners if k not in want]:
             await self._close_listener(key)
@@ -106,10 +108,14 @@ class ServicePortRelay:
         for key in list(self.listeners):
             await self._close_listener(key)
 
-    def drop_endpoints(self, gone: Collection[Endpoint]) -> None:
-        """UDP flows to endpoints that went away are closed now, not at idle timeout (C03)."""
-        addrs = {(str(ep.ip), ep.port) for ep in gone}
-        self.relay.udp.close_where(lambda uf: uf.listener.owner is self and uf.flow.endpoint in addrs)
+    def _close_stale_flows(self, state: ServicePortState) -> None:
+        """UDP flows whose endpoint left its kind's usable set (removed, not ready any more, port
+        changed, policy changed) are closed in this sync, not at idle timeout: the client's next
+        datagram picks again (C03). TCP connections run on, as in kube-proxy."""
+        usable = {"cluster": state.cluster_endpoints, "external": state.external_endpoints}
+        for (_, _, kind), listener in self.listeners.items():
+            if isinstance(listener, UdpListener):
+                listener.keep_flows_to(usable[kind])
 
     # -- used by the TCP and UDP relays ----------------------------------------------------------
     def selector(self, kind: str) -> EndpointSelector:

@@ -19,6 +19,7 @@ import logging
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
@@ -87,7 +88,7 @@ class UdpRelay:
         local = sock.getsockname()
         flow.local = (local[0], local[1])
         uf = UdpFlow(key, listener, ep, sock, flow)
-        self.flows[key] = uf
+        self.flows[key] = listener.flows[key] = uf
         listener.owner.opened(listener.kind, ep)
         asyncio.get_running_loop().add_reader(sock.fileno(), self._reply, uf)
         return uf
@@ -115,6 +116,7 @@ class UdpRelay:
     def close_flow(self, uf: UdpFlow) -> None:
         if self.flows.pop(uf.key, None) is None:
             return
+        del uf.listener.flows[uf.key]
         try:
             asyncio.get_running_loop().remove_reader(uf.sock.fileno())
         except RuntimeError:
@@ -138,10 +140,6 @@ class UdpRelay:
             self.close_flow(uf)
             n += 1
         return n
-
-    def close_where(self, pred: object) -> None:
-        for uf in [u for u in self.flows.values() if callable(pred) and pred(u)]:
-            self.close_flow(uf)
 
     # -- datagrams -----------------------------------------------------------------------------
     def _reply(self, uf: UdpFlow) -> None:
@@ -168,6 +166,7 @@ class UdpListener:
         self.owner = owner
         self.frontend = frontend
         self.kind = kind
+        self.flows: dict[FlowKey, UdpFlow] = {}  # this listener's share of relay.flows
         family = socket.AF_INET6 if ":" in frontend[0] else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         try:
@@ -216,5 +215,16 @@ class UdpListener:
             asyncio.get_running_loop().remove_reader(self.sock.fileno())
         except RuntimeError:
             pass
-        self.relay.close_where(lambda uf: uf.listener is self)
+        for uf in list(self.flows.values()):
+            self.relay.close_flow(uf)
         self.sock.close()
+
+    def keep_flows_to(self, usable: Collection[Endpoint]) -> int:
+        """Close every flow whose endpoint is not in `usable` (compared by address and port), so
+        its next datagram picks again; returns how many. Endpoints that stay usable keep their
+        flows even when their conditions change."""
+        keep = {ep.address for ep in usable}
+        stale = [uf for uf in self.flows.values() if uf.endpoint.address not in keep]
+        for uf in stale:
+            self.relay.close_flow(uf)
+        return len(stale)
