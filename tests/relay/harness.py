@@ -69,6 +69,8 @@ class Manifests:
 class AgentProc:
     """`usproxy run` in the node netns."""
 
+    wrapper: tuple[str, ...] = ()  # a command that execs the agent, e.g. ("prlimit", "--nofile=1024:1024")
+
     def __init__(self, topo: Topology, manifests: Manifests, loop: str = "uvloop", *extra: str) -> None:
         self.topo = topo
         self.manifests = manifests
@@ -79,7 +81,7 @@ class AgentProc:
 
     def start(self, timeout: float = 10.0) -> None:
         env = dict(os.environ, USPROXY_EVENT_LOOP=self.loop)
-        cmd = ["ip", "netns", "exec", self.topo.node, USPROXY, "-v", "run", "--services", str(self.manifests.dir),
+        cmd = ["ip", "netns", "exec", self.topo.node, *self.wrapper, USPROXY, "-v", "run", "--services", str(self.manifests.dir),
                "--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249",
                "--offload", "none", *self.extra]
         with self.log.open("ab") as out:
