@@ -157,7 +157,7 @@ class NftablesDatapath:
         for table in self.tables.values():
             for spn, rules in table.rules.items():
                 for fe in rules.frontends:
-                    out[(str(fe.addr) if fe.addr is not None else "*", spn.protocol, fe.port)] = str(spn)
+                    out[(str(fe.addr) if fe.addr is not None else "*", spn.protocol, fe.port)] = spn.key()
         return out
 
     def flows_view(self) -> list[dict[str, Any]]:

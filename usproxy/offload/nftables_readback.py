@@ -41,6 +41,7 @@ class _Listing:
     maps: dict[str, list[Any]] = field(default_factory=dict)
     sets: dict[str, list[Any]] = field(default_factory=dict)
     chains: set[str] = field(default_factory=set)
+    slots: dict[str, dict[str, Target]] = field(default_factory=dict)
     rules: dict[str, list[list[dict[str, Any]]]] = field(default_factory=dict)
 
 
@@ -75,6 +76,8 @@ def _index(items: list[dict[str, Any]]) -> _Listing:
     for it in items:
         if "map" in it:
             lst.maps[it["map"]["name"]] = it["map"].get("elem", [])
+            if it["map"]["name"].startswith(("slot-", "np-slot-")):
+                lst.slots[it["map"]["name"]] = _slot_index(lst.maps[it["map"]["name"]])
         elif "set" in it:
             lst.sets[it["set"]["name"]] = it["set"].get("elem", [])
         elif "chain" in it:
@@ -122,24 +125,24 @@ def _frontend(kind: Kind, parts: list[Any], scope: Scope) -> Frontend | None:
         return None
 
 
-def _slot_targets(lst: _Listing, fe: Frontend, n: int) -> tuple[Target, ...] | None:
+def _slot_targets(lst: _Listing, fe: Frontend, n: int) -> tuple[Target, ...]:
+    """The frontend's endpoints by slot, up to the first missing one: a table damaged behind
+    usproxy's back then still diffs into commands the kernel accepts."""
     out = []
     for i in range(n):
-        value = _lookup(lst.maps.get(slot_map(fe.kind, i), []), fe)
+        value = lst.slots.get(slot_map(fe.kind, i), {}).get(fe.key())
         if value is None:
-            return None
+            break
         out.append(value)
     return tuple(out)
 
 
-def _lookup(elems: list[Any], fe: Frontend) -> Target | None:
-    want = fe.key()
+def _slot_index(elems: list[Any]) -> dict[str, Target]:
+    out = {}
     for key, value in elems:
-        parts = _concat(key)
-        if " . ".join(str(p) for p in parts) == want:
-            v = _concat(value)
-            return Target(ipaddress.ip_address(v[0]), int(v[1]))
-    return None
+        v = _concat(value)
+        out[" . ".join(str(p) for p in _concat(key))] = Target(ipaddress.ip_address(v[0]), int(v[1]))
+    return out
 
 
 def _port_rules(family: Family, spn: ServicePortName, seen: _Seen, lst: _Listing) -> PortRules | None:
@@ -161,8 +164,7 @@ def _backend(fe: Frontend, target: str, lst: _Listing) -> Backend | None:
         return Backend()
     m = _GROUP.match(target)
     if m:
-        targets = _slot_targets(lst, fe, int(m.group(2)))
-        return None if targets is None else Backend(targets, m.group(1).endswith("m"))
+        return Backend(_slot_targets(lst, fe, int(m.group(2))), m.group(1).endswith("m"))
     if target.startswith("aff-"):
         return _affinity_backend(target, lst)
     return None

@@ -1,0 +1,223 @@
+"""OffloadManager with FakeKernelDatapaths: the window, promotion, diffs, demotion (failure,
+unsupported, annotation), restart adoption, BPF + nftables by traffic kind, timers, and dump()."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from usproxy.admin.metrics import Metrics
+from usproxy.config import ProxyConfig
+from usproxy.datapath import ServicePortState, SyncRequest
+from usproxy.offload.fake import FakeKernelDatapath
+from usproxy.offload.manager import OffloadManager
+
+from tests.offload.helpers import ep, spn, state
+
+A, B = spn("web", "http"), spn("api")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(*kernels: FakeKernelDatapath, after: float = 5.0) -> tuple[OffloadManager, Clock, Metrics]:
+    clock, metrics = Clock(), Metrics()
+    mgr = OffloadManager(ProxyConfig(offload_after=after), metrics, list(kernels), clock=clock)
+    return mgr, clock, metrics
+
+
+def web(*ips: str, **kw: object) -> ServicePortState:
+    return state(A, "10.96.0.1", 80, [ep(i) for i in ips], **kw)
+
+
+def req(*states: ServicePortState, full: bool = False, **removed: object) -> SyncRequest:
+    return SyncRequest({s.service_port.name: s for s in states}, full=full)
+
+
+def demotions(metrics: Metrics, datapath: str, reason: str) -> float:
+    value = metrics.registry.get_sample_value("usproxy_offload_demotions_total",
+                                              {"datapath": datapath, "reason": reason})
+    return value or 0.0
+
+
+async def test_promotes_only_after_the_window() -> None:
+    nft = FakeKernelDatapath()
+    mgr, clock, _ = make(nft)
+    await mgr.sync(req(web("10.244.1.1", "10.244.1.2"), full=True))
+    assert nft.installed == {}
+    clock.now += 2.1
+    p = mgr.placement(A)
+    assert p is not None and (p.datapath, p.reason) == ("userspace", "establishing: 2.1s of 5.0s")
+    clock.now += 2.9
+    await mgr.sync(SyncRequest({}))
+    assert set(nft.installed) == {A}
+    clock.now += 5.0
+    p = mgr.placement(A)
+    assert p is not None and (p.datapath, p.reason) == ("nftables", "established 5.0s ago")
+
+
+async def test_endpoint_change_restarts_window_only_before_offload() -> None:
+    nft = FakeKernelDatapath()
+    mgr, clock, _ = make(nft)
+    await mgr.sync(req(web("10.244.1.1"), full=True))
+    clock.now += 4
+    await mgr.sync(req(web("10.244.1.1", "10.244.1.2")))
+    clock.now += 4  # 8 s after the first sight, 4 s after the change: not yet
+    await mgr.sync(SyncRequest({}))
+    assert nft.installed == {}
+    clock.now += 1
+    await mgr.sync(SyncRequest({}))
+    assert A in nft.installed
+    # once offloaded, changes go to the kernel at once, as one diff
+    await mgr.sync(req(web("10.244.1.3")))
+    assert nft.installed[A].cluster_endpoints == (ep("10.244.1.3"),)
+    assert nft.applies[-1] == {A: web("10.244.1.3")}
+
+
+async def test_annotation_pins_to_userspace() -> None:
+    nft = FakeKernelDatapath()
+    mgr, clock, _ = make(nft, after=0)
+    await mgr.sync(req(web("10.244.1.1", datapath="userspace"), full=True))
+    assert nft.installed == {}
+    p = mgr.placement(A)
+    assert p is not None and p.datapath == "userspace" and p.reason.startswith("pinned by annotation")
+
+
+async def test_unsupported_feature_is_demoted_with_reason_and_metric() -> None:
+    nft = FakeKernelDatapath(unsupported_if=lambda st: "SCTP is served by the relay only"
+                             if st.service_port.protocol == "SCTP" else None)
+    mgr, _, metrics = make(nft, after=0)
+    sctp = state(spn("sig", proto="SCTP"), "10.96.0.9", 9, [ep("10.244.1.1")])
+    await mgr.sync(SyncRequest({sctp.service_port.name: sctp, A: web("10.244.1.1")}, full=True))
+    assert set(nft.installed) == {A}
+    p = mgr.placement(sctp.service_port.name)
+    assert p is not None and p.datapath == "userspace"
+    assert p.reason == "demoted: nftables: SCTP is served by the relay only"
+    assert demotions(metrics, "nftables", "unsupported") == 1
+    await mgr.sync(SyncRequest({}))  # counted once, not per sync
+    assert demotions(metrics, "nftables", "unsupported") == 1
+
+
+async def test_failed_apply_demotes_only_the_failing_service_port() -> None:
+    nft = FakeKernelDatapath()
+    mgr, clock, metrics = make(nft, after=1)
+    b = state(B, "10.96.0.2", 80, [ep("10.244.2.1")])
+    await mgr.sync(SyncRequest({A: web("10.244.1.1"), B: b}, full=True))
+    nft.fail_spns = {A}
+    clock.now += 1
+    await mgr.sync(SyncRequest({}))
+    assert set(nft.installed) == {B}
+    pa, pb = mgr.placement(A), mgr.placement(B)
+    assert pa is not None and pa.datapath == "userspace" and pa.reason.startswith("demoted: nftables: refused")
+    assert pb is not None and pb.datapath == "nftables"
+    assert demotions(metrics, "nftables", "apply_failed") == 1
+    # retried after another window, and succeeds once the kernel accepts it
+    nft.fail_spns = set()
+    await mgr.sync(SyncRequest({}))
+    assert A not in nft.installed
+    clock.now += 1
+    await mgr.sync(SyncRequest({}))
+    assert set(nft.installed) == {A, B}
+
+
+async def test_failure_of_an_offloaded_update_removes_it_from_the_kernel() -> None:
+    nft = FakeKernelDatapath()
+    mgr, clock, _ = make(nft, after=0)
+    await mgr.sync(req(web("10.244.1.1"), full=True))
+    assert A in nft.installed
+    nft.fail_next = 1
+    await mgr.sync(req(web("10.244.1.1", "10.244.1.2")))
+    assert A not in nft.installed  # new connections reach the relay again
+    p = mgr.placement(A)
+    assert p is not None and p.reason == "demoted: nftables: injected failure (errno 16)"
+
+
+async def test_restart_adopts_installed_service_ports_without_a_window() -> None:
+    nft = FakeKernelDatapath()
+    gone = state(B, "10.96.0.2", 80, [ep("10.244.2.1")])
+    nft.installed = {A: web("10.244.1.1", "10.244.1.2"), B: gone}
+    mgr, _, _ = make(nft, after=30)
+    await mgr.sync(req(web("10.244.1.1", "10.244.1.2"), full=True))
+    assert set(nft.installed) == {A}  # B is no longer in the source
+    p = mgr.placement(A)
+    assert p is not None and p.datapath == "nftables"
+    assert nft.applies == [{B: None, A: web("10.244.1.1", "10.244.1.2")}]
+
+
+async def test_nothing_touches_the_kernel_before_the_first_sync_and_close_keeps_it() -> None:
+    nft = FakeKernelDatapath()
+    nft.installed = {A: web("10.244.1.1")}
+    mgr, _, _ = make(nft)
+    await mgr.close()
+    assert nft.closed and A in nft.installed
+    await mgr.cleanup()
+    assert nft.cleaned and nft.installed == {}
+
+
+async def test_bpf_serves_local_and_nftables_forwarded() -> None:
+    bpf = FakeKernelDatapath("bpf", frozenset({"local"}))
+    nft = FakeKernelDatapath()
+    mgr, _, _ = make(bpf, nft, after=0)
+    await mgr.sync(req(web("10.244.1.1"), full=True))
+    assert A in bpf.installed and A in nft.installed
+    p = mgr.placement(A)
+    assert p is not None and p.datapath == "bpf+nftables"
+
+
+async def test_bpf_alone_leaves_forwarded_traffic_to_the_relay() -> None:
+    bpf = FakeKernelDatapath("bpf", frozenset({"local"}))
+    nft = FakeKernelDatapath(available=False)
+    mgr, _, _ = make(bpf, nft, after=0)
+    await mgr.sync(req(web("10.244.1.1"), full=True))
+    p = mgr.placement(A)
+    assert p is not None and p.datapath == "bpf" and p.reason.endswith("forwarded traffic via userspace")
+    assert nft.installed == {}
+
+
+async def test_no_kernel_datapath_says_why() -> None:
+    mgr, _, _ = make(FakeKernelDatapath(available=False), after=0)
+    await mgr.sync(req(web("10.244.1.1"), full=True))
+    p = mgr.placement(A)
+    assert p is not None and p.reason == "demoted: nftables unavailable: fake: switched off"
+
+
+async def test_wakes_the_sync_when_the_window_ends() -> None:
+    nft = FakeKernelDatapath()
+    mgr = OffloadManager(ProxyConfig(offload_after=0.05), Metrics(), [nft])
+    woke = asyncio.Event()
+    mgr.request_sync = woke.set
+    await mgr.sync(req(web("10.244.1.1"), full=True))
+    await asyncio.wait_for(woke.wait(), 2)
+    await mgr.sync(SyncRequest({}))
+    assert A in nft.installed
+    await mgr.close()
+
+
+async def test_removal_and_stale_endpoints_reach_the_kernel() -> None:
+    nft = FakeKernelDatapath()
+    mgr, _, _ = make(nft, after=0)
+    await mgr.sync(req(web("10.244.1.1", "10.244.1.2"), full=True))
+    gone = frozenset({ep("10.244.1.2")})
+    await mgr.sync(SyncRequest({A: web("10.244.1.1")}, removed_endpoints={A: gone}))
+    assert nft.cleared == [{A: gone}]
+    await mgr.sync(SyncRequest({A: None}))
+    assert nft.installed == {} and mgr.placement(A) is None
+
+
+async def test_dump_text() -> None:
+    nft = FakeKernelDatapath()
+    mgr, _, _ = make(nft, after=0)
+    b = replace(state(B, "10.96.0.2", 81, []), )
+    await mgr.sync(SyncRequest({A: web("10.244.1.1", "10.244.1.2"), B: b}, full=True))
+    assert mgr.dump() == "\n".join([
+        "default/api/TCP nftables (established)",
+        "default/web:http/TCP nftables (established)",
+        "[nftables]",
+        "default/api/TCP 10.96.0.2:81 -> reject",
+        "default/web:http/TCP 10.96.0.1:80 -> 10.244.1.1:8080 10.244.1.2:8080",
+    ])

@@ -1,0 +1,388 @@
+"""OffloadManager: decides which ServicePorts the kernel serves, and keeps the kernel in step.
+
+A Datapath (name "offload") synced after the relay. Per ServicePort it tracks when its usable
+endpoint set last changed; once that set has been stable for `--offload-after` seconds and a
+kernel datapath is available, allowed (`--offload auto|nftables|bpf`, annotation
+usproxy.io/datapath) and able to serve it, the ServicePort is *established* and installed in the
+kernel. From then on endpoint changes are applied to the kernel as diffs; the relay keeps its
+listener as the fallback and drains the flows it already has.
+
+Kernel datapaths are chosen per traffic kind: BPF serves only locally originated connections,
+nftables both, so `auto` with both available installs a ServicePort in BPF (local) and nftables
+(forwarded). Each kernel datapath gets one transaction per sync. A refused transaction is split
+in halves until the failing ServicePorts are found; those are *demoted*: removed from the kernel
+and served by the relay, with the reason in /services, `usproxy status`, the log and the metric
+usproxy_offload_demotions. They are retried after another window.
+
+On the first (full) sync after start, what the kernel holds is read back: ServicePorts installed
+and still wanted stay offloaded at once and only differences are applied (field case C20);
+ServicePorts no longer wanted are removed. Before that first sync (the source has not listed) the
+kernel is left alone, and `close()` never flushes it: only `cleanup()` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from usproxy.admin.metrics import Metrics
+from usproxy.config import ProxyConfig
+from usproxy.datapath import Placement, ServicePortState, SyncRequest
+from usproxy.endpoint import Endpoint
+from usproxy.errors import OffloadError
+from usproxy.offload.kernel_datapath import Capability, KernelDatapath, TrafficKind
+from usproxy.types import IPAddress, ServicePortName
+
+log = logging.getLogger(__name__)
+
+ALL_TRAFFIC: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
+Changes = dict[ServicePortName, ServicePortState | None]
+
+
+@dataclass
+class _Port:
+    """The manager's view of one ServicePort."""
+
+    state: ServicePortState
+    usable: frozenset[tuple[IPAddress, int]]
+    since: float  # when `usable` last changed, or the last demotion
+    kernels: tuple[str, ...] = ()  # kernel datapaths holding it now
+    established_at: float = 0.0
+    reason: str = ""  # why it is (still) in userspace
+    demoted: str | None = None  # the last failure, until the next window passes
+    dirty: bool = True  # state changed since the kernels last got it
+
+
+@dataclass
+class _Plan:
+    changes: dict[str, Changes] = field(default_factory=dict)
+    targets: dict[ServicePortName, tuple[str, ...]] = field(default_factory=dict)
+
+
+def usable_key(state: ServicePortState) -> frozenset[tuple[IPAddress, int]]:
+    """What the window watches: the addresses of the endpoints traffic can reach."""
+    return frozenset(ep.address for ep in (*state.cluster_endpoints, *state.external_endpoints))
+
+
+class OffloadManager:
+    """The offload layer over a list of KernelDatapaths (in order of preference)."""
+
+    name = "offload"
+
+    def __init__(self, cfg: ProxyConfig, metrics: Metrics | None = None,
+                 kernels: Sequence[KernelDatapath] = (), *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or Metrics()
+        self.kernels = list(kernels)
+        self.clock = clock
+        self.request_sync: Callable[[], None] = lambda: None  # the Agent sets proxier.runner.run
+        self.ports: dict[ServicePortName, _Port] = {}
+        self.capabilities: dict[str, Capability] = {}
+        self._usable: list[KernelDatapath] | None = None
+        self._reconciled = False
+        self._waiting: set[ServicePortName] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0.0
+
+    # -- kernels -------------------------------------------------------------------------------
+    def usable_kernels(self) -> list[KernelDatapath]:
+        """Kernel datapaths that probed available (probed once, on first use)."""
+        if self._usable is None:
+            self._usable = []
+            for k in self.kernels:
+                cap = k.probe()
+                self.capabilities[k.name] = cap
+                log.info("kernel datapath %s: %s (%s)", k.name, "available" if cap.available else "unavailable", cap.detail)
+                if cap.available:
+                    self._usable.append(k)
+        return self._usable
+
+    def _kernel(self, name: str) -> KernelDatapath:
+        return next(k for k in self.kernels if k.name == name)
+
+    def _unavailable(self) -> str:
+        caps = [f"{c.name} unavailable: {c.detail}" for c in self.capabilities.values() if not c.available]
+        return "; ".join(caps) or "no kernel datapath configured"
+
+    # -- Datapath ------------------------------------------------------------------------------
+    async def sync(self, request: SyncRequest) -> None:
+        """Track changes, promote what is established, apply one transaction per kernel."""
+        now = self.clock()
+        installed = await self._read_back() if request.full and not self._reconciled else {}
+        self._track(request, now)
+        plan = self._plan(now, installed)
+        await self._apply(plan, now)
+        self._reconciled = True
+        await self._clear_stale(request.removed_endpoints)
+        self._schedule(now)
+
+    def _track(self, request: SyncRequest, now: float) -> None:
+        for spn, st in request.changes.items():
+            port = self.ports.get(spn)
+            if st is None:
+                if port is not None:
+                    port.dirty, port.reason = True, "removed"
+                    self._waiting.add(spn)
+                continue
+            key = usable_key(st)
+            if port is None:
+                self.ports[spn] = _Port(st, key, now)
+            else:
+                if key != port.usable:
+                    port.usable, port.since = key, now
+                port.state, port.dirty = st, True
+                port.reason = "" if port.reason == "removed" else port.reason
+            self._waiting.add(spn)
+
+    async def _read_back(self) -> dict[str, dict[ServicePortName, tuple[Endpoint, ...]]]:
+        out = {}
+        for k in self.usable_kernels():
+            try:
+                out[k.name] = await k.read_back()
+            except Exception as err:
+                log.error("reading back %s: %s; it will be rebuilt", k.name, err)
+                out[k.name] = {}
+            log.info("read back %d ServicePorts from %s", len(out[k.name]), k.name)
+        return out
+
+    # -- planning ------------------------------------------------------------------------------
+    def choose(self, port: _Port, now: float) -> tuple[tuple[str, ...], str, bool]:
+        """The kernel datapaths that should hold `port` now; or () with why it stays in userspace
+        and whether that ends when its window passes."""
+        sp = port.state.service_port
+        if sp.datapath == "userspace":
+            return (), "pinned by annotation usproxy.io/datapath: userspace", False
+        kernels = [k for k in self.usable_kernels() if sp.datapath in (None, k.name)]
+        if not kernels:
+            return (), f"demoted: {self._unavailable()}", False
+        picked, why, needed = [], [], set(ALL_TRAFFIC)
+        for k in kernels:
+            if not k.traffic & needed:
+                continue
+            reason = k.unsupported(port.state)
+            if reason is not None:
+                why.append(f"{k.name}: {reason}")
+                continue
+            picked.append(k.name)
+            needed -= k.traffic
+        if not picked:
+            return (), "demoted: " + "; ".join(why), False
+        waited = now - port.since
+        if port.kernels or waited >= self.cfg.offload_after:
+            return tuple(picked), "", False
+        if port.demoted is not None:
+            return (), f"demoted: {port.demoted}", True
+        return (), f"establishing: {waited:.1f}s of {self.cfg.offload_after:.1f}s", True
+
+    def _plan(self, now: float, installed: Mapping[str, Mapping[ServicePortName, tuple[Endpoint, ...]]]) -> _Plan:
+        plan = _Plan()
+        for kname, spns in installed.items():
+            for spn in spns:
+                self._adopt(kname, spn, now, plan)
+        for spn in list(self._waiting):
+            self._plan_port(spn, now, plan)
+        return plan
+
+    def _adopt(self, kname: str, spn: ServicePortName, now: float, plan: _Plan) -> None:
+        """A ServicePort found in the kernel at start: keep it there if it is still wanted."""
+        port = self.ports.get(spn)
+        if port is not None and port.reason != "removed":
+            port.since = min(port.since, now - self.cfg.offload_after)
+            if kname in self.choose(port, now)[0]:
+                port.kernels = tuple(sorted({*port.kernels, kname}))
+                port.established_at = now
+                port.dirty = True
+                self._waiting.add(spn)
+                return
+        plan.changes.setdefault(kname, {})[spn] = None
+
+    def _plan_port(self, spn: ServicePortName, now: float, plan: _Plan) -> None:
+        port = self.ports[spn]
+        removed = port.reason == "removed"
+        target, reason, waits = ((), "removed", False) if removed else self.choose(port, now)
+        for kname in set(target) | set(port.kernels):
+            if kname not in target:
+                plan.changes.setdefault(kname, {})[spn] = None
+            elif kname not in port.kernels or port.dirty:
+                plan.changes.setdefault(kname, {})[spn] = port.state
+        plan.targets[spn] = target
+        if not waits:
+            self._waiting.discard(spn)
+        if reason.startswith("demoted") and not waits and reason != port.reason:
+            self._count_demotion(spn, reason, "unsupported")
+        port.reason = reason
+
+    # -- applying ------------------------------------------------------------------------------
+    async def _apply(self, plan: _Plan, now: float) -> None:
+        failed: dict[ServicePortName, str] = {}
+        done: dict[str, set[ServicePortName]] = {}
+        for kname, changes in plan.changes.items():
+            done[kname], errors = await self._apply_kernel(self._kernel(kname), changes)
+            failed.update(errors)
+        for spn, target in plan.targets.items():
+            self._settle(spn, target, done, failed, now)
+        for spn, why in failed.items():
+            await self._demote(spn, why, now)
+
+    async def _apply_kernel(self, k: KernelDatapath, changes: Changes) -> tuple[set[ServicePortName], dict[ServicePortName, str]]:
+        """Apply in one transaction; on failure bisect to find the ServicePorts that fail."""
+        if not changes:
+            return set(), {}
+        try:
+            await k.apply(changes)
+            return set(changes), {}
+        except OffloadError as err:
+            if len(changes) == 1:
+                return set(), {spn: f"{k.name}: {err}" for spn in changes}
+            log.warning("%s: transaction of %d ServicePorts refused (%s); bisecting", k.name, len(changes), err)
+        items = list(changes.items())
+        half = len(items) // 2
+        ok_a, err_a = await self._apply_kernel(k, dict(items[:half]))
+        ok_b, err_b = await self._apply_kernel(k, dict(items[half:]))
+        return ok_a | ok_b, {**err_a, **err_b}
+
+    def _settle(self, spn: ServicePortName, target: tuple[str, ...], done: Mapping[str, set[ServicePortName]],
+                failed: Mapping[ServicePortName, str], now: float) -> None:
+        port = self.ports[spn]
+        before = port.kernels
+        if spn in failed:  # _demote removes it from every kernel that may hold it
+            port.kernels = tuple(sorted({*before, *(k for k in target if spn in done.get(k, ()))}))
+            return
+        port.kernels, port.dirty = target, False
+        if target and not before:
+            port.established_at, port.demoted = now, None
+            log.info("%s offloaded to %s", spn.key(), "+".join(target))
+        if port.reason == "removed":
+            del self.ports[spn]
+            self._waiting.discard(spn)
+
+    async def _demote(self, spn: ServicePortName, why: str, now: float) -> None:
+        """Send a ServicePort back to the relay after a refused transaction."""
+        port = self.ports.get(spn)
+        if port is None:
+            return
+        log.warning("%s demoted to userspace: %s", spn.key(), why)
+        self._count_demotion(spn, why, "apply_failed")
+        for kname in port.kernels:
+            try:
+                await self._kernel(kname).apply({spn: None})
+            except OffloadError as err:
+                log.error("removing %s from %s after a failure: %s", spn.key(), kname, err)
+                continue
+        port.kernels, port.demoted, port.since = (), why, now
+        port.reason, port.dirty = f"demoted: {why}", True
+        self._waiting.add(spn)
+
+    def _count_demotion(self, spn: ServicePortName, why: str, kind: str) -> None:
+        names = [k.name for k in self.kernels] or ["none"]
+        label = "unavailable" if "unavailable" in why or "no kernel" in why else kind
+        if kind == "unsupported":
+            log.info("%s stays in userspace: %s", spn.key(), why)
+        for n in names:
+            if n in why or len(names) == 1:
+                self.metrics.demotions.labels(n, label).inc()
+
+    async def _clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
+        for k in self.usable_kernels():
+            mine = {spn: eps for spn, eps in removed.items()
+                    if spn not in self.ports or k.name in self.ports[spn].kernels}
+            if mine:
+                try:
+                    await k.clear_stale(mine)
+                except Exception as err:
+                    log.warning("%s: clearing stale conntrack entries: %s", k.name, err)
+
+    def _schedule(self, now: float) -> None:
+        """Wake the sync when the next waiting ServicePort's window ends."""
+        due = [self.ports[s].since + self.cfg.offload_after for s in self._waiting if s in self.ports]
+        due = [d for d in due if d > now]
+        if not due:
+            return
+        when = min(due)
+        if self._timer is not None and not self._timer.cancelled() and self._timer_due <= when:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = when
+        self._timer = asyncio.get_running_loop().call_later(when - now + 0.01, self._wake)
+
+    def _wake(self) -> None:
+        self._timer = None
+        self.request_sync()
+
+    # -- views -----------------------------------------------------------------------------------
+    def placement(self, spn: ServicePortName) -> Placement | None:
+        port = self.ports.get(spn)
+        if port is None or port.reason == "removed":
+            return None
+        if port.kernels:
+            age = self.clock() - port.established_at
+            note = "" if self._covers(port.kernels) else "; forwarded traffic via userspace"
+            return Placement("+".join(port.kernels), f"established {age:.1f}s ago{note}")
+        if port.reason.startswith("establishing"):
+            _, reason, _ = self.choose(port, self.clock())
+            return Placement("userspace", reason or port.reason)
+        return Placement("userspace", port.reason or "establishing")
+
+    def _covers(self, names: tuple[str, ...]) -> bool:
+        kinds: set[str] = set()
+        for n in names:
+            kinds |= self._kernel(n).traffic
+        return ALL_TRAFFIC <= kinds
+
+    def flows_view(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for k in self.usable_kernels():
+            out.extend(k.flows_view())
+        return out
+
+    def dump(self) -> str:
+        lines = []
+        for spn in sorted(self.ports):
+            p = self.placement(spn)
+            if p is not None:
+                lines.append(f"{spn.key()} {p.datapath} ({p.reason.split(':')[0].split(' ')[0]})")
+        for k in self.kernels:
+            text = k.dump()
+            if text:
+                lines += [f"[{k.name}]", text]
+        return "\n".join(lines)
+
+    async def close(self) -> None:
+        """Stop timers and threads. Kernel state stays: a restarted agent adopts it (C20)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        for k in self.kernels:
+            closer = getattr(k, "close", None)
+            if closer is not None:
+                res = closer()
+                if inspect.isawaitable(res):
+                    await res
+
+    async def cleanup(self) -> None:
+        """Remove everything every kernel datapath installed (`usproxy run --cleanup`)."""
+        for k in self.kernels:
+            await k.cleanup()
+
+
+def kernel_datapaths(cfg: ProxyConfig, netns: str | None = None) -> list[KernelDatapath]:
+    """The kernel datapaths `--offload` allows, best first: BPF (local traffic at connect time),
+    then nftables. A datapath that cannot even be constructed is skipped with a log line."""
+    out: list[KernelDatapath] = []
+    if cfg.offload in ("auto", "bpf"):
+        try:
+            from usproxy.offload.bpf.datapath import BpfDatapath
+
+            out.append(BpfDatapath(cfg.bpf_cgroup))
+        except Exception as err:
+            log.warning("bpf datapath not loaded: %s", err)
+    if cfg.offload in ("auto", "nftables"):
+        from usproxy.offload.nftables import NftablesDatapath
+
+        out.append(NftablesDatapath(netns=netns, lb_policy=cfg.lb_policy))
+    return out
