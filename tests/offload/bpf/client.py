@@ -100,6 +100,9 @@ def hold(host: str, port: int, uhost: str, uport: int) -> dict[str, object]:
         try:
             t.sendall(b"ping\n")
             ok += t.recv(64) == b"ping\n"
+            if uhost == "-":
+                print("tick", flush=True)
+                continue
             u.sendto(b"hold", (uhost, uport))
             data, src = u.recvfrom(65536)
             udp_names[data.split(b"|", 1)[0].decode()] += 1

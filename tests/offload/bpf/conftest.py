@@ -100,14 +100,16 @@ class Env:
             self._clients[short] = self.topo.add_host(short, ip)
         return self._clients[short]
 
-    def _argv(self, ns: str, *args: str) -> list[str]:
-        script = (f"echo $$ > {self.cgroup}/cgroup.procs && exec ip netns exec {ns} "
-                  f"{sys.executable} {HERE / 'client.py'} " + " ".join(args))
+    def _argv(self, ns: str, *args: str, in_cgroup: bool = True) -> list[str]:
+        script = (f"exec ip netns exec {ns} {sys.executable} {HERE / 'client.py'} " + " ".join(args))
+        if in_cgroup:
+            script = f"echo $$ > {self.cgroup}/cgroup.procs && {script}"
         return ["sh", "-c", script]
 
-    def run(self, ns: str, *args: object, timeout: float = 120) -> dict[str, Any]:
-        """Run client.py in the test cgroup and netns `ns`; its JSON result."""
-        proc = subprocess.run(self._argv(ns, *map(str, args)), capture_output=True, text=True, timeout=timeout)
+    def run(self, ns: str, *args: object, timeout: float = 120, in_cgroup: bool = True) -> dict[str, Any]:
+        """Run client.py in the test cgroup (unless not `in_cgroup`) and netns `ns`; its JSON result."""
+        argv = self._argv(ns, *map(str, args), in_cgroup=in_cgroup)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, proc.stderr
         return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
