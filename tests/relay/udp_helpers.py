@@ -4,20 +4,17 @@
   `Backends.close()` stops it whatever happens.
 - `client_socket()` makes a UDP socket that belongs to a client netns (created inside it, used
   from anywhere). `ask()` is one query on a fresh connected socket.
-- `LimitedAgent` is an AgentProc started with a lower RLIMIT_NOFILE (soft and hard), as
-  `prlimit --nofile=N:N usproxy run ...` would: the agent inherits the limit from this process,
-  which holds it only while the agent starts.
+- `LimitedAgent` is an AgentProc started with a lower RLIMIT_NOFILE (soft and hard) through
+  `prlimit --nofile=N:N`.
 - `fd_count()` and `udp_flows()` read the agent's resources; `icmp_unlimited()` turns off the node's
   per-client ICMP rate limit (see its docstring for why the refusal cases need that).
 """
 
 from __future__ import annotations
 
-import resource
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +22,6 @@ from tests.netns import Topology, inside, nsexec
 from tests.relay.harness import AgentProc, Backends, Manifests
 
 UDPSRV = str(Path(__file__).with_name("udp_backends.py"))
-_rlimit_lock = threading.Lock()
 
 
 def start_udpsrv(backends: Backends, ns: str, name: str, addr: str, port: int,
@@ -79,22 +75,12 @@ def read_backend_log(path: Path) -> list[tuple[float, str, int, int, bytes]]:
 
 
 class LimitedAgent(AgentProc):
-    """An AgentProc whose process starts with RLIMIT_NOFILE = (nofile, nofile)."""
+    """An AgentProc started as `prlimit --nofile=N:N usproxy run ...` (prlimit execs the agent,
+    so `pid()` is still the agent's)."""
 
     def __init__(self, topo: Topology, manifests: Manifests, loop: str, nofile: int, *extra: str) -> None:
         super().__init__(topo, manifests, loop, *extra)
-        self.nofile = nofile
-
-    def start(self, timeout: float = 10.0) -> None:
-        # The limit holds for this (single-threaded) test process only while the agent is
-        # forked and comes up; as root it can raise its hard limit back afterwards.
-        with _rlimit_lock:
-            saved = resource.getrlimit(resource.RLIMIT_NOFILE)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
-            try:
-                super().start(timeout)
-            finally:
-                resource.setrlimit(resource.RLIMIT_NOFILE, saved)
+        self.wrapper = ("prlimit", f"--nofile={nofile}:{nofile}")
 
 
 def fd_count(pid: int) -> int:

@@ -98,8 +98,8 @@ class UdpRelay:
             try:
                 sock = socket.socket(socket.AF_INET6 if ep.ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM)
             except OSError as err:
+                limited.warning("cannot open a UDP socket: %s", err)  # EMFILE: the fd budget is off
                 if err.errno not in (errno.EMFILE, errno.ENFILE) or not self.flows:
-                    limited.warning("cannot open a UDP socket: %s", err)
                     return None
                 self.evict_oldest()  # free a descriptor and try once more
                 continue
