@@ -203,9 +203,11 @@ class Tables:
         for bid in gone:
             j.delete(self.fds["usp_backends"], pack_u32(bid), BackendVal.SIZE)
             del g.backends[bid]
-        affinity_off = old is not None and old.val.flags & F_AFFINITY and not g.val.flags & F_AFFINITY
-        if gone or affinity_off:
-            self.purge_affinity(j, g.id, set(gone), everything=bool(affinity_off))
+        had = old is not None and bool(old.val.flags & F_AFFINITY)
+        if had and not g.val.flags & F_AFFINITY:
+            self.purge_affinity(j, g.id, set(), everything=True)
+        elif gone and (had or g.val.flags & F_AFFINITY):  # only affinity services pay for the walk
+            self.purge_affinity(j, g.id, set(gone), everything=False)
 
     # -- removing a group ---------------------------------------------------------------------
     def remove_group(self, j: Journal, g: Group) -> None:
@@ -219,7 +221,8 @@ class Tables:
         for bid in sorted(g.backends):
             j.delete(self.fds["usp_backends"], pack_u32(bid), BackendVal.SIZE)
         j.delete(self.fds["usp_names"], pack_u32(g.id), NAME_SIZE)
-        self.purge_affinity(j, g.id, set(), everything=True)
+        if g.val.flags & F_AFFINITY:
+            self.purge_affinity(j, g.id, set(), everything=True)
 
     def purge_affinity(self, j: Journal, svc_id: int, backends: set[int], *, everything: bool) -> None:
         """Affinity entries of `svc_id` naming one of `backends` (or all of them) go (C16)."""
