@@ -27,6 +27,7 @@ def main() -> None:
     tcp.listen(4096)
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.setsockopt(socket.SOL_IP, IP_PKTINFO, 1)
+    udp.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_RCVBUFFORCE", 33), 16 << 20)  # bursts of 30,000
     udp.bind(("0.0.0.0", port))
     stats: dict[str, dict[str, int]] = {"tcp": {}, "udp": {}, "peers": {}}
     conns: list[socket.socket] = []

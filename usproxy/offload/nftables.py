@@ -126,7 +126,7 @@ class NftablesDatapath:
                     continue
                 for fe in prev.frontends:
                     if fe.addr is not None and not prev.backend(fe.scope).targets and _has_targets(st, fe.scope):
-                        out.add((str(fe.addr), fe.port))
+                        out.add((fe.addr, fe.port))
         return out
 
     async def read_back(self) -> dict[ServicePortName, tuple[Endpoint, ...]]:
@@ -157,7 +157,7 @@ class NftablesDatapath:
         for table in self.tables.values():
             for spn, rules in table.rules.items():
                 for fe in rules.frontends:
-                    out[(str(fe.addr) if fe.addr is not None else "*", spn.protocol, fe.port)] = spn.key()
+                    out[(fe.addr if fe.addr is not None else "*", spn.protocol, fe.port)] = spn.key()
         return out
 
     def flows_view(self) -> list[dict[str, Any]]:

@@ -102,7 +102,7 @@ class FakeNft:
 
 
 class FakeNftClient:
-    """The NftTransport of NftablesDatapath over a FakeNft (read back is not simulated)."""
+    """The NftTransport of NftablesDatapath over a FakeNft, listing it as `nft -j` would."""
 
     def __init__(self, nft: FakeNft | None = None) -> None:
         self.nft = nft or FakeNft()
@@ -111,13 +111,64 @@ class FakeNftClient:
         self.nft.apply(commands)
 
     async def list_table(self, family: str, table: str) -> list[dict[str, Any]] | None:
-        return None
+        fam: Family = 4 if family == "ip" else 6
+        t = self.nft.tables.get(fam)
+        return None if t is None else listing(t)
 
     def probe(self) -> str:
         return "fake"
 
     def close(self) -> None:
         pass
+
+
+def listing(t: FakeTable) -> list[dict[str, Any]]:
+    """The table as `nft -j list table` shows it, as far as read back looks at it."""
+    out: list[dict[str, Any]] = []
+    for name, elems in t.maps.items():
+        rows = [[_key_json(k, c), _value_json(v)] for k, (v, c) in elems.items()]
+        out.append({"map": {"name": name, "elem": rows}})
+    for name, keys in t.sets.items():
+        out.append({"set": {"name": name, "elem": [_key_json(k, None) for k in keys]}})
+    for name, rules in t.chains.items():
+        out.append({"chain": {"name": name}})
+        out += [{"rule": {"chain": name, "expr": _rule_json(r)}} for r in rules]
+    return out
+
+
+def _scalar(text: str) -> Any:
+    return int(text) if text.isdigit() else text
+
+
+def _key_json(key: str, comment: str | None) -> Any:
+    parts = [_scalar(p) for p in key.split(" . ")]
+    val: Any = {"concat": parts} if len(parts) > 1 else parts[0]
+    return {"elem": {"val": val, "comment": comment}} if comment else val
+
+
+def _value_json(value: str | None) -> Any:
+    if value is None:
+        return None
+    if value.startswith("goto "):
+        return {"goto": {"target": value.split()[1]}}
+    return {"concat": [_scalar(p) for p in value.split(" . ")]}
+
+
+def _rule_json(r: Rule) -> list[dict[str, Any]]:
+    if r.op == "mark":
+        return [{"mangle": {"key": {"meta": {"key": "mark"}}}}]
+    if r.op == "goto":
+        return [{"goto": {"target": r.args[0]}}]
+    if r.op == "numgen":
+        data = [[i, {"goto": {"target": c}}] for i, c in enumerate(r.args)]
+        return [{"vmap": {"key": {"numgen": {"mode": "random", "mod": len(r.args)}}, "data": {"set": data}}}]
+    if r.op == "affinity-check":
+        return [{"match": {"op": "==", "right": "@" + r.args[0]}}, {"goto": {"target": r.args[1]}}]
+    if r.op == "affinity-update":
+        return [{"set": {"op": "update", "elem": {"elem": {"timeout": int(r.args[1])}}, "set": "@" + r.args[0]}}]
+    if r.op == "dnat":
+        return [{"dnat": {"addr": r.args[0], "port": int(r.args[1])}}]
+    return [{"raw": r.text}]
 
 
 @dataclass

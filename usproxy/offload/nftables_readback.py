@@ -10,7 +10,6 @@ Anything that cannot be attributed is left to the next full sync, which replaces
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from usproxy.offload.nftables_layout import (
     Target,
     parse_comment,
     slot_chain,
+    norm_ip,
     slot_map,
 )
 from usproxy.types import ServicePortName
@@ -119,7 +119,7 @@ def _concat(key: Any) -> list[Any]:
 def _frontend(kind: Kind, parts: list[Any], scope: Scope) -> Frontend | None:
     try:
         if kind == "ip":
-            return Frontend(ipaddress.ip_address(parts[0]), str(parts[1]), int(parts[2]), scope)
+            return Frontend(norm_ip(str(parts[0])), str(parts[1]), int(parts[2]), scope)
         return Frontend(None, str(parts[0]), int(parts[1]), "external")
     except (ValueError, IndexError):
         return None
@@ -141,7 +141,7 @@ def _slot_index(elems: list[Any]) -> dict[str, Target]:
     out = {}
     for key, value in elems:
         v = _concat(value)
-        out[" . ".join(str(p) for p in _concat(key))] = Target(ipaddress.ip_address(v[0]), int(v[1]))
+        out[" . ".join(str(p) for p in _concat(key))] = Target(norm_ip(str(v[0])), int(v[1]))
     return out
 
 
@@ -155,7 +155,7 @@ def _port_rules(family: Family, spn: ServicePortName, seen: _Seen, lst: _Listing
             return None
         backends[fe.scope] = be
     frontends = tuple(sorted((fe for fe, _ in seen.frontends),
-                             key=lambda f: (0 if f.addr is not None else 1, str(f.addr or ""), f.port)))
+                             key=lambda f: (0 if f.addr is not None else 1, f.addr or "", f.port)))
     return PortRules(spn, family, frontends, backends.get("cluster", Backend()), backends.get("external", Backend()))
 
 
@@ -196,5 +196,5 @@ def _endpoint_chain(rules: list[list[dict[str, Any]]]) -> tuple[Target | None, i
             if "set" in stmt and isinstance(stmt["set"], Mapping) and stmt["set"].get("op") == "update":
                 timeout = int(stmt["set"]["elem"].get("elem", {}).get("timeout", 0))
             elif "dnat" in stmt and "addr" in stmt["dnat"]:
-                target = Target(ipaddress.ip_address(stmt["dnat"]["addr"]), int(stmt["dnat"]["port"]))
+                target = Target(norm_ip(str(stmt["dnat"]["addr"])), int(stmt["dnat"]["port"]))
     return target, timeout

@@ -1,0 +1,179 @@
+"""The nftables layout without a kernel: FakeNft dump() text, packet traces through the generated
+rules (source, destination, port -> endpoints), diff sizes, atomic failure, and the rules the fake
+(like the kernel) refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from usproxy.errors import OffloadError
+from usproxy.offload.nftables import NftablesDatapath
+from usproxy.offload.nftables_fake import FakeNft, FakeNftClient
+from usproxy.offload.nftables_layout import Target, assign_slots, parse_comment, comment_of
+from usproxy.offload.kernel_conntrack import KernelConntrack
+
+from tests.offload.helpers import ep, spn, state
+
+WEB, DNS, STICKY = spn("web", "http"), spn("dns", "dns", "UDP", "kube-system"), spn("sticky")
+NODE = ["192.0.2.10", "192.0.2.11"]
+
+
+class NoConntrack(KernelConntrack):
+    def __init__(self) -> None:
+        super().__init__()
+        self.deleted: list[set[tuple[str, int]]] = []
+
+    async def delete_udp(self, *, reply_src: object = (), orig_dst: object = ()) -> int:
+        self.deleted.append(set(orig_dst))  # type: ignore[call-overload]
+        return 0
+
+
+@pytest.fixture
+def fake() -> FakeNft:
+    return FakeNft()
+
+
+@pytest.fixture
+def dp(fake: FakeNft) -> NftablesDatapath:
+    return NftablesDatapath(FakeNftClient(fake), NoConntrack())
+
+
+def web(*ips: str, **kw: object) -> object:
+    return state(WEB, "10.96.0.1", 80, [ep(i) for i in ips], node_port=30080, service_type="NodePort", **kw)
+
+
+async def test_dump_of_a_small_table(fake: FakeNft, dp: NftablesDatapath) -> None:
+    await dp.apply({WEB: web("10.244.1.1", "10.244.2.1"),  # type: ignore[dict-item]
+                    DNS: state(DNS, "10.96.0.10", 53, [])})
+    text = fake.dump()
+    wanted = [
+        "table ip usproxy",
+        '  map no-endpoint-services: 10.96.0.10 . udp . 53 "kube-system/dns:dns/UDP" : goto reject-chain',
+        "  map np-slot-0: tcp . 30080 : 10.244.1.1 . 8080",
+        "  map np-slot-1: tcp . 30080 : 10.244.2.1 . 8080",
+        '  map service-ips: 10.96.0.1 . tcp . 80 "default/web:http/TCP" : goto g-2',
+        '  map service-nodeports: tcp . 30080 "default/web:http/TCP external" : goto npgm-2',
+        "  map slot-0: 10.96.0.1 . tcp . 80 : 10.244.1.1 . 8080",
+        "  map slot-1: 10.96.0.1 . tcp . 80 : 10.244.2.1 . 8080",
+        "  set hairpin: 10.244.1.1 . 10.244.1.1",
+        "  set hairpin: 10.244.2.1 . 10.244.2.1",
+    ]
+    assert text.splitlines()[: len(wanted)] == wanted
+    assert "  chain g-2: numgen random mod 2 vmap { 0 : goto s-0, 1 : goto s-1 }" in text
+    assert "  chain s-1: dnat ip to ip daddr . meta l4proto . th dport map @slot-1" in text
+
+
+@pytest.mark.parametrize("src,dst,proto,port,verdict,targets,masq", [
+    ("10.244.9.10", "10.96.0.1", "tcp", 80, "dnat", {"10.244.1.1:8080", "10.244.2.1:8080"}, set()),
+    ("10.244.1.1", "10.96.0.1", "tcp", 80, "dnat", {"10.244.1.1:8080", "10.244.2.1:8080"}, {"10.244.1.1:8080"}),
+    ("203.0.113.5", "192.0.2.10", "tcp", 30080, "dnat", {"10.244.1.1:8080", "10.244.2.1:8080"},
+     {"10.244.1.1:8080", "10.244.2.1:8080"}),
+    ("10.244.9.10", "10.96.0.1", "udp", 80, "none", set(), set()),  # protocol is part of the key
+    ("10.244.9.10", "10.96.0.1", "tcp", 81, "none", set(), set()),
+    ("10.244.9.10", "10.96.0.10", "udp", 53, "reject", set(), set()),
+    ("10.244.9.10", "127.0.0.1", "tcp", 30080, "none", set(), set()),  # no NodePorts on localhost
+])
+async def test_packet_trace(fake: FakeNft, dp: NftablesDatapath, src: str, dst: str, proto: str, port: int,
+                            verdict: str, targets: set[str], masq: set[str]) -> None:
+    await dp.apply({WEB: web("10.244.1.1", "10.244.2.1"),  # type: ignore[dict-item]
+                    DNS: state(DNS, "10.96.0.10", 53, [])})
+    t = fake.trace(4, src, dst, proto, port, local=[*NODE, "127.0.0.1"])
+    assert (t.verdict, set(t.targets), set(t.masq)) == (verdict, targets, masq)
+
+
+async def test_external_traffic_policy_local_uses_local_endpoints_without_masquerade(fake: FakeNft, dp: NftablesDatapath) -> None:
+    st = state(WEB, "10.96.0.1", 80, [ep("10.244.1.1", node_name="node"), ep("10.244.2.1", node_name="other")],
+               node_port=30080, service_type="NodePort", external_traffic_policy="Local", external_ips=["192.0.2.50"])
+    await dp.apply({WEB: st})
+    np = fake.trace(4, "203.0.113.5", "192.0.2.10", "tcp", 30080, local=NODE)
+    ext = fake.trace(4, "203.0.113.5", "192.0.2.50", "tcp", 80, local=NODE)
+    cluster = fake.trace(4, "10.244.9.10", "10.96.0.1", "tcp", 80, local=NODE)
+    assert set(np.targets) == set(ext.targets) == {"10.244.1.1:8080"} and not np.masq and not ext.masq
+    assert set(cluster.targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
+
+
+async def test_affinity_checks_each_endpoint_set_before_the_random_choice(fake: FakeNft, dp: NftablesDatapath) -> None:
+    st = state(STICKY, "10.96.0.7", 80, [ep("10.244.1.1"), ep("10.244.2.1")], session_affinity="ClientIP",
+               affinity_timeout=5)
+    await dp.apply({STICKY: st})
+    text = fake.dump()
+    assert "update @ep-" in text and "{ ip saddr timeout 5s }" in text
+    table = fake.tables[4]
+    pinned = next(n for n in table.sets if n.startswith("ep-") and
+                  table.chains[n][-1].text.endswith("10.244.2.1:8080"))
+    table.sets[pinned].add("10.244.9.10")  # as the kernel's `update` would after a connection
+    t = fake.trace(4, "10.244.9.10", "10.96.0.7", "tcp", 80)
+    assert set(t.targets) == {"10.244.2.1:8080"}
+    other = fake.trace(4, "10.244.9.11", "10.96.0.7", "tcp", 80)
+    assert set(other.targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
+
+
+async def test_ipv6_goes_to_the_ip6_table(fake: FakeNft, dp: NftablesDatapath) -> None:
+    v6 = spn("v6")
+    await dp.apply({v6: state(v6, "2001:db8:96::a", 80, [ep("2001:db8:244:1::5"), ep("2001:db8:244:2::6")])})
+    assert set(fake.tables) == {6}
+    t = fake.trace(6, "2001:db8:244:9::1", "2001:db8:96::a", "tcp", 80)
+    assert set(t.targets) == {"[2001:db8:244:1::5]:8080", "[2001:db8:244:2::6]:8080"}
+
+
+async def test_one_endpoint_change_touches_only_its_elements(fake: FakeNft, dp: NftablesDatapath) -> None:
+    many = {spn(f"s{i}"): state(spn(f"s{i}"), f"10.96.1.{i}", 80, [ep("10.244.1.1"), ep("10.244.1.2")]) for i in range(200)}
+    await dp.apply(many)
+    before = fake.dump()
+    await dp.apply({spn("s7"): state(spn("s7"), "10.96.1.7", 80, [ep("10.244.1.1"), ep("10.244.1.3")])})
+    changed = set(before.splitlines()) ^ set(fake.dump().splitlines())
+    assert changed == {"  map slot-1: 10.96.1.7 . tcp . 80 : 10.244.1.2 . 8080",
+                       "  map slot-1: 10.96.1.7 . tcp . 80 : 10.244.1.3 . 8080",
+                       "  set hairpin: 10.244.1.3 . 10.244.1.3"}
+
+
+async def test_failed_transaction_changes_nothing(fake: FakeNft, dp: NftablesDatapath) -> None:
+    await dp.apply({WEB: web("10.244.1.1")})  # type: ignore[dict-item]
+    before = fake.dump()
+    fake.fail_next = 1
+    with pytest.raises(OffloadError):
+        await dp.apply({WEB: None, DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.3.3", 53)])})
+    assert fake.dump() == before
+    assert WEB in dp.tables[4].rules and DNS not in dp.tables[4].rules
+
+
+async def test_removal_leaves_only_shared_structures(fake: FakeNft, dp: NftablesDatapath) -> None:
+    sticky = state(STICKY, "10.96.0.7", 80, [ep("10.244.1.1")], session_affinity="ClientIP")
+    await dp.apply({WEB: web("10.244.1.1", "10.244.2.1"), STICKY: sticky})  # type: ignore[dict-item]
+    await dp.apply({WEB: None, STICKY: None})
+    t = fake.tables[4]
+    assert all(not m for m in t.maps.values()) and all(not s for s in t.sets.values())
+    assert not [c for c in t.chains if c.startswith(("aff-", "ep-"))]
+
+
+async def test_udp_zero_to_n_clears_refusal_entries(fake: FakeNft, dp: NftablesDatapath) -> None:
+    await dp.apply({DNS: state(DNS, "10.96.0.10", 53, [])})
+    await dp.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.3.3", 53)])})
+    assert dp.conntrack.deleted[-1] == {("10.96.0.10", 53)}  # type: ignore[attr-defined]
+
+
+def test_slot_assignment_moves_as_little_as_possible() -> None:
+    a, b, c, d = (Target(f"10.0.0.{i}", 80) for i in range(1, 5))
+    assert assign_slots((a, b, c), {a, c, d}) == (a, d, c)  # d takes b's slot
+    assert assign_slots((a, b, c), {a, c}) == (a, c)  # the last fills the hole
+    assert assign_slots((a, b), {a, b, c, d}) == (a, b, c, d)
+
+
+def test_comment_round_trip() -> None:
+    assert parse_comment(comment_of(WEB, "external")) == (WEB, "external")
+    assert parse_comment(comment_of(spn("x"), "cluster")) == (spn("x"), "cluster")
+
+
+async def test_read_back_from_the_listing_adopts_without_element_changes(fake: FakeNft, dp: NftablesDatapath) -> None:
+    sticky = state(STICKY, "10.96.0.7", 80, [ep("10.244.1.1"), ep("10.244.2.1")], session_affinity="ClientIP",
+                   affinity_timeout=30, node_port=30007, service_type="NodePort")
+    states = {WEB: web("10.244.1.1", "10.244.2.1", external_ips=["192.0.2.50"]), STICKY: sticky,
+              DNS: state(DNS, "10.96.0.10", 53, [])}
+    await dp.apply(states)  # type: ignore[arg-type]
+    again = NftablesDatapath(FakeNftClient(fake), NoConntrack())
+    found = await again.read_back()
+    assert found == {WEB: (ep("10.244.1.1"), ep("10.244.2.1")), STICKY: (ep("10.244.1.1"), ep("10.244.2.1")), DNS: ()}
+    assert again.tables[4].rules == dp.tables[4].rules
+    before = fake.dump()
+    await again.apply(states)  # type: ignore[arg-type]
+    assert fake.dump() == before
