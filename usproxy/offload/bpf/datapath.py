@@ -26,6 +26,7 @@ from typing import Any, Literal
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.offload.bpf import loader, view
+from usproxy.offload.bpf.build import object_path
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf.layout import F_AFFINITY, F_MAGLEV, F_ROUND_ROBIN, PROTO_NUMBERS, FlowVal, SvcKey
 from usproxy.offload.bpf.view import spn_from_key
@@ -82,8 +83,6 @@ class BpfDatapath:
             return f"BPF unavailable: {err}"
         if loader.mount_type(loader.BPFFS) != "bpf" and not loader.BPFFS.is_dir():
             return f"no bpffs at {loader.BPFFS} and nowhere to mount it"
-        from usproxy.offload.bpf.build import object_path
-
         object_path()  # compiles on first use; raises OffloadError when it cannot
         return None
 
