@@ -174,8 +174,8 @@ class BpfDatapath:
     def _flags(self, state: ServicePortState) -> int:
         sp = state.service_port
         flags = F_AFFINITY if sp.session_affinity == "ClientIP" else 0
-        policy = sp.lb_policy or self.selection
-        if self.selection == "maglev" and sp.lb_policy is None:
+        policy: str = sp.lb_policy or self.selection  # "maglev" once the annotation allows it
+        if policy == "maglev":
             return flags | F_MAGLEV
         return flags | (F_ROUND_ROBIN if policy == "roundRobin" else 0)
 
