@@ -8,7 +8,7 @@ APT_PACKAGES=(
   python3 python3-venv python3-pip      # the agent's interpreter (3.11 on Debian 12)
   iproute2 procps                       # ip netns, veth, bridges; sysctl
   nftables libnftables1 conntrack iptables   # kernel datapaths and their tools
-  clang llvm libbpf-dev libbpf1         # BPF programs (compiled at set-up)
+  clang llvm libbpf-dev libbpf1 linux-libc-dev   # BPF programs (compiled at set-up)
   dnsmasq-base dnsutils curl            # the demo's DNS pod, dig, curl
   haproxy                               # the userspace peer in bench/
 )

@@ -56,4 +56,14 @@ def read_live(addr: str) -> str | None:
         got = True
     else:
         parts.append("# live: no usproxy nftables table (or nft not installed / not permitted)\n")
+    try:
+        from usproxy.offload.bpf.view import render_pinned
+
+        pinned = render_pinned()
+    except Exception as err:  # no bpffs, no permission, an older pin layout: say so
+        parts.append(f"# live bpf: cannot read pins ({err})\n")
+        pinned = None
+    if pinned is not None:
+        parts.append(pinned + "\n")
+        got = True
     return "\n".join(parts) if got else None
