@@ -87,7 +87,7 @@ class ClientSide(asyncio.Protocol):
             self.flow = self.owner.new_flow("TCP", (client[0], client[1]), (front[0], front[1]))
         except FlowTableFull:
             limited.warning("flow table full: refusing %s", self.owner.spn)
-            reset(transport)
+            reset(self.transport)
             return
         self.flow.state = "SYN_SENT"
         self.dial = asyncio.get_running_loop().create_task(self._dial(client[0]))
@@ -132,7 +132,6 @@ class ClientSide(asyncio.Protocol):
 
     # -- dialing -------------------------------------------------------------------------------
     async def _dial(self, client_ip: str) -> None:
-        loop = asyncio.get_running_loop()
         tried: list[Endpoint] = []
         for timeout in DIAL_TIMEOUTS:
             ep = self.owner.pick(self.kind, client_ip, tried)
@@ -140,24 +139,28 @@ class ClientSide(asyncio.Protocol):
                 break
             tried.append(ep)
             try:
-                _, side = await asyncio.wait_for(
-                    loop.create_connection(lambda: EndpointSide(self), str(ep.ip), ep.port), timeout)
+                sock = await connect(ep, timeout)
             except (OSError, TimeoutError) as err:
                 limited.warning("%s: endpoint %s failed (%s); trying the next", self.owner.spn, ep,
                                 type(err).__name__ if isinstance(err, TimeoutError) else err)
                 self.owner.failed(self.kind, ep, client_ip)
                 continue
-            self._connected(ep, side)
+            try:
+                await asyncio.get_running_loop().create_connection(lambda: EndpointSide(self, ep), sock=sock)
+            except BaseException:
+                sock.close()
+                raise
             return
         limited.warning("%s: no endpoint answered for %s", self.owner.spn, client_ip)
         if self.transport is not None:
             reset(self.transport)
 
-    def _connected(self, ep: Endpoint, side: EndpointSide) -> None:
+    def _connected(self, ep: Endpoint, side: EndpointSide) -> bool:
+        """`side` is connected to `ep`: make it this connection's upstream, unless we are gone."""
         assert side.transport is not None
         if self.closed or self.transport is None or self.transport.is_closing():
             side.transport.close()
-            return
+            return False
         self.endpoint = ep
         self.owner.opened(self.kind, ep)
         self.upstream = side
@@ -172,6 +175,7 @@ class ClientSide(asyncio.Protocol):
         self.transport.resume_reading()
         if self.eof_in:
             side.transport.write_eof()
+        return True
 
     # -- teardown ------------------------------------------------------------------------------
     def _maybe_finish(self) -> None:
@@ -194,18 +198,28 @@ class ClientSide(asyncio.Protocol):
 
 
 class EndpointSide(asyncio.Protocol):
-    """The proxy's connection to the chosen endpoint."""
+    """The proxy's connection to the chosen endpoint.
 
-    def __init__(self, client: ClientSide) -> None:
+    It attaches itself to its ClientSide in `connection_made`, so no byte can arrive before the
+    client knows its upstream. A side that was not attached (its client went away meanwhile)
+    never touches the client.
+    """
+
+    def __init__(self, client: ClientSide, endpoint: Endpoint) -> None:
         self.client = client
+        self.endpoint = endpoint
         self.transport: asyncio.Transport | None = None
+        self.attached = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         tune(transport)
+        self.attached = self.client._connected(self.endpoint, self)
 
     def data_received(self, data: bytes) -> None:
         c = self.client
+        if not self.attached:
+            return
         if c.flow is not None:
             c.flow.seen_out(len(data))
         if c.transport is not None:
@@ -213,6 +227,8 @@ class EndpointSide(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         c = self.client
+        if not self.attached:
+            return False
         c.eof_out = True
         if c.transport is not None and not c.transport.is_closing():
             c.transport.write_eof()
@@ -222,19 +238,36 @@ class EndpointSide(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         c = self.client
         t = c.transport
-        if t is not None and not t.is_closing():
+        if self.attached and t is not None and not t.is_closing():
             if exc is not None:
                 reset(t)
             else:
                 t.close()
 
     def pause_writing(self) -> None:
-        if self.client.transport is not None:
+        if self.attached and self.client.transport is not None:
             self.client.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.client.transport is not None:
+        if self.attached and self.client.transport is not None:
             self.client.transport.resume_reading()
+
+
+async def connect(ep: Endpoint, timeout: float) -> socket.socket:
+    """A connected non-blocking socket to `ep`, or OSError/TimeoutError after `timeout` seconds.
+
+    The transport is made only after the connect succeeded: a dial abandoned at its timeout
+    leaves nothing behind but a closed socket (no protocol that could still act on the client).
+    """
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET6 if ep.ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await asyncio.wait_for(loop.sock_connect(sock, (str(ep.ip), ep.port)), timeout)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def serve_kwargs() -> dict[str, Any]:
