@@ -80,7 +80,10 @@ def probe_bpf(cgroup: Path = Path("/sys/fs/cgroup/unified")) -> Capability:
         missing.append("no clang")
     if missing:
         return Capability("bpf cgroup hooks", False, "; ".join(missing))
-    return Capability("bpf cgroup hooks", True, f"BTF, libbpf, clang, cgroup v2 at {cgroup}")
+    from usproxy.offload.bpf.datapath import BpfDatapath
+
+    real = BpfDatapath(cgroup).probe()  # creates a map and builds the object
+    return Capability("bpf cgroup hooks", real.available, real.detail)
 
 
 def probe_bpffs() -> Capability:
