@@ -81,6 +81,19 @@ def tcp_name(ns: str, addr: str, port: int, timeout: float = 3.0, src: str | Non
         s.close()
 
 
+def tcp_peer_name(ns: str, addr: str, port: int, timeout: float = 3.0) -> tuple[str, str]:
+    """Connect from `ns`; return (endpoint name, the client address the endpoint saw)."""
+    with inside(ns):
+        s = socket.socket()
+    s.settimeout(timeout)
+    try:
+        s.connect((addr, port))
+        name, peer = s.recv(128).decode().split()[:2]
+        return name, peer
+    finally:
+        s.close()
+
+
 def udp_socket(ns: str, src: tuple[str, int] = ("0.0.0.0", 0)) -> socket.socket:
     with inside(ns):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -4,7 +4,6 @@ unsupported, annotation), restart adoption, BPF + nftables by traffic kind, time
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 from usproxy.admin.metrics import Metrics
 from usproxy.config import ProxyConfig
@@ -35,7 +34,7 @@ def web(*ips: str, **kw: object) -> ServicePortState:
     return state(A, "10.96.0.1", 80, [ep(i) for i in ips], **kw)
 
 
-def req(*states: ServicePortState, full: bool = False, **removed: object) -> SyncRequest:
+def req(*states: ServicePortState, full: bool = False) -> SyncRequest:
     return SyncRequest({s.service_port.name: s for s in states}, full=full)
 
 
@@ -212,7 +211,7 @@ async def test_removal_and_stale_endpoints_reach_the_kernel() -> None:
 async def test_dump_text() -> None:
     nft = FakeKernelDatapath()
     mgr, _, _ = make(nft, after=0)
-    b = replace(state(B, "10.96.0.2", 81, []), )
+    b = state(B, "10.96.0.2", 81, [])
     await mgr.sync(SyncRequest({A: web("10.244.1.1", "10.244.1.2"), B: b}, full=True))
     assert mgr.dump() == "\n".join([
         "default/api/TCP nftables (established)",

@@ -20,7 +20,16 @@ from usproxy.offload.nftables import NftablesDatapath
 from usproxy.offload.nftables_layout import Transaction, port_rules
 
 from tests.netns import Topology, nsexec
-from tests.offload.harness import Pods, conntrack, hairpin_ports, nft_list, tcp_name, udp_socket, wait_listening
+from tests.offload.harness import (
+    Pods,
+    conntrack,
+    hairpin_ports,
+    nft_list,
+    tcp_name,
+    tcp_peer_name,
+    udp_socket,
+    wait_listening,
+)
 from tests.offload.helpers import ep, spn, state
 
 pytestmark = pytest.mark.netns
@@ -159,7 +168,7 @@ async def test_c03_udp_one_way_sender_follows_endpoint_changes(topology: Topolog
 
 async def test_c17_uniform_over_five_endpoints_and_after_churn(topology: Topology, dp: NftablesDatapath, pods: Pods) -> None:
     ips = [f"10.244.{i}.30" for i in range(1, 7)]
-    ns = pods.add("be", *ips, port=8081, mute=True)
+    pods.add("be", *ips, port=8081, mute=True)
     cli = topology.add_host("cli", "10.244.9.10", "10.244.9.11", "10.244.9.12")
     spread = spn("spread", "u", "UDP")
 
@@ -179,7 +188,6 @@ async def test_c17_uniform_over_five_endpoints_and_after_churn(topology: Topolog
         assert sum(got.values()) == n  # every flow counted: the shares below are of all of them
         return got
 
-    del ns
     await dp.apply({spread: st(ips[:5])})
     got = flows(30000, 20000)
     counts = [got[i] for i in ips[:5]]
@@ -216,7 +224,7 @@ async def test_c24_hairpin_is_masqueraded(topology: Topology, dp: NftablesDatapa
     hairpin_ports(topology)
     wait_listening(be_a, "10.244.1.70", 8080)
     await dp.apply({WEB: web("10.244.1.70")})
-    with_peer = [tcp_peer(be_a, VIP, 80) for _ in range(20)]
+    with_peer = [tcp_peer_name(be_a, VIP, 80) for _ in range(20)]
     assert all(name == "be-a" and peer != "10.244.1.70" for name, peer in with_peer)
 
 
@@ -226,25 +234,11 @@ async def test_nodeport_from_outside_is_masqueraded_unless_local_policy(topology
     wait_listening(cli, "10.244.1.5", 8080)
     np = dict(node_port=30080, service_type="NodePort")
     await dp.apply({WEB: web("10.244.1.5", **np)})  # type: ignore[arg-type]
-    assert tcp_peer(cli, "192.0.2.10", 30080)[1] != "10.244.9.10"
-    assert tcp_peer(cli, VIP, 80)[1] == "10.244.9.10"  # ClusterIP keeps the client address
-    local = state(WEB, VIP, 80, [ep("10.244.1.5", node_name="node")], external_traffic_policy="Local", **np)  # type: ignore[arg-type]
+    assert tcp_peer_name(cli, "192.0.2.10", 30080)[1] != "10.244.9.10"
+    assert tcp_peer_name(cli, VIP, 80)[1] == "10.244.9.10"  # ClusterIP keeps the client address
+    local = state(WEB, VIP, 80, [ep("10.244.1.5", node_name="node")], external_traffic_policy="Local", **np)
     await dp.apply({WEB: local})
-    assert tcp_peer(cli, "192.0.2.10", 30080)[1] == "10.244.9.10"
-
-
-def tcp_peer(ns: str, addr: str, port: int) -> tuple[str, str]:
-    from tests.netns import inside
-
-    with inside(ns):
-        s = socket.socket()
-    s.settimeout(3)
-    try:
-        s.connect((addr, port))
-        name, peer = s.recv(128).decode().split()[:2]
-        return name, peer
-    finally:
-        s.close()
+    assert tcp_peer_name(cli, "192.0.2.10", 30080)[1] == "10.244.9.10"
 
 
 async def test_refused_transaction_changes_nothing_and_resyncs(topology: Topology, dp: NftablesDatapath, pods: Pods) -> None:
