@@ -10,8 +10,10 @@ the table is read back, so the next diff starts from what the kernel really hold
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from usproxy.datapath import ServicePortState
@@ -90,8 +92,9 @@ class NftablesDatapath:
 
     async def apply(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> None:
         """One transaction for both families; OffloadError leaves the kernel unchanged."""
-        txs = [self._transaction(self.tables[f], changes) for f in FAMILIES]
-        commands = [c for tx in txs for c in tx.commands()]
+        with _gc_paused(len(changes) > 1000):
+            txs = [self._transaction(self.tables[f], changes) for f in FAMILIES]
+            commands = [c for tx in txs for c in tx.commands()]
         zero_to_n = self._udp_zero_to_n(changes)
         if commands:
             try:
@@ -185,6 +188,20 @@ class NftablesDatapath:
 
     def installed(self) -> dict[Family, dict[ServicePortName, PortRules]]:
         return {f: dict(t.rules) for f, t in self.tables.items()}
+
+
+@contextlib.contextmanager
+def _gc_paused(pause: bool) -> Iterator[None]:
+    """Building a cold transaction allocates ~10 objects per Service and none of them are cyclic
+    garbage; the collector's passes over them cost a fifth of the build at 10,000 Services."""
+    was = gc.isenabled()
+    if pause:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if pause and was:
+            gc.enable()
 
 
 def _has_targets(st: ServicePortState, scope: str) -> bool:

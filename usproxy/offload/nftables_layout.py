@@ -286,8 +286,9 @@ class Rule:
     args: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Elem:
+class Elem(NamedTuple):
+    """One set or map element in nft syntax (a NamedTuple for the same reason as Target)."""
+
     key: str
     value: str | None = None
     comment: str | None = None
