@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.netns import Topology
+from tests.netns import Topology, nsexec
 from tests.relay.harness import AgentProc, Backends, Manifests, slice_, svc
 from tests.relay.udp_helpers import client_socket, icmp_unlimited, read_backend_log, start_udpsrv
 
@@ -172,5 +172,50 @@ def test_flow_leaves_an_endpoint_that_stops_being_usable(topology: Topology, bac
             ok = sum(1 for seq in window if seq in got[new])
             assert ok >= 0.95 * len(window), f"{new} got {ok}/{len(window)}"
         assert len(got["a"]) >= 0.95 * 3 * RATE  # the first phase went to be-a, not nowhere
+    finally:
+        assert agent.stop() == 0
+
+
+def test_icmp_errors_from_an_endpoint_are_transient(topology: Topology, backends: Backends, workdir: Path,
+                                                    loop_name: str) -> None:
+    """A listed endpoint that refuses for a while (no server: its kernel answers ICMP port
+    unreachable to the relay's flow socket) must not silence that flow for good, nor disturb
+    another flow, and the errors are logged at a bounded rate. (On uvloop an error event used to
+    stop the flow's reader: the flow stayed in the table, and its replies were never read again.)
+    """
+    a = topology.add_host("be-a", EP["be-a"])
+    b = topology.add_host("be-b", EP["be-b"])
+    nsexec(a, "sysctl", "-qw", "net.ipv4.icmp_ratelimit=0")  # one ICMP error per datagram
+    srv_a = start_udpsrv(backends, a, "be-a", EP["be-a"], 8125)
+    start_udpsrv(backends, b, "be-b", EP["be-b"], 8125)
+    cli = topology.add_host("cli", "10.244.9.10")
+    m = Manifests(workdir)
+    m.write(svc("statsd", "10.96.20.20", [{"port": 8125, "targetPort": 8125, "protocol": "UDP"}]),
+            slice_("statsd", [{"ip": EP["be-a"], "ready": True}, {"ip": EP["be-b"], "ready": True}],
+                   [{"port": 8125, "protocol": "UDP"}]))
+    agent = AgentProc(topology, m, loop_name)
+    try:
+        agent.start()
+        with client_socket(cli, connect=("10.96.20.20", 8125), timeout=0.2) as s1, \
+                client_socket(cli, connect=("10.96.20.20", 8125), timeout=0.2) as s2:
+            names = []
+            for s in (s1, s2):
+                s.send(b"hello")
+                names.append(s.recv(100).split(b"|")[0])
+            assert sorted(names) == [b"be-a", b"be-b"]
+            to_a, to_b = (s1, s2) if names[0] == b"be-a" else (s2, s1)
+            backends.stop(srv_a)
+            other = 0
+            for i in range(200):
+                to_a.send(b"x%d" % i)
+                to_b.send(b"y%d" % i)
+                other += to_b.recv(100) == b"be-b|y%d" % i
+            assert other == 200
+            start_udpsrv(backends, a, "be-a", EP["be-a"], 8125)
+            to_a.settimeout(2)
+            to_a.send(b"back")  # the same flow is answered again
+            assert to_a.recv(100) == b"be-a|back"
+        log = [line for line in agent.log.read_text().splitlines() if "Connection refused" in line]
+        assert 1 <= len(log) <= 3, log
     finally:
         assert agent.stop() == 0

@@ -8,7 +8,8 @@ Replies leave through the listener socket, which is bound to exactly the address
 to, so the reply's source is that address and port (C06). Flows are kept in last-activity order:
 idle ones (either direction counts) expire after `idle_timeout`, and when the fd budget or the
 flow table is full the longest-idle flow is evicted to make room (C08). ICMP errors from an
-endpoint surface as ECONNREFUSED on its flow: logged at a bounded rate, never fatal (issue item 7).
+endpoint surface as ECONNREFUSED on its flow: logged at a bounded rate, never fatal, and the flow's
+socket is watched anew (on uvloop an error event stops the watch), so the error is transient.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import logging
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
+from usproxy.types import format_hostport
 
 if TYPE_CHECKING:
     from usproxy.relay.service_port_relay import ServicePortRelay
@@ -34,6 +36,16 @@ limited = RateLimitedLog(log)
 
 MAX_DATAGRAM = 65535
 FlowKey = tuple[HostPort, HostPort]  # (frontend, client)
+
+
+def rewatch(sock: socket.socket, callback: Callable[..., None], *args: object) -> None:
+    """Register `sock` for reading again after it reported an error. libuv (uvloop) stops polling
+    an fd once epoll says EPOLLERR, which an ICMP error on a connected UDP socket raises, so
+    without this one port unreachable would silence a flow for good. Errors only: never per
+    datagram."""
+    loop = asyncio.get_running_loop()
+    loop.remove_reader(sock.fileno())
+    loop.add_reader(sock.fileno(), callback, *args)
 
 
 class UdpFlow:
@@ -141,6 +153,9 @@ class UdpRelay:
             n += 1
         return n
 
+    def rewatch(self, uf: UdpFlow) -> None:
+        rewatch(uf.sock, self._reply, uf)
+
     # -- datagrams -----------------------------------------------------------------------------
     def _reply(self, uf: UdpFlow) -> None:
         """Endpoint → client: read every queued reply, send each from the listener's address."""
@@ -151,6 +166,7 @@ class UdpRelay:
                 return
             except OSError as err:  # ECONNREFUSED from ICMP port unreachable: transient
                 limited.warning("%s: endpoint %s: %s", uf.listener.owner.spn, uf.endpoint, err)
+                self.rewatch(uf)
                 return
             uf.flow.seen_out(n)
             uf.flow.state = "ASSURED"
@@ -185,7 +201,8 @@ class UdpListener:
             except BlockingIOError:
                 return
             except OSError as err:
-                limited.warning("%s: listener %s: %s", self.owner.spn, self.frontend, err)
+                limited.warning("%s: listener %s: %s", self.owner.spn, format_hostport(*self.frontend), err)
+                rewatch(self.sock, self._receive)
                 return
             uf = relay.flow_for(self, (client[0], client[1]))
             if uf is None:
@@ -201,14 +218,15 @@ class UdpListener:
             except BlockingIOError:
                 limited.warning("%s: send buffer full, datagram dropped", self.owner.spn)
                 return
-            except OSError as err:
+            except OSError as err:  # the error event may have stopped the reader: watch anew
                 limited.warning("%s: endpoint %s: %s", self.owner.spn, uf.endpoint, err)
+                self.relay.rewatch(uf)
 
     def send(self, data: memoryview, client: HostPort) -> None:
         try:
             self.sock.sendto(data, client)
         except OSError as err:
-            limited.warning("%s: reply to %s dropped: %s", self.owner.spn, client, err)
+            limited.warning("%s: reply to %s dropped: %s", self.owner.spn, format_hostport(*client), err)
 
     def close(self) -> None:
         try:
