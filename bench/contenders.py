@@ -45,6 +45,7 @@ class Contender:
     reason: str = ""
     pid: int | None = None
     notes: str = ""
+    max_conns: int = 0  # a configured connection limit (0: none)
 
     def start(self, ctx: Ctx) -> None:
         """Bring the contender up; sets available/reason on failure instead of raising."""
@@ -237,7 +238,8 @@ class HAProxy(Contender):
     """Debian's HAProxy, `mode tcp`, one process, one thread, default buffers (no splice)."""
 
     def __init__(self, vip: str) -> None:
-        super().__init__("haproxy", vip, udp=False, notes="haproxy 2.6 mode tcp, nbthread 1; no UDP")
+        super().__init__("haproxy", vip, udp=False, notes="haproxy 2.6 mode tcp, nbthread 1; no UDP",
+                         max_conns=9000)
         self.proc: Any = None
 
     def config(self) -> str:
@@ -293,7 +295,8 @@ def default_contenders(prototypes: bool) -> list[Contender]:
     out: list[Contender] = [Direct(), Usproxy("relay", "10.96.100.10", 1), Usproxy("offloaded", "10.96.101.10", 2, "nftables"),
                             HAProxy("10.96.200.10")]
     if prototypes:
-        out += [Prototype("proto-protocol", "10.96.201.10", "protocol"),
-                Prototype("proto-splice", "10.96.202.10", "splice"),
+        # --mode protocol (the relay's shape minus bookkeeping) is left out: under the short-connection
+        # storm it died in uvloop ("double free or corruption"); run it by hand to investigate.
+        out += [Prototype("proto-splice", "10.96.202.10", "splice"),
                 Prototype("proto-splice-2w", "10.96.203.10", "splice", workers=2)]
     return out

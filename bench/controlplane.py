@@ -25,7 +25,7 @@ import secrets
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +122,7 @@ async def _usproxy_nft(ns: str, n: int, changes: int) -> dict[str, Any]:
     nft = NftablesDatapath(netns=ns, lb_policy="random")
     sink = _NftSink(nft)
     proxier = Proxier([sink])
-    m = objects_from(services(n))
+    m = objects_from(list[Mapping[str, Any]](services(n)))
     t_parse = time.perf_counter()
     for svc in m.services.values():
         proxier.on_service_update(None, svc)
@@ -140,7 +140,7 @@ async def _usproxy_nft(ns: str, n: int, changes: int) -> dict[str, Any]:
     for k in range(changes):
         i = (k * 7919) % n
         key = next(x for x in slices if x.name == f"s{i}-1")
-        new = objects_from([endpoint_slice(f"s{i}", [endpoint_ip(i, 0), f"10.245.{k // 250}.{k % 250 + 1}"])]).slices
+        new = objects_from(list[Mapping[str, Any]]([endpoint_slice(f"s{i}", [endpoint_ip(i, 0), f"10.245.{k // 250}.{k % 250 + 1}"])])).slices
         (nsl,) = new.values()
         proxier.on_endpoint_slice_update(slices[key], nsl)
         slices[key] = nsl

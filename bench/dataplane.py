@@ -8,6 +8,7 @@ The proxy's CPU is read from /proc at the edges of the client's measurement wind
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -145,9 +146,9 @@ class DataPlane:
     def steps(self) -> list[tuple[str, Callable[[Contender], None]]]:
         p = self.plan
         out: list[tuple[str, Callable[[Contender], None]]] = [("bulk", self.bulk)]
-        out += [(f"rr c={k}", lambda c, k=k: self.rr(c, k)) for k in p.rr_conc]
+        out += [(f"rr c={k}", functools.partial(self.rr, conc=k)) for k in p.rr_conc]
         out += [("conn", self.conn), ("latency", self.latency)]
-        out += [(f"udp {s} B", lambda c, s=s: self.udp(c, s)) for s in p.udp_sizes]
+        out += [(f"udp {s} B", functools.partial(self.udp, size=s)) for s in p.udp_sizes]
         return out
 
     def run(self) -> None:

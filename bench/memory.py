@@ -33,7 +33,8 @@ def _fds(c: Contender) -> int:
 
 def max_flows(c: Contender) -> int:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    return max(0, (min(hard, 262144) - _fds(c) - FD_MARGIN) // 2)
+    n = max(0, (min(hard, 262144) - _fds(c) - FD_MARGIN) // 2)
+    return min(n, c.max_conns) if c.max_conns else n
 
 
 def hold(ctx: Ctx, c: Contender, n: int, timeout: float = 120.0) -> dict[str, Any]:

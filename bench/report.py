@@ -193,7 +193,7 @@ def markdown(d: dict[str, Any]) -> str:
     if d.get("profile"):
         out += ["#### Relay profile (py-spy, self time)", ""]
         for label, rows in d["profile"].items():
-            out.append(f"- {label}: " + "; ".join(f"{r['function']} {r['share'] * 100:.0f}%" for r in rows[:8]))
+            out.append(f"- {label}: " + "; ".join(f"{r['function']} {r['share'] * 100:.0f}%" for r in rows[:10]))
         out.append("")
     return "\n".join(out)
 

@@ -140,7 +140,8 @@ def _profiles(ctx: Ctx, by_name: dict[str, Contender], seconds: float, work: Pat
         c = by_name.get(name)
         if c is None or not c.pids():
             continue
-        for label, spec in (("bulk", {"op": "bulk", "bytes": 8 << 30}), ("rr c=16", {"op": "rr", "conc": 16})):
+        for label, spec in (("bulk", {"op": "bulk", "bytes": 8 << 30}), ("rr c=16", {"op": "rr", "conc": 16}),
+                            ("conn", {"op": "conn", "conc": 64, "sources": ctx.topo.sources, "procs": 2})):
             log(f"profiling {name} under {label} ({seconds:.0f}s)")
             out[f"{name} {label}"] = profile.profile(ctx, c, label.replace(" ", "").replace("=", ""), spec, seconds, work)
     return out

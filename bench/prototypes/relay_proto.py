@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import errno
 import fcntl
+import functools
 import os
 import signal
 import socket
@@ -261,8 +262,8 @@ class SpliceListener:
             up = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             up.setblocking(False)
             up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            err = up.connect_ex(self.backend)
-            if err not in (0, errno.EINPROGRESS):
+            rc = up.connect_ex(self.backend)
+            if rc not in (0, errno.EINPROGRESS):
                 c.close()
                 up.close()
                 continue
@@ -297,7 +298,7 @@ async def serve(args: argparse.Namespace) -> None:
         if args.mode == "splice":
             keep.append(SpliceListener(loop, sock, (args.backend, port)))
         else:
-            keep.append(await loop.create_server(lambda port=port: Client((args.backend, port)), sock=sock))
+            keep.append(await loop.create_server(functools.partial(Client, (args.backend, port)), sock=sock))
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
