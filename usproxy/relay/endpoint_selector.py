@@ -4,22 +4,27 @@ Policies: roundRobin (kube-proxy 1.0 userspace's LoadBalancerRR, pkg/proxy/users
 random (uniform, no modulo bias: `random.randrange`), leastConnections (fewest open flows, ties in
 round-robin order). sessionAffinity ClientIP: a client IP stays on its endpoint while it connects
 again within `timeout` seconds of its last connection (each new connection refreshes the timer);
-the pin moves when the endpoint is removed or fails. A failed endpoint is skipped for a short
-back-off unless every endpoint is backing off. Endpoint-set updates keep the round-robin position
-meaningful and keep affinity entries of endpoints that remain (C16).
+the pin moves when the endpoint is removed or fails; expired pins are purged as the table grows
+(amortised), so client IPs that come and go do not accumulate. A failed endpoint is skipped for a
+short back-off unless every endpoint is backing off. Endpoint-set updates keep the round-robin
+position meaningful and keep affinity entries of endpoints that remain (C16).
+
+A pick is O(1) for random and roundRobin when nothing is excluded or backing off (the common case;
+C17 runs 200,000 picks over 1,000 endpoints); only then are candidate lists built.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from usproxy.endpoint import Endpoint
 from usproxy.service_port import LBPolicy, SessionAffinity
 
 FAIL_BACKOFF = 2.0  # seconds a failed endpoint is skipped
+PURGE_MIN = 1024  # affinity entries before expired ones are first purged
 
 
 @dataclass(slots=True)
@@ -49,6 +54,7 @@ class EndpointSelector:
         self._next = 0
         self._pins: dict[str, Affinity] = {}
         self._failed_until: dict[Endpoint, float] = {}
+        self._purge_at = PURGE_MIN
         self.active: dict[Endpoint, int] = {}
 
     def update(self, endpoints: tuple[Endpoint, ...], policy: LBPolicy, affinity: SessionAffinity,
@@ -83,15 +89,25 @@ class EndpointSelector:
                 return pin.endpoint
         ep = self._choose(self._candidates(now, exclude))
         if ep is not None and self.affinity == "ClientIP":
-            self._pins[client_ip] = Affinity(ep, now)
+            self._pin(client_ip, ep, now)
         return ep
 
-    def _candidates(self, now: float, exclude: Collection[Endpoint]) -> list[Endpoint]:
-        fresh = [e for e in self.endpoints if e not in exclude]
-        healthy = [e for e in fresh if self._failed_until.get(e, 0.0) <= now]
-        return healthy or fresh or list(self.endpoints)
+    def _pin(self, client_ip: str, ep: Endpoint, now: float) -> None:
+        self._pins[client_ip] = Affinity(ep, now)
+        if len(self._pins) >= self._purge_at:
+            self._pins = {c: a for c, a in self._pins.items() if now - a.last_used <= self.timeout}
+            self._purge_at = max(PURGE_MIN, 2 * len(self._pins))
 
-    def _choose(self, candidates: list[Endpoint]) -> Endpoint | None:
+    def _candidates(self, now: float, exclude: Collection[Endpoint]) -> Sequence[Endpoint]:
+        if self._failed_until:
+            self._failed_until = {e: t for e, t in self._failed_until.items() if t > now}
+        if not exclude and not self._failed_until:
+            return self.endpoints
+        fresh = [e for e in self.endpoints if e not in exclude]
+        healthy = [e for e in fresh if e not in self._failed_until]
+        return healthy or fresh or self.endpoints
+
+    def _choose(self, candidates: Sequence[Endpoint]) -> Endpoint | None:
         if not candidates:
             return None
         if self.policy == "random":
@@ -101,9 +117,13 @@ class EndpointSelector:
             candidates = [e for e in candidates if self.active.get(e, 0) == low]
         return self._round_robin(candidates)
 
-    def _round_robin(self, candidates: list[Endpoint]) -> Endpoint:
-        allowed = set(candidates)
+    def _round_robin(self, candidates: Sequence[Endpoint]) -> Endpoint:
         n = len(self.endpoints)
+        if candidates is self.endpoints:
+            ep = self.endpoints[self._next % n]
+            self._next = (self._next + 1) % n
+            return ep
+        allowed = set(candidates)
         for step in range(n):
             ep = self.endpoints[(self._next + step) % n]
             if ep in allowed:
