@@ -89,6 +89,8 @@ class Topology:
         outer, inner = f"{self.prefix[-6:]}v{self._veth}", "eth0"
         nsexec(self.node, "ip", "link", "add", outer, "type", "veth", "peer", "name", inner, "netns", name)
         nsexec(self.node, "ip", "link", "set", outer, "master", "usbr0", "up")
+        # kubelet's hairpin-veth: a pod's connection DNATed back to itself leaves by its own port
+        nsexec(self.node, "ip", "link", "set", "dev", outer, "type", "bridge_slave", "hairpin", "on")
         for i, a in enumerate(addresses):
             nsexec(name, "ip", "addr", "add", f"{a}/{16 if i == 0 else 32}", "dev", inner)
         nsexec(name, "ip", "link", "set", inner, "up")

@@ -378,7 +378,7 @@ def kernel_datapaths(cfg: ProxyConfig, netns: str | None = None) -> list[KernelD
         try:
             from usproxy.offload.bpf.datapath import BpfDatapath
 
-            out.append(BpfDatapath(cfg.bpf_cgroup))
+            out.append(BpfDatapath(cfg.bpf_cgroup, selection=cfg.lb_policy))
         except Exception as err:
             log.warning("bpf datapath not loaded: %s", err)
     if cfg.offload in ("auto", "nftables"):
