@@ -94,7 +94,7 @@ class Demo:
         shutil.copytree(ROOT / "examples", self.workdir / "services")
         log = self.workdir / "agent.log"
         self.agent = self.spawn(NODE, USPROXY, "run", "--services", str(self.workdir / "services"),
-                                "--offload-after", "3", log=log)
+                                "--offload-after", "6", log=log)
         for _ in range(100):
             try:
                 if not self.admin("/healthz", 10256)["lastUpdated"].startswith("0001"):
@@ -141,7 +141,7 @@ class Demo:
         self.live_edit()
         self.offload_phase()
         title("Agent log (last lines)")
-        print("\n".join((self.workdir / "agent.log").read_text().splitlines()[-8:]))
+        print("\n".join((self.workdir / "agent.log").read_text().splitlines()[-6:]))
 
     def show_flows(self) -> None:
         title("The flow table while three connections are open (usproxy flows)")
@@ -172,13 +172,37 @@ class Demo:
         show(self.requests("http://10.96.10.10/", 30))
 
     def offload_phase(self) -> None:
-        title("Where each ServicePort is served now (usproxy status)")
+        title("Kernel offload: after 6 s of stable endpoints (--offload-after 6) web:http moves to nftables")
+        where = self.wait_offloaded("default/web:http", 20.0)
+        print(f"default/web:http is now served by: {where}")
         print(in_ns(NODE, USPROXY, "status").stdout)
-        nft = in_ns(NODE, "nft", "list", "tables", check=False).stdout
-        if "usproxy" in nft:
-            title("Kernel offload: the usproxy nftables table")
-            out = in_ns(NODE, "nft", "list", "table", "ip", "usproxy", check=False).stdout
-            print("\n".join(out.splitlines()[:40]))
+        if "nftables" not in where:
+            return
+        before = self.relay_flows_total()
+        show(self.requests("http://10.96.10.10/", 30))
+        show(self.requests("http://192.0.2.10:30080/", 30))
+        print(f"new flows through the userspace relay during those 60 requests: "
+              f"{self.relay_flows_total() - before:.0f} (the kernel carried them)")
+        title("The kernel's view: nft list table ip usproxy (ServicePort maps and endpoint slots)")
+        out = in_ns(NODE, "nft", "list", "table", "ip", "usproxy", check=False).stdout
+        print(excerpt(out, ("map service-ips", "map service-nodeports", "map slot-0", "map slot-1", "chain g-2")))
+
+    def wait_offloaded(self, name: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        where = "?"
+        while time.monotonic() < deadline:
+            rows = self.admin("/services")
+            where = next((r["datapath"] for r in rows if r["servicePortName"] == name), "?")  # type: ignore[index,attr-defined]
+            if "nftables" in where or "bpf" in where:
+                break
+            time.sleep(0.3)
+        return where
+
+    def relay_flows_total(self) -> float:
+        text = in_ns(NODE, sys.executable, "-c",
+                     "import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:10249/metrics').read().decode())").stdout
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("usproxy_flows_total{"))
 
     def close(self) -> None:
         if self.agent is not None and self.agent.poll() is None:
@@ -193,6 +217,18 @@ class Demo:
             p.wait()
         teardown_leftovers()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def excerpt(table: str, heads: tuple[str, ...]) -> str:
+    """The blocks of `nft list table` output whose first line starts with one of `heads`."""
+    out, keep = [], False
+    for line in table.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(("map ", "set ", "chain ")):
+            keep = stripped.startswith(heads)
+        if keep:
+            out.append(line)
+    return "\n".join(out)
 
 
 def show(counts: Counter[str]) -> None:

@@ -1,8 +1,8 @@
 """`usproxy run --cleanup`: remove everything usproxy installed in the kernel, then exit.
 
 As kube-proxy's CleanupLeftovers (pkg/proxy/nftables/proxier.go): delete the usproxy nftables
-tables of both families (absent tables are fine), and the BPF datapath's programs and pins when
-that datapath is present. Returns the exit code: 0 when everything was removed, 1 otherwise.
+tables of both families (absent tables are fine), the BPF datapath's programs and pins when
+that datapath is present, and the ClusterIP interface (usproxy0) with its addresses. Returns the exit code: 0 when everything was removed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -43,9 +43,25 @@ async def _bpf(cfg: ProxyConfig) -> bool:
         return False
 
 
+async def _vip_interface(cfg: ProxyConfig) -> bool:
+    from usproxy.relay.vip_interface import VipInterface
+
+    vip = VipInterface(cfg.vip_interface)
+    try:
+        if await vip.delete():
+            log.info("removed interface %s and its ClusterIPs", cfg.vip_interface)
+        return True
+    except Exception as err:
+        log.error("removing interface %s: %s", cfg.vip_interface, err)
+        return False
+    finally:
+        vip.worker.close()
+
+
 async def _cleanup(cfg: ProxyConfig) -> int:
     ok = await _nftables()
     ok = await _bpf(cfg) and ok
+    ok = await _vip_interface(cfg) and ok
     return 0 if ok else 1
 
 

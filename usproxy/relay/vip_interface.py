@@ -5,8 +5,10 @@ it does not (this project's machines), fall back to an empty bridge, and as a la
 the choice is logged and reported (`kind`, `why`). Addresses are /32 or /128 with IFA_F_NODAD so
 IPv6 ones can be bound at once. All netlink calls run in one dedicated worker thread (pyroute2's
 sync API cannot run inside a running event loop, and its async API fails under uvloop; see
-PLATFORM notes). On close, the addresses this agent added are removed (unless `keep` is set, for
-kernel offload that still routes them), and the link if this agent created it.
+PLATFORM notes). On close the interface and its addresses stay by default (`keep`), as IPVS mode's
+kube-ipvs0 does: during an agent restart new connections to a ClusterIP are refused at once by the
+kernel instead of being unroutable, and offloaded traffic from local processes keeps its route
+(C20). `usproxy run --cleanup` removes the interface; `keep = False` removes on close.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class VipInterface:
         self.why = "not set up"
         self.created = False
         self.addresses: set[IPAddress] = set()
-        self.keep = False
+        self.keep = True
 
     async def setup(self) -> None:
         existed = await self.worker.call(lambda ipr: _link_index(ipr, self.name))
@@ -145,6 +147,14 @@ class VipInterface:
         """Addresses already on the interface (left by a previous agent)."""
         name = self.name
         return {ip for ifname, ip in await self.local_addresses() if ifname == name and self.kind != "lo"}
+
+    async def delete(self) -> bool:
+        """Remove the interface (for --cleanup); False when there is none or it is `lo`."""
+        idx = await self.worker.call(lambda ipr: _link_index(ipr, self.name))
+        if idx is None or self.name == "lo":
+            return False
+        await self.worker.call(lambda ipr: ipr.link("del", index=idx))
+        return True
 
     async def close(self) -> None:
         if not self.keep:
