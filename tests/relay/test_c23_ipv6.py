@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -55,23 +56,25 @@ def write(m: Manifests, v6_eps: list[str]) -> float:
                address_type="IPv6"))
 
 
-def setup_hosts(topology: Topology, backends: Backends) -> str:
+def setup_hosts(topology: Topology, backends: Backends) -> tuple[str, dict[str, subprocess.Popen[bytes]]]:
+    """The pods (TCP idsrv on 8080, udpsrv on 53) and the client; returns it and the udpsrvs."""
     enable_ipv6(topology)
+    udpsrvs = {}
     for i, (name, ip) in enumerate(EPS.items()):
         ns = topology.add_host(name, f"10.244.{i + 1}.5")
         add_address6(ns, ip)
         backends.start(ns, "idsrv", name, ip, "8080")
-        start_udpsrv(backends, ns, name, ip, 53)
+        udpsrvs[name] = start_udpsrv(backends, ns, name, ip, 53)
     cli = topology.add_host("cli", "10.244.9.10")
     add_address6(cli, CLIENT6)
-    return cli
+    return cli, udpsrvs
 
 
-def endpoint_refuses_for_a_while(topology: Topology, backends: Backends, cli: str, name: str) -> None:
+def endpoint_refuses_for_a_while(topology: Topology, backends: Backends, cli: str, name: str,
+                                 udpsrv: subprocess.Popen[bytes]) -> None:
     """The endpoint's UDP server goes away (its kernel answers ICMP port unreachable to the
     relay's flow socket) and comes back: the same client flow is answered again, nothing else."""
-    udpsrv = [p for p in backends.procs if p.args[-3:] == [name, EPS[name], "53"]]
-    backends.stop(udpsrv[0])
+    backends.stop(udpsrv)
     with client_socket(cli, socket.AF_INET6, connect=V6_DNS, timeout=0.2) as s:
         for i in range(5):
             s.send(b"gone%d" % i)
@@ -112,7 +115,7 @@ def stream_across_removal(cli: str, m: Manifests) -> tuple[list[tuple[float, byt
 
 
 def test_ipv6_udp_and_mixed_family(topology: Topology, backends: Backends, workdir: Path, loop_name: str) -> None:
-    cli = setup_hosts(topology, backends)
+    cli, udpsrvs = setup_hosts(topology, backends)
     m = Manifests(workdir)
     write(m, ["be1", "be2"])
     agent = AgentProc(topology, m, loop_name)
@@ -150,7 +153,7 @@ def test_ipv6_udp_and_mixed_family(topology: Topology, backends: Backends, workd
         v6 = [sp for sp in agent.services() if sp["servicePortName"] == "default/v6:dns"]
         assert [e["address"] for e in v6[0]["endpoints"]] == [f"[{EPS[kept]}]:53"]
 
-        endpoint_refuses_for_a_while(topology, backends, cli, kept)
+        endpoint_refuses_for_a_while(topology, backends, cli, kept, udpsrvs[kept])
         assert f"default/v6:dns: endpoint [{EPS[kept]}]:53: [Errno 111] Connection refused" in agent.log.read_text()
     finally:
         assert agent.stop() == 0

@@ -17,7 +17,6 @@ import hashlib
 import heapq
 import select
 import socket
-import sys
 import time
 from typing import IO
 
@@ -77,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
