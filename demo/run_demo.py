@@ -27,6 +27,10 @@ PREFIX = "usdemo"
 NODE = f"{PREFIX}-node"
 PODS = {"web-1": "10.244.1.10", "web-2": "10.244.2.10", "web-3": "10.244.3.10", "coredns-1": "10.244.4.53"}
 CLIENT = ("client", "10.244.9.10")
+CGROUP2 = Path("/sys/fs/cgroup/unified")
+DEMO_CGROUP = CGROUP2 / "usproxy-demo"
+BPFFS = Path("/sys/fs/bpf")
+PINS = BPFFS / "usproxy-demo"
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -50,6 +54,8 @@ class Demo:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.workdir = Path(tempfile.mkdtemp(prefix="usproxy-demo-"))
         self.agent: subprocess.Popen[bytes] | None = None
+        self.bpf_started = False
+        self.bpffs_was_mounted = _is_bpffs()
 
     # -- topology ----------------------------------------------------------------------------
     def build(self) -> None:
@@ -90,11 +96,19 @@ class Demo:
                    "--txt-record=whoami.cluster.local,coredns-1")
         time.sleep(0.5)
 
-    def start_agent(self) -> None:
-        shutil.copytree(ROOT / "examples", self.workdir / "services")
+    def start_agent(self, *extra: str, nsenter: bool = False) -> None:
+        if not (self.workdir / "services").exists():
+            shutil.copytree(ROOT / "examples", self.workdir / "services")
         log = self.workdir / "agent.log"
-        self.agent = self.spawn(NODE, USPROXY, "run", "--services", str(self.workdir / "services"),
-                                "--offload-after", "6", log=log)
+        cmd = [USPROXY, "run", "--services", str(self.workdir / "services"), *extra]
+        if nsenter:  # keeps the cgroup filesystem and bpffs visible (ip netns exec hides them)
+            out = log.open("ab")
+            env = dict(os.environ, USPROXY_BPF_PINS=str(PINS))
+            self.agent = subprocess.Popen(["nsenter", f"--net=/run/netns/{NODE}", *cmd], stdout=out,
+                                          stderr=subprocess.STDOUT, env=env)
+            self.procs.append(self.agent)
+        else:
+            self.agent = self.spawn(NODE, *cmd, log=log)
         for _ in range(100):
             try:
                 if not self.admin("/healthz", 10256)["lastUpdated"].startswith("0001"):
@@ -125,7 +139,7 @@ class Demo:
         title("Topology: node (agent), pods web-1..3 and coredns-1, a client; all in network namespaces")
         self.build()
         self.start_pods()
-        self.start_agent()
+        self.start_agent("--offload-after", "6")
         print(in_ns(NODE, USPROXY, "status").stdout)
         title("30 requests to the ClusterIP http://10.96.10.10/ (round robin over three pods)")
         show(self.requests("http://10.96.10.10/", 30))
@@ -140,6 +154,7 @@ class Demo:
         self.refused("10.96.20.20", 80)
         self.live_edit()
         self.offload_phase()
+        self.bpf_phase()
         title("Agent log (last lines)")
         print("\n".join((self.workdir / "agent.log").read_text().splitlines()[-6:]))
 
@@ -187,6 +202,54 @@ class Demo:
         out = in_ns(NODE, "nft", "list", "table", "ip", "usproxy", check=False).stdout
         print(excerpt(out, ("map service-ips", "map service-nodeports", "map slot-0", "map slot-1", "chain g-2")))
 
+    def stop_agent(self) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.send_signal(signal.SIGTERM)
+            try:
+                self.agent.wait(10)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+                self.agent.wait()
+
+    def cleanup_kernel(self) -> None:
+        """`usproxy run --cleanup` in the node netns: nftables table, BPF programs and pins."""
+        env = dict(os.environ, USPROXY_BPF_PINS=str(PINS))
+        subprocess.run(["nsenter", f"--net=/run/netns/{NODE}", USPROXY, "run", "--cleanup",
+                        "--bpf-cgroup", str(DEMO_CGROUP)], env=env, capture_output=True)
+
+    def bpf_phase(self) -> None:
+        title("BPF: the socket LB rewrites the destination at connect() (as Cilium's kube-proxy replacement)")
+        if not (CGROUP2 / "cgroup.procs").exists():
+            print(f"skipped: no cgroup v2 at {CGROUP2}")
+            return
+        self.stop_agent()
+        self.cleanup_kernel()
+        DEMO_CGROUP.mkdir(exist_ok=True)
+        self.bpf_started = True
+        print(f"agent restarted with --offload bpf --bpf-cgroup {DEMO_CGROUP}")
+        self.start_agent("--offload", "bpf", "--offload-after", "1", "--bpf-cgroup", str(DEMO_CGROUP),
+                         nsenter=True)
+        where = self.wait_offloaded("default/web:http", 20.0)
+        print(f"default/web:http is now served by: {where}")
+        if "bpf" not in where:
+            return
+        before = self.relay_flows_total()
+        code = ("import socket\nfor _ in range(6):\n"
+                "  s=socket.create_connection(('10.96.10.10',80),timeout=3)\n"
+                "  s.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n')\n"
+                "  body=s.makefile('rb').read().decode().split('\\r\\n\\r\\n')[-1].strip()\n"
+                "  print(f'getpeername={s.getpeername()[0]}:{s.getpeername()[1]}  answered by {body}')\n")
+        script = f"echo $$ > {DEMO_CGROUP}/cgroup.procs && exec ip netns exec {ns(CLIENT[0])} {sys.executable} -c \"$0\""
+        out = subprocess.run(["sh", "-c", script, code], capture_output=True, text=True)
+        print(out.stdout.strip() or out.stderr.strip())
+        print(f"new flows through the userspace relay: {self.relay_flows_total() - before:.0f} "
+              "(the socket went straight to the pod; the application still sees the ClusterIP)")
+        title("usproxy's BPF maps (pinned under bpffs)")
+        view = subprocess.run([sys.executable, "-c", "from usproxy.offload.bpf.view import render_pinned;"
+                               "print(render_pinned())"], capture_output=True, text=True,
+                              env=dict(os.environ, USPROXY_BPF_PINS=str(PINS)))
+        print("\n".join((view.stdout or view.stderr).splitlines()[:30]))
+
     def wait_offloaded(self, name: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         where = "?"
@@ -205,12 +268,12 @@ class Demo:
                    if line.startswith("usproxy_flows_total{"))
 
     def close(self) -> None:
-        if self.agent is not None and self.agent.poll() is None:
-            self.agent.send_signal(signal.SIGTERM)
-            try:
-                self.agent.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        self.stop_agent()
+        if self.bpf_started:
+            self.cleanup_kernel()
+            _remove_cgroup(DEMO_CGROUP)
+            if not self.bpffs_was_mounted and _is_bpffs() and not _pinned_anything():
+                subprocess.run(["umount", str(BPFFS)], check=False)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
@@ -233,6 +296,31 @@ def excerpt(table: str, heads: tuple[str, ...]) -> str:
 
 def show(counts: Counter[str]) -> None:
     print("answered by: " + "  ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+
+
+def _is_bpffs() -> bool:
+    return any(line.split()[1:3] == [str(BPFFS), "bpf"] for line in Path("/proc/mounts").read_text().splitlines())
+
+
+def _pinned_anything() -> bool:
+    """bpffs holds pins besides the kernel's own preloaded iterators (maps.debug, progs.debug)."""
+    return any(not p.name.endswith(".debug") for p in BPFFS.iterdir())
+
+
+def _remove_cgroup(cg: Path) -> None:
+    if not cg.exists():
+        return
+    for pid in (cg / "cgroup.procs").read_text().split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for _ in range(50):
+        try:
+            cg.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 def teardown_leftovers() -> None:
