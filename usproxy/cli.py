@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from usproxy.config import ProxyConfig, load_kube_proxy_configuration, parse_duration, with_overrides
-from usproxy.errors import ConfigError
+from usproxy.errors import ConfigError, SourceError
 
 log = logging.getLogger("usproxy")
 
@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (urllib.error.URLError, ConnectionError) as err:
         print(f"usproxy: cannot reach the agent: {err}", file=sys.stderr)
+        return 1
+    except SourceError as err:
+        print(f"usproxy: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -17,6 +17,7 @@ from usproxy.errors import ConfigError
 from usproxy.explain import bpf, cost, iptables, ipvs, nftables, trace, userspace
 from usproxy.explain.live import read_live
 from usproxy.explain.service_set import IPNetwork, Node, ServiceSet, load_manifests, service_set
+from usproxy.manifest import Manifests, objects_from
 from usproxy.types import IPAddress
 
 MODES = ("userspace", "iptables", "ipvs", "nftables", "bpf")
@@ -31,7 +32,7 @@ TITLES = {
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--services", type=Path, metavar="PATH", help="Kubernetes manifests (file or directory)")
-    p.add_argument("--kubeconfig", type=Path, help="read a live API server (not available yet)")
+    p.add_argument("--kubeconfig", type=Path, help="list the Services of a live API server instead of --services")
     p.add_argument("--mode", default="all", choices=[*MODES, "all"])
     p.add_argument("--node-ip", action="append", default=[], metavar="IP",
                    help="this node's address (repeat or comma-separate); NodePort addresses")
@@ -85,13 +86,23 @@ def node_from(args: argparse.Namespace) -> Node:
     return Node(args.node_name, tuple(ips), tuple(cidrs), tuple(scidrs))
 
 
+def _from_api(kubeconfig: Path) -> Manifests:
+    """One list of the API server's Services and EndpointSlices, parsed like manifests."""
+    import asyncio
+
+    from usproxy.sources.kube import list_once
+
+    raws = asyncio.run(list_once(kubeconfig))
+    return objects_from(list(raws))
+
+
 def load(args: argparse.Namespace) -> ServiceSet:
     if args.kubeconfig is not None:
-        raise ConfigError("the API-server source is not available to explain yet; use --services",
-                          obj="usproxy explain", field="--kubeconfig")
-    if args.services is None:
-        raise ConfigError("required", obj="usproxy explain", field="--services")
-    m = load_manifests(args.services)
+        m = _from_api(args.kubeconfig)
+    elif args.services is None:
+        raise ConfigError("required (or --kubeconfig)", obj="usproxy explain", field="--services")
+    else:
+        m = load_manifests(args.services)
     for err in m.errors[1:]:
         print(f"usproxy: {err}", file=sys.stderr)
     return service_set(m, node_from(args))

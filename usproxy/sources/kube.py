@@ -31,12 +31,13 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
+import aiohttp
 import yaml
 
 from usproxy.admin.metrics import Metrics
 from usproxy.config import ProxyConfig
 from usproxy.endpoint_slice import EndpointSlice, parse_endpoint_slice
-from usproxy.errors import ConfigError
+from usproxy.errors import ConfigError, SourceError
 from usproxy.service import PROXY_NAME, PROXY_NAME_LABEL, Service, parse_service, skip_reason
 from usproxy.sources import Provider
 from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICES, ApiListWatch
@@ -307,3 +308,24 @@ class KubeSource:
             "services": Reflector("Services", svc_lw, self.services, opts),
             "endpointslices": Reflector("EndpointSlices", eps_lw, self.slices, opts),
         }
+
+
+async def list_once(kubeconfig: Path | None) -> list[dict[str, Any]]:
+    """One list of Services and EndpointSlices (for `usproxy explain --kubeconfig`), as raw
+    objects with their `kind` set, filtered by the same label selector as the reflectors.
+    Raises ConfigError for an unusable kubeconfig, SourceError when the server cannot be read."""
+    from kubernetes_asyncio.client import ApiClient
+
+    configuration = await client_config(kubeconfig)()
+    out: list[dict[str, Any]] = []
+    async with ApiClient(configuration) as api:
+        api.user_agent = USER_AGENT
+        for kind, path in (("Service", SERVICES), ("EndpointSlice", ENDPOINT_SLICES)):
+            try:
+                result = await ApiListWatch(api, path, label_selector=LABEL_SELECTOR).list("")
+            except SourceError as err:
+                raise SourceError(f"listing {kind}s: {err}") from None
+            except (aiohttp.ClientError, OSError, TimeoutError) as err:
+                raise SourceError(f"listing {kind}s: {type(err).__name__}: {err}") from None
+            out.extend({**item, "kind": kind} for item in result.items)
+    return out
