@@ -147,7 +147,7 @@ class Demo:
         show(self.requests("http://192.0.2.10:30080/", 30))
         self.show_flows()
         title("DNS through the kube-dns ClusterIP: dig @10.96.0.10")
-        for q in ("web.default.svc.cluster.local A", "whoami.cluster.local TXT"):
+        for q in ("web.default.svc.cluster.local A", "whoami.cluster.local TXT", "+tcp whoami.cluster.local TXT"):
             print(f"$ dig +short @10.96.0.10 {q}")
             print(in_ns(ns(CLIENT[0]), "dig", "+short", "+time=2", "+tries=1", "@10.96.0.10", *q.split()).stdout.strip())
         title("A Service with no endpoints is refused at once (nothing listens on 10.96.20.20:80)")
