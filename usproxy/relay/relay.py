@@ -4,8 +4,11 @@ On its first sync it sets up the ClusterIP interface (VipInterface) and finds th
 for NodePorts (`--nodeport-addresses` CIDRs, default every local non-loopback address outside the
 ClusterIP interface). Each sync applies only the changed ServicePorts, one ServicePortRelay each;
 an error in one is logged and reported in its placement and never stops the others. Addresses
-follow the Services: an address stays while any ServicePort uses it. A UDP sweeper expires idle
-flows once a second.
+follow the Services: an address stays while any ServicePort uses it, and for RELEASE_AFTER seconds
+more (at most MAX_RELEASED such addresses, oldest dropped first), without listeners, so that
+clients of a deleted Service are refused by the kernel at once (C21) instead of being routed nowhere
+and timing out; an address that is needed again is simply kept. A UDP sweeper expires idle flows
+once a second.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import ipaddress
 import logging
 import resource
+import time
 from typing import Any
 
 from usproxy.admin.metrics import Metrics
@@ -28,6 +32,8 @@ from usproxy.types import IPAddress, ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)
 FD_RESERVE = 256  # descriptors kept for listeners, TCP flows and the admin server
+RELEASE_AFTER = 60.0  # seconds an address no Service uses stays local (refused), covering DNS TTLs
+MAX_RELEASED = 1024  # such addresses kept at most
 
 
 def raise_nofile_limit() -> int:
@@ -60,6 +66,7 @@ class Relay:
         self.node_ips: list[str] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._started = False
+        self.released: dict[IPAddress, float] = {}  # unused address -> since when (monotonic)
 
     # -- Datapath ------------------------------------------------------------------------------
     async def sync(self, request: SyncRequest) -> None:
@@ -100,7 +107,16 @@ class Relay:
         needed: set[IPAddress] = set()
         for port in self.ports.values():
             needed.update(ip for ip, _ in port.state.service_port.frontends())
-        for ip in self.vip.addresses - needed:
+        now = time.monotonic()
+        for ip in needed:
+            self.released.pop(ip, None)
+        for ip in self.vip.addresses - needed - self.released.keys():
+            self.released[ip] = now
+        by_age = sorted(self.released, key=lambda a: self.released[a])
+        drop = by_age[:max(0, len(by_age) - MAX_RELEASED)]
+        drop += [ip for ip in by_age[len(drop):] if now - self.released[ip] >= RELEASE_AFTER]
+        for ip in drop:
+            del self.released[ip]
             await self.vip.remove(ip)
 
     async def _node_addresses(self) -> list[str]:
