@@ -9,6 +9,7 @@ eofsrv --order server-first --log FILE: send 1 MiB of `pattern`, shutdown(SHUT_W
 blob: read an 8-byte big-endian length L, write the first L bytes of `pattern`, close() at once (C11).
 upload [--log FILE]: read to EOF, reply sha256 (32 bytes) + byte count (8 bytes, big-endian), close
   (C11); with --log appends "<peer ip>:<port> eof <bytes>", or "... reset <bytes>" on ECONNRESET.
+hello --name NAME: write "NAME\n" and close at once (the server closes first, so the proxy does too).
 abortsrv [--after N]: send N bytes of `pattern`, then abort the connection (RST, SO_LINGER 0).
 blob and abortsrv with --log append "<monotonic time> accept <peer ip>:<port>" per connection.
 
@@ -130,7 +131,13 @@ def abortsrv(args: argparse.Namespace) -> Callable[[socket.socket, tuple[str, in
     return handle
 
 
-MODES = {"eofsrv": eofsrv, "blob": blob, "upload": upload, "abortsrv": abortsrv}
+def hello(args: argparse.Namespace) -> Callable[[socket.socket, tuple[str, int]], None]:
+    def handle(conn: socket.socket, peer: tuple[str, int]) -> None:
+        conn.sendall(args.name.encode() + b"\n")
+    return handle
+
+
+MODES = {"eofsrv": eofsrv, "blob": blob, "upload": upload, "abortsrv": abortsrv, "hello": hello}
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -166,6 +173,7 @@ def main() -> None:
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--after", type=int, default=64 * 1024)
     p.add_argument("--log")
+    p.add_argument("--name", default="")
     serve(p.parse_args())
 
 
