@@ -71,6 +71,7 @@ class ClientSide(asyncio.Protocol):
         self.upstream: EndpointSide | None = None
         self.flow: Flow | None = None
         self.pending = bytearray()
+        self.held = False  # reading paused because `pending` is full (not for backpressure)
         self.eof_in = False  # client sent FIN
         self.eof_out = False  # endpoint sent FIN
         self.dial: asyncio.Task[None] | None = None
@@ -100,7 +101,8 @@ class ClientSide(asyncio.Protocol):
             up.transport.write(data)
             return
         self.pending += data
-        if len(self.pending) >= DIAL_BUFFER and self.transport is not None:
+        if len(self.pending) >= DIAL_BUFFER and self.transport is not None and not self.held:
+            self.held = True
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
@@ -147,9 +149,10 @@ class ClientSide(asyncio.Protocol):
                 continue
             try:
                 await asyncio.get_running_loop().create_connection(lambda: EndpointSide(self, ep), sock=sock)
-            except BaseException:
+            except OSError as err:  # raised before a transport owns the socket
                 sock.close()
-                raise
+                limited.warning("%s: endpoint %s: %s", self.owner.spn, ep, err)
+                continue
             return
         limited.warning("%s: no endpoint answered for %s", self.owner.spn, client_ip)
         if self.transport is not None:
@@ -172,7 +175,9 @@ class ClientSide(asyncio.Protocol):
         if self.pending:
             side.transport.write(bytes(self.pending))
             self.pending.clear()
-        self.transport.resume_reading()
+        if self.held and side.transport.get_write_buffer_size() < HIGH_WATER:
+            self.transport.resume_reading()  # else EndpointSide.resume_writing resumes it
+        self.held = False
         if self.eof_in:
             side.transport.write_eof()
         return True
@@ -214,6 +219,7 @@ class EndpointSide(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         tune(transport)
+        self.attached = True  # before _connected writes, so a pause_writing it causes is seen
         self.attached = self.client._connected(self.endpoint, self)
 
     def data_received(self, data: bytes) -> None:

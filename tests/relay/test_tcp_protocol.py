@@ -1,0 +1,172 @@
+"""ClientSide/EndpointSide as state machines, with fake transports: events in, writes out.
+
+Fault classes: EOF and flush ordering (C11) and bounded buffers on the paths a socket test cannot
+reach on demand: bytes and a FIN that arrive before the endpoint connection exists are written in
+order, FIN last; reading pauses once the dial buffer is full and resumes only when the endpoint
+leg can take more; a pause caused by the very first write is not lost; an endpoint connection that
+completes after its client went away (a dial abandoned at its timeout) never touches the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import Collection
+from typing import Any
+
+from usproxy.conntrack.flow_table import Flow, HostPort
+from usproxy.endpoint import Endpoint
+from usproxy.relay.tcp import DIAL_BUFFER, HIGH_WATER, ClientSide, EndpointSide
+from usproxy.types import ServicePortName
+
+EP = Endpoint(ipaddress.ip_address("10.244.1.5"), 8080)
+
+
+class FakeTransport:
+    """Records what the protocol asks of it; `over_high_water` makes writes call pause_writing."""
+
+    def __init__(self, peer: tuple[str, int], local: tuple[str, int]) -> None:
+        self.extra = {"peername": peer, "sockname": local, "socket": None}
+        self.ops: list[Any] = []
+        self.reading = True
+        self.closing = False
+        self.buffered = 0
+        self.protocol: asyncio.Protocol | None = None
+        self.over_high_water = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.extra.get(name, default)
+
+    def write(self, data: bytes) -> None:
+        self.ops.append(bytes(data))
+        if self.over_high_water:
+            self.buffered += len(data) + HIGH_WATER
+            assert self.protocol is not None
+            self.protocol.pause_writing()
+
+    def write_eof(self) -> None:
+        self.ops.append("EOF")
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+        self.ops.append("CLOSE")
+
+
+class FakeOwner:
+    spn = ServicePortName("default", "web", "http", "TCP")
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def new_flow(self, protocol: str, client: HostPort, frontend: HostPort) -> Flow:
+        return Flow(protocol, self.spn, client, frontend)
+
+    def end_flow(self, flow: Flow) -> None:
+        self.events.append("end")
+
+    def pick(self, kind: str, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
+        return None
+
+    def failed(self, kind: str, ep: Endpoint, client_ip: str) -> None:
+        self.events.append("failed")
+
+    def opened(self, kind: str, ep: Endpoint) -> None:
+        self.events.append("opened")
+
+    def closed(self, kind: str, ep: Endpoint) -> None:
+        self.events.append("closed")
+
+
+async def accepted() -> tuple[ClientSide, FakeTransport]:
+    """A ClientSide whose own dial is stopped, so the test plays the endpoint's part."""
+    client = ClientSide(FakeOwner(), "cluster")  # type: ignore[arg-type]
+    t = FakeTransport(("10.244.9.10", 40000), ("10.96.10.10", 80))
+    t.protocol = client
+    client.connection_made(t)  # type: ignore[arg-type]
+    assert client.dial is not None
+    client.dial.cancel()
+    await asyncio.gather(client.dial, return_exceptions=True)
+    return client, t
+
+
+def endpoint_leg(client: ClientSide, over_high_water: bool = False) -> tuple[EndpointSide, FakeTransport]:
+    side = EndpointSide(client, EP)
+    t = FakeTransport((str(EP.ip), EP.port), ("10.244.0.1", 50000))
+    t.protocol = side
+    t.over_high_water = over_high_water
+    side.connection_made(t)  # type: ignore[arg-type]
+    return side, t
+
+
+async def test_bytes_and_fin_before_the_endpoint_connects_are_flushed_in_order() -> None:
+    client, ct = await accepted()
+    chunks = [bytes([i]) * 100_000 for i in range(3)]
+    for c in chunks:
+        client.data_received(c)
+    assert not ct.reading  # 300,000 bytes ≥ DIAL_BUFFER: reading paused
+    assert 300_000 >= DIAL_BUFFER
+    client.eof_received()
+    _, ut = endpoint_leg(client)
+    assert ut.ops == [b"".join(chunks), "EOF"]
+    assert ct.reading
+
+
+async def test_pause_from_the_first_write_is_kept() -> None:
+    client, ct = await accepted()
+    client.data_received(b"x" * DIAL_BUFFER)
+    assert not ct.reading
+    side, ut = endpoint_leg(client, over_high_water=True)
+    assert not ct.reading  # the endpoint leg is over its high-water mark: stay paused
+    ut.buffered = 0
+    side.resume_writing()
+    assert ct.reading
+
+
+async def test_backpressure_both_ways() -> None:
+    client, ct = await accepted()
+    side, ut = endpoint_leg(client)
+    side.pause_writing()
+    assert not ct.reading
+    side.resume_writing()
+    assert ct.reading
+    client.pause_writing()
+    assert not ut.reading
+    client.resume_writing()
+    assert ut.reading
+
+
+async def test_fin_each_way_then_both_legs_close() -> None:
+    client, ct = await accepted()
+    side, ut = endpoint_leg(client)
+    client.data_received(b"request")
+    client.eof_received()
+    assert ut.ops == [b"request", "EOF"] and not ct.closing
+    side.data_received(b"reply")
+    side.eof_received()
+    assert ct.ops == [b"reply", "EOF", "CLOSE"]
+    assert ut.ops[-1] == "CLOSE"
+
+
+async def test_endpoint_connected_after_the_client_left_never_touches_it() -> None:
+    client, ct = await accepted()
+    client.connection_lost(ConnectionResetError())
+    ops_before = list(ct.ops)
+    side, ut = endpoint_leg(client)
+    assert ut.closing  # the late connection is closed at once
+    side.data_received(b"stale")
+    side.eof_received()
+    side.connection_lost(None)
+    assert ct.ops == ops_before
+    assert client.owner.events.count("opened") == 0  # type: ignore[attr-defined]
