@@ -8,7 +8,9 @@ working throughout.
 Numbers as in the case: 100 attempts per frontend and phase (3 s connect timeout), refused within
 1 s each with median under 50 ms, 100 of 100 after T_upd + 1 s, 100 of 100 for `control`. No
 reductions. The degraded form (connect, then ECONNRESET) is not a pass; the relay listens only
-while there are usable endpoints, so here it counts as a failure.
+while there are usable endpoints, so here it counts as a failure. Within the second after T_upd
+either outcome may be seen, and on N→0 also a reset (a connection the kernel queued on the
+listener just before it closed).
 """
 
 from __future__ import annotations
@@ -80,9 +82,9 @@ def test_zero_endpoints_refuse_then_work(topology: Topology, backends: Backends,
                     assert attempt(*CONTROL).name == "control"
 
         t_upd = m.write(*manifests([]))
-        while time.monotonic() < t_upd + 1.0:
+        while time.monotonic() < t_upd + 1.0:  # a connection still queued on the closing listener is reset
             with inside(cli):
-                assert attempt(*WEB).kind in ("refused", "ok")
+                assert attempt(*WEB).kind in ("refused", "ok", "reset")
         refused_phase(cli, "phase 3")
     finally:
         assert agent.stop() == 0
