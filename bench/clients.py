@@ -323,7 +323,7 @@ def until(spec: Spec) -> Result:
             s.sendall(b"c" * CONN_SIZE)
             answer = s.recv(CONN_SIZE)
             s.close()
-            if answer.startswith(want):
+            if answer.rstrip(b".") == want:  # exact: "srv" must not match "srv2"
                 return {"t": time.monotonic(), "tries": tries}
         except OSError:
             pass

@@ -271,7 +271,9 @@ class Prototype(Contender):
     """A relay prototype from bench/prototypes/relay_proto.py (item 6), TCP only."""
 
     def __init__(self, name: str, vip: str, mode: str, workers: int = 1) -> None:
-        super().__init__(name, vip, udp=False, notes=f"bench/prototypes/relay_proto.py --mode {mode} --workers {workers}")
+        # splice mode holds two pipes (4 descriptors) per flow beside its two sockets
+        super().__init__(name, vip, udp=False, notes=f"bench/prototypes/relay_proto.py --mode {mode} --workers {workers}",
+                         max_conns=3000 if mode == "splice" else 0)
         self.mode, self.workers = mode, workers
         self.proc: Any = None
 

@@ -12,7 +12,7 @@
 - Edit → first connection: an agent serves Service "edit"; its EndpointSlice is rewritten from
   one server pod to the other, and a client polling the ClusterIP every 2 ms reports when the
   new pod first answers.
-If bench/nft_scale.py (another engineer's) exposes `run_scale(sizes)`, its results are included.
+bench/nft_scale.py's `run_size()` (the datapath's apply() alone, without the Proxier) runs beside.
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ def edit_to_connection(ctx: Ctx, offload: str, repeats: int, index: int, backgro
 def measure(ctx: Ctx, sizes: tuple[int, ...], changes: int, kp_changes: int, edit_repeats: int,
             relay_sizes: tuple[int, ...], log: Log) -> dict[str, Any]:
     out: dict[str, Any] = {"usproxy_nftables": [], "kube_proxy_nftables": [], "relay": [], "edit_to_connection": []}
-    ext = _external(sizes, log)
+    ext = _external(sizes, changes, log)
     if ext is not None:
         out["nft_scale"] = ext
     for n in sizes:
@@ -357,18 +357,25 @@ def measure(ctx: Ctx, sizes: tuple[int, ...], changes: int, kp_changes: int, edi
     return out
 
 
-def _external(sizes: tuple[int, ...], log: Log) -> Any:
+def _external(sizes: tuple[int, ...], changes: int, log: Log) -> Any:
+    """bench/nft_scale.py's run_size(ns, n, changes): NftablesDatapath.apply() alone (no Proxier)."""
     if not (Path(__file__).with_name("nft_scale.py")).exists():
         return None
     try:
         import importlib
 
         mod = importlib.import_module("bench.nft_scale")
-        fn = getattr(mod, "run_scale", None)
+        fn = getattr(mod, "run_size", None)
         if fn is None:
-            log("  bench/nft_scale.py exposes no run_scale(sizes); not included")
+            log("  bench/nft_scale.py exposes no run_size(ns, n, changes); not included")
             return None
-        return fn(sizes)
+        rows = []
+        for n in sizes:
+            with ScratchNetns("ns") as ns:
+                rows.append(asyncio.run(fn(ns, n, changes)))
+            log(f"  nft_scale (datapath alone) {n}: cold {rows[-1]['cold_s']:.3f}s, one change p50 "
+                f"{rows[-1]['one_change_p50_ms']:.2f} ms p99 {rows[-1]['one_change_p99_ms']:.2f} ms")
+        return rows
     except Exception as err:  # another engineer's module: report, never fail the run
         log(f"  bench/nft_scale.py failed: {err}")
         return {"error": str(err)}

@@ -132,6 +132,11 @@ def controlplane_table(cp: dict[str, Any]) -> list[str]:
             f"{_ms(_get(u, 'one_change_s', 'p99'))} | {_f(k.get('cold_s'), '{:.2f}')}{' ' + k['error'][:60] if 'error' in k else ''} | "
             f"{_ms(_get(k, 'one_change_s', 'p50'))} | {_f(r.get('cold_first_sync_s'), '{:.2f}')} | "
             f"{_ms(_get(r, 'one_change_sync_s', 'p50'))} |")
+    ext = cp.get("nft_scale")
+    if isinstance(ext, list) and ext:
+        lines.append("\nNftablesDatapath.apply() alone (bench/nft_scale.py, no Proxier): " + "; ".join(
+            f"{r['services']:,}: cold {r['cold_s']:.3f} s, one change p50 {r['one_change_p50_ms']:.2f} / "
+            f"p99 {r['one_change_p99_ms']:.2f} ms" for r in ext))
     for e in cp.get("edit_to_connection", []):
         lines.append(f"\nEdit of the manifest → first connection reaching the new endpoint ({e.get('offload')}): "
                      + (f"p50 {_ms(e.get('p50'))} ms, max {_ms(e.get('max'))} ms over {e.get('n')} edits"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import shutil
@@ -55,6 +56,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--prototypes", action=argparse.BooleanOptionalAction, default=None,
                     help="include the relay prototypes of bench/prototypes (default: full runs only)")
     ap.add_argument("--stem", help="results file name (default <date>[-quick])")
+    ap.add_argument("--update", metavar="STEM", help="re-run only --only's phases and replace them in results/STEM.json")
     return ap.parse_args()
 
 
@@ -79,6 +81,11 @@ def main() -> int:
     results: dict[str, Any] = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
                                         "mode": "quick" if quick else "full", "rounds": plan.rounds, "command": command,
                                         "git": _git_head()}}
+    if args.update:
+        old = json.loads((report.RESULTS / f"{args.update}.json").read_text())
+        old["meta"].setdefault("updated", []).append({"phases": sorted(phases), "date": results["meta"]["date"]})
+        results = {**old, "meta": old["meta"]}
+        stem = args.update
     topo, procs = BenchTopology(), Procs()
     work = Path(tempfile.mkdtemp(prefix="usproxy-bench-"))
     contenders: list[Contender] = []
@@ -94,8 +101,9 @@ def main() -> int:
         for c in contenders:
             c.start(ctx)
             log(f"contender {c.name}: " + ("up" if c.available else f"unavailable: {c.reason}"))
-        results["contenders"] = [c.describe() for c in contenders]
-        results["unavailable"] = {c.name: c.reason for c in contenders if not c.available}
+        if not args.update:
+            results["contenders"] = [c.describe() for c in contenders]
+            results["unavailable"] = {c.name: c.reason for c in contenders if not c.available}
         by_name = {c.name: c for c in contenders if c.available}
         if "dataplane" in phases:
             log(f"data plane: {plan.rounds} rounds × {len(by_name)} contenders")
@@ -127,7 +135,7 @@ def main() -> int:
         procs.close()
         topo.close()
         shutil.rmtree(work, ignore_errors=True)
-    results["meta"]["seconds"] = round(time.monotonic() - T0, 1)
+    results["meta"].setdefault("seconds", round(time.monotonic() - T0, 1))
     jp, mp, pngs = report.write(results, stem)
     print(mp.read_text())
     log(f"wrote {jp}, {mp}, " + ", ".join(str(p) for p in pngs))
