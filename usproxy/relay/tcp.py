@@ -11,7 +11,12 @@ Events in, writes out; no Streams on the hot path. Invariants:
   it have been handed to the kernel.
 - Dials never block accepting: each runs as its own task with bounded timeouts (kube-proxy
   userspace's 250 ms, 500 ms, 1 s, 2 s, pkg/proxy/userspace/proxysocket.go tryConnect), and a
-  refused or timed-out endpoint is retried on the next one (C14).
+  refused or timed-out endpoint is retried on the next one (C14). The timeout covers only the
+  connect of a bare socket; its transport is made after success, and the EndpointSide attaches
+  itself to its client in `connection_made`. So an abandoned dial leaves nothing that could act
+  on the client, and no byte from an endpoint arrives before the client knows its upstream.
+- Data that arrived during the dial is written first, then the client's FIN if it came; reading
+  resumes only if the dial buffer paused it and the endpoint leg is under its high-water mark.
 """
 
 from __future__ import annotations
