@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.core import GaugeMetricFamily
 
 from usproxy.admin.metrics import Metrics
 from usproxy.datapath import Datapath, Placement, ServicePortState, SyncRequest
@@ -48,13 +49,15 @@ class Proxier:
         self.endpoints_tracker = EndpointsChangeTracker()
         self.service_map = ServicePortMap()
         self.endpoints_map = EndpointsMap()
-        self._cluster_ips: dict[IPAddress, int] = {}
+        self._cluster_ips: dict[IPAddress, int] = {}  # ClusterIP -> number of ServicePorts using it
+        self._counted: dict[ServicePortName, tuple[IPAddress, ...]] = {}
         self._synced = {"services": False, "endpointslices": False}
         self._need_full = True
         self.last_updated: float | None = None  # wall time of the last successful sync
         self.oldest_queued: float | None = None  # wall time of the oldest change not yet synced
         self.runner = SyncRunner(self.sync, min_interval=min_sync_period, max_interval=sync_period,
                                  on_queued=self._queued)
+        self.metrics.registry.register(_PlacementCollector(self))
 
     # -- Provider ---------------------------------------------------------------------------
     def on_service_update(self, previous: Service | None, current: Service | None) -> None:
@@ -119,12 +122,14 @@ class Proxier:
         self.last_updated = now
         if self.oldest_queued == queued:
             self.oldest_queued = None
-        counts: dict[str, int] = {}
+
+    def placement_counts(self) -> dict[str, int]:
+        """ServicePorts per serving datapath (computed when /metrics is scraped, not per sync)."""
+        counts = {"userspace": 0, "nftables": 0, "bpf": 0}
         for spn in self.service_map:
             where = self.placement(spn).datapath
             counts[where] = counts.get(where, 0) + 1
-        for dp_name in {"userspace", "nftables", "bpf", *counts}:
-            self.metrics.service_ports.labels(dp_name).set(counts.get(dp_name, 0))
+        return counts
 
     def _build_request(self) -> SyncRequest:
         svc_change = self.service_map.update_from(self.service_tracker)
@@ -132,21 +137,31 @@ class Proxier:
         self.metrics.service_changes_total.inc(len(svc_change.changed))
         self.metrics.endpoint_changes_total.inc(len(ep_change.updated))
         changed = svc_change.changed | ep_change.updated
-        changed |= self._track_cluster_ips(svc_change.added | svc_change.updated, svc_change.removed)
+        changed |= self._track_cluster_ips(svc_change.changed)
         full = self._need_full
         names = set(self.service_map) | changed if full else changed
         changes = {spn: self.state_of(spn) for spn in names}
         removed = {spn: frozenset(eps) for spn, eps in ep_change.removed.items()}
         return SyncRequest(changes=changes, removed_endpoints=removed, full=full)
 
-    def _track_cluster_ips(self, upserted: set[ServicePortName], removed: Mapping[ServicePortName, Any]) -> set[ServicePortName]:
-        """Keep the ClusterIP set; return ServicePorts whose endpoints must be re-filtered."""
-        before = set(self._cluster_ips)
-        self._cluster_ips = {}
-        for sp in self.service_map.values():
-            for ip in sp.cluster_ips:
-                self._cluster_ips[ip] = self._cluster_ips.get(ip, 0) + 1
-        moved = before ^ set(self._cluster_ips)
+    def _track_cluster_ips(self, changed: set[ServicePortName]) -> set[ServicePortName]:
+        """Update ClusterIP reference counts for the changed ServicePorts (cost proportional to
+        the change); return ServicePorts whose endpoints must be re-filtered because an address
+        became, or stopped being, a ClusterIP."""
+        moved: set[IPAddress] = set()
+        for spn in changed:
+            for ip in self._counted.pop(spn, ()):
+                self._cluster_ips[ip] -= 1
+                if not self._cluster_ips[ip]:
+                    del self._cluster_ips[ip]
+                    moved ^= {ip}
+            sp = self.service_map.get(spn)
+            if sp is not None:
+                self._counted[spn] = sp.cluster_ips
+                for ip in sp.cluster_ips:
+                    self._cluster_ips[ip] = self._cluster_ips.get(ip, 0) + 1
+                    if self._cluster_ips[ip] == 1:
+                        moved ^= {ip}
         if not moved:
             return set()
         return {spn for spn, eps in self.endpoints_map.items() if any(ep.ip in moved for ep in eps)}
@@ -182,3 +197,18 @@ class Proxier:
                 await dp.close()
             except Exception:
                 log.exception("closing datapath %s", dp.name)
+
+
+class _PlacementCollector:
+    """usproxy_service_ports{datapath}: evaluated at scrape time, so a sync never walks every
+    ServicePort just to keep a gauge current."""
+
+    def __init__(self, proxier: Proxier) -> None:
+        self.proxier = proxier
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("usproxy_service_ports", "ServicePorts by the datapath serving them",
+                                   labels=["datapath"])
+        for name, n in sorted(self.proxier.placement_counts().items()):
+            family.add_metric([name], n)
+        yield family

@@ -103,3 +103,33 @@ def test_traffic_policies_and_terminating_fallback() -> None:
     plain = service("b", "10.96.0.2").ports[spn("b")]
     assert categorize(plain, (dying, gone), None).cluster == (dying,)
     assert categorize(plain, (dying, here), None).cluster == (here,)
+
+
+async def test_cluster_ip_refusal_follows_services_coming_and_going() -> None:
+    fake = FakeDatapath()
+    p = Proxier([fake])
+    p.on_services_synced()
+    p.on_endpoint_slices_synced()
+    p.on_service_update(None, service("a", "10.96.0.1"))
+    p.on_endpoint_slice_update(None, eps("a", "10.96.0.9", "10.244.1.1"))
+    await p.sync()
+    assert len(fake.state[spn("a")].cluster_endpoints) == 2
+    p.on_service_update(None, service("b", "10.96.0.9"))  # 10.96.0.9 becomes a ClusterIP
+    await p.sync()
+    assert [str(e.ip) for e in fake.state[spn("a")].cluster_endpoints] == ["10.244.1.1"]
+    p.on_service_update(service("b", "10.96.0.9"), None)  # and stops being one
+    await p.sync()
+    assert len(fake.state[spn("a")].cluster_endpoints) == 2
+
+
+async def test_service_ports_gauge_counts_placements_at_scrape() -> None:
+    from prometheus_client import generate_latest
+
+    fake = FakeDatapath("userspace")
+    p = Proxier([fake])
+    p.on_services_synced()
+    p.on_endpoint_slices_synced()
+    p.on_service_update(None, service("a", "10.96.0.1"))
+    await p.sync()
+    text = generate_latest(p.metrics.registry).decode()
+    assert 'usproxy_service_ports{datapath="userspace"} 1.0' in text

@@ -41,8 +41,6 @@ class Metrics:
             "usproxy_sync_failures", "Syncs that raised and were retried", registry=r)
         self.config_errors = Counter(
             "usproxy_config_errors", "Objects skipped because they were invalid", ["kind"], registry=r)
-        self.service_ports = Gauge(
-            "usproxy_service_ports", "ServicePorts by the datapath serving them", ["datapath"], registry=r)
         self.flows = Gauge("usproxy_conntrack_entries", "Current flows in the flow table", ["protocol"], registry=r)
         self.flows_total = Counter("usproxy_flows", "Flows created", ["protocol"], registry=r)
         self.flow_bytes = Counter(
