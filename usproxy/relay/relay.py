@@ -67,6 +67,8 @@ class Relay:
         self._sweeper: asyncio.Task[None] | None = None
         self._started = False
         self.released: dict[IPAddress, float] = {}  # unused address -> since when (monotonic)
+        self._uses: dict[IPAddress, int] = {}  # address -> ServicePorts with a frontend on it
+        self._failing: set[ServicePortName] = set()  # ServicePorts with a listener to retry
 
     # -- Datapath ------------------------------------------------------------------------------
     async def sync(self, request: SyncRequest) -> None:
@@ -74,14 +76,25 @@ class Relay:
             await self._start()
         elif request.full:
             self.node_ips = await self._node_addresses()
+        if request.full:  # addresses a previous agent left that nothing claims any more
+            now = time.monotonic()
+            for ip in self.vip.addresses - self._uses.keys() - self.released.keys():
+                self.released[ip] = now
         for spn, state in request.changes.items():
             try:
                 await self._sync_one(spn, state)
             except Exception:
                 log.exception("%s: relay sync failed", spn)
         await self._sync_addresses()
-        for port in self.ports.values():
-            await port.retry_failed()
+        await self._retry_failed()
+
+    async def _retry_failed(self) -> None:
+        for spn in list(self._failing):
+            port = self.ports.get(spn)
+            if port is not None:
+                await port.retry_failed()
+            if port is None or not port.errors:
+                self._failing.discard(spn)
 
     async def _start(self) -> None:
         await self.vip.setup()
@@ -92,6 +105,7 @@ class Relay:
 
     async def _sync_one(self, spn: ServicePortName, state: ServicePortState | None) -> None:
         port = self.ports.get(spn)
+        self._count_addresses(port.state if port is not None else None, state)
         if state is None:
             if port is not None:
                 del self.ports[spn]
@@ -102,16 +116,27 @@ class Relay:
         if port is None:
             port = self.ports[spn] = ServicePortRelay(self, state)
         await port.apply(state, self.node_ips)
+        if port.errors:
+            self._failing.add(spn)
+
+    def _count_addresses(self, old: ServicePortState | None, new: ServicePortState | None) -> None:
+        """Reference counts of frontend addresses; an address nobody uses goes to `released`."""
+        before = {ip for ip, _ in old.service_port.frontends()} if old is not None else set()
+        after = {ip for ip, _ in new.service_port.frontends()} if new is not None else set()
+        for ip in after - before:
+            self._uses[ip] = self._uses.get(ip, 0) + 1
+            self.released.pop(ip, None)
+        for ip in before - after:
+            self._uses[ip] -= 1
+            if not self._uses[ip]:
+                del self._uses[ip]
+                self.released[ip] = time.monotonic()
 
     async def _sync_addresses(self) -> None:
-        needed: set[IPAddress] = set()
-        for port in self.ports.values():
-            needed.update(ip for ip, _ in port.state.service_port.frontends())
+        """Remove released addresses after RELEASE_AFTER seconds, keeping at most MAX_RELEASED."""
+        if not self.released:
+            return
         now = time.monotonic()
-        for ip in needed:
-            self.released.pop(ip, None)
-        for ip in self.vip.addresses - needed - self.released.keys():
-            self.released[ip] = now
         by_age = sorted(self.released, key=lambda a: self.released[a])
         drop = by_age[:max(0, len(by_age) - MAX_RELEASED)]
         drop += [ip for ip in by_age[len(drop):] if now - self.released[ip] >= RELEASE_AFTER]
