@@ -25,7 +25,6 @@ import hashlib
 import random
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -178,4 +177,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -55,7 +55,7 @@ def objects(members: list[int]) -> list[dict[str, Any]]:
 def connections(pools: list[NsPool], vip: str, n: int) -> Counter[str]:
     """n connections to vip:80 split over the pools' netns (one thread each, sequential in each)."""
     share = [n // len(pools) + (i < n % len(pools)) for i in range(len(pools))]
-    futures = [p.submit(lambda k=k: Counter(ask(vip, 80) for _ in range(k))) for p, k in zip(pools, share)]
+    futures = [p.submit(sequential, vip, k) for p, k in zip(pools, share)]
     total: Counter[str] = Counter()
     for f in futures:
         total.update(f.result())

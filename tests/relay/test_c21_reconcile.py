@@ -176,8 +176,11 @@ def test_reconcile_per_port(topology: Topology, backends: Backends, workdir: Pat
             with inside(cli):
                 for front in ((MULTI, 80), (NODE, 30080)):
                     seen: list[str] = []
-                    assert wait_until(lambda: seen.append(attempt(*front).kind) or seen[-1] == "refused",
-                                      t4 + 1.0 - time.monotonic(), 0.0), (front, seen[-5:])
+
+                    def refused(front: tuple[str, int] = front, seen: list[str] = seen) -> bool:
+                        seen.append(attempt(*front).kind)
+                        return seen[-1] == "refused"
+                    assert wait_until(refused, t4 + 1.0 - time.monotonic(), 0.0), (front, seen[-5:])
             assert not any(a.startswith(f"{MULTI}:") or a.endswith((":30080", ":30443"))
                            for a in listeners(topology.node))
 

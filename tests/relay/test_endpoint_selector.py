@@ -161,6 +161,7 @@ def test_affinity_failure_removal_rebuild_and_spec_changes() -> None:
     eps = endpoints(3)
     sel = selector(eps, affinity="ClientIP", clock=clock)
     x = sel.pick("a")
+    assert x is not None
     sel.failed(x, "a")
     y = sel.pick("a", exclude=[x])
     assert y != x and all(sel.pick("a") == y for _ in range(20))
