@@ -63,6 +63,9 @@ class FakeTransport:
         self.closing = True
         self.ops.append("CLOSE")
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
 
 class FakeOwner:
     spn = ServicePortName("default", "web", "http", "TCP")
@@ -91,7 +94,7 @@ class FakeOwner:
 
 async def accepted() -> tuple[ClientSide, FakeTransport]:
     """A ClientSide whose own dial is stopped, so the test plays the endpoint's part."""
-    client = ClientSide(FakeOwner(), "cluster")  # type: ignore[arg-type]
+    client = ClientSide(FakeOwner(), "cluster", ("10.96.10.10", 80))  # type: ignore[arg-type]
     t = FakeTransport(("10.244.9.10", 40000), ("10.96.10.10", 80))
     t.protocol = client
     client.connection_made(t)  # type: ignore[arg-type]

@@ -41,11 +41,5 @@ class Metrics:
             "usproxy_sync_failures", "Syncs that raised and were retried", registry=r)
         self.config_errors = Counter(
             "usproxy_config_errors", "Objects skipped because they were invalid", ["kind"], registry=r)
-        self.flows = Gauge("usproxy_conntrack_entries", "Current flows in the flow table", ["protocol"], registry=r)
-        self.flows_total = Counter("usproxy_flows", "Flows created", ["protocol"], registry=r)
-        self.flow_bytes = Counter(
-            "usproxy_flow_bytes", "Bytes relayed", ["direction"], registry=r)
-        self.flows_refused = Counter(
-            "usproxy_flows_refused", "New flows refused", ["reason"], registry=r)
         self.demotions = Counter(
             "usproxy_offload_demotions", "ServicePorts sent back to userspace", ["datapath", "reason"], registry=r)

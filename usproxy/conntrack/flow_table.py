@@ -35,6 +35,7 @@ class Flow:
     frontend: HostPort
     endpoint: HostPort | None = None
     local: HostPort | None = None
+    local_of: Any = None  # a transport whose sockname is `local`, read only when shown
     datapath: str = "userspace"
     state: str = "NEW"
     started: float = field(default_factory=time.monotonic)
@@ -60,6 +61,9 @@ class Flow:
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
         ep = format_hostport(*self.endpoint) if self.endpoint else "-"
+        if self.local is None and self.local_of is not None:
+            name = self.local_of.get_extra_info("sockname")
+            self.local = (name[0], name[1]) if name else None
         local = format_hostport(*self.local) if self.local else "-"
         return {
             "id": self.id, "protocol": self.protocol, "state": self.state,
@@ -81,6 +85,11 @@ class FlowTable:
         self._ids = itertools.count(1)
         self.total = 0
         self.refused = 0
+        # Counters read by the metrics collector at scrape time (nothing per flow reaches
+        # Prometheus): flows opened and live per protocol, bytes of flows that ended.
+        self.opened: dict[str, int] = {}
+        self.live: dict[str, int] = {}
+        self.bytes_done = [0, 0]  # original (client -> endpoint), reply
 
     def add(self, flow: Flow) -> Flow:
         if len(self._flows) >= self.max_flows:
@@ -89,10 +98,17 @@ class FlowTable:
         flow.id = next(self._ids)
         self._flows[flow.id] = flow
         self.total += 1
+        p = flow.protocol
+        self.opened[p] = self.opened.get(p, 0) + 1
+        self.live[p] = self.live.get(p, 0) + 1
         return flow
 
     def remove(self, flow: Flow) -> None:
-        self._flows.pop(flow.id, None)
+        if self._flows.pop(flow.id, None) is None:
+            return
+        self.live[flow.protocol] -= 1
+        self.bytes_done[0] += flow.bytes_in
+        self.bytes_done[1] += flow.bytes_out
 
     def get(self, flow_id: int) -> Flow | None:
         return self._flows.get(flow_id)
@@ -104,7 +120,7 @@ class FlowTable:
         return iter(list(self._flows.values()))
 
     def count(self, protocol: str) -> int:
-        return sum(1 for f in self._flows.values() if f.protocol == protocol)
+        return self.live.get(protocol, 0)
 
     def view(self) -> list[dict[str, Any]]:
         now = time.monotonic()

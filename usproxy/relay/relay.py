@@ -22,7 +22,8 @@ from typing import Any
 
 from usproxy.admin.metrics import Metrics
 from usproxy.config import ProxyConfig
-from usproxy.conntrack.flow_table import Flow, FlowTable
+from usproxy.conntrack.flow_table import FlowTable
+from usproxy.conntrack.metrics import FlowTableCollector
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.relay.service_port_relay import ServicePortRelay
 from usproxy.relay.udp import UdpRelay
@@ -60,6 +61,7 @@ class Relay:
         self.vip = vip or VipInterface(cfg.vip_interface)
         self.default_policy: LBPolicy = cfg.lb_policy  # type: ignore[assignment]
         self.flow_table = FlowTable(cfg.conntrack_max())
+        self.metrics.registry.register(FlowTableCollector(self.flow_table))
         nofile = raise_nofile_limit()
         self.udp = UdpRelay(cfg.udp_idle_timeout, max(16, min(self.flow_table.max_flows, nofile - FD_RESERVE)))
         self.ports: dict[ServicePortName, ServicePortRelay] = {}
@@ -192,15 +194,6 @@ class Relay:
             await self.vip.close()
 
     # -- flows ---------------------------------------------------------------------------------
-    def flow_opened(self, protocol: str) -> None:
-        self.metrics.flows_total.labels(protocol).inc()
-        self.metrics.flows.labels(protocol).inc()
-
-    def flow_closed(self, flow: Flow) -> None:
-        self.metrics.flows.labels(flow.protocol).dec()
-        self.metrics.flow_bytes.labels("original").inc(flow.bytes_in)
-        self.metrics.flow_bytes.labels("reply").inc(flow.bytes_out)
-
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, max(0.1, self.cfg.udp_idle_timeout / 4)))

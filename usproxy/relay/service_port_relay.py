@@ -20,7 +20,7 @@ from usproxy.conntrack.flow_table import Flow, HostPort
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.relay.endpoint_selector import EndpointSelector
-from usproxy.relay.tcp import ClientSide, serve_kwargs
+from usproxy.relay.tcp import ClientSide, keepalive_listeners, serve_kwargs
 from usproxy.relay.udp import UdpListener
 from usproxy.types import ServicePortName, format_hostport
 
@@ -77,8 +77,10 @@ class ServicePortRelay:
         try:
             if self.spn.protocol == "TCP":
                 loop = asyncio.get_running_loop()
-                self.listeners[key] = await loop.create_server(
-                    lambda: ClientSide(self, kind), addr, port, **serve_kwargs())
+                server = await loop.create_server(
+                    lambda: ClientSide(self, kind, (addr, port)), addr, port, **serve_kwargs())
+                keepalive_listeners(server)
+                self.listeners[key] = server
             elif self.spn.protocol == "UDP":
                 self.listeners[key] = UdpListener(self.relay.udp, self, (addr, port), kind)
             else:
@@ -136,10 +138,8 @@ class ServicePortRelay:
     def new_flow(self, protocol: str, client: HostPort, frontend: HostPort) -> Flow:
         flow = self.relay.flow_table.add(Flow(protocol, self.spn, client, frontend))
         self.flows += 1
-        self.relay.flow_opened(protocol)
         return flow
 
     def end_flow(self, flow: Flow) -> None:
         self.relay.flow_table.remove(flow)
         self.flows -= 1
-        self.relay.flow_closed(flow)

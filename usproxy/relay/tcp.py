@@ -27,7 +27,7 @@ import socket
 import struct
 from typing import TYPE_CHECKING, Any, cast
 
-from usproxy.conntrack.flow_table import Flow, FlowTableFull
+from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
 
@@ -44,15 +44,16 @@ LOW_WATER = 256 * 1024
 
 
 def tune(transport: asyncio.BaseTransport) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    except OSError:
-        pass
+    """Per-connection set-up kept to what the socket does not already have: accepted sockets
+    inherit SO_KEEPALIVE from their listener (see `keepalive_listeners`) and get TCP_NODELAY from
+    the loop; endpoint sockets get both in `connect`."""
     cast(asyncio.WriteTransport, transport).set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+
+
+def keepalive_listeners(server: asyncio.AbstractServer) -> None:
+    """SO_KEEPALIVE on a listening socket, inherited by every connection it accepts (Linux)."""
+    for sock in getattr(server, "sockets", None) or ():
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
 
 def reset(transport: asyncio.WriteTransport) -> None:
@@ -69,9 +70,10 @@ def reset(transport: asyncio.WriteTransport) -> None:
 class ClientSide(asyncio.Protocol):
     """The accepted connection from the client to ClusterIP:port (or NodePort)."""
 
-    def __init__(self, owner: ServicePortRelay, kind: str) -> None:
+    def __init__(self, owner: ServicePortRelay, kind: str, frontend: HostPort) -> None:
         self.owner = owner
         self.kind = kind
+        self.frontend = frontend  # the listener's address: no getsockname per connection
         self.transport: asyncio.Transport | None = None
         self.upstream: EndpointSide | None = None
         self.flow: Flow | None = None
@@ -88,9 +90,8 @@ class ClientSide(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         tune(transport)
         client = transport.get_extra_info("peername")
-        front = transport.get_extra_info("sockname")
         try:
-            self.flow = self.owner.new_flow("TCP", (client[0], client[1]), (front[0], front[1]))
+            self.flow = self.owner.new_flow("TCP", (client[0], client[1]), self.frontend)
         except FlowTableFull:
             limited.warning("flow table full: refusing %s", self.owner.spn)
             reset(self.transport)
@@ -128,6 +129,8 @@ class ClientSide(asyncio.Protocol):
             else:
                 up.transport.close()
         self._release()
+        if up is None or up.lost:
+            self.upstream = None  # break the ClientSide <-> EndpointSide cycle: no GC needed
 
     def pause_writing(self) -> None:
         if self.upstream is not None and self.upstream.transport is not None:
@@ -174,8 +177,7 @@ class ClientSide(asyncio.Protocol):
         self.upstream = side
         if self.flow is not None:
             self.flow.endpoint = (str(ep.ip), ep.port)
-            local = side.transport.get_extra_info("sockname")
-            self.flow.local = (local[0], local[1])
+            self.flow.local_of = side.transport  # its address is read only when flows are shown
             self.flow.state = "ESTABLISHED"
         if self.pending:
             side.transport.write(bytes(self.pending))
@@ -220,6 +222,7 @@ class EndpointSide(asyncio.Protocol):
         self.endpoint = endpoint
         self.transport: asyncio.Transport | None = None
         self.attached = False
+        self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
@@ -247,6 +250,7 @@ class EndpointSide(asyncio.Protocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
         c = self.client
         t = c.transport
         if self.attached and t is not None and not t.is_closing():
@@ -254,6 +258,8 @@ class EndpointSide(asyncio.Protocol):
                 reset(t)
             else:
                 t.close()
+        if c.closed and c.upstream is self:
+            c.upstream = None  # break the cycle (the client side went first)
 
     def pause_writing(self) -> None:
         if self.attached and self.client.transport is not None:
@@ -274,7 +280,10 @@ async def connect(ep: Endpoint, timeout: float) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ep.ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
-        await asyncio.wait_for(loop.sock_connect(sock, (str(ep.ip), ep.port)), timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        async with asyncio.timeout(timeout):  # no extra Task per dial, unlike wait_for
+            await loop.sock_connect(sock, (str(ep.ip), ep.port))
     except BaseException:
         sock.close()
         raise
