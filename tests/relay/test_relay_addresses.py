@@ -9,7 +9,7 @@ address claimed again in the meantime is kept and never removed under its new us
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 
@@ -33,6 +33,9 @@ class FakeVip:
 
     async def add(self, ip: IPAddress) -> None:
         self.addresses.add(ip)
+
+    async def add_many(self, ips: Iterable[IPAddress]) -> None:
+        self.addresses.update(ips)
 
     async def remove(self, ip: IPAddress) -> None:
         self.addresses.discard(ip)

@@ -82,6 +82,8 @@ class Relay:
             now = time.monotonic()
             for ip in self.vip.addresses - self._uses.keys() - self.released.keys():
                 self.released[ip] = now
+        await self.vip.add_many(ip for st in request.changes.values() if st is not None
+                                for ip, _ in st.service_port.frontends())
         for spn, state in request.changes.items():
             try:
                 await self._sync_one(spn, state)

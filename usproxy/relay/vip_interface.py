@@ -18,7 +18,7 @@ import concurrent.futures
 import errno
 import ipaddress
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from usproxy.types import IPAddress
@@ -108,18 +108,25 @@ class VipInterface:
         log.info("ClusterIP interface: %s", self.why)
 
     async def add(self, ip: IPAddress) -> None:
-        if ip in self.addresses:
+        await self.add_many([ip])
+
+    async def add_many(self, ips: Iterable[IPAddress]) -> None:
+        """Add addresses in one trip to the netlink thread (a cold sync of thousands of
+        Services costs one hand-off, not one per address)."""
+        new = sorted({ip for ip in ips if ip not in self.addresses}, key=lambda a: (a.version, int(a)))
+        if not new:
             return
-        plen = 32 if ip.version == 4 else 128
 
         def add(ipr: Any) -> None:
-            try:
-                ipr.addr("add", index=self.index, address=str(ip), prefixlen=plen, flags=IFA_F_NODAD)
-            except Exception as err:
-                if getattr(err, "code", None) != errno.EEXIST:
-                    raise
+            for ip in new:
+                plen = 32 if ip.version == 4 else 128
+                try:
+                    ipr.addr("add", index=self.index, address=str(ip), prefixlen=plen, flags=IFA_F_NODAD)
+                except Exception as err:
+                    if getattr(err, "code", None) != errno.EEXIST:
+                        raise
         await self.worker.call(add)
-        self.addresses.add(ip)
+        self.addresses.update(new)
 
     async def remove(self, ip: IPAddress) -> None:
         if ip not in self.addresses:
