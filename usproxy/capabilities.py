@@ -47,7 +47,9 @@ def probe_link_kind(kind: str) -> Capability:
         try:
             ipr.link("add", ifname=PROBE_LINK, kind=kind)
         except Exception as err:
-            return Capability(f"interface {kind}", False, str(err))
+            code = getattr(err, "code", 0)
+            why = f"{os.strerror(code)} (errno {code}): no {kind} driver" if code else str(err)
+            return Capability(f"interface {kind}", False, why)
         idx = ipr.link_lookup(ifname=PROBE_LINK)
         if idx:
             ipr.link("del", index=idx[0])

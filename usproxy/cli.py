@@ -65,12 +65,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """Flags over the --config file; raises ConfigError (exit 2) naming the flag at fault."""
     cfg = load_kube_proxy_configuration(args.config) if args.config else ProxyConfig()
     overrides = {k: getattr(args, k) for k in vars(args) if k not in ("command", "verbose", "config")}
     for key in ("sync_period", "min_sync_period", "udp_idle_timeout"):
         if overrides.get(key) is not None:
             overrides[key] = parse_duration(overrides[key], "--" + key.replace("_", "-"))
-    return with_overrides(cfg, overrides)
+    cfg = with_overrides(cfg, overrides)
+    validate(cfg, given_services=args.services is not None, given_kubeconfig=args.kubeconfig is not None)
+    return cfg
+
+
+def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) -> None:
+    """Reject settings that cannot work before anything starts."""
+    from usproxy.admin.server import split_hostport
+
+    if given_services and given_kubeconfig:
+        raise ConfigError("give --services or --kubeconfig, not both", obj="usproxy run")
+    for flag, value in (("--healthz-bind-address", cfg.healthz_bind_address),
+                        ("--metrics-bind-address", cfg.metrics_bind_address)):
+        if value:
+            try:
+                split_hostport(value, flag)
+            except ValueError as err:
+                raise ConfigError(str(err), obj="usproxy run") from None
+    for flag, seconds in (("--offload-after", cfg.offload_after), ("--sync-period", cfg.sync_period),
+                          ("--min-sync-period", cfg.min_sync_period),
+                          ("--udp-idle-timeout", cfg.udp_idle_timeout)):
+        if seconds < 0:
+            raise ConfigError(f"must not be negative, got {seconds}", obj="usproxy run", field=flag)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -99,8 +122,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _get_json(addr: str, path: str) -> Any:
     url = f"http://{addr}{path}"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return json.load(resp)
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return json.load(resp)
+    except (urllib.error.URLError, ConnectionError) as err:
+        reason = getattr(err, "reason", err)
+        raise ConnectionError(f"{url}: {reason} (is `usproxy run` serving --metrics-bind-address {addr}?)") from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -201,7 +201,7 @@ async def test_zone_comes_from_this_nodes_labels(api: FakeApiServer, kubeconfig:
     rec = ZoneAtSync()
     s = Source(kubeconfig, rec)
     try:
-        await eventually(lambda: rec.synced)
+        await eventually(lambda: "services" in rec.synced)
         assert rec.zone_at_sync == "zone-1"  # known before the first sync
         assert [q["fieldSelector"] for r, q in api.requests if r == "nodes"][0] == "metadata.name=node-a"
         api.apply("nodes", node("node-a", zone="zone-3"))
