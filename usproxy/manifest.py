@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +45,39 @@ class Manifests:
         self.skipped.extend(other.skipped)
 
 
-def parse_documents(text: str, source: str = "<input>") -> list[Mapping[str, Any]]:
-    """Raw objects of a YAML/JSON text, `List` items flattened. Raises ConfigError."""
+_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: ~10x
+
+
+class _NoAliasLoader(_BaseLoader):  # type: ignore[misc]
+    """Safe YAML without anchors and aliases: kubectl never writes them, and an alias can make a
+    few hundred bytes expand into millions of nodes (a "billion laughs" document) or a cycle."""
+
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        # An alias is the same composed node met a second time (this holds for the libyaml
+        # parser too, whose constructor is this Python one).
+        if node in self.constructed_objects or node in self.recursive_objects:
+            raise yaml.constructor.ConstructorError(None, None, "YAML aliases are not allowed", node.start_mark)
+        return super().construct_object(node, deep)
+
+
+def _load_yaml(text: str) -> list[Any]:
+    loader = _NoAliasLoader(text)
     try:
-        docs = [json.loads(text)] if text.lstrip().startswith(("{", "[")) else list(yaml.safe_load_all(text))
-    except (yaml.YAMLError, json.JSONDecodeError, RecursionError) as err:
+        docs = []
+        while loader.check_data():
+            docs.append(loader.get_data())
+        return docs
+    finally:
+        loader.dispose()
+
+
+def parse_documents(text: str, source: str = "<input>") -> list[Mapping[str, Any]]:
+    """Raw objects of a YAML/JSON text, `List` items flattened. Raises ConfigError.
+
+    Text that starts with `{` or `[` is tried as JSON first and as (flow-style) YAML after."""
+    try:
+        docs = _parse(text)
+    except (yaml.YAMLError, json.JSONDecodeError, RecursionError, ValueError) as err:
         raise ConfigError(f"cannot parse: {_first_line(err)}", obj=source) from None
     out: list[Mapping[str, Any]] = []
     for i, doc in enumerate(docs):
@@ -56,28 +85,37 @@ def parse_documents(text: str, source: str = "<input>") -> list[Mapping[str, Any
     return out
 
 
+def _parse(text: str) -> list[Any]:
+    if text.lstrip().startswith(("{", "[")):
+        try:
+            return [json.loads(text)]
+        except json.JSONDecodeError:
+            pass
+    return _load_yaml(text)
+
+
 def _first_line(err: BaseException) -> str:
     return " ".join(str(err).split())[:300]
 
 
 def _flatten(doc: Any, where: str) -> Iterator[Mapping[str, Any]]:
+    """A document is an object, a `List` (or `*List`) of objects, or a plain list of objects;
+    lists do not nest further."""
     if doc is None:
         return
-    if isinstance(doc, list):
-        items: Any = doc
-    elif isinstance(doc, Mapping) and doc.get("kind") == "List" or (
-        isinstance(doc, Mapping) and str(doc.get("kind", "")).endswith("List")
-    ):
-        items = doc.get("items") or []
-    elif isinstance(doc, Mapping):
+    if isinstance(doc, Mapping) and not str(doc.get("kind", "")).endswith("List"):
         yield doc
         return
-    else:
-        raise ConfigError(f"expected an object, got {type(doc).__name__}", obj=where)
+    items = doc.get("items") or [] if isinstance(doc, Mapping) else doc
     if not isinstance(items, list):
-        raise ConfigError("must be a list", obj=where, field="items")
+        raise ConfigError(f"expected an object or a List, got {type(items).__name__}", obj=where,
+                          field="items" if isinstance(doc, Mapping) else "")
     for j, item in enumerate(items):
-        yield from _flatten(item, f"{where} item {j}")
+        if item is None:
+            continue
+        if not isinstance(item, Mapping):
+            raise ConfigError(f"expected an object, got {type(item).__name__}", obj=f"{where} item {j}")
+        yield item
 
 
 def objects_from(raws: list[Mapping[str, Any]]) -> Manifests:
@@ -110,11 +148,18 @@ def _add_service(raw: Mapping[str, Any], out: Manifests) -> None:
 
 
 def manifest_files(path: Path) -> list[Path]:
-    """The manifest files of a path: the file itself, or a directory's *.yaml/*.yml/*.json."""
-    if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.suffix in MANIFEST_SUFFIXES and p.is_file()
-                      and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    return [path]
+    """The manifest files of a path: the file itself, or a directory's *.yaml/*.yml/*.json.
+
+    Hidden files and directories are skipped and not walked (a kubelet ConfigMap volume keeps
+    its data in `..<timestamp>` directories, replaced atomically); a directory that vanishes while
+    it is walked is ignored."""
+    if not path.is_dir():
+        return [path]
+    out: list[Path] = []
+    for root, dirs, files in os.walk(path, onerror=lambda err: None):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        out.extend(Path(root, f) for f in files if not f.startswith(".") and f.endswith(MANIFEST_SUFFIXES))
+    return sorted(p for p in out if p.is_file())
 
 
 def load_file(path: Path) -> Manifests:

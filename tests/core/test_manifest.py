@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,3 +165,32 @@ def test_fuzzed_text_gives_config_error_or_objects(text: str) -> None:
         objects_from(parse_documents(text))
     except ConfigError as err:
         assert str(err).startswith("<input>")
+
+
+@pytest.mark.parametrize("text", [
+    "kind: List\nitems: &x [*x]\n",  # a cycle
+    "a: &a [x,x,x,x,x,x,x,x,x,x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [" + ",".join(["*" + chr(97 + i)] * 10) + "]\n" for i in range(8)),
+    "kind: Service\nmetadata: {labels: &l {a: b}, annotations: *l}\n",
+])
+def test_yaml_aliases_are_refused(text: str) -> None:
+    """Anchors and aliases (never written by kubectl) could expand a few hundred bytes into a
+    billion nodes or a cycle: refused at once with a parse error."""
+    with pytest.raises(ConfigError, match="YAML aliases are not allowed"):
+        parse_documents(text)
+
+
+def test_lists_do_not_nest_and_flow_style_yaml_parses() -> None:
+    with pytest.raises(ConfigError, match="item 0: expected an object, got list"):
+        parse_documents("kind: List\nitems: [[[{kind: Service}]]]\n")
+    assert parse_documents("{kind: Service, metadata: {name: x}}") == [{"kind": "Service", "metadata": {"name": "x"}}]
+
+
+def test_hidden_directories_are_not_walked(tmp_path: Path) -> None:
+    from usproxy.manifest import manifest_files
+
+    (tmp_path / "..2026_11_30").mkdir()
+    (tmp_path / "..2026_11_30" / "svc.yaml").write_text("kind: List\n")
+    (tmp_path / "svc.yaml").symlink_to(tmp_path / "..2026_11_30" / "svc.yaml")
+    (tmp_path / ".editor.yaml").write_text("x")
+    assert manifest_files(tmp_path) == [tmp_path / "svc.yaml"]

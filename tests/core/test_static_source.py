@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 from usproxy.endpoint_slice import EndpointSlice
 from usproxy.service import Service
@@ -109,5 +110,34 @@ async def test_sighup_forces_a_reload(tmp_path: Path) -> None:
         assert ports(rec, "a") == [88]
     finally:
         asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_failing_scan_keeps_state_and_the_loop_alive(tmp_path: Path, monkeypatch: Any) -> None:
+    import usproxy.sources.static as static
+
+    (tmp_path / "a.yaml").write_text(service("a", 80))
+    rec = Recorder()
+    src = StaticSource(tmp_path, rec, poll_interval=0.01)
+    src.load_initial()
+    real = static.manifest_files
+    calls = [0]
+
+    def flaky(path: Path) -> list[Path]:
+        calls[0] += 1
+        if calls[0] <= 3:
+            raise OSError(24, "Too many open files")
+        return real(path)
+    monkeypatch.setattr(static, "manifest_files", flaky)
+    task = asyncio.create_task(src.run())
+    try:
+        rename_into(tmp_path / "a.yaml", service("a", 99))
+        for _ in range(200):
+            if ports(rec, "a") == [99]:
+                break
+            await asyncio.sleep(0.01)
+        assert calls[0] > 3 and ports(rec, "a") == [99] and not task.done()
+    finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from usproxy.endpoint_slice import EndpointSlice
 from usproxy.errors import ConfigError
 from usproxy.manifest import Manifests, load_file, manifest_files
+from usproxy.ratelimit import RateLimitedLog
 from usproxy.service import Service
 from usproxy.sources import Provider
 from usproxy.types import NamespacedName
@@ -24,6 +26,14 @@ from usproxy.types import NamespacedName
 log = logging.getLogger(__name__)
 
 FileKey = tuple[int, int, int]
+limited = RateLimitedLog(log)
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    keys: dict[Path, FileKey | None]
+    changed: list[Path]
+    gone: list[Path]
 
 
 def _stat_key(path: Path) -> FileKey | None:
@@ -71,7 +81,8 @@ class StaticSource:
         self._reload.set()
 
     async def run(self) -> None:
-        """Poll for changes until cancelled."""
+        """Poll for changes until cancelled. Scanning and parsing run in a worker thread, so a
+        large manifest does not stall the relay; no error ends the loop."""
         while True:
             try:
                 await asyncio.wait_for(self._reload.wait(), self.poll_interval)
@@ -79,32 +90,55 @@ class StaticSource:
                 pass
             forced = self._reload.is_set()
             self._reload.clear()
-            self.poll(force=forced)
+            try:
+                scan = await asyncio.to_thread(self._scan, forced)
+                if scan is not None:
+                    parsed = await asyncio.to_thread(self._parse, scan.changed)
+                    self._apply(scan, parsed)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # e.g. EMFILE while listing: keep the state, try again next poll
+                limited.warning("reading %s failed; keeping the last good state", self.path)
 
     def poll(self, force: bool = False) -> bool:
         """Reload files that changed (all files when `force`); returns True if any did."""
+        scan = self._scan(force)
+        if scan is None:
+            return False
+        self._apply(scan, self._parse(scan.changed))
+        return True
+
+    def _scan(self, force: bool) -> Scan | None:
+        """Which files changed or went away since the last poll; None when nothing did."""
         files = manifest_files(self.path) if self.path.exists() else []
         keys = {f: _stat_key(f) for f in files}
         changed = [f for f in files if force or keys[f] != self._keys.get(f)]
         gone = [f for f in self._keys if f not in keys]
-        if not changed and not gone:
-            return False
-        for f in gone:
-            self._good.pop(f, None)
-        for f in changed:
-            self._load_changed(f)
-        self._keys = keys
-        self._deliver()
-        return True
+        return Scan(keys, changed, gone) if changed or gone else None
 
-    def _load_changed(self, f: Path) -> None:
-        try:
-            self._good[f] = self._report(load_file(f))
-            log.info("reloaded %s", f)
-        except ConfigError as err:
-            log.error("%s; keeping its last good state", err)
-            if self.on_error is not None:
-                self.on_error(err)
+    @staticmethod
+    def _parse(files: list[Path]) -> dict[Path, Manifests | ConfigError]:
+        out: dict[Path, Manifests | ConfigError] = {}
+        for f in files:
+            try:
+                out[f] = load_file(f)
+            except ConfigError as err:
+                out[f] = err
+        return out
+
+    def _apply(self, scan: Scan, parsed: dict[Path, Manifests | ConfigError]) -> None:
+        for f in scan.gone:
+            self._good.pop(f, None)
+        for f, result in parsed.items():
+            if isinstance(result, ConfigError):
+                log.error("%s; keeping its last good state", result)
+                if self.on_error is not None:
+                    self.on_error(result)
+            else:
+                self._good[f] = self._report(result)
+                log.info("reloaded %s", f)
+        self._keys = scan.keys
+        self._deliver()
 
     def _report(self, m: Manifests) -> Manifests:
         for err in m.errors:
