@@ -9,6 +9,7 @@ a ConfigError naming the Service and the field.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -32,6 +33,7 @@ PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
 PROXY_NAME = "usproxy"
 LB_POLICY_ANNOTATION = "usproxy.io/lb-policy"
 DATAPATH_ANNOTATION = "usproxy.io/datapath"
+_IANA_NAME = re.compile(r"(?=.*[a-z])[a-z0-9](?:[a-z0-9-]{0,13}[a-z0-9])?")  # as validation.IsValidPortName
 LB_POLICIES = ("roundRobin", "random", "leastConnections")
 DATAPATHS = ("userspace", "nftables", "bpf")
 
@@ -48,7 +50,7 @@ def skip_reason(raw: Mapping[str, Any]) -> str | None:
     """Why kube-proxy would ignore this Service, or None when it must be proxied."""
     spec = raw.get("spec") or {}
     meta = raw.get("metadata") or {}
-    labels = meta.get("labels") or {}
+    labels = meta.get("labels") or {} if isinstance(meta, Mapping) else {}
     if isinstance(labels, Mapping) and labels.get(PROXY_NAME_LABEL) not in (None, PROXY_NAME):
         return f"labelled {PROXY_NAME_LABEL}={labels.get(PROXY_NAME_LABEL)}"
     if isinstance(spec, Mapping) and spec.get("type") == "ExternalName":
@@ -62,10 +64,23 @@ def _cluster_ips(spec: Fields) -> tuple[IPAddress, ...]:
     texts = spec.str_list("clusterIPs") or ([spec.text("clusterIP")] if spec.data.get("clusterIP") else [])
     if not texts:
         raise spec.error("clusterIP", "required (usproxy does not allocate ClusterIPs)")
-    ips = tuple(spec.ip(f"clusterIPs[{i}]", t) for i, t in enumerate(texts))
+    ips = tuple(_frontend_ip(spec, f"clusterIPs[{i}]", t) for i, t in enumerate(texts))
     if len({ip.version for ip in ips}) != len(ips):
         raise spec.error("clusterIPs", "at most one address per IP family")
+    single = spec.data.get("clusterIP")
+    if single and spec.data.get("clusterIPs") and str(single) != texts[0]:
+        raise spec.error("clusterIP", f"{single} differs from clusterIPs[0] {texts[0]}")
     return ips
+
+
+def _frontend_ip(f: Fields, field: str, text: object) -> IPAddress:
+    """A Service address the proxy will answer on: never loopback, link-local, multicast or
+    unspecified (binding those would capture node-local services or every address)."""
+    ip = f.ip(field, text)
+    for attr in ("is_loopback", "is_link_local", "is_multicast", "is_unspecified"):
+        if getattr(ip, attr):
+            raise f.error(field, f"{ip} is a {attr.removeprefix('is_').replace('_', '-')} address")
+    return ip
 
 
 def _same_family(
@@ -74,7 +89,7 @@ def _same_family(
     """Parse addresses; those of a family the Service does not have are logged and skipped."""
     out = []
     for i, text in enumerate(texts):
-        ip = spec.ip(f"{field}[{i}]", text)
+        ip = _frontend_ip(spec, f"{field}[{i}]", text)
         if ip.version not in families:
             log.warning("%s: %s[%d]: %s is not of the Service's IP families, skipped",
                         spec.obj, field, i, ip)
@@ -98,10 +113,14 @@ def _port(p: Fields, svc: NamespacedName, many: bool) -> tuple[ServicePortName, 
     port = p.integer("port", lo=1)
     raw_target = p.data.get("targetPort", port)
     target: int | str
-    if isinstance(raw_target, str) and not raw_target.isdigit():
+    if isinstance(raw_target, str) and not (raw_target.isascii() and raw_target.isdigit()):
+        if not _IANA_NAME.fullmatch(raw_target) or raw_target.isdigit():
+            raise p.error("targetPort", f"must be a port number or an IANA port name, got {raw_target!r}")
         target = raw_target
+    elif isinstance(raw_target, str):
+        target = Fields(p.obj, {"targetPort": int(raw_target)}, p.path).integer("targetPort", lo=1)
     else:
-        target = p.integer("targetPort", port, lo=1) if not isinstance(raw_target, str) else int(raw_target)
+        target = p.integer("targetPort", port, lo=1)
     node_port = p.integer("nodePort", 0)
     return ServicePortName(svc.namespace, svc.name, name, protocol), port, target, node_port
 
