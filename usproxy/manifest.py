@@ -48,20 +48,43 @@ class Manifests:
 _BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: ~10x
 
 
-class _NoAliasLoader(_BaseLoader):  # type: ignore[misc]
-    """Safe YAML without anchors and aliases: kubectl never writes them, and an alias can make a
-    few hundred bytes expand into millions of nodes (a "billion laughs" document) or a cycle."""
+MAX_ALIAS_EXPANSION = 1_000_000  # nodes a document may expand to through aliases
 
-    def construct_object(self, node: Any, deep: bool = False) -> Any:
-        # An alias is the same composed node met a second time (this holds for the libyaml
-        # parser too, whose constructor is this Python one).
-        if node in self.constructed_objects or node in self.recursive_objects:
-            raise yaml.constructor.ConstructorError(None, None, "YAML aliases are not allowed", node.start_mark)
-        return super().construct_object(node, deep)
+
+class _BoundedAliasLoader(_BaseLoader):  # type: ignore[misc]
+    """Safe YAML whose aliases stay harmless: kubectl never writes anchors, but YAML emitters
+    (PyYAML's among them) do for repeated objects, so aliases are allowed while a document
+    neither refers to itself nor expands through them to more than MAX_ALIAS_EXPANSION nodes
+    (a "billion laughs" document of a few hundred bytes)."""
+
+    def construct_document(self, node: Any) -> Any:
+        distinct: dict[int, int] = {}
+        if _expanded_size(node, distinct, set()) > max(MAX_ALIAS_EXPANSION, 10 * len(distinct)):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"YAML aliases expand to more than {MAX_ALIAS_EXPANSION} nodes", node.start_mark)
+        return super().construct_document(node)
+
+
+def _expanded_size(node: Any, memo: dict[int, int], stack: set[int]) -> int:
+    """Nodes `node` stands for once every alias is expanded; raises on a self-reference."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in stack:
+        raise yaml.constructor.ConstructorError(None, None, "a YAML alias refers to itself", node.start_mark)
+    stack.add(key)
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, memo, stack) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, memo, stack) + _expanded_size(v, memo, stack) for k, v in node.value)
+    stack.discard(key)
+    memo[key] = size
+    return size
 
 
 def _load_yaml(text: str) -> list[Any]:
-    loader = _NoAliasLoader(text)
+    loader = _BoundedAliasLoader(text)
     try:
         docs = []
         while loader.check_data():

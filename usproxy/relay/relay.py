@@ -66,6 +66,8 @@ class Relay:
         self.udp = UdpRelay(cfg.udp_idle_timeout, max(16, min(self.flow_table.max_flows, nofile - FD_RESERVE)))
         self.ports: dict[ServicePortName, ServicePortRelay] = {}
         self.node_ips: list[str] = []
+        self.host_ips: set[IPAddress] = set()  # local addresses on other interfaces: never on usproxy0
+        self.listening: set[tuple[str, int, str]] = set()  # (address, port, protocol) of every listener
         self._sweeper: asyncio.Task[None] | None = None
         self._started = False
         self.released: dict[IPAddress, float] = {}  # unused address -> since when (monotonic)
@@ -83,7 +85,7 @@ class Relay:
             for ip in self.vip.addresses - self._uses.keys() - self.released.keys():
                 self.released[ip] = now
         await self.vip.add_many(ip for st in request.changes.values() if st is not None
-                                for ip, _ in st.service_port.frontends())
+                                for ip, _ in st.service_port.frontends() if ip not in self.host_ips)
         for spn, state in request.changes.items():
             try:
                 await self._sync_one(spn, state)
@@ -115,8 +117,6 @@ class Relay:
                 del self.ports[spn]
                 await port.close()
             return
-        for ip, _ in state.service_port.frontends():
-            await self.vip.add(ip)
         if port is None:
             port = self.ports[spn] = ServicePortRelay(self, state)
         await port.apply(state, self.node_ips)
@@ -149,10 +149,13 @@ class Relay:
             await self.vip.remove(ip)
 
     async def _node_addresses(self) -> list[str]:
+        """NodePort addresses; also refreshes `host_ips`, the addresses other interfaces hold."""
         nets = [ipaddress.ip_network(c, strict=False) for c in self.cfg.nodeport_addresses]
         out = []
-        for ifname, ip in await self.vip.local_addresses():
-            if ifname == self.vip.name or ip in self.vip.addresses or ip.is_link_local:
+        local = await self.vip.local_addresses()
+        self.host_ips = {ip for ifname, ip in local if ifname != self.vip.name}
+        for ifname, ip in local:
+            if ifname == self.vip.name or ip.is_link_local:
                 continue
             if nets and not any(ip in n for n in nets):
                 continue
@@ -201,5 +204,6 @@ class Relay:
             await asyncio.sleep(min(1.0, max(0.1, self.cfg.udp_idle_timeout / 4)))
             try:
                 self.udp.expire()
+                await self._retry_failed()  # a listener address freed by someone else: take it
             except Exception:
                 log.exception("UDP flow sweep failed")

@@ -91,11 +91,13 @@ class ServicePortRelay:
             log.error("%s: %s", self.spn, self.errors[key])
             return
         self.errors.pop(key, None)
+        self.relay.listening.add((addr, port, self.spn.protocol))
         log.debug("%s: listening on %s/%s", self.spn, format_hostport(addr, port), self.spn.protocol)
 
     async def _close_listener(self, key: ListenerKey) -> None:
         listener = self.listeners.pop(key)
         listener.close()
+        self.relay.listening.discard((key[0], key[1], self.spn.protocol))
         if isinstance(listener, asyncio.AbstractServer):
             # Established connections keep running (as kube-proxy); only accepting stops.
             pass
@@ -126,6 +128,11 @@ class ServicePortRelay:
     def pick(self, kind: str, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
         return self.selectors[kind].pick(client_ip, exclude)
 
+    def is_own_frontend(self, ep: Endpoint) -> bool:
+        """An endpoint that is one of this proxy's own listeners (e.g. its own NodePort) would
+        make every connection dial itself until descriptors run out: such a dial is refused."""
+        return (str(ep.ip), ep.port, self.spn.protocol) in self.relay.listening
+
     def failed(self, kind: str, ep: Endpoint, client_ip: str) -> None:
         self.selectors[kind].failed(ep, client_ip)
 
@@ -136,7 +143,12 @@ class ServicePortRelay:
         self.selectors[kind].closed(ep)
 
     def new_flow(self, protocol: str, client: HostPort, frontend: HostPort) -> Flow:
-        flow = self.relay.flow_table.add(Flow(protocol, self.spn, client, frontend))
+        """Add a flow; when the table is full the longest-idle UDP flow makes room (a UDP flood
+        of fresh source ports must not lock TCP out). Raises FlowTableFull otherwise."""
+        table = self.relay.flow_table
+        if len(table) >= table.max_flows and self.relay.udp.flows:
+            self.relay.udp.evict_oldest()
+        flow = table.add(Flow(protocol, self.spn, client, frontend))
         self.flows += 1
         return flow
 

@@ -90,6 +90,9 @@ class ClientSide(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         tune(transport)
         client = transport.get_extra_info("peername")
+        if client is None:  # reset before we got to it: nothing to relay
+            self.transport.abort()
+            return
         try:
             self.flow = self.owner.new_flow("TCP", (client[0], client[1]), self.frontend)
         except FlowTableFull:
@@ -148,6 +151,10 @@ class ClientSide(asyncio.Protocol):
             if ep is None:
                 break
             tried.append(ep)
+            if self.owner.is_own_frontend(ep):
+                limited.warning("%s: endpoint %s is this proxy's own frontend; refusing the loop", self.owner.spn, ep)
+                self.owner.failed(self.kind, ep, client_ip)
+                continue
             try:
                 sock = await connect(ep, timeout)
             except (OSError, TimeoutError) as err:
