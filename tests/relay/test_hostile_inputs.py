@@ -132,3 +132,35 @@ def test_listener_taken_by_another_process_is_taken_over_when_freed(
 def attempt_in(ns: str, addr: str, port: int) -> str:
     with inside(ns):
         return attempt(addr, port, timeout=1.0).kind
+
+
+def test_connection_flood_beyond_the_descriptor_limit_is_refused_and_the_agent_lives(
+        topology: Topology, backends: Backends, workdir: Path) -> None:
+    ns = topology.add_host("be1", "10.244.1.5")
+    backends.start(ns, "idsrv", "be1", "10.244.1.5", "8080")
+    cli = topology.add_host("cli", "10.244.9.10")
+    m = Manifests(workdir)
+    m.write(*web("10.244.1.5"))
+    agent = AgentProc(topology, m)
+    agent.wrapper = ("prlimit", "--nofile=256:256")
+    held: list[socket.socket] = []
+    try:
+        agent.start()
+        with inside(cli):
+            for _ in range(300):
+                s = socket.create_connection(("10.96.10.10", 80), timeout=3)
+                held.append(s)
+        time.sleep(0.5)
+        assert fds(agent) < 256
+        for s in held:
+            s.close()
+        held.clear()
+        assert wait_until(lambda: attempt_in(cli, "10.96.10.10", 80) == "ok", timeout=5.0)
+        t_upd = m.write(*web("10.244.1.5", cluster_ip="10.96.10.11"))  # manifests still read
+        agent.wait_synced_after(t_upd)
+        assert wait_until(lambda: attempt_in(cli, "10.96.10.11", 80) == "ok", timeout=3.0)
+        assert "Too many open files" not in agent.log.read_text()
+    finally:
+        for s in held:
+            s.close()
+        assert agent.stop() == 0

@@ -60,10 +60,14 @@ class Relay:
         self.metrics = metrics or Metrics()
         self.vip = vip or VipInterface(cfg.vip_interface)
         self.default_policy: LBPolicy = cfg.lb_policy  # type: ignore[assignment]
-        self.flow_table = FlowTable(cfg.conntrack_max())
-        self.metrics.registry.register(FlowTableCollector(self.flow_table))
         nofile = raise_nofile_limit()
-        self.udp = UdpRelay(cfg.udp_idle_timeout, max(16, min(self.flow_table.max_flows, nofile - FD_RESERVE)))
+        # A TCP flow holds two descriptors and a UDP flow one: the table never holds more flows
+        # than the descriptor limit allows, so a connection flood is refused cleanly (RST) and
+        # never runs the agent out of descriptors (EMFILE would also stop it reading manifests).
+        budget = max(16, nofile - min(FD_RESERVE, nofile // 4))
+        self.flow_table = FlowTable(min(cfg.conntrack_max(), budget // 2))
+        self.metrics.registry.register(FlowTableCollector(self.flow_table))
+        self.udp = UdpRelay(cfg.udp_idle_timeout, max(16, min(self.flow_table.max_flows, budget)))
         self.ports: dict[ServicePortName, ServicePortRelay] = {}
         self.node_ips: list[str] = []
         self.host_ips: set[IPAddress] = set()  # local addresses on other interfaces: never on usproxy0
