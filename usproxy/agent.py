@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import logging
+import os
 import signal
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from usproxy.admin.health import Health, evaluate
@@ -20,7 +23,7 @@ from usproxy.admin.metrics import Metrics
 from usproxy.admin.server import AdminServer
 from usproxy.config import ProxyConfig
 from usproxy.datapath import Datapath
-from usproxy.errors import ConfigError
+from usproxy.errors import AlreadyRunning, ConfigError
 from usproxy.proxier import Proxier
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.types import format_hostport
@@ -44,6 +47,7 @@ class Agent:
 
     def __init__(self, cfg: ProxyConfig, datapaths: list[Datapath] | None = None) -> None:
         self.cfg = cfg
+        self._lock = None if datapaths is not None else NetnsLock()  # real datapaths: one agent per netns
         self.metrics = Metrics()
         self.datapaths = datapaths if datapaths is not None else build_datapaths(cfg, self.metrics)
         self.proxier = Proxier(self.datapaths, metrics=self.metrics, node_name=cfg.node_name,
@@ -118,6 +122,8 @@ class Agent:
     async def start(self) -> None:
         """List the source, bind admin, start tasks. Raises ConfigError on unparsable input."""
         asyncio.get_running_loop().set_exception_handler(_loop_exception_handler)
+        if self._lock is not None:
+            self._lock.acquire()
         source = self.source = self._make_source()
         await self.admin.start()
         for role, addr in self.admin.bound.items():
@@ -161,9 +167,38 @@ class Agent:
         self._tasks.clear()
         await self.proxier.close()
         await self.admin.stop()
+        if self._lock is not None:
+            self._lock.release()
 
 
 _limited = RateLimitedLog(log)
+LOCK_DIR = Path("/run/usproxy")
+
+
+class NetnsLock:
+    """An flock on /run/usproxy/netns-<inode>.lock for this process's network namespace."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.path = LOCK_DIR / f"netns-{os.stat('/proc/self/ns/net').st_ino}.lock"
+
+    def acquire(self) -> None:
+        LOCK_DIR.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise AlreadyRunning(f"another usproxy agent (pid {holder}) runs in this network namespace") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from usproxy.config import ProxyConfig, load_kube_proxy_configuration, parse_duration, with_overrides
-from usproxy.errors import ConfigError, SourceError
+from usproxy.errors import AlreadyRunning, ConfigError, SourceError
 
 log = logging.getLogger("usproxy")
 
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     except (urllib.error.URLError, ConnectionError) as err:
         print(f"usproxy: cannot reach the agent: {err}", file=sys.stderr)
         return 1
-    except SourceError as err:
+    except (SourceError, AlreadyRunning) as err:
         print(f"usproxy: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

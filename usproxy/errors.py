@@ -32,3 +32,8 @@ class OffloadError(UsproxyError):
     def __init__(self, message: str, errno: int = 0) -> None:
         self.errno = errno
         super().__init__(message if not errno else f"{message} (errno {errno})")
+
+
+class AlreadyRunning(UsproxyError):
+    """Another agent holds this network namespace (two agents would fight over its listeners
+    and kernel tables)."""

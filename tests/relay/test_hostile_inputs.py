@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.netns import Topology, inside
-from tests.relay.harness import AgentProc, Backends, Manifests, slice_, svc
+from tests.relay.harness import USPROXY, AgentProc, Backends, Manifests, slice_, svc
 from tests.relay.tcp_clients import ask_in, attempt, wait_until
 
 pytestmark = pytest.mark.netns
@@ -164,3 +165,21 @@ def test_connection_flood_beyond_the_descriptor_limit_is_refused_and_the_agent_l
         for s in held:
             s.close()
         assert agent.stop() == 0
+
+
+def test_a_second_agent_in_the_same_network_namespace_refuses_to_start(
+        topology: Topology, workdir: Path) -> None:
+    m = Manifests(workdir)
+    m.write(*web())
+    first = AgentProc(topology, m)
+    try:
+        first.start()
+        second = subprocess.run(
+            ["ip", "netns", "exec", topology.node, USPROXY, "run", "--services", str(workdir),
+             "--healthz-bind-address", "127.0.0.1:11256", "--metrics-bind-address", "127.0.0.1:11249"],
+            capture_output=True, text=True, timeout=30)
+        assert second.returncode == 1
+        assert f"another usproxy agent (pid {first.pid()}) runs in this network namespace" in second.stderr
+        assert first.services()  # the first one is untouched
+    finally:
+        assert first.stop() == 0
