@@ -3,7 +3,9 @@
 Sources call the Provider methods (`on_service_update`, `on_endpoint_slice_update`,
 `on_services_synced`, `on_endpoint_slices_synced`); each change queues a sync on the SyncRunner.
 Nothing syncs before every source has listed once (as kube-proxy's isInitialized). A sync hands
-each datapath only the ServicePorts that changed; a failed sync makes the next one full.
+each datapath only the ServicePorts that changed; a failed sync makes the next one full, and so
+does the passing of `full_sync_period` (10 × the sync period), so datapaths can repair state
+changed behind their back (as kube-proxy's periodic full syncs).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class Proxier:
         self._counted: dict[ServicePortName, tuple[IPAddress, ...]] = {}
         self._synced = {"services": False, "endpointslices": False}
         self._need_full = True
+        self.full_sync_period = 10 * sync_period  # seconds between full syncs (drift repair)
+        self._last_full = 0.0
         self.last_updated: float | None = None  # wall time of the last successful sync
         self.oldest_queued: float | None = None  # wall time of the oldest change not yet synced
         self.runner = SyncRunner(self.sync, min_interval=min_sync_period, max_interval=sync_period,
@@ -138,7 +142,9 @@ class Proxier:
         self.metrics.endpoint_changes_total.inc(len(ep_change.updated))
         changed = svc_change.changed | ep_change.updated
         changed |= self._track_cluster_ips(svc_change.changed)
-        full = self._need_full
+        full = self._need_full or time.monotonic() - self._last_full >= self.full_sync_period
+        if full:
+            self._last_full = time.monotonic()
         names = set(self.service_map) | changed if full else changed
         changes = {spn: self.state_of(spn) for spn in names}
         removed = {spn: frozenset(eps) for spn, eps in ep_change.removed.items()}

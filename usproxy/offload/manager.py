@@ -113,7 +113,9 @@ class OffloadManager:
     async def sync(self, request: SyncRequest) -> None:
         """Track changes, promote what is established, apply one transaction per kernel."""
         now = self.clock()
-        installed = await self._read_back() if request.full and not self._reconciled else {}
+        # Every full sync reads the kernel back: at start to adopt what a previous agent left,
+        # later to repair what was changed behind our back (a deleted table, lost elements).
+        installed = await self._read_back() if request.full else {}
         self._track(request, now)
         plan = self._plan(now, installed)
         await self._apply(plan, now)
