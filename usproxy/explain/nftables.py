@@ -130,7 +130,9 @@ class Table:
 
     def element(self, container: str, *key: str, value: str | None = None,
                 comment: str | None = None) -> None:
-        self.containers[container].elements.append(Element(tuple(key), value, comment))
+        # A set or map holds a key once (nft merges repeated adds, as knftables' fake does).
+        if self.lookup(container, tuple(key)) is None:
+            self.containers[container].elements.append(Element(tuple(key), value, comment))
 
     def lookup(self, container: str, key: tuple[str, ...]) -> Element | None:
         return next((e for e in self.containers[container].elements if e.key == key), None)

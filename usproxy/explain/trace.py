@@ -317,14 +317,19 @@ def trace_userspace(ss: ServiceSet, pkt: Packet) -> list[Path]:
         p = Path(lookups=1)
         p.hops.append(f"kube-proxy 1.0: portal rule -> REDIRECT to 0.0.0.0:{proxy_port(fp)}")
         where = "a local address on usproxy0" if internal else "a local address of this node"
-        p.hops.append(f"usproxy: {format_hostport(pkt.dst, pkt.dport)} is {where}: the kernel's "
-                      "socket lookup finds the relay's listener")
         eps = [str(e) for e in (fp.internal if internal else fp.external)]
         if not eps:
-            p.result = "not listening: " + ("TCP RST" if pkt.proto == "TCP" else "ICMP port unreachable")
+            p.hops.append(f"usproxy: {format_hostport(pkt.dst, pkt.dport)} is {where}, but the relay "
+                          "does not listen while the ServicePort has no usable endpoint")
+            p.result = "refused by the kernel: " + ("TCP RST" if pkt.proto == "TCP" else "ICMP port unreachable")
             return [p]
+        p.hops.append(f"usproxy: {format_hostport(pkt.dst, pkt.dport)} is {where}: the kernel's "
+                      "socket lookup finds the relay's listener")
         return _split([f"{ep} (a second connection, from the relay)" for ep in eps], p,
                       f"relay picks an endpoint ({fp.sp.lb_policy or 'roundRobin'})")
+    if any(pkt.dst == fp.cluster_ip or pkt.dst in fp.external_ips for fp in ss.family_ports(pkt.dst.version)):
+        closed = "TCP RST" if pkt.proto == "TCP" else "ICMP port unreachable"
+        return [Path(lookups=1, result=f"a Service address, but no ServicePort on this port: refused by the kernel ({closed})")]
     return [Path(lookups=1, result="no listener: routed as addressed")]
 
 
