@@ -46,7 +46,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="usproxy explain",
-                                description="render Services as each kube-proxy mode holds them")
+                                description="render Services as each kube-proxy mode holds them",
+                                epilog="usproxy explain trace SRC DST:PORT/PROTO --services PATH: the path one "
+                                       "new connection takes through each mode (see `usproxy explain trace -h`)")
     _common(p)
     p.add_argument("--live", action="store_true", help="also show this node's running agent")
     p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT")

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except OffloadError as err:
         print(f"usproxy: {err}", file=sys.stderr)
         return 1
-    print(out)
+    print(f"BPF object: {out}")
     return 0
 
 
