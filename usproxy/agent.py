@@ -47,7 +47,10 @@ class Agent:
 
     def __init__(self, cfg: ProxyConfig, datapaths: list[Datapath] | None = None) -> None:
         self.cfg = cfg
-        self._lock = None if datapaths is not None else NetnsLock()  # real datapaths: one agent per netns
+        # Real datapaths: one agent per ClusterIP interface, and one offloading agent (the
+        # kernel tables are per namespace), in this network namespace.
+        self._locks = [] if datapaths is not None else [NetnsLock(cfg.vip_interface)] + (
+            [NetnsLock("offload")] if cfg.offload != "none" else [])
         self.metrics = Metrics()
         self.datapaths = datapaths if datapaths is not None else build_datapaths(cfg, self.metrics)
         self.proxier = Proxier(self.datapaths, metrics=self.metrics, node_name=cfg.node_name,
@@ -122,8 +125,8 @@ class Agent:
     async def start(self) -> None:
         """List the source, bind admin, start tasks. Raises ConfigError on unparsable input."""
         asyncio.get_running_loop().set_exception_handler(_loop_exception_handler)
-        if self._lock is not None:
-            self._lock.acquire()
+        for lock in self._locks:
+            lock.acquire()
         source = self.source = self._make_source()
         await self.admin.start()
         for role, addr in self.admin.bound.items():
@@ -167,8 +170,8 @@ class Agent:
         self._tasks.clear()
         await self.proxier.close()
         await self.admin.stop()
-        if self._lock is not None:
-            self._lock.release()
+        for lock in self._locks:
+            lock.release()
 
 
 _limited = RateLimitedLog(log)
@@ -176,11 +179,12 @@ LOCK_DIR = Path("/run/usproxy")
 
 
 class NetnsLock:
-    """An flock on /run/usproxy/netns-<inode>.lock for this process's network namespace."""
+    """An flock on /run/usproxy/netns-<inode>-<what>.lock for this network namespace."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str) -> None:
         self.fd: int | None = None
-        self.path = LOCK_DIR / f"netns-{os.stat('/proc/self/ns/net').st_ino}.lock"
+        self.what = what
+        self.path = LOCK_DIR / f"netns-{os.stat('/proc/self/ns/net').st_ino}-{what}.lock"
 
     def acquire(self) -> None:
         LOCK_DIR.mkdir(parents=True, exist_ok=True)
@@ -190,7 +194,8 @@ class NetnsLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise AlreadyRunning(f"another usproxy agent (pid {holder}) runs in this network namespace") from None
+            raise AlreadyRunning(f"another usproxy agent (pid {holder}) runs in this network namespace "
+                                 f"({'with kernel offload' if self.what == 'offload' else 'on ' + self.what})") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
