@@ -101,7 +101,7 @@ def main() -> int:
         for c in contenders:
             c.start(ctx)
             log(f"contender {c.name}: " + ("up" if c.available else f"unavailable: {c.reason}"))
-        if not args.update:
+        if not args.update or "dataplane" in phases:  # the contenders of the data plane just run
             results["contenders"] = [c.describe() for c in contenders]
             results["unavailable"] = {c.name: c.reason for c in contenders if not c.available}
         by_name = {c.name: c for c in contenders if c.available}
