@@ -152,7 +152,10 @@ class StaticSource:
     def _deliver(self) -> None:
         merged = Manifests()
         for f in sorted(self._good):
-            merged.merge(self._good[f])
+            m = self._good[f]
+            for name in (m.services.keys() & merged.services.keys()) | (m.slices.keys() & merged.slices.keys()):
+                limited.warning("%s is defined in more than one file; %s wins", name, f)
+            merged.merge(m)
         for name in self.services.keys() - merged.services.keys():
             self.provider.on_service_update(self.services.pop(name), None)
         for name, svc in merged.services.items():
