@@ -13,7 +13,6 @@ import fcntl
 import logging
 import os
 import signal
-import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -61,7 +60,6 @@ class Agent:
         self.admin = AdminServer(self, cfg.healthz_bind_address, cfg.metrics_bind_address)
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
-        self.started_at = time.time()
         self.source: Any = None
         self.exit_code = 0
 

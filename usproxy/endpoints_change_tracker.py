@@ -43,6 +43,9 @@ class EndpointsChangeTracker:
     def pending(self) -> bool:
         return bool(self._previous)
 
+    def pending_count(self) -> int:
+        return len(self._previous)
+
     def checkout(self) -> dict[NamespacedName, tuple[EndpointsByPort, EndpointsByPort]]:
         prev, self._previous = self._previous, {}
         return {svc: (before, self.cache.endpoints_for(svc)) for svc, before in prev.items()}

@@ -65,11 +65,15 @@ class Proxier:
 
     # -- Provider ---------------------------------------------------------------------------
     def on_service_update(self, previous: Service | None, current: Service | None) -> None:
-        if self.service_tracker.update(previous, current):
+        pending = self.service_tracker.update(previous, current)
+        self.metrics.service_changes_pending.set(self.service_tracker.pending_count())
+        if pending:
             self.runner.run()
 
     def on_endpoint_slice_update(self, previous: EndpointSlice | None, current: EndpointSlice | None) -> None:
-        if self.endpoints_tracker.update(previous, current):
+        pending = self.endpoints_tracker.update(previous, current)
+        self.metrics.endpoint_changes_pending.set(self.endpoints_tracker.pending_count())
+        if pending:
             self.runner.run()
 
     def on_services_synced(self) -> None:
@@ -105,8 +109,9 @@ class Proxier:
             return
         start = time.monotonic()
         queued = self.oldest_queued
-        self.metrics.service_changes_pending.set(0)
         request = self._build_request()
+        self.metrics.service_changes_pending.set(0)
+        self.metrics.endpoint_changes_pending.set(0)
         try:
             for dp in self.datapaths:
                 await dp.sync(request)

@@ -41,6 +41,9 @@ class ServiceChangeTracker:
     def pending(self) -> bool:
         return bool(self._items)
 
+    def pending_count(self) -> int:
+        return len(self._items)
+
     def checkout(self) -> dict[NamespacedName, tuple[PortMap, PortMap]]:
         items, self._items = self._items, {}
         return items

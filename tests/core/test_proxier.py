@@ -133,3 +133,16 @@ async def test_service_ports_gauge_counts_placements_at_scrape() -> None:
     await p.sync()
     text = generate_latest(p.metrics.registry).decode()
     assert 'usproxy_service_ports{datapath="userspace"} 1.0' in text
+
+
+async def test_pending_change_gauges_follow_the_trackers() -> None:
+    p = Proxier([FakeDatapath()])
+    p.on_services_synced()
+    p.on_endpoint_slices_synced()
+    p.on_service_update(None, service("a", "10.96.0.1"))
+    p.on_endpoint_slice_update(None, eps("a", "10.244.1.1"))
+    assert p.metrics.service_changes_pending._value.get() == 1
+    assert p.metrics.endpoint_changes_pending._value.get() == 1
+    await p.sync()
+    assert p.metrics.service_changes_pending._value.get() == 0
+    assert p.metrics.endpoint_changes_pending._value.get() == 0

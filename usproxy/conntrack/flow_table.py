@@ -110,17 +110,11 @@ class FlowTable:
         self.bytes_done[0] += flow.bytes_in
         self.bytes_done[1] += flow.bytes_out
 
-    def get(self, flow_id: int) -> Flow | None:
-        return self._flows.get(flow_id)
-
     def __len__(self) -> int:
         return len(self._flows)
 
     def __iter__(self) -> Iterator[Flow]:
         return iter(list(self._flows.values()))
-
-    def count(self, protocol: str) -> int:
-        return self.live.get(protocol, 0)
 
     def view(self) -> list[dict[str, Any]]:
         now = time.monotonic()

@@ -122,9 +122,6 @@ class ServicePortRelay:
                 listener.keep_flows_to(usable[kind])
 
     # -- used by the TCP and UDP relays ----------------------------------------------------------
-    def selector(self, kind: str) -> EndpointSelector:
-        return self.selectors[kind]
-
     def pick(self, kind: str, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
         return self.selectors[kind].pick(client_ip, exclude)
 
