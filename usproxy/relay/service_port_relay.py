@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Union
 from usproxy.conntrack.flow_table import Flow, HostPort
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
+from usproxy.ratelimit import RateLimitedLog
 from usproxy.relay.endpoint_selector import EndpointSelector
 from usproxy.relay.tcp import ClientSide, keepalive_listeners, serve_kwargs
 from usproxy.relay.udp import UdpListener
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from usproxy.relay.relay import Relay
 
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
 Listener = Union[asyncio.AbstractServer, UdpListener]
 ListenerKey = tuple[str, int, str]  # (address, port, kind)
 
@@ -123,11 +125,22 @@ class ServicePortRelay:
 
     # -- used by the TCP and UDP relays ----------------------------------------------------------
     def pick(self, kind: str, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
-        return self.selectors[kind].pick(client_ip, exclude)
+        """The endpoint for a new TCP connection or UDP flow, never one of this proxy's own
+        listeners (an endpoint that is, say, its own NodePort would make every connection dial
+        itself until descriptors run out): such an endpoint is logged and skipped."""
+        selector = self.selectors[kind]
+        own: set[Endpoint] = set()
+        while True:
+            ep = selector.pick(client_ip, {*exclude, *own} if own else exclude)
+            if ep is None or not self._is_own_frontend(ep):
+                return ep
+            if ep in own:  # nothing but our own frontends is left
+                return None
+            limited.warning("%s: endpoint %s is this proxy's own frontend; refusing the loop", self.spn, ep)
+            selector.failed(ep, client_ip)
+            own.add(ep)
 
-    def is_own_frontend(self, ep: Endpoint) -> bool:
-        """An endpoint that is one of this proxy's own listeners (e.g. its own NodePort) would
-        make every connection dial itself until descriptors run out: such a dial is refused."""
+    def _is_own_frontend(self, ep: Endpoint) -> bool:
         return (str(ep.ip), ep.port, self.spn.protocol) in self.relay.listening
 
     def failed(self, kind: str, ep: Endpoint, client_ip: str) -> None:

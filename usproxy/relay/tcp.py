@@ -151,10 +151,6 @@ class ClientSide(asyncio.Protocol):
             if ep is None:
                 break
             tried.append(ep)
-            if self.owner.is_own_frontend(ep):
-                limited.warning("%s: endpoint %s is this proxy's own frontend; refusing the loop", self.owner.spn, ep)
-                self.owner.failed(self.kind, ep, client_ip)
-                continue
             try:
                 sock = await connect(ep, timeout)
             except (OSError, TimeoutError) as err:

@@ -85,10 +85,6 @@ class UdpRelay:
         ep = listener.owner.pick(listener.kind, key[1][0], ())
         if ep is None:
             return None
-        if listener.owner.is_own_frontend(ep):
-            limited.warning("%s: endpoint %s is this proxy's own frontend; refusing the loop",
-                            listener.owner.spn, ep)
-            return None
         if len(self.flows) >= self.max_flows:
             self.evict_oldest()
         sock = self._socket(ep)
