@@ -46,9 +46,24 @@ def usable(endpoints: Iterable[Endpoint]) -> tuple[Endpoint, ...]:
     """Ready endpoints, or if there are none, the serving and terminating ones."""
     eps = tuple(endpoints)
     ready = tuple(ep for ep in eps if ep.ready)
+    if len(ready) == len(eps) and eps:
+        return eps
     if ready:
         return ready
     return tuple(ep for ep in eps if ep.serving and ep.terminating)
+
+
+def merged(groups: Iterable[Iterable[Endpoint]]) -> tuple[Endpoint, ...]:
+    """Endpoints of one ServicePort from one or more EndpointSlices: one per address and port,
+    the ready one when an address appears twice (as kube-proxy endpointslicecache.go), sorted by
+    Endpoint.sort_key so equal sets compare equal."""
+    by_addr: dict[tuple[IPAddress, int], Endpoint] = {}
+    for eps in groups:
+        for ep in eps:
+            seen = by_addr.get(ep.address)
+            if seen is None or (ep.ready and not seen.ready):
+                by_addr[ep.address] = ep
+    return tuple(sorted(by_addr.values(), key=Endpoint.sort_key))
 
 
 def _topology_filtered(
@@ -82,7 +97,8 @@ def categorize(
     asks for trafficDistribution PreferClose and the hints allow it.
     """
     all_usable = usable(endpoints)
-    local = usable(ep for ep in endpoints if node_name is not None and ep.node_name == node_name)
+    wants_local = "Local" in (sp.internal_traffic_policy, sp.external_traffic_policy)
+    local = usable(ep for ep in endpoints if ep.node_name == node_name) if wants_local and node_name is not None else ()
     cluster_wide = _topology_filtered(all_usable, sp, zone)
     cluster = local if sp.internal_traffic_policy == "Local" else cluster_wide
     external = local if sp.external_traffic_policy == "Local" else cluster_wide

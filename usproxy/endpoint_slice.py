@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from usproxy.endpoint import Endpoint
+from usproxy.endpoint import Endpoint, merged
 from usproxy.fields import Fields, describe
 from usproxy.types import PROTOCOLS, IPAddress, NamespacedName, Protocol, ServicePortName
 
@@ -28,12 +28,18 @@ ADDRESS_TYPES = ("IPv4", "IPv6", "FQDN")
 
 @dataclass(frozen=True, slots=True)
 class EndpointSlice:
-    """A parsed EndpointSlice: its own name, its Service, and endpoints per ServicePortName."""
+    """A parsed EndpointSlice: its own name, its Service, and endpoints per ServicePortName.
+
+    `endpoints` are merged on construction (endpoint.merged: one per address and port, the ready
+    one first, sorted), so a Service with a single slice needs no merge at sync time."""
 
     name: NamespacedName
     service: NamespacedName
     address_type: str
     endpoints: Mapping[ServicePortName, tuple[Endpoint, ...]]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "endpoints", {spn: merged([eps]) for spn, eps in self.endpoints.items()})
 
 
 def refused_address(ip: IPAddress) -> str | None:

@@ -7,7 +7,7 @@ the entry that is ready. Endpoints come out sorted, so equal sets compare equal.
 
 from __future__ import annotations
 
-from usproxy.endpoint import Endpoint
+from usproxy.endpoint import Endpoint, merged
 from usproxy.endpoint_slice import EndpointSlice
 from usproxy.types import NamespacedName, ServicePortName
 
@@ -29,12 +29,12 @@ class EndpointSliceCache:
             self._slices.setdefault(current.service, {})[current.name] = current
 
     def endpoints_for(self, service: NamespacedName) -> EndpointsByPort:
-        merged: dict[ServicePortName, dict[tuple[object, int], Endpoint]] = {}
-        for es in self._slices.get(service, {}).values():
+        slices = self._slices.get(service, {})
+        if len(slices) == 1:  # the common case: a slice's endpoints are merged when it is parsed
+            (only,) = slices.values()
+            return dict(only.endpoints)
+        groups: dict[ServicePortName, list[tuple[Endpoint, ...]]] = {}
+        for es in slices.values():
             for spn, eps in es.endpoints.items():
-                by_addr = merged.setdefault(spn, {})
-                for ep in eps:
-                    seen = by_addr.get(ep.address)
-                    if seen is None or (ep.ready and not seen.ready):
-                        by_addr[ep.address] = ep
-        return {spn: tuple(sorted(eps.values())) for spn, eps in merged.items()}
+                groups.setdefault(spn, []).append(eps)
+        return {spn: merged(g) for spn, g in groups.items()}

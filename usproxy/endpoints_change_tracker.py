@@ -70,9 +70,11 @@ class EndpointsMap(dict[ServicePortName, tuple[Endpoint, ...]]):
                 if old == new:
                     continue
                 change.updated.add(spn)
-                gone = {ep for ep in old if ep.address not in {n.address for n in new}}
-                if gone:
-                    change.removed[spn] = gone
+                if old:
+                    kept = {n.address for n in new}
+                    gone = {ep for ep in old if ep.address not in kept}
+                    if gone:
+                        change.removed[spn] = gone
                 if new:
                     self[spn] = new
                 else:

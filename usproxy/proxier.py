@@ -20,6 +20,7 @@ from usproxy.admin.metrics import Metrics
 from usproxy.datapath import Datapath, Placement, ServicePortState, SyncRequest
 from usproxy.endpoint import Endpoint, categorize
 from usproxy.endpoint_slice import EndpointSlice
+from usproxy.gc_pause import LARGE, gc_paused
 from usproxy.endpoints_change_tracker import EndpointsChangeTracker, EndpointsMap
 from usproxy.service import Service
 from usproxy.service_change_tracker import ServiceChangeTracker, ServicePortMap
@@ -109,7 +110,9 @@ class Proxier:
             return
         start = time.monotonic()
         queued = self.oldest_queued
-        request = self._build_request()
+        pending = self.service_tracker.pending_count() + self.endpoints_tracker.pending_count()
+        with gc_paused(self._need_full or pending > LARGE):
+            request = self._build_request()
         self.metrics.service_changes_pending.set(0)
         self.metrics.endpoint_changes_pending.set(0)
         try:

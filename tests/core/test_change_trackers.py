@@ -98,3 +98,13 @@ def test_condition_change_is_an_update_without_removal() -> None:
     tracker.update(a, es("web-1", HTTP, "10.244.1.1", ready=False))
     change = em.update_from(tracker)
     assert change.updated == {HTTP} and change.removed == {}
+
+
+def test_one_slice_listing_an_address_twice_counts_it_once_ready_first() -> None:
+    tracker, em = EndpointsChangeTracker(), EndpointsMap()
+    eps = (Endpoint(ipaddress.ip_address("10.244.3.3"), 8080),
+           Endpoint(ipaddress.ip_address("10.244.1.1"), 8080, ready=False),
+           Endpoint(ipaddress.ip_address("10.244.1.1"), 8080))
+    tracker.update(None, EndpointSlice(NamespacedName("default", "web-1"), NN, "IPv4", {HTTP: eps}))
+    em.update_from(tracker)
+    assert [(str(e.ip), e.ready) for e in em[HTTP]] == [("10.244.1.1", True), ("10.244.3.3", True)]
