@@ -192,7 +192,7 @@ async def test_c17_uniform_over_five_endpoints_and_after_churn(topology: Topolog
             while total() - start < min(n, batch + 2000) and time.monotonic() < deadline:
                 time.sleep(0.05)
         got = Counter(pods.counts("be", "udp", 8081)) - before
-        assert sum(got.values()) == n  # every flow counted: the shares below are of all of them
+        assert sum(got.values()) == n, f"{sum(got.values())} of {n} flows counted"  # shares below are of all
         return got
 
     await dp.apply({spread: st(ips[:5])})

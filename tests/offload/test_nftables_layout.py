@@ -177,3 +177,30 @@ async def test_read_back_from_the_listing_adopts_without_element_changes(fake: F
     before = fake.dump()
     await again.apply(states)  # type: ignore[arg-type]
     assert fake.dump() == before
+
+
+async def test_hairpin_elements_only_for_endpoints_that_may_be_on_this_node(fake: FakeNft) -> None:
+    dp = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_name="node")
+    eps = [ep("10.244.1.1", node_name="node"), ep("10.244.2.1", node_name="other"), ep("10.244.3.1")]
+    await dp.apply({WEB: state(WEB, "10.96.0.1", 80, eps)})
+    assert fake.tables[4].sets["hairpin"] == {"10.244.1.1 . 10.244.1.1", "10.244.3.1 . 10.244.3.1"}
+    # a pod connecting to its own Service through this node is masqueraded; a remote one is not
+    assert fake.trace(4, "10.244.1.1", "10.96.0.1", "tcp", 80).masq == {"10.244.1.1:8080"}
+    assert fake.trace(4, "10.244.2.1", "10.96.0.1", "tcp", 80).masq == frozenset()
+    # read back restores which targets carry the flag, so a restart changes no element
+    again = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_name="node")
+    await again.read_back()
+    assert again.tables[4].rules == dp.tables[4].rules
+    assert dict(again.tables[4].hairpin) == {"10.244.1.1": 1, "10.244.3.1": 1}
+    before = fake.dump()
+    await again.apply({WEB: state(WEB, "10.96.0.1", 80, eps)})
+    assert fake.dump() == before
+    # the endpoint moving to this node gains its element
+    moved = [ep("10.244.1.1", node_name="node"), ep("10.244.2.1", node_name="node"), ep("10.244.3.1")]
+    await again.apply({WEB: state(WEB, "10.96.0.1", 80, moved)})
+    assert "10.244.2.1 . 10.244.2.1" in fake.tables[4].sets["hairpin"]
+
+
+async def test_without_a_node_name_every_endpoint_may_hairpin(fake: FakeNft, dp: NftablesDatapath) -> None:
+    await dp.apply({WEB: state(WEB, "10.96.0.1", 80, [ep("10.244.1.1", node_name="a"), ep("10.244.2.1", node_name="b")])})
+    assert fake.tables[4].sets["hairpin"] == {"10.244.1.1 . 10.244.1.1", "10.244.2.1 . 10.244.2.1"}

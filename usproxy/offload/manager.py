@@ -386,5 +386,5 @@ def kernel_datapaths(cfg: ProxyConfig, netns: str | None = None) -> list[KernelD
     if cfg.offload in ("auto", "nftables"):
         from usproxy.offload.nftables import NftablesDatapath
 
-        out.append(NftablesDatapath(netns=netns, lb_policy=cfg.lb_policy))
+        out.append(NftablesDatapath(netns=netns, lb_policy=cfg.lb_policy, node_name=cfg.node_name))
     return out

@@ -10,8 +10,6 @@ the table is read back, so the next diff starts from what the kernel really hold
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -19,6 +17,7 @@ from typing import Any, Protocol
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.errors import OffloadError
+from usproxy.gc_pause import LARGE, gc_paused
 from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.offload.nftables_layout import (
@@ -58,7 +57,7 @@ class NftablesDatapath:
     traffic: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
 
     def __init__(self, transport: NftTransport | None = None, conntrack: KernelConntrack | None = None,
-                 *, netns: str | None = None, lb_policy: str = "roundRobin") -> None:
+                 *, netns: str | None = None, lb_policy: str = "roundRobin", node_name: str | None = None) -> None:
         if transport is None:
             from usproxy.offload.nftables_client import NftClient
 
@@ -66,6 +65,7 @@ class NftablesDatapath:
         self.transport = transport
         self.conntrack = conntrack if conntrack is not None else KernelConntrack(netns)
         self.lb_policy = lb_policy
+        self.node_name = node_name  # endpoints on other nodes get no hairpin element
         self.tables: dict[Family, TableState] = {f: TableState(f) for f in FAMILIES}
         self.transactions = 0
 
@@ -92,7 +92,7 @@ class NftablesDatapath:
 
     async def apply(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> None:
         """One transaction for both families; OffloadError leaves the kernel unchanged."""
-        with _gc_paused(len(changes) > 1000):
+        with gc_paused(len(changes) > LARGE):
             txs = [self._transaction(self.tables[f], changes) for f in FAMILIES]
             commands = [c for tx in txs for c in tx.commands()]
         zero_to_n = self._udp_zero_to_n(changes)
@@ -112,7 +112,7 @@ class NftablesDatapath:
         tx = Transaction(table)
         for spn, st in changes.items():
             prev = table.rules.get(spn)
-            new = port_rules(st, table.family, prev) if st is not None else None
+            new = port_rules(st, table.family, prev, self.node_name) if st is not None else None
             tx.update(prev, new)
         return tx
 
@@ -188,20 +188,6 @@ class NftablesDatapath:
 
     def installed(self) -> dict[Family, dict[ServicePortName, PortRules]]:
         return {f: dict(t.rules) for f, t in self.tables.items()}
-
-
-@contextlib.contextmanager
-def _gc_paused(pause: bool) -> Iterator[None]:
-    """Building a cold transaction allocates ~10 objects per Service and none of them are cyclic
-    garbage; the collector's passes over them cost a fifth of the build at 10,000 Services."""
-    was = gc.isenabled()
-    if pause:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if pause and was:
-            gc.enable()
 
 
 def _has_targets(st: ServicePortState, scope: str) -> bool:

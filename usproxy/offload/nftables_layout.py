@@ -24,7 +24,7 @@ what made kube-proxy's layout take 66-75 s for 10,000 Services here (../shared/P
 - frontends without endpoints are in `no-endpoint-services` / `no-endpoint-nodeports`, which the
   filter hooks turn into `reject` (TCP reset, ICMP port unreachable).
 - `hairpin` holds endpoint . endpoint pairs: a connection DNATed back to its own source is
-  masqueraded (field case C24). `ct state invalid drop` on forward (C25), as kube-proxy.
+  masqueraded (field case C24). Only endpoints that may be on this node get one (see port_rules). `ct state invalid drop` on forward (C25), as kube-proxy.
 
 Every verdict element carries the ServicePortName as its comment, so `read back` (nftables_readback)
 can attribute kernel state to ServicePorts after a restart.
@@ -36,7 +36,7 @@ import base64
 import hashlib
 import ipaddress
 import socket
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, TypeAlias
@@ -64,6 +64,9 @@ def addr_type(family: Family) -> str:
 
 
 _TEXT: dict[int, str] = {}
+# Builds a NamedTuple from a tuple of every field without NamedTuple's Python-level __new__: a
+# cold sync of 10,000 Services makes ~100,000 Targets, Frontends, Backends and Elems.
+_new = tuple.__new__
 
 
 def ip_text(ip: IPAddress) -> str:
@@ -104,6 +107,7 @@ class Target(NamedTuple):
 
     ip: str
     port: int
+    hairpin: bool = True  # may be a client of its own Service through this node: see port_rules
 
     def nft(self) -> str:
         return f"{self.ip} . {self.port}"
@@ -138,9 +142,11 @@ class Backend(NamedTuple):
     affinity: int = 0  # ClientIP timeout in seconds; 0: no affinity
 
 
-@dataclass(frozen=True, slots=True)
-class PortRules:
-    """Everything one ServicePort holds in one family's table."""
+_EMPTY = Backend()
+
+
+class PortRules(NamedTuple):
+    """Everything one ServicePort holds in one family's table (a NamedTuple, as Target)."""
 
     spn: ServicePortName
     family: Family
@@ -153,6 +159,10 @@ class PortRules:
 
     def targets(self) -> set[Target]:
         return {*self.cluster.targets, *self.external.targets}
+
+    def hairpin_ips(self) -> set[str]:
+        """Endpoint addresses this ServicePort puts in the hairpin set."""
+        return {t.ip for t in (*self.cluster.targets, *self.external.targets) if t.hairpin}
 
     def endpoints(self) -> tuple[Endpoint, ...]:
         """The endpoints the kernel serves (cluster and external), for read back."""
@@ -216,31 +226,53 @@ def assign_slots(previous: Sequence[Target], wanted: Iterable[Target]) -> tuple[
     return (*(t for t in slots if t is not None), *reversed(fresh))
 
 
-def _targets(eps: Iterable[Endpoint], family: Family) -> set[Target]:
-    return {Target(ip_text(ep.ip), ep.port) for ep in eps if family_of(ep.ip) == family}
+def _targets(eps: Iterable[Endpoint], v4: bool, node: str | None) -> list[Target]:
+    return [_new(Target, (ip_text(ep.ip), ep.port, node is None or ep.node_name is None or ep.node_name == node))
+            for ep in eps if isinstance(ep.ip, ipaddress.IPv4Address) is v4]
 
 
-def port_rules(state: ServicePortState, family: Family, previous: PortRules | None) -> PortRules | None:
+def _slots(previous: Sequence[Target], wanted: list[Target]) -> tuple[Target, ...]:
+    if not previous:
+        return tuple(sorted(set(wanted))) if len(wanted) > 1 else tuple(wanted)
+    return assign_slots(previous, wanted)
+
+
+_PROTO = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
+
+
+def port_rules(state: ServicePortState, family: Family, previous: PortRules | None,
+               node_name: str | None = None) -> PortRules | None:
     """What `state` needs in `family`'s table, keeping `previous` slot positions. None: nothing
-    (the ServicePort has no ClusterIP in this family)."""
+    (the ServicePort has no ClusterIP in this family).
+
+    `node_name` is this node's: endpoints on other nodes (EndpointSlice nodeName set and not
+    ours) get no hairpin element. Their own traffic to the Service is DNATed on their own node, and
+    what reaches this node from them as external traffic is masqueraded anyway (as Cilium, which
+    handles hairpin for local endpoints only; kube-proxy marks every endpoint). Endpoints without a
+    nodeName, or every endpoint when the agent has no node name, may be local and get one."""
     sp = state.service_port
-    cluster_ips = [ip for ip in sp.cluster_ips if family_of(ip) == family]
+    v4 = family == 4
+    cluster_ips = [ip for ip in sp.cluster_ips if isinstance(ip, ipaddress.IPv4Address) is v4]
     if not cluster_ips:
         return None
-    proto = sp.protocol.lower()
-    fes = [Frontend(ip_text(ip), proto, sp.port, "cluster") for ip in cluster_ips]
-    fes += [Frontend(ip_text(ip), proto, sp.port, "external") for ip in sp.external_ips_all() if family_of(ip) == family]
+    proto, port = _PROTO[sp.name.protocol], sp.port
+    fes = [_new(Frontend, (ip_text(ip), proto, port, "cluster")) for ip in cluster_ips]
+    if sp.external_ips or sp.load_balancer_ips:
+        fes += [Frontend(ip_text(ip), proto, port, "external") for ip in sp.external_ips_all()
+                if isinstance(ip, ipaddress.IPv4Address) is v4]
     if sp.node_port:
         fes.append(Frontend(None, proto, sp.node_port, "external"))
     affinity = sp.affinity_timeout if sp.session_affinity == "ClientIP" else 0
-    prev_c = previous.cluster.targets if previous else ()
-    prev_x = previous.external.targets if previous else ()
-    cluster = Backend(assign_slots(prev_c, _targets(state.cluster_endpoints, family)), False, affinity)
-    external = Backend()
-    if any(fe.scope == "external" for fe in fes):
+    cluster = _new(Backend, (_slots(previous.cluster.targets if previous else (),
+                                    _targets(state.cluster_endpoints, v4, node_name)), False, affinity))
+    external = _EMPTY
+    if len(fes) > len(cluster_ips):  # externalIPs, LoadBalancer IPs or a NodePort
         masq = sp.external_traffic_policy == "Cluster"
-        external = Backend(assign_slots(prev_x, _targets(state.external_endpoints, family)), masq, affinity)
-    return PortRules(state.service_port.name, family, tuple(sorted(fes, key=_fe_order)), cluster, external)
+        external = Backend(_slots(previous.external.targets if previous else (), _targets(state.external_endpoints, v4, node_name)),
+                           masq, affinity)
+    if len(fes) > 1:
+        fes.sort(key=_fe_order)
+    return _new(PortRules, (sp.name, family, tuple(fes), cluster, external))
 
 
 def _fe_order(fe: Frontend) -> tuple[int, str, int]:
@@ -274,6 +306,8 @@ def parse_spn(comment: str) -> ServicePortName | None:
         return None
     name, _, port = rest.partition(":")
     return ServicePortName(namespace, name, port, proto)  # type: ignore[arg-type]
+
+
 
 
 # -- commands ----------------------------------------------------------------------------------------
@@ -316,7 +350,11 @@ class Command:
         if self.obj == "table":
             return f"{self.verb} table {where}"
         if self.obj == "element":
-            body = ", ".join(e.key if self.verb == "delete" else e.nft() for e in self.elems)
+            if self.verb == "delete":
+                body = ", ".join([k for k, _, _ in self.elems])
+            else:  # Elem.nft() inlined: a cold sync renders 50,000 elements
+                body = ", ".join([k if v is None and c is None else f"{k} : {v}" if c is None else
+                                  f'{k} comment "{c}"' + ("" if v is None else f" : {v}") for k, v, c in self.elems])
             return f"{self.verb} element {where} {self.name} {{ {body} }}"
         if self.obj == "rule":
             assert self.rule is not None
@@ -455,8 +493,8 @@ class Transaction:
         self._base = state.base
         self._hairpin: Counter[str] = Counter()
         self._rules: dict[ServicePortName, PortRules | None] = {}
-        self._elem_del: dict[str, list[Elem]] = {}
-        self._elem_add: dict[str, list[Elem]] = {}
+        self._elem_del: defaultdict[str, list[Elem]] = defaultdict(list)
+        self._elem_add: defaultdict[str, list[Elem]] = defaultdict(list)
 
     @property
     def family(self) -> Family:
@@ -468,13 +506,10 @@ class Transaction:
         return [*dels, *self.deletes, *self.flushes, *self.drops, *self.creates, *self.adds, *adds]
 
     def _add_elem(self, m: str, e: Elem) -> None:
-        lst = self._elem_add.get(m)
-        if lst is None:
-            lst = self._elem_add[m] = []
-        lst.append(e)
+        self._elem_add[m].append(e)
 
     def _del_elem(self, m: str, key: str) -> None:
-        self._elem_del.setdefault(m, []).append(Elem(key))
+        self._elem_del[m].append(Elem(key))
 
     # -- shared structures
     def ensure_base(self, force: bool = False) -> None:
@@ -487,15 +522,17 @@ class Transaction:
             self.creates += slot_commands(self.family, kind, i)
         self._slots[kind] = max(self._slots[kind], n)
 
-    def _ensure_group(self, kind: Kind, n: int, masq: bool) -> None:
+    def _ensure_group(self, kind: Kind, n: int, masq: bool) -> str:
+        """Create chain g-N (npg-N, with `m`: masquerade) and the slots it needs; its name."""
         name = group_chain(kind, n, masq)
         if name in self.state.groups or name in self._groups:
-            return
+            return name
         if masq:
             self._ensure_group(kind, n, False)
         self._ensure_slots(kind, n)
         self._groups.add(name)
         self.creates += chain_commands(self.family, name, group_rules(kind, n, masq))
+        return name
 
     # -- per ServicePort
     def update(self, prev: PortRules | None, new: PortRules | None) -> None:
@@ -511,20 +548,33 @@ class Transaction:
                 self._affinity(prev, new, scope)
         if prev is None and new is not None:
             self._add_frontends(new)
+            self._add_hairpin(new)
         else:
             self._frontends(prev, new)
-        self._hairpin_delta(prev, new)
+            self._hairpin_delta(prev, new)
 
     def _add_frontends(self, new: PortRules) -> None:
         """The common cold-start case (nothing installed before), without the diff."""
+        adds = self._elem_add
         for fe in new.frontends:
-            be = new.backend(fe.scope)
+            be = new.cluster if fe.scope == "cluster" else new.external
+            kind: Kind = "ip" if fe.addr is not None else "np"
             key, n = fe.key(), len(be.targets)
             if n and not be.affinity:
-                self._ensure_group(fe.kind, n, be.masq)
+                verdict = self._ensure_group(kind, n, be.masq)
                 for i, t in enumerate(be.targets):
-                    self._add_elem(slot_map(fe.kind, i), Elem(key, t.nft()))
-            self._add_elem(verdict_map(fe.kind, not n), Elem(key, f"goto {verdict_of(new, fe)}", comment_of(new.spn, fe.scope)))
+                    adds[slot_map(kind, i)].append(_new(Elem, (key, t.nft(), None)))
+            else:
+                verdict = verdict_of(new, fe)
+            adds[verdict_map(kind, not n)].append(_new(Elem, (key, "goto " + verdict, comment_of(new.spn, fe.scope))))
+
+    def _add_hairpin(self, new: PortRules) -> None:
+        """_hairpin_delta's cold-start case: every target is new for this ServicePort."""
+        have, delta, adds = self.state.hairpin, self._hairpin, self._elem_add["hairpin"]
+        for ip in new.hairpin_ips():
+            d = delta[ip] = delta.get(ip, 0) + 1
+            if have.get(ip, 0) + d == 1:
+                adds.append(_new(Elem, (f"{ip} . {ip}", None, None)))
 
     def _frontends(self, prev: PortRules | None, new: PortRules | None) -> None:
         old_fes = {fe: prev for fe in prev.frontends} if prev else {}
@@ -580,8 +630,8 @@ class Transaction:
                 self.creates += chain_commands(self.family, name, cur[name])
 
     def _hairpin_delta(self, prev: PortRules | None, new: PortRules | None) -> None:
-        before = {t.ip for t in prev.targets()} if prev else set()
-        after = {t.ip for t in new.targets()} if new else set()
+        before = prev.hairpin_ips() if prev else set()
+        after = new.hairpin_ips() if new else set()
         have, delta = self.state.hairpin, self._hairpin
         for ip in before - after:
             delta[ip] = delta.get(ip, 0) - 1

@@ -65,10 +65,28 @@ def read_table(family: Family, items: list[dict[str, Any]] | None) -> TableState
         rules = _port_rules(family, spn, s, lst)
         if rules is not None:
             state.rules[spn] = rules
-    for rules in state.rules.values():
-        for ip in {t.ip for t in rules.targets()}:
+    hairpin = _hairpin_ips(lst)
+    for spn, rules in state.rules.items():
+        rules = state.rules[spn] = _with_hairpin(rules, hairpin)
+        for ip in rules.hairpin_ips():
             state.hairpin[ip] += 1
     return state
+
+
+def _hairpin_ips(lst: _Listing) -> set[str]:
+    out = set()
+    for elem in lst.sets.get("hairpin", []):
+        parts = _concat(elem)
+        if len(parts) == 2 and parts[0] == parts[1]:
+            out.add(norm_ip(str(parts[0])))
+    return out
+
+
+def _with_hairpin(rules: PortRules, hairpin: set[str]) -> PortRules:
+    """Targets flagged as the kernel's hairpin set says (slot maps do not carry the flag)."""
+    def flagged(be: Backend) -> Backend:
+        return be._replace(targets=tuple(t._replace(hairpin=t.ip in hairpin) for t in be.targets))
+    return rules._replace(cluster=flagged(rules.cluster), external=flagged(rules.external))
 
 
 def _index(items: list[dict[str, Any]]) -> _Listing:
