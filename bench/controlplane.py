@@ -2,7 +2,8 @@
 
 - usproxy nftables offload: cold programming of N Services × 2 endpoints and one endpoint change
   at that size (p50/p99), timed as `Proxier.sync()` (model, layout diff and the one libnftables
-  transaction) into a NftablesDatapath in a throwaway netns.
+  transaction) into a NftablesDatapath in a throwaway netns, as node-0 of a 50-node cluster (the
+  endpoints' nodeNames are spread over 50 nodes, so most get no hairpin element).
 - The reference in the same run: kube-proxy's nftables layout (per Service a chain with an
   anonymous `numgen random mod N vmap`, per endpoint a chain with its dnat, the service-ips
   verdict map) loaded with `nft -f` into another throwaway netns; one change = what kube-proxy
@@ -18,6 +19,7 @@ bench/nft_scale.py's `run_size()` (the datapath's apply() alone, without the Pro
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import re
@@ -60,11 +62,18 @@ def services(n: int, first: int = 0) -> list[dict[str, Any]]:
     return out
 
 
+NODES = 50  # the endpoints' nodeNames are spread over this many nodes; the agent measured is node-0
+
+
+def node_of(ip: str) -> str:
+    return f"node-{int(ipaddress.ip_address(ip)) % NODES}"
+
+
 def endpoint_slice(name: str, ips: list[str]) -> dict[str, Any]:
     return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
             "metadata": {"name": f"{name}-1", "namespace": "scale", "labels": {"kubernetes.io/service-name": name}},
             "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-            "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in ips]}
+            "endpoints": [{"addresses": [ip], "conditions": {"ready": True}, "nodeName": node_of(ip)} for ip in ips]}
 
 
 def pcts(xs: list[float]) -> dict[str, float]:
@@ -119,9 +128,10 @@ async def _usproxy_nft(ns: str, n: int, changes: int) -> dict[str, Any]:
     from usproxy.offload.nftables import NftablesDatapath
     from usproxy.proxier import Proxier
 
-    nft = NftablesDatapath(netns=ns, lb_policy="random")
+    nft = NftablesDatapath(netns=ns, lb_policy="random", node_name="node-0")
+    nft.probe()  # as the agent: capabilities are probed (libnftables loaded) before the first sync
     sink = _NftSink(nft)
-    proxier = Proxier([sink])
+    proxier = Proxier([sink], node_name="node-0")
     m = objects_from(list[Mapping[str, Any]](services(n)))
     t_parse = time.perf_counter()
     for svc in m.services.values():
