@@ -1,6 +1,6 @@
 """NftablesDatapath against the real kernel in a throwaway node namespace (no agent, no relay):
 forwarded TCP/UDP to endpoints, endpoint changes, C01 refusal, C03 UDP conntrack clearing, C17
-distribution and churn, ClientIP affinity, C24 hairpin, NodePort masquerade, an atomic failed
+distribution and churn, ClientIP affinity, lb-policy roundRobin, C24 hairpin, NodePort masquerade, an atomic failed
 transaction, read back after a restart, and cleanup."""
 
 from __future__ import annotations
@@ -224,6 +224,20 @@ async def test_client_ip_affinity_is_sticky_per_client(topology: Topology, dp: N
     await dp.apply({WEB: web(*left, session_affinity="ClientIP", affinity_timeout=60)})
     after = {tcp_name(cli, VIP, 80, src=clients[0]) for _ in range(10)}
     assert len(after) == 1 and pinned not in after
+
+
+async def test_round_robin_annotation_rotates_in_the_kernel(topology: Topology, dp: NftablesDatapath, pods: Pods) -> None:
+    for i in (1, 2, 3):
+        pods.add(f"be-{i}", f"10.244.{i}.25")
+    cli = topology.add_host("cli", "10.244.9.25")
+    wait_listening(cli, "10.244.3.25", 8080)
+    await dp.apply({WEB: web("10.244.1.25", "10.244.2.25", "10.244.3.25", lb_policy="roundRobin")})
+    names = [tcp_name(cli, VIP, 80) for _ in range(12)]
+    assert len(set(names[:3])) == 3 and names == names[:3] * 4  # each endpoint in turn, never twice in a row
+    # an endpoint leaves: the two left alternate
+    await dp.apply({WEB: web("10.244.1.25", "10.244.3.25", lb_policy="roundRobin")})
+    after = [tcp_name(cli, VIP, 80) for _ in range(6)]
+    assert len(set(after)) == 2 and after == after[:2] * 3
 
 
 async def test_c24_hairpin_is_masqueraded(topology: Topology, dp: NftablesDatapath, pods: Pods) -> None:

@@ -204,3 +204,51 @@ async def test_hairpin_elements_only_for_endpoints_that_may_be_on_this_node(fake
 async def test_without_a_node_name_every_endpoint_may_hairpin(fake: FakeNft, dp: NftablesDatapath) -> None:
     await dp.apply({WEB: state(WEB, "10.96.0.1", 80, [ep("10.244.1.1", node_name="a"), ep("10.244.2.1", node_name="b")])})
     assert fake.tables[4].sets["hairpin"] == {"10.244.1.1 . 10.244.1.1", "10.244.2.1 . 10.244.2.1"}
+
+
+RR = spn("rr", "http")
+
+
+def rr_state(*ips: str, **kw: object) -> object:
+    return state(RR, "10.96.0.9", 80, [ep(i) for i in ips], lb_policy="roundRobin", **kw)
+
+
+async def test_round_robin_takes_endpoints_in_turn_in_a_chain_of_its_own(fake: FakeNft, dp: NftablesDatapath) -> None:
+    await dp.apply({RR: rr_state("10.244.1.1", "10.244.2.1", "10.244.3.1"), WEB: web("10.244.1.1", "10.244.2.1")})  # type: ignore[dict-item]
+    seen = [next(iter(fake.trace(4, "10.244.9.9", "10.96.0.9", "tcp", 80).targets)) for _ in range(6)]
+    assert seen == ["10.244.1.1:8080", "10.244.2.1:8080", "10.244.3.1:8080"] * 2
+    chains = fake.tables[4].chains
+    own = [c for c in chains if c.startswith("rr-")]
+    assert len(own) == 1 and chains[own[0]][0].text.startswith("numgen inc mod 3 vmap")
+    assert "g-2" in chains and "g-3" not in chains  # WEB (not annotated) shares g-2 and picks at random
+
+
+async def test_round_robin_nodeport_masquerades_and_rotates_separately(fake: FakeNft, dp: NftablesDatapath) -> None:
+    await dp.apply({RR: rr_state("10.244.1.1", "10.244.2.1", node_port=30009, service_type="NodePort")})  # type: ignore[dict-item]
+    via_np = [fake.trace(4, "198.51.100.7", NODE[0], "tcp", 30009, local=NODE) for _ in range(4)]
+    assert [next(iter(t.targets)) for t in via_np] == ["10.244.1.1:8080", "10.244.2.1:8080"] * 2
+    assert all(t.masq == t.targets for t in via_np)  # externalTrafficPolicy Cluster: masquerade
+    via_vip = [fake.trace(4, "10.244.9.9", "10.96.0.9", "tcp", 80) for _ in range(2)]
+    assert [next(iter(t.targets)) for t in via_vip] == ["10.244.1.1:8080", "10.244.2.1:8080"]  # its own counter
+    assert all(not t.masq for t in via_vip)
+    assert sorted(c[-2:] for c in fake.tables[4].chains if c.startswith("rr-")) == ["-c", "en"]
+
+
+async def test_round_robin_is_read_back_and_dropped_with_the_annotation(fake: FakeNft, dp: NftablesDatapath) -> None:
+    await dp.apply({RR: rr_state("10.244.1.1", "10.244.2.1")})  # type: ignore[dict-item]
+    again = NftablesDatapath(FakeNftClient(fake), NoConntrack())
+    await again.read_back()
+    assert again.tables[4].rules == dp.tables[4].rules
+    before = fake.dump()
+    await again.apply({RR: rr_state("10.244.1.1", "10.244.2.1")})  # type: ignore[dict-item]
+    assert fake.dump() == before
+    plain = state(RR, "10.96.0.9", 80, [ep("10.244.1.1"), ep("10.244.2.1")])
+    await again.apply({RR: plain})
+    assert not [c for c in fake.tables[4].chains if c.startswith("rr-")]
+    assert set(fake.trace(4, "10.244.9.9", "10.96.0.9", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
+
+
+def test_only_least_connections_stays_in_the_relay(dp: NftablesDatapath) -> None:
+    assert dp.unsupported(rr_state("10.244.1.1")) is None  # type: ignore[arg-type]
+    lc = state(RR, "10.96.0.9", 80, [ep("10.244.1.1")], lb_policy="leastConnections")
+    assert dp.unsupported(lc) == "lb-policy leastConnections is served by the relay only"

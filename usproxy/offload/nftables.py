@@ -78,13 +78,14 @@ class NftablesDatapath:
         return Capability("nftables", True, f"nat, concatenated maps, numgen ({backend})")
 
     def unsupported(self, state: ServicePortState) -> str | None:
-        """What only the relay serves: SCTP (not offloaded), and selection policies other than
-        random (the kernel picks with `numgen random`; roundRobin, the agent default, is served
-        as random, an explicit roundRobin or leastConnections annotation is not)."""
+        """What only the relay serves: SCTP (not offloaded) and leastConnections (the kernel does
+        not count connections per endpoint). The kernel picks with `numgen random`; a ServicePort
+        annotated roundRobin gets `numgen inc` in chains of its own (nftables_layout); the agent's
+        default roundRobin is served as random, so unannotated ServicePorts share chains."""
         sp = state.service_port
         if sp.protocol == "SCTP":
             return "SCTP is served by the relay only"
-        if sp.lb_policy in ("roundRobin", "leastConnections"):
+        if sp.lb_policy == "leastConnections":
             return f"lb-policy {sp.lb_policy} is served by the relay only"
         if sp.lb_policy is None and self.lb_policy == "leastConnections":
             return "lb-policy leastConnections is served by the relay only"

@@ -28,6 +28,7 @@ class FakeTable:
     sets: dict[str, set[str]] = field(default_factory=dict)
     chains: dict[str, list[Rule]] = field(default_factory=dict)
     hooks: dict[str, str] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)  # `numgen inc` state, by chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +160,10 @@ def _rule_json(r: Rule) -> list[dict[str, Any]]:
         return [{"mangle": {"key": {"meta": {"key": "mark"}}}}]
     if r.op == "goto":
         return [{"goto": {"target": r.args[0]}}]
-    if r.op == "numgen":
+    if r.op in ("numgen", "numgen-inc"):
         data = [[i, {"goto": {"target": c}}] for i, c in enumerate(r.args)]
-        return [{"vmap": {"key": {"numgen": {"mode": "random", "mod": len(r.args)}}, "data": {"set": data}}}]
+        mode = "inc" if r.op == "numgen-inc" else "random"
+        return [{"vmap": {"key": {"numgen": {"mode": mode, "mod": len(r.args)}}, "data": {"set": data}}}]
     if r.op == "affinity-check":
         return [{"match": {"op": "==", "right": "@" + r.args[0]}}, {"goto": {"target": r.args[1]}}]
     if r.op == "affinity-update":
@@ -192,7 +194,7 @@ def _run(t: FakeTable, chain: str, pkt: _Packet, depth: int = 0) -> Trace:
     if depth > 16:
         raise AssertionError(f"chain loop at {chain}")
     for rule in t.chains.get(chain, []):
-        res = _rule(t, rule, pkt, depth)
+        res = _rule(t, rule, pkt, depth, chain)
         if res is not None:
             return res
     return Trace("none")
@@ -204,7 +206,7 @@ def _goto(t: FakeTable, verdict: str | None, pkt: _Packet, depth: int) -> Trace 
     return _run(t, verdict.split()[-1], pkt, depth + 1)
 
 
-def _rule(t: FakeTable, rule: Rule, pkt: _Packet, depth: int) -> Trace | None:
+def _rule(t: FakeTable, rule: Rule, pkt: _Packet, depth: int, chain: str) -> Trace | None:
     op, a = rule.op, rule.args
     if op == "vmap":
         key = pkt.key(a[0])
@@ -214,6 +216,10 @@ def _rule(t: FakeTable, rule: Rule, pkt: _Packet, depth: int) -> Trace | None:
     if op == "mark":
         pkt.masq = True
         return None
+    if op == "numgen-inc":  # the kernel's per-rule counter: each trace takes the next chain
+        n = t.counters.get(chain, 0)
+        t.counters[chain] = n + 1
+        return _run(t, a[n % len(a)], pkt, depth + 1)
     if op == "numgen":
         results = [_run(t, c, copy.copy(pkt), depth + 1) for c in a]
         return Trace("dnat", frozenset().union(*(r.targets for r in results)),
@@ -298,6 +304,7 @@ def _chain(t: FakeTable, cmd: Command) -> None:
         raise _fail(cmd, "no such chain", ENOENT)
     if cmd.verb == "flush":
         t.chains[cmd.name] = []
+        t.counters.pop(cmd.name, None)  # new rules, new numgen counters
         return
     if t.chains[cmd.name] or _referenced(t, cmd.name) or _referenced(t, f"goto {cmd.name}"):
         raise _fail(cmd, "chain in use", EBUSY)

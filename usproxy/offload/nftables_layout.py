@@ -21,6 +21,10 @@ what made kube-proxy's layout take 66-75 s for 10,000 Services here (../shared/P
   one, then the verdict moves from g-N to g-(N-1)): cost proportional to the change.
 - sessionAffinity ClientIP uses per-ServicePort chains as kube-proxy: per endpoint a set of client
   addresses with a timeout, checked before the numgen choice and refreshed on each new connection.
+- lb-policy roundRobin (annotation usproxy.io/lb-policy) also gets a chain of its own per
+  ServicePort (`rr-<hash>-<scope>`): `numgen inc mod N vmap { i : goto s-i }`, whose counter is
+  that rule's alone. Only annotated ServicePorts pay for a chain; the rest share g-N and pick
+  with `numgen random`, as kube-proxy's nftables mode.
 - frontends without endpoints are in `no-endpoint-services` / `no-endpoint-nodeports`, which the
   filter hooks turn into `reject` (TCP reset, ICMP port unreachable).
 - `hairpin` holds endpoint . endpoint pairs: a connection DNATed back to its own source is
@@ -140,6 +144,7 @@ class Backend(NamedTuple):
     targets: tuple[Target, ...] = ()
     masq: bool = False
     affinity: int = 0  # ClientIP timeout in seconds; 0: no affinity
+    round_robin: bool = False  # lb-policy roundRobin: `numgen inc` in chains of its own
 
 
 _EMPTY = Backend()
@@ -192,6 +197,12 @@ def affinity_chain(spn: ServicePortName, scope: Scope) -> str:
     return f"aff-{short_hash(spn.key())}-{scope[0]}"
 
 
+def rr_chain(spn: ServicePortName, scope: Scope, kind: Kind) -> str:
+    """The round-robin chain of one ServicePort's scope, per frontend kind (ClusterIP/external
+    IPs, or NodePort: their slot chains differ)."""
+    return f"rr-{short_hash(spn.key())}-{scope[0]}{'' if kind == 'ip' else 'n'}"
+
+
 def affinity_endpoint(spn: ServicePortName, scope: Scope, t: Target) -> str:
     """Name of the endpoint chain and of its client-address set (they share it)."""
     return f"ep-{short_hash(spn.key())}-{scope[0]}-{short_hash(t.hostport())}"
@@ -204,6 +215,8 @@ def verdict_of(rules: PortRules, fe: Frontend) -> str:
         return "reject-chain"
     if be.affinity:
         return affinity_chain(rules.spn, fe.scope)
+    if be.round_robin:
+        return rr_chain(rules.spn, fe.scope, fe.kind)
     return group_chain(fe.kind, len(be.targets), be.masq)
 
 
@@ -263,13 +276,14 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
     if sp.node_port:
         fes.append(Frontend(None, proto, sp.node_port, "external"))
     affinity = sp.affinity_timeout if sp.session_affinity == "ClientIP" else 0
+    rr = sp.lb_policy == "roundRobin"
     cluster = _new(Backend, (_slots(previous.cluster.targets if previous else (),
-                                    _targets(state.cluster_endpoints, v4, node_name)), False, affinity))
+                                    _targets(state.cluster_endpoints, v4, node_name)), False, affinity, rr))
     external = _EMPTY
     if len(fes) > len(cluster_ips):  # externalIPs, LoadBalancer IPs or a NodePort
         masq = sp.external_traffic_policy == "Cluster"
         external = Backend(_slots(previous.external.targets if previous else (), _targets(state.external_endpoints, v4, node_name)),
-                           masq, affinity)
+                           masq, affinity, rr)
     if len(fes) > 1:
         fes.sort(key=_fe_order)
     return _new(PortRules, (sp.name, family, tuple(fes), cluster, external))
@@ -441,6 +455,38 @@ def group_rules(kind: Kind, n: int, masq: bool) -> list[Rule]:
     return [Rule(f"numgen random mod {n} vmap {{ {body} }}", "numgen", targets)]
 
 
+def pick_rules(chains: Sequence[str], round_robin: bool) -> list[Rule]:
+    """Go to one of `chains`: `numgen random`, or `numgen inc` (a counter of this rule's own,
+    so round robin per ServicePort) for lb-policy roundRobin."""
+    if len(chains) == 1:
+        return [Rule(f"goto {chains[0]}", "goto", (chains[0],))]
+    body = ", ".join(f"{i} : goto {c}" for i, c in enumerate(chains))
+    mode = "inc" if round_robin else "random"
+    return [Rule(f"numgen {mode} mod {len(chains)} vmap {{ {body} }}", "numgen-inc" if round_robin else "numgen", tuple(chains))]
+
+
+def rr_rules(rules: PortRules, scope: Scope) -> dict[str, list[Rule]]:
+    """lb-policy roundRobin without affinity: per frontend kind of `scope` a chain of this
+    ServicePort's own that marks for masquerade when needed and picks a slot chain in turn."""
+    be = rules.backend(scope)
+    if not be.round_robin or be.affinity or not be.targets:
+        return {}
+    head = [Rule(f"meta mark set meta mark | {MASQ_MARK:#x}", "mark")] if be.masq else []
+    kinds = sorted({fe.kind for fe in rules.frontends if fe.scope == scope})
+    return {rr_chain(rules.spn, scope, k): head + pick_rules([slot_chain(k, i) for i in range(len(be.targets))], True)
+            for k in kinds}
+
+
+def own_chains(family: Family, rules: PortRules) -> dict[str, list[Rule]]:
+    """The chains that belong to one ServicePort (affinity and round robin), by name."""
+    out: dict[str, list[Rule]] = {}
+    for scope in ("cluster", "external"):
+        if _has_affinity(rules, scope):
+            out.update(affinity_rules(family, rules, scope))
+        out.update(rr_rules(rules, scope))
+    return out
+
+
 def affinity_rules(family: Family, rules: PortRules, scope: Scope) -> dict[str, list[Rule]]:
     """kube-proxy's affinity: a set of client addresses per endpoint, checked before the random
     choice; the endpoint chain refreshes it (per-element timeout) and DNATs."""
@@ -450,12 +496,7 @@ def affinity_rules(family: Family, rules: PortRules, scope: Scope) -> dict[str, 
     names = [affinity_endpoint(rules.spn, scope, t) for t in be.targets]
     head = [Rule(f"meta mark set meta mark | {MASQ_MARK:#x}", "mark")] if be.masq else []
     checks = [Rule(f"{ipx} saddr @{n} goto {n}", "affinity-check", (n, n)) for n in names]
-    if len(names) == 1:
-        pick = [Rule(f"goto {names[0]}", "goto", (names[0],))]
-    else:
-        body = ", ".join(f"{i} : goto {n}" for i, n in enumerate(names))
-        pick = [Rule(f"numgen random mod {len(names)} vmap {{ {body} }}", "numgen", tuple(names))]
-    out = {affinity_chain(rules.spn, scope): head + checks + pick}
+    out = {affinity_chain(rules.spn, scope): head + checks + pick_rules(names, be.round_robin)}
     for n, t in zip(names, be.targets):
         addr = f"[{t.ip}]" if family == 6 else t.ip
         out[n] = [Rule(f"update @{n} {{ {ipx} saddr timeout {be.affinity}s }}", "affinity-update", (n, str(be.affinity))),
@@ -542,10 +583,8 @@ class Transaction:
         spn = (new or prev).spn  # type: ignore[union-attr]
         self.ensure_base()
         self._rules[spn] = new
-        if (prev and (prev.cluster.affinity or prev.external.affinity)) or (new and (new.cluster.affinity or new.external.affinity)):
-            scopes: tuple[Scope, ...] = ("cluster", "external")
-            for scope in scopes:
-                self._affinity(prev, new, scope)
+        if (prev and _owns_chains(prev)) or (new and _owns_chains(new)):
+            self._own_chains(prev, new)
         if prev is None and new is not None:
             self._add_frontends(new)
             self._add_hairpin(new)
@@ -561,7 +600,7 @@ class Transaction:
             kind: Kind = "ip" if fe.addr is not None else "np"
             key, n = fe.key(), len(be.targets)
             if n and not be.affinity:
-                verdict = self._ensure_group(kind, n, be.masq)
+                verdict = verdict_of(new, fe) if be.round_robin else self._ensure_group(kind, n, be.masq)
                 for i, t in enumerate(be.targets):
                     adds[slot_map(kind, i)].append(_new(Elem, (key, t.nft(), None)))
             else:
@@ -592,7 +631,7 @@ class Transaction:
                 self._del_elem(verdict_map(fe.kind, not p_be.targets), fe.key())  # type: ignore[union-attr]
             if new is not None:
                 assert n_be is not None
-                if n_be.targets and not n_be.affinity:
+                if n_be.targets and not n_be.affinity and not n_be.round_robin:
                     self._ensure_group(fe.kind, len(n_be.targets), n_be.masq)
                 self._add_elem(verdict_map(fe.kind, not n_be.targets),
                                Elem(fe.key(), f"goto {n_verdict}", comment_of(new.spn, fe.scope)))
@@ -608,11 +647,16 @@ class Transaction:
             if cur is not None:
                 self._add_elem(slot_map(fe.kind, i), Elem(fe.key(), cur.nft()))
 
-    def _affinity(self, prev: PortRules | None, new: PortRules | None, scope: Scope) -> None:
-        old = affinity_rules(self.family, prev, scope) if prev and _has_affinity(prev, scope) else {}
-        cur = affinity_rules(self.family, new, scope) if new and _has_affinity(new, scope) else {}
+    def _own_chains(self, prev: PortRules | None, new: PortRules | None) -> None:
+        """Create, rewrite or delete the ServicePort's own chains (affinity, round robin)."""
+        old = own_chains(self.family, prev) if prev else {}
+        cur = own_chains(self.family, new) if new else {}
         if old == cur:
             return
+        for fe in new.frontends if new else ():
+            be = new.backend(fe.scope)  # type: ignore[union-attr]
+            if be.round_robin and be.targets and not be.affinity:
+                self._ensure_slots(fe.kind, len(be.targets))
         ipx_type = addr_type(self.family)
         for name in old.keys() - cur.keys():
             self.flushes.append(Command("flush", "chain", self.family, name))
@@ -656,6 +700,10 @@ class Transaction:
                 s.rules.pop(spn, None)
             else:
                 s.rules[spn] = r
+
+
+def _owns_chains(rules: PortRules) -> bool:
+    return bool(rules.cluster.affinity or rules.external.affinity or rules.cluster.round_robin or rules.external.round_robin)
 
 
 def _has_affinity(rules: PortRules, scope: Scope) -> bool:

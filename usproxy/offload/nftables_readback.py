@@ -185,17 +185,36 @@ def _backend(fe: Frontend, target: str, lst: _Listing) -> Backend | None:
         return Backend(_slot_targets(lst, fe, int(m.group(2))), m.group(1).endswith("m"))
     if target.startswith("aff-"):
         return _affinity_backend(target, lst)
+    if target.startswith("rr-"):
+        return _rr_backend(target, fe, lst)
     return None
 
 
+def _rr_backend(chain: str, fe: Frontend, lst: _Listing) -> Backend | None:
+    """A round-robin chain: optional masquerade mark, then `numgen inc` over N slot chains (or a
+    goto the one slot chain)."""
+    masq, n = False, 0
+    for expr in lst.rules.get(chain, []):
+        for stmt in expr:
+            if "mangle" in stmt:
+                masq = True
+            elif "vmap" in stmt and "numgen" in stmt["vmap"].get("key", {}):
+                n = len(stmt["vmap"]["data"]["set"])
+            elif "goto" in stmt:
+                n = 1
+    targets = _slot_targets(lst, fe, n)
+    return Backend(targets, masq, 0, True) if targets else None
+
+
 def _affinity_backend(chain: str, lst: _Listing) -> Backend | None:
-    masq, order = False, []
+    masq, order, rr = False, [], False
     for expr in lst.rules.get(chain, []):
         for stmt in expr:
             if "mangle" in stmt:
                 masq = True
             elif "vmap" in stmt and "numgen" in stmt["vmap"].get("key", {}):
                 order = [v["goto"]["target"] for _, v in stmt["vmap"]["data"]["set"]]
+                rr = stmt["vmap"]["key"]["numgen"].get("mode") == "inc"
             elif "goto" in stmt and not any("match" in s for s in expr):
                 order = [stmt["goto"]["target"]]
     targets, timeout = [], 0
@@ -204,7 +223,7 @@ def _affinity_backend(chain: str, lst: _Listing) -> Backend | None:
         if t is None:
             return None
         targets.append(t)
-    return Backend(tuple(targets), masq, timeout) if targets else None
+    return Backend(tuple(targets), masq, timeout, rr) if targets else None
 
 
 def _endpoint_chain(rules: list[list[dict[str, Any]]]) -> tuple[Target | None, int]:
