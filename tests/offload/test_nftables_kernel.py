@@ -240,6 +240,20 @@ async def test_round_robin_annotation_rotates_in_the_kernel(topology: Topology, 
     assert len(set(after)) == 2 and after == after[:2] * 3
 
 
+async def test_kernel_flows_carry_byte_counts_once_accounting_is_on(topology: Topology, dp: NftablesDatapath, pods: Pods) -> None:
+    pods.add("be-1", "10.244.1.26")
+    cli = topology.add_host("cli", "10.244.9.26")
+    wait_listening(cli, "10.244.1.26", 8080)
+    assert dp.probe().available  # the agent's start: turns accounting on in the node's namespace
+    assert nsexec(topology.node, "sysctl", "-n", "net.netfilter.nf_conntrack_acct").stdout.strip() == "1"
+    await dp.apply({WEB: web("10.244.1.26")})
+    assert tcp_name(cli, VIP, 80) == "be-1"
+    rows = [r for r in dp.flows_view() if r["service"] == WEB.key()]
+    assert rows and rows[0]["datapath"] == "nftables" and rows[0]["endpoint"] == "10.244.1.26:8080"
+    assert rows[0]["packets_in"] >= 3 and rows[0]["bytes_in"] > 0  # SYN, ACK, FIN at least
+    assert rows[0]["packets_out"] >= 2 and rows[0]["bytes_out"] >= len("be-1")
+
+
 async def test_c24_hairpin_is_masqueraded(topology: Topology, dp: NftablesDatapath, pods: Pods) -> None:
     be_a = pods.add("be-a", "10.244.1.70")
     hairpin_ports(topology)

@@ -84,20 +84,57 @@ class KernelConntrack:
 
     def _flows(self, frontends: dict[FrontendKey, str], datapath: str) -> list[dict[str, Any]]:
         from pyroute2 import Conntrack
+        from pyroute2.conntrack import ConntrackEntry
 
         rows = []
         ct = Conntrack()
         try:
-            for e in ct.dump_entries():
+            for msg in ct.dump():  # raw messages: ConntrackEntry drops the CTA_COUNTERS_* attributes
+                get = msg.get_attr
+                e = ConntrackEntry(msg["nfgen_family"], get("CTA_TUPLE_ORIG"), get("CTA_TUPLE_REPLY"),
+                                   get("CTA_STATUS"), get("CTA_TIMEOUT"), get("CTA_PROTOINFO"), get("CTA_MARK"),
+                                   get("CTA_ID"), get("CTA_USE"), get("CTA_ZONE"))
                 row = _row(e, frontends, datapath)
                 if row is not None:
+                    row.update(_counters(get("CTA_COUNTERS_ORIG"), "in"))
+                    row.update(_counters(get("CTA_COUNTERS_REPLY"), "out"))
                     rows.append(row)
         finally:
             ct.close()
         return rows
 
+    def enable_accounting(self) -> bool:
+        """Turn on per-entry packet and byte counters (net.netfilter.nf_conntrack_acct, per
+        network namespace; as kube-proxy writes its own conntrack sysctls at start). Entries
+        created before keep none. Returns whether accounting is on."""
+        return bool(self._pool.submit(_set_acct).result())
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+ACCT = "/proc/sys/net/netfilter/nf_conntrack_acct"
+
+
+def _set_acct() -> bool:
+    try:
+        with open(ACCT, "r+") as f:
+            if f.read().strip() != "1":
+                f.seek(0)
+                f.write("1\n")
+                log.info("enabled kernel conntrack accounting (%s) for byte counts in /flows", ACCT)
+        return True
+    except OSError as err:
+        log.warning("kernel conntrack accounting unavailable (%s): kernel flows show no byte counts", err)
+        return False
+
+
+def _counters(nla: Any, direction: str) -> dict[str, int]:
+    """packets_<direction>/bytes_<direction> from a CTA_COUNTERS_* attribute (absent: none)."""
+    if nla is None:
+        return {}
+    return {f"packets_{direction}": int(nla.get_attr("CTA_COUNTERS_PACKETS") or 0),
+            f"bytes_{direction}": int(nla.get_attr("CTA_COUNTERS_BYTES") or 0)}
 
 
 def _row(e: Any, frontends: dict[FrontendKey, str], datapath: str) -> dict[str, Any] | None:

@@ -75,7 +75,8 @@ class NftablesDatapath:
             backend = self.transport.probe()
         except Exception as err:  # never raises: the manager falls back to the relay
             return Capability("nftables", False, f"nat table with maps and numgen refused: {err}")
-        return Capability("nftables", True, f"nat, concatenated maps, numgen ({backend})")
+        acct = "" if self.conntrack.enable_accounting() else "; no conntrack accounting"
+        return Capability("nftables", True, f"nat, concatenated maps, numgen ({backend}){acct}")
 
     def unsupported(self, state: ServicePortState) -> str | None:
         """What only the relay serves: SCTP (not offloaded) and leastConnections (the kernel does
