@@ -134,8 +134,9 @@ def controlplane_table(cp: dict[str, Any]) -> list[str]:
             f"{_ms(_get(r, 'one_change_sync_s', 'p50'))} |")
     ext = cp.get("nft_scale")
     if isinstance(ext, list) and ext:
-        lines.append("\nNftablesDatapath.apply() alone (bench/nft_scale.py, no Proxier): " + "; ".join(
-            f"{r['services']:,}: cold {r['cold_s']:.3f} s, one change p50 {r['one_change_p50_ms']:.2f} / "
+        lines.append("\nNftablesDatapath.apply() alone (bench/nft_scale.py, no Proxier; cold = median of 3; "
+                     "endpoints on 1 node = every one hairpins, on 50 = one node of a 50-node cluster): " + "; ".join(
+            f"{r['services']:,} on {r.get('nodes', 1)}: cold {r['cold_s']:.3f} s, one change p50 {r['one_change_p50_ms']:.2f} / "
             f"p99 {r['one_change_p99_ms']:.2f} ms" for r in ext))
     for e in cp.get("edit_to_connection", []):
         lines.append(f"\nEdit of the manifest → first connection reaching the new endpoint ({e.get('offload')}): "
