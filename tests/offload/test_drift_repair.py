@@ -44,3 +44,27 @@ def test_deleted_table_is_rebuilt_at_the_next_full_sync(topology: Topology, tmp_
     finally:
         assert agent.stop() == 0
         pods.close()
+
+
+def test_flushed_hooked_chain_is_rewritten_at_the_next_full_sync(topology: Topology, tmp_path: Path) -> None:
+    """The table and its elements intact, but `ct state invalid drop` (field case C25) flushed
+    away: a diff of ServicePorts alone would never notice; the full sync rewrites the chain."""
+    pods = Pods(topology, tmp_path)
+    pods.add("be-a", "10.244.1.6")
+    m = Manifests(tmp_path / "m")
+    m.write(*web(["10.244.1.6"]))
+    agent = AgentProc(topology, m, "uvloop", *OFFLOAD, "--sync-period", "500ms")
+    try:
+        agent.start()
+        wait_for(lambda: placement(agent)[0] == "nftables", what="offload")
+        assert "ct state invalid drop" in nft_list(topology.node)
+        nsexec(topology.node, "nft", "flush", "chain", "ip", "usproxy", "filter-forward")
+        assert "ct state invalid drop" not in nft_list(topology.node)
+        deadline = time.monotonic() + 15
+        while "ct state invalid drop" not in nft_list(topology.node):
+            assert time.monotonic() < deadline, "filter-forward not rewritten"
+            time.sleep(0.2)
+        assert placement(agent)[0] == "nftables"
+    finally:
+        assert agent.stop() == 0
+        pods.close()

@@ -252,3 +252,16 @@ def test_only_least_connections_stays_in_the_relay(dp: NftablesDatapath) -> None
     assert dp.unsupported(rr_state("10.244.1.1")) is None  # type: ignore[arg-type]
     lc = state(RR, "10.96.0.9", 80, [ep("10.244.1.1")], lb_policy="leastConnections")
     assert dp.unsupported(lc) == "lb-policy leastConnections is served by the relay only"
+
+
+async def test_hooked_chains_changed_behind_our_back_are_rewritten_after_read_back(fake: FakeNft, dp: NftablesDatapath) -> None:
+    await dp.apply({WEB: web("10.244.1.1")})  # type: ignore[dict-item]
+    intact = fake.dump()
+    fake.tables[4].chains["filter-forward"] = []  # an operator flushed it: `ct state invalid drop` is gone
+    unchanged = {WEB: web("10.244.1.1")}
+    await dp.apply(unchanged)  # type: ignore[arg-type]
+    assert fake.tables[4].chains["filter-forward"] == []  # a diff alone does not see it
+    await dp.read_back()  # what every full sync does first
+    await dp.apply(unchanged)  # type: ignore[arg-type]
+    assert fake.dump() == intact
+    assert any(r.text == "ct state invalid drop" for r in fake.tables[4].chains["filter-forward"])

@@ -112,6 +112,11 @@ class NftablesDatapath:
 
     def _transaction(self, table: TableState, changes: Mapping[ServicePortName, ServicePortState | None]) -> Transaction:
         tx = Transaction(table)
+        if table.rules and not table.base:
+            # read back (start, full sync, failed transaction) does not check the hooked chains:
+            # rewrite them once, so a rule flushed or changed behind our back (say `ct state
+            # invalid drop`) comes back at the next full sync, atomically with this transaction
+            tx.ensure_base()
         for spn, st in changes.items():
             prev = table.rules.get(spn)
             new = port_rules(st, table.family, prev, self.node_name) if st is not None else None
