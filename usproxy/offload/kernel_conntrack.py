@@ -27,6 +27,7 @@ IPS_DST_NAT = 0x20
 PROTO_NUM = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
 PROTO_NAME = {v: k for k, v in PROTO_NUM.items()}
 
+FAMILIES = (socket.AF_INET, socket.AF_INET6)
 FrontendKey = tuple[str, str, int]  # (address or "*" for NodePorts, PROTO, port)
 
 
@@ -57,18 +58,20 @@ class KernelConntrack:
         from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
         deleted = 0
-        ct = Conntrack()
-        try:
-            for e in list(ct.dump_entries(tuple_orig=NFCTAttrTuple(proto=socket.IPPROTO_UDP))):
-                o, r = e.tuple_orig, e.tuple_reply
-                if (str(r.saddr), r.sport) in reply_src or (str(o.daddr), o.dport) in orig_dst:
-                    try:
-                        ct.entry("del", tuple_orig=o)
-                        deleted += 1
-                    except Exception as err:  # gone meanwhile: fine
-                        log.debug("conntrack delete %s: %s", o, err)
-        finally:
-            ct.close()
+        for family in FAMILIES:  # pyroute2 dumps one family per socket (AF_INET by default)
+            ct = Conntrack(nfgen_family=family)
+            try:
+                udp = NFCTAttrTuple(family=family, proto=socket.IPPROTO_UDP)
+                for e in list(ct.dump_entries(tuple_orig=udp)):
+                    o, r = e.tuple_orig, e.tuple_reply
+                    if (str(r.saddr), r.sport) in reply_src or (str(o.daddr), o.dport) in orig_dst:
+                        try:
+                            ct.entry("del", tuple_orig=o)
+                            deleted += 1
+                        except Exception as err:  # gone meanwhile: fine
+                            log.debug("conntrack delete %s: %s", o, err)
+            finally:
+                ct.close()
         return deleted
 
     def flows(self, frontends: Mapping[FrontendKey, str], datapath: str, timeout: float = 5.0) -> list[dict[str, Any]]:
@@ -87,20 +90,21 @@ class KernelConntrack:
         from pyroute2.conntrack import ConntrackEntry
 
         rows = []
-        ct = Conntrack()
-        try:
-            for msg in ct.dump():  # raw messages: ConntrackEntry drops the CTA_COUNTERS_* attributes
-                get = msg.get_attr
-                e = ConntrackEntry(msg["nfgen_family"], get("CTA_TUPLE_ORIG"), get("CTA_TUPLE_REPLY"),
-                                   get("CTA_STATUS"), get("CTA_TIMEOUT"), get("CTA_PROTOINFO"), get("CTA_MARK"),
-                                   get("CTA_ID"), get("CTA_USE"), get("CTA_ZONE"))
-                row = _row(e, frontends, datapath)
-                if row is not None:
-                    row.update(_counters(get("CTA_COUNTERS_ORIG"), "in"))
-                    row.update(_counters(get("CTA_COUNTERS_REPLY"), "out"))
-                    rows.append(row)
-        finally:
-            ct.close()
+        for family in FAMILIES:
+            ct = Conntrack(nfgen_family=family)
+            try:
+                for msg in ct.dump():  # raw messages: ConntrackEntry drops the CTA_COUNTERS_* attributes
+                    get = msg.get_attr
+                    e = ConntrackEntry(msg["nfgen_family"], get("CTA_TUPLE_ORIG"), get("CTA_TUPLE_REPLY"),
+                                       get("CTA_STATUS"), get("CTA_TIMEOUT"), get("CTA_PROTOINFO"), get("CTA_MARK"),
+                                       get("CTA_ID"), get("CTA_USE"), get("CTA_ZONE"))
+                    row = _row(e, frontends, datapath)
+                    if row is not None:
+                        row.update(_counters(get("CTA_COUNTERS_ORIG"), "in"))
+                        row.update(_counters(get("CTA_COUNTERS_REPLY"), "out"))
+                        rows.append(row)
+            finally:
+                ct.close()
         return rows
 
     def enable_accounting(self) -> bool:
