@@ -8,6 +8,7 @@ the proxy's cost (none for kernel paths).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -166,7 +167,9 @@ class Agent:
             try:
                 if not self.get(self.healthz, "/healthz")["lastUpdated"].startswith("0001-"):
                     return time.monotonic() - t0
-            except OSError:
+            except (OSError, http.client.HTTPException):
+                # not listening yet; with the node's wide ephemeral port range, a poll can even
+                # connect to itself (TCP self-connect) and read its own request back
                 pass
             time.sleep(0.02)
         raise RuntimeError(f"agent did not sync within {timeout}s: {self.log_tail()}")
