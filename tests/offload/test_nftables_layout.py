@@ -265,3 +265,43 @@ async def test_hooked_chains_changed_behind_our_back_are_rewritten_after_read_ba
     await dp.apply(unchanged)  # type: ignore[arg-type]
     assert fake.dump() == intact
     assert any(r.text == "ct state invalid drop" for r in fake.tables[4].chains["filter-forward"])
+
+
+class Recording(FakeNftClient):
+    def __init__(self, nft: FakeNft) -> None:
+        super().__init__(nft)
+        self.sent: list[str] = []
+
+    async def apply(self, commands: object) -> None:
+        self.sent += [c.nft() for c in commands]  # type: ignore[attr-defined]
+        await super().apply(commands)  # type: ignore[arg-type]
+
+
+async def test_slices_disagreeing_on_an_endpoints_node_cause_no_element_change_after_read_back(fake: FakeNft) -> None:
+    a, b = spn("a"), spn("b")
+    states = {a: state(a, "10.96.0.1", 80, [ep("10.244.1.1", node_name="node"), ep("10.244.2.1", node_name="node")]),
+              b: state(b, "10.96.0.2", 80, [ep("10.244.1.1", node_name="other"), ep("10.244.2.1", node_name="other"),
+                                            ep("10.244.3.1", node_name="other")])}
+    await NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_name="node").apply(states)
+    rec = Recording(fake)
+    again = NftablesDatapath(rec, NoConntrack(), node_name="node")
+    await again.read_back()
+    before = fake.dump()
+    await again.apply(states)
+    assert fake.dump() == before
+    assert not [c for c in rec.sent if " element " in c]  # only the hooked chains are rewritten
+    assert dict(again.tables[4].hairpin) == {"10.244.1.1": 1, "10.244.2.1": 1}
+
+
+async def test_shared_chains_flushed_behind_our_back_are_rewritten_after_read_back(fake: FakeNft, dp: NftablesDatapath) -> None:
+    states = {WEB: web("10.244.1.1", "10.244.2.1")}
+    await dp.apply(states)  # type: ignore[arg-type]
+    intact = fake.dump()
+    for chain in ("s-1", "g-2", "npgm-2"):
+        fake.tables[4].chains[chain] = []
+    assert fake.trace(4, "10.244.9.9", "10.96.0.1", "tcp", 80).verdict == "none"  # not DNATed any more
+    await dp.read_back()
+    await dp.apply(states)  # type: ignore[arg-type]
+    assert fake.dump() == intact
+    assert set(fake.trace(4, "10.244.9.9", "10.96.0.1", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
+    assert set(fake.trace(4, "203.0.113.5", NODE[0], "tcp", 30080, local=NODE).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}

@@ -39,6 +39,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import ipaddress
+import re
 import socket
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -111,7 +112,6 @@ class Target(NamedTuple):
 
     ip: str
     port: int
-    hairpin: bool = True  # may be a client of its own Service through this node: see port_rules
 
     def nft(self) -> str:
         return f"{self.ip} . {self.port}"
@@ -158,6 +158,10 @@ class PortRules(NamedTuple):
     frontends: tuple[Frontend, ...]
     cluster: Backend
     external: Backend
+    # endpoint addresses that may be clients of this ServicePort through this node (port_rules);
+    # kept beside the targets, not in them, so a read back that can only guess it per address
+    # never makes slot elements look changed
+    hairpin: frozenset[str] = frozenset()
 
     def backend(self, scope: Scope) -> Backend:
         return self.cluster if scope == "cluster" else self.external
@@ -167,7 +171,7 @@ class PortRules(NamedTuple):
 
     def hairpin_ips(self) -> set[str]:
         """Endpoint addresses this ServicePort puts in the hairpin set."""
-        return {t.ip for t in (*self.cluster.targets, *self.external.targets) if t.hairpin}
+        return set(self.hairpin)
 
     def endpoints(self) -> tuple[Endpoint, ...]:
         """The endpoints the kernel serves (cluster and external), for read back."""
@@ -187,6 +191,9 @@ def slot_map(kind: Kind, i: int) -> str:
 
 def slot_chain(kind: Kind, i: int) -> str:
     return f"s-{i}" if kind == "ip" else f"nps-{i}"
+
+
+_GROUP_NAME = re.compile(r"^(g|npg)(m?)-(\d+)$")
 
 
 def group_chain(kind: Kind, n: int, masq: bool) -> str:
@@ -239,9 +246,15 @@ def assign_slots(previous: Sequence[Target], wanted: Iterable[Target]) -> tuple[
     return (*(t for t in slots if t is not None), *reversed(fresh))
 
 
-def _targets(eps: Iterable[Endpoint], v4: bool, node: str | None) -> list[Target]:
-    return [_new(Target, (ip_text(ep.ip), ep.port, node is None or ep.node_name is None or ep.node_name == node))
-            for ep in eps if isinstance(ep.ip, ipaddress.IPv4Address) is v4]
+def _targets(eps: Iterable[Endpoint], v4: bool, node: str | None, hairpin: set[str]) -> list[Target]:
+    """Targets of `eps` in one family; adds to `hairpin` the addresses that may be on this node."""
+    out = []
+    for ep in eps:
+        if isinstance(ep.ip, ipaddress.IPv4Address) is v4:
+            out.append(t := _new(Target, (ip_text(ep.ip), ep.port)))
+            if node is None or ep.node_name is None or ep.node_name == node:
+                hairpin.add(t.ip)
+    return out
 
 
 def _slots(previous: Sequence[Target], wanted: list[Target]) -> tuple[Target, ...]:
@@ -277,16 +290,17 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
         fes.append(Frontend(None, proto, sp.node_port, "external"))
     affinity = sp.affinity_timeout if sp.session_affinity == "ClientIP" else 0
     rr = sp.lb_policy == "roundRobin"
+    hairpin: set[str] = set()
     cluster = _new(Backend, (_slots(previous.cluster.targets if previous else (),
-                                    _targets(state.cluster_endpoints, v4, node_name)), False, affinity, rr))
+                                    _targets(state.cluster_endpoints, v4, node_name, hairpin)), False, affinity, rr))
     external = _EMPTY
     if len(fes) > len(cluster_ips):  # externalIPs, LoadBalancer IPs or a NodePort
         masq = sp.external_traffic_policy == "Cluster"
-        external = Backend(_slots(previous.external.targets if previous else (), _targets(state.external_endpoints, v4, node_name)),
+        external = Backend(_slots(previous.external.targets if previous else (), _targets(state.external_endpoints, v4, node_name, hairpin)),
                            masq, affinity, rr)
     if len(fes) > 1:
         fes.sort(key=_fe_order)
-    return _new(PortRules, (sp.name, family, tuple(fes), cluster, external))
+    return _new(PortRules, (sp.name, family, tuple(fes), cluster, external, frozenset(hairpin)))
 
 
 def _fe_order(fe: Frontend) -> tuple[int, str, int]:
@@ -554,9 +568,21 @@ class Transaction:
 
     # -- shared structures
     def ensure_base(self, force: bool = False) -> None:
+        """Write the table, maps and hooked chains, and rewrite the shared slot and group chains
+        the table already has (after a read back: whatever was flushed behind our back)."""
         if force or not self._base:
-            self.creates[:0] = base_commands(self.family)
+            self.creates[:0] = base_commands(self.family) + self._shared_chains()
             self._base = True
+
+    def _shared_chains(self) -> list[Command]:
+        cmds = [c for kind in ("ip", "np") for i in range(self.state.slots[kind])
+                for c in slot_commands(self.family, kind, i)]
+        for name in sorted(self.state.groups, key=lambda n: "m" in n):  # plain g-N before gm-N
+            m = _GROUP_NAME.match(name)
+            if m:
+                kind: Kind = "ip" if m.group(1) == "g" else "np"
+                cmds += chain_commands(self.family, name, group_rules(kind, int(m.group(3)), bool(m.group(2))))
+        return cmds
 
     def _ensure_slots(self, kind: Kind, n: int) -> None:
         for i in range(self._slots[kind], n):

@@ -83,10 +83,9 @@ def _hairpin_ips(lst: _Listing) -> set[str]:
 
 
 def _with_hairpin(rules: PortRules, hairpin: set[str]) -> PortRules:
-    """Targets flagged as the kernel's hairpin set says (slot maps do not carry the flag)."""
-    def flagged(be: Backend) -> Backend:
-        return be._replace(targets=tuple(t._replace(hairpin=t.ip in hairpin) for t in be.targets))
-    return rules._replace(cluster=flagged(rules.cluster), external=flagged(rules.external))
+    """The ServicePort's hairpin addresses as far as the kernel shows them: its targets that are
+    in the shared hairpin set (a guess per address; the next diff corrects the counts only)."""
+    return rules._replace(hairpin=frozenset(t.ip for t in rules.targets() if t.ip in hairpin))
 
 
 def _index(items: list[dict[str, Any]]) -> _Listing:
