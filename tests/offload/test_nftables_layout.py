@@ -305,3 +305,30 @@ async def test_shared_chains_flushed_behind_our_back_are_rewritten_after_read_ba
     assert fake.dump() == intact
     assert set(fake.trace(4, "10.244.9.9", "10.96.0.1", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
     assert set(fake.trace(4, "203.0.113.5", NODE[0], "tcp", 30080, local=NODE).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
+
+
+LONG = spn("n" * 63, "p" * 15, ns="s" * 63)  # "ns/name:port/TCP" is 147 bytes: its comment is cut at 127
+
+
+async def test_elements_read_back_cannot_attribute_are_deleted_by_the_next_transaction(fake: FakeNft, dp: NftablesDatapath) -> None:
+    await dp.apply({LONG: state(LONG, "10.96.0.5", 80, [ep("10.244.1.1"), ep("10.244.2.1")]), WEB: web("10.244.3.1")})  # type: ignore[dict-item]
+    again = NftablesDatapath(FakeNftClient(fake), NoConntrack())
+    assert set(await again.read_back()) == {WEB}  # the cut comment names no ServicePort
+    # endpoints changed while the agent was down: re-adding the ServicePort must not clash
+    await again.apply({LONG: state(LONG, "10.96.0.5", 80, [ep("10.244.4.1")])})
+    assert set(fake.trace(4, "10.244.9.9", "10.96.0.5", "tcp", 80).targets) == {"10.244.4.1:8080"}
+    assert "10.244.2.1 . 10.244.2.1" not in fake.tables[4].sets["hairpin"]
+    # and a ServicePort deleted while the agent was down stops being DNATed at the next sync
+    third = NftablesDatapath(FakeNftClient(fake), NoConntrack())
+    await third.read_back()
+    await third.apply({WEB: web("10.244.3.1")})  # type: ignore[dict-item]
+    assert fake.trace(4, "10.244.9.9", "10.96.0.5", "tcp", 80).verdict == "none"
+    assert {k for m in fake.tables[4].maps.values() for k in m if k.startswith("10.96.0.5 ")} == set()
+
+
+async def test_leftover_slot_elements_after_a_flushed_verdict_map_are_cleaned_up(fake: FakeNft, dp: NftablesDatapath) -> None:
+    await dp.apply({WEB: web("10.244.1.1", "10.244.2.1")})  # type: ignore[dict-item]
+    fake.tables[4].maps["service-ips"].clear()  # `nft flush map ip usproxy service-ips` behind our back
+    await dp.read_back()
+    await dp.apply({WEB: web("10.244.1.1", "10.244.3.1")})  # type: ignore[dict-item]
+    assert set(fake.trace(4, "10.244.9.9", "10.96.0.1", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.3.1:8080"}

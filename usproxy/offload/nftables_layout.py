@@ -529,6 +529,7 @@ class TableState:
     groups: set[str] = field(default_factory=set)
     hairpin: Counter[str] = field(default_factory=Counter)
     rules: dict[ServicePortName, PortRules] = field(default_factory=dict)
+    orphans: dict[str, set[str]] = field(default_factory=dict)  # map/set -> keys to delete (read back)
 
 
 class Transaction:
@@ -550,6 +551,8 @@ class Transaction:
         self._rules: dict[ServicePortName, PortRules | None] = {}
         self._elem_del: defaultdict[str, list[Elem]] = defaultdict(list)
         self._elem_add: defaultdict[str, list[Elem]] = defaultdict(list)
+        for m, keys in state.orphans.items():
+            self._elem_del[m] += [Elem(k) for k in sorted(keys)]
 
     @property
     def family(self) -> Family:
@@ -714,6 +717,7 @@ class Transaction:
 
     def commit(self) -> None:
         s = self.state
+        s.orphans = {}
         s.base = self._base
         s.slots = self._slots
         s.groups |= self._groups

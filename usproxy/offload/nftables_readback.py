@@ -28,6 +28,7 @@ from usproxy.offload.nftables_layout import (
     slot_chain,
     norm_ip,
     slot_map,
+    verdict_map,
 )
 from usproxy.types import ServicePortName
 
@@ -70,7 +71,45 @@ def read_table(family: Family, items: list[dict[str, Any]] | None) -> TableState
         rules = state.rules[spn] = _with_hairpin(rules, hairpin)
         for ip in rules.hairpin_ips():
             state.hairpin[ip] += 1
+    state.orphans = _orphans(lst, state)
     return state
+
+
+def _key_text(kind: Kind, parts: list[Any]) -> str:
+    """A map key as Frontend.key() writes it (addresses normalised)."""
+    text = [str(p) for p in parts]
+    if kind == "ip" and text:
+        try:
+            text[0] = norm_ip(text[0])
+        except ValueError:
+            pass
+    return " . ".join(text)
+
+
+def _orphans(lst: _Listing, state: TableState) -> dict[str, set[str]]:
+    """Elements no ServicePort read back accounts for: verdicts whose comment does not name one
+    (an older version's, a name cut at 127 bytes) or whose chain is gone, slot elements of no
+    frontend, hairpin pairs of no endpoint. The next transaction deletes them, so what read back
+    cannot attribute never keeps DNATing, nor makes the re-added ServicePort's elements clash."""
+    owned: set[tuple[str, str]] = {("hairpin", f"{ip} . {ip}") for ip in state.hairpin}
+    for rules in state.rules.values():
+        for fe in rules.frontends:
+            be = rules.backend(fe.scope)
+            owned.add((verdict_map(fe.kind, not be.targets), fe.key()))
+            if not be.affinity:
+                owned.update((slot_map(fe.kind, i), fe.key()) for i in range(len(be.targets)))
+    present: set[tuple[str, str]] = set()
+    for name, kind in _VERDICT_MAPS.items():
+        present.update((name, _key_text(kind, _concat(k))) for k, _ in lst.maps.get(name, []))
+    for name, elems in lst.maps.items():
+        kind = "np" if name.startswith("np-slot-") else "ip"
+        if name.startswith(("slot-", "np-slot-")):
+            present.update((name, _key_text(kind, _concat(k))) for k, _ in elems)
+    present.update(("hairpin", " . ".join(_key_text("ip", [p]) for p in _concat(e))) for e in lst.sets.get("hairpin", []))
+    out: dict[str, set[str]] = {}
+    for name, key in present - owned:
+        out.setdefault(name, set()).add(key)
+    return out
 
 
 def _hairpin_ips(lst: _Listing) -> set[str]:
