@@ -27,7 +27,7 @@ class AdminView(Protocol):
 
     def services_view(self) -> list[dict[str, Any]]: ...
 
-    def flows_view(self) -> list[dict[str, Any]]: ...
+    async def flows(self) -> list[dict[str, Any]]: ...
 
 
 def _json(body: object, status: int = 200) -> web.Response:
@@ -58,7 +58,7 @@ def metrics_routes(app: web.Application, view: AdminView) -> None:
         return _json(view.services_view())
 
     async def flows(request: web.Request) -> web.Response:
-        return _json(view.flows_view())
+        return _json(await view.flows())
 
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/services", services)

@@ -337,6 +337,8 @@ class OffloadManager:
             kinds |= self._kernel(n).traffic
         return ALL_TRAFFIC <= kinds
 
+    flows_block = True  # flows_view dumps kernel state: call it off the event loop
+
     def flows_view(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for k in self.usable_kernels():
