@@ -194,8 +194,8 @@ class Demo:
         if "nftables" not in where:
             return
         before = self.relay_flows_total()
-        show(self.requests("http://10.96.10.10/", 30))
-        show(self.requests("http://192.0.2.10:30080/", 30))
+        show(self.requests("http://10.96.10.10/", 30), "ClusterIP 10.96.10.10:80")
+        show(self.requests("http://192.0.2.10:30080/", 30), "NodePort 192.0.2.10:30080")
         print(f"new flows through the userspace relay during those 60 requests: "
               f"{self.relay_flows_total() - before:.0f} (the kernel carried them)")
         title("The kernel's view: nft list table ip usproxy (ServicePort maps and endpoint slots)")
@@ -294,8 +294,8 @@ def excerpt(table: str, heads: tuple[str, ...]) -> str:
     return "\n".join(out)
 
 
-def show(counts: Counter[str]) -> None:
-    print("answered by: " + "  ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+def show(counts: Counter[str], via: str = "") -> None:
+    print((f"{via}: " if via else "") + "answered by: " + "  ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
 
 
 def _is_bpffs() -> bool:
