@@ -288,6 +288,17 @@ async def test_refused_transaction_changes_nothing_and_resyncs(topology: Topolog
     assert VIP not in nft_list(topology.node)
 
 
+async def test_a_refused_element_is_named_in_the_error(topology: Topology, dp: NftablesDatapath) -> None:
+    await dp.apply({WEB: web("10.244.1.5", "10.244.2.5")})
+    # an element put there behind our back, with other data than the one usproxy will add
+    nsexec(topology.node, "nft", "add", "element", "ip", "usproxy", "service-ips",
+           "{", "10.96.0.6", ".", "tcp", ".", "80", ":", "goto", "g-2", "}")
+    with pytest.raises(OffloadError) as err:
+        await dp.apply({spn("y"): state(spn("y"), "10.96.0.6", 80, [ep("10.244.3.5")])})
+    assert err.value.errno == 17
+    assert "File exists" in str(err.value) and "service-ips" in str(err.value) and "10.96.0.6" in str(err.value)
+
+
 async def test_read_back_after_restart_changes_no_element(topology: Topology, dp: NftablesDatapath) -> None:
     sticky = state(spn("sticky"), "10.96.0.7", 80, [ep("10.244.1.5"), ep("10.244.2.5")],
                    session_affinity="ClientIP", affinity_timeout=30)

@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,8 +83,31 @@ class NftClient:
         nft.set_json_output(json_out)
         rc, out, err = nft.cmd(text)
         if rc != 0:
-            raise OffloadError(f"nft: {_first_error(err)}", errno_of(err))
+            raise OffloadError(f"nft: {self._located(text, err)}", errno_of(err))
         return str(out)
+
+    def _located(self, text: str, err: str) -> str:
+        """The first error with the command it is about. libnftables 1.0.6 prints the first line of
+        a buffer as the context of a kernel error however deep in the batch the failing element
+        is (the column marks are right); `nft -c -f FILE` (check only, nothing committed) names
+        the line, so on such errors the batch is checked once more from a file to find it."""
+        first = _first_error(err)
+        lines = text.splitlines()
+        if len(lines) < 2 or lines[0] not in err:
+            return first
+        with tempfile.NamedTemporaryFile("w", suffix=".nft") as f:
+            f.write(text)
+            f.flush()
+            try:  # the worker thread is in `netns`, and so is its child
+                res = subprocess.run(["nft", "-c", "-f", f.name], capture_output=True, text=True, timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                return first
+        m = re.search(r":(\d+):(\d+)-(\d+): (Error: [^\n]*)", res.stderr)
+        if m is None or not 0 < int(m.group(1)) <= len(lines):
+            return first
+        line, lo, hi = lines[int(m.group(1)) - 1], int(m.group(2)), int(m.group(3))
+        head = " ".join(line.split()[:5])  # e.g. "add element ip usproxy slot-0"
+        return f"{m.group(4).strip()} [{head} ... {line[lo - 1:hi]}]"
 
     def _run_cli(self, text: str, json_out: bool) -> str:
         # a child forked from the worker thread starts in the thread's network namespace
