@@ -20,6 +20,7 @@ from usproxy.admin.metrics import Metrics
 from usproxy.datapath import Datapath, Placement, ServicePortState, SyncRequest
 from usproxy.endpoint import Endpoint, categorize
 from usproxy.endpoint_slice import EndpointSlice
+from usproxy.frontend_claims import CLUSTER_IP, FrontendClaims, describe, without_frontends
 from usproxy.gc_pause import LARGE, gc_paused
 from usproxy.endpoints_change_tracker import EndpointsChangeTracker, EndpointsMap
 from usproxy.service import Service
@@ -54,6 +55,7 @@ class Proxier:
         self.endpoints_map = EndpointsMap()
         self._cluster_ips: dict[IPAddress, int] = {}  # ClusterIP -> number of ServicePorts using it
         self._counted: dict[ServicePortName, tuple[IPAddress, ...]] = {}
+        self.claims = FrontendClaims()  # one owner per frontend, for every datapath
         self._synced = {"services": False, "endpointslices": False}
         self._need_full = True
         self.full_sync_period = 10 * sync_period  # seconds between full syncs (drift repair)
@@ -150,6 +152,8 @@ class Proxier:
         self.metrics.endpoint_changes_total.inc(len(ep_change.updated))
         changed = svc_change.changed | ep_change.updated
         changed |= self._track_cluster_ips(svc_change.changed)
+        for spn in sorted(svc_change.changed):  # in name order: claims of one sync settle the same way every time
+            changed |= self.claims.update(spn, self.service_map.get(spn))
         full = self._need_full or time.monotonic() - self._last_full >= self.full_sync_period
         if full:
             self._last_full = time.monotonic()
@@ -185,6 +189,11 @@ class Proxier:
         sp = self.service_map.get(spn)
         if sp is None:
             return None
+        lost = self.claims.lost(spn)
+        if lost:
+            if CLUSTER_IP in lost.values():  # its ClusterIP:port is another's: not served at all
+                return None
+            sp = without_frontends(sp, lost)
         eps = tuple(self._acceptable(spn, self.endpoints_map.get(spn, ())))
         cat = categorize(sp, eps, self.node_name, self.zone)
         return ServicePortState(sp, eps, cat.cluster, cat.external)
@@ -199,6 +208,10 @@ class Proxier:
         return out
 
     def placement(self, spn: ServicePortName) -> Placement:
+        lost = self.claims.lost(spn)
+        if CLUSTER_IP in lost.values():
+            key = next(k for k, r in lost.items() if r == CLUSTER_IP)
+            return Placement("none", f"{describe(key)} is served by {self.claims.owner[key]}")
         for dp in reversed(self.datapaths):
             where = dp.placement(spn)
             if where is not None:
