@@ -9,7 +9,7 @@ import pytest
 from usproxy.errors import OffloadError
 from usproxy.offload.nftables import NftablesDatapath
 from usproxy.offload.nftables_fake import FakeNft, FakeNftClient
-from usproxy.offload.nftables_layout import Target, assign_slots, parse_comment, comment_of
+from usproxy.offload.nftables_layout import Pin, Target, assign_slots, comment_of, parse_comment, parse_pins, retimed
 from usproxy.offload.kernel_conntrack import KernelConntrack
 
 from tests.offload.helpers import ep, spn, state
@@ -332,3 +332,12 @@ async def test_leftover_slot_elements_after_a_flushed_verdict_map_are_cleaned_up
     await dp.read_back()
     await dp.apply({WEB: web("10.244.1.1", "10.244.3.1")})  # type: ignore[dict-item]
     assert set(fake.trace(4, "10.244.9.9", "10.96.0.1", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.3.1:8080"}
+
+
+def test_pins_are_parsed_from_nft_text_and_retimed_from_their_last_connection() -> None:
+    text = ("elements = { 10.0.0.1 timeout 5s expires 4s992ms, 10.0.0.2 timeout 7s expires 3s492ms,\n"
+            "\t\t     2001:db8::1 timeout 3h expires 2h59m58s10ms }")
+    pins = parse_pins(text)
+    assert pins == [Pin("10.0.0.1", 5.0, 4.992), Pin("10.0.0.2", 7.0, 3.492), Pin("2001:db8::1", 10800.0, 10798.01)]
+    # under a 2 s timeout: used 8 ms ago -> 1.992 s left; used 3.5 s ago -> gone; 1.99 s ago -> 10 ms left
+    assert [retimed(p, 2) for p in pins] == ["10.0.0.1 timeout 2s expires 1992ms", None, "2001:db8::1 timeout 2s expires 10ms"]

@@ -26,9 +26,12 @@ from usproxy.offload.nftables_layout import (
     Command,
     Family,
     PortRules,
+    Pin,
     TableState,
     Transaction,
+    affinity_endpoint,
     nft_family,
+    parse_pins,
     port_rules,
     render,
 )
@@ -44,6 +47,8 @@ class NftTransport(Protocol):
     async def apply(self, commands: Sequence[Command]) -> None: ...
 
     async def list_table(self, family: str, table: str) -> list[dict[str, Any]] | None: ...
+
+    async def list_set(self, family: str, table: str, name: str) -> str: ...
 
     def probe(self) -> str: ...
 
@@ -94,8 +99,11 @@ class NftablesDatapath:
 
     async def apply(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> None:
         """One transaction for both families; OffloadError leaves the kernel unchanged."""
+        retimed = await self._retimed_pins(changes)
         with gc_paused(len(changes) > LARGE):
             txs = [self._transaction(self.tables[f], changes) for f in FAMILIES]
+            for tx in txs:
+                tx.retime(retimed.get(tx.family, {}))
             commands = [c for tx in txs for c in tx.commands()]
         zero_to_n = self._udp_zero_to_n(changes)
         if commands:
@@ -122,6 +130,18 @@ class NftablesDatapath:
             new = port_rules(st, table.family, prev, self.node_name) if st is not None else None
             tx.update(prev, new)
         return tx
+
+    async def _retimed_pins(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> dict[Family, dict[str, list[Pin]]]:
+        """Client pins of ServicePorts whose affinity timeout changes, as the kernel holds them
+        now. Set elements keep the timeout they were written with, so the transaction re-adds
+        them with the new one, counted from their last connection (field case C15: a new
+        timeout is in force at once, for existing pins too)."""
+        out: dict[Family, dict[str, list[Pin]]] = {}
+        for f, table in self.tables.items():
+            for name in _retimed_sets(table, changes):
+                text = await self.transport.list_set(nft_family(f), TABLE, name)
+                out.setdefault(f, {})[name] = parse_pins(text)
+        return out
 
     def _udp_zero_to_n(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> set[tuple[str, int]]:
         """UDP frontends that refused until now and get endpoints in this change (kube-proxy
@@ -195,6 +215,22 @@ class NftablesDatapath:
 
     def installed(self) -> dict[Family, dict[ServicePortName, PortRules]]:
         return {f: dict(t.rules) for f, t in self.tables.items()}
+
+
+def _retimed_sets(table: TableState, changes: Mapping[ServicePortName, ServicePortState | None]) -> list[str]:
+    """Client-address sets of endpoints that stay while their ServicePort's timeout changes."""
+    out = []
+    for spn, st in changes.items():
+        prev = table.rules.get(spn)
+        if prev is None or st is None or st.service_port.session_affinity != "ClientIP":
+            continue
+        timeout = st.service_port.affinity_timeout
+        eps = {(str(ep.ip), ep.port) for ep in (*st.cluster_endpoints, *st.external_endpoints)}
+        for scope in ("cluster", "external"):
+            be = prev.backend(scope)
+            if be.affinity and be.affinity != timeout:
+                out += [affinity_endpoint(spn, scope, t) for t in be.targets if (t.ip, t.port) in eps]
+    return out
 
 
 def _has_targets(st: ServicePortState, scope: str) -> bool:

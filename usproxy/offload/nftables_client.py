@@ -132,6 +132,19 @@ class NftClient:
     def run_sync(self, text: str) -> None:
         self._pool.submit(self._run_text, text, False).result()
 
+    async def list_set(self, family: str, table: str, name: str) -> str:
+        """`nft list set` as text (its JSON rounds element timers to whole seconds); "" when the
+        set does not exist."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._list_set, family, table, name)
+
+    def _list_set(self, family: str, table: str, name: str) -> str:
+        try:
+            return self._run_text(f"list set {family} {table} {name}", False)
+        except OffloadError as err:
+            if err.errno == 2:
+                return ""
+            raise
+
     async def list_table(self, family: str, table: str) -> list[dict[str, Any]] | None:
         """`nft -j list table`: the objects of the listing, or None when there is no such table."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._list_table, family, table)

@@ -111,6 +111,10 @@ class FakeNftClient:
     async def apply(self, commands: Sequence[Command]) -> None:
         self.nft.apply(commands)
 
+    async def list_set(self, family: str, table: str, name: str) -> str:
+        """The fake keeps no element timers: nothing to carry over when a timeout changes."""
+        return ""
+
     async def list_table(self, family: str, table: str) -> list[dict[str, Any]] | None:
         fam: Family = 4 if family == "ip" else 6
         t = self.nft.tables.get(fam)

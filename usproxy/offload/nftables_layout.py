@@ -42,7 +42,7 @@ import ipaddress
 import re
 import socket
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, TypeAlias
 
@@ -518,6 +518,37 @@ def affinity_rules(family: Family, rules: PortRules, scope: Scope) -> dict[str, 
     return out
 
 
+class Pin(NamedTuple):
+    """One client address in an endpoint's affinity set: its timeout and what is left of it (s)."""
+
+    client: str
+    timeout: float
+    expires: float
+
+
+_DURATION = re.compile(r"(\d+)(ms|d|h|m|s)")
+_SECONDS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+_PIN = re.compile(r"([0-9a-fA-F:.]+) timeout (\S+?) expires (\S+?)(?=[,\s}]|$)")
+
+
+def _duration(text: str) -> float:
+    return sum(int(n) * _SECONDS[u] for n, u in _DURATION.findall(text))
+
+
+def parse_pins(listing: str) -> list[Pin]:
+    """The elements of `nft list set` text output ("10.0.0.1 timeout 5s expires 4s992ms")."""
+    return [Pin(m.group(1), _duration(m.group(2)), _duration(m.group(3))) for m in _PIN.finditer(listing)]
+
+
+def retimed(pin: Pin, timeout: int) -> str | None:
+    """The element re-added under `timeout` seconds, keeping the time since the client's last
+    connection; None when that time is already past the new timeout."""
+    left = timeout - (pin.timeout - pin.expires)
+    if left <= 0:
+        return None
+    return f"{pin.client} timeout {timeout}s expires {max(1, int(left * 1000))}ms"
+
+
 # -- table state and transactions -------------------------------------------------------------------
 @dataclass
 class TableState:
@@ -562,6 +593,27 @@ class Transaction:
         dels = [Command("delete", "element", self.family, m, elems=tuple(e)) for m, e in self._elem_del.items() if e]
         adds = [Command("add", "element", self.family, m, elems=tuple(e)) for m, e in self._elem_add.items() if e]
         return [*dels, *self.deletes, *self.flushes, *self.drops, *self.creates, *self.adds, *adds]
+
+    def retime(self, pins: Mapping[str, list[Pin]]) -> None:
+        """Re-add the pins of affinity sets whose ServicePort's timeout changes in this
+        transaction with the new timeout (see NftablesDatapath._retimed_pins)."""
+        for name, lst in pins.items():
+            timeout = self._set_timeout(name)
+            if timeout is None:
+                continue
+            for pin in lst:
+                self._del_elem(name, pin.client)
+                again = retimed(pin, timeout)
+                if again is not None:
+                    self._add_elem(name, Elem(again))
+
+    def _set_timeout(self, name: str) -> int | None:
+        for rules in self._rules.values():
+            for scope in ("cluster", "external"):
+                be = rules.backend(scope) if rules else None
+                if be and be.affinity and any(affinity_endpoint(rules.spn, scope, t) == name for t in be.targets):  # type: ignore[union-attr]
+                    return be.affinity
+        return None
 
     def _add_elem(self, m: str, e: Elem) -> None:
         self._elem_add[m].append(e)
