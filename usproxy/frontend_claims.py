@@ -71,12 +71,18 @@ class FrontendClaims:
     owner: dict[FrontendKey, ServicePortName] = field(default_factory=dict)
     wanted: dict[ServicePortName, dict[FrontendKey, int]] = field(default_factory=dict)
     waiting: dict[FrontendKey, set[ServicePortName]] = field(default_factory=dict)
+    fresh: set[ServicePortName] = field(default_factory=set)  # claimed since begin(): ties go by name
+
+    def begin(self) -> None:
+        """A new sync: claims made from now on settle ties among themselves in name order."""
+        self.fresh.clear()
 
     def update(self, spn: ServicePortName, sp: ServicePort | None) -> set[ServicePortName]:
         """Re-claim `spn`'s frontends (None: it is gone). Returns the other ServicePorts whose
         served frontends changed, which must be synced again."""
         new = frontend_claims(sp) if sp is not None else {}
         old = self.wanted.pop(spn, {})
+        self.fresh.add(spn)
         if not old:  # a new ServicePort (the whole of a cold sync)
             if sp is None:
                 return set()
@@ -121,11 +127,12 @@ class FrontendClaims:
             holder = self.owner.setdefault(key, spn)
             if holder == spn:
                 continue
-            if rank < self.wanted[holder][key]:  # a ClusterIP displaces an external claim
+            held = self.wanted[holder][key]
+            if rank < held or (rank == held and holder in self.fresh and spn < holder):  # see module doc
                 self.owner[key] = spn
                 self.waiting.setdefault(key, set()).add(holder)
                 affected.add(holder)
-                loser, winner, lost_rank = holder, spn, self.wanted[holder][key]
+                loser, winner, lost_rank = holder, spn, held
             else:
                 self.waiting.setdefault(key, set()).add(spn)
                 loser, winner, lost_rank = spn, holder, rank

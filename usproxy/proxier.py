@@ -113,17 +113,17 @@ class Proxier:
         start = time.monotonic()
         queued = self.oldest_queued
         pending = self.service_tracker.pending_count() + self.endpoints_tracker.pending_count()
-        with gc_paused(self._need_full or pending > LARGE):
+        with gc_paused(self._need_full or pending > LARGE):  # the whole sync: one collection after it
             request = self._build_request()
-        self.metrics.service_changes_pending.set(0)
-        self.metrics.endpoint_changes_pending.set(0)
-        try:
-            for dp in self.datapaths:
-                await dp.sync(request)
-        except Exception:
-            self._need_full = True
-            self.metrics.sync_failures.inc()
-            raise
+            self.metrics.service_changes_pending.set(0)
+            self.metrics.endpoint_changes_pending.set(0)
+            try:
+                for dp in self.datapaths:
+                    await dp.sync(request)
+            except Exception:
+                self._need_full = True
+                self.metrics.sync_failures.inc()
+                raise
         self._need_full = False
         self._finish(start, queued)
 
@@ -152,7 +152,8 @@ class Proxier:
         self.metrics.endpoint_changes_total.inc(len(ep_change.updated))
         changed = svc_change.changed | ep_change.updated
         changed |= self._track_cluster_ips(svc_change.changed)
-        for spn in sorted(svc_change.changed):  # in name order: claims of one sync settle the same way every time
+        self.claims.begin()
+        for spn in svc_change.changed:
             changed |= self.claims.update(spn, self.service_map.get(spn))
         full = self._need_full or time.monotonic() - self._last_full >= self.full_sync_period
         if full:
@@ -167,22 +168,27 @@ class Proxier:
         the change); return ServicePorts whose endpoints must be re-filtered because an address
         became, or stopped being, a ClusterIP."""
         moved: set[IPAddress] = set()
+        counts = self._cluster_ips
         for spn in changed:
             for ip in self._counted.pop(spn, ()):
-                self._cluster_ips[ip] -= 1
-                if not self._cluster_ips[ip]:
-                    del self._cluster_ips[ip]
-                    moved ^= {ip}
+                n = counts[ip] - 1
+                if n:
+                    counts[ip] = n
+                else:
+                    del counts[ip]
+                    moved.symmetric_difference_update((ip,))
             sp = self.service_map.get(spn)
             if sp is not None:
                 self._counted[spn] = sp.cluster_ips
                 for ip in sp.cluster_ips:
-                    self._cluster_ips[ip] = self._cluster_ips.get(ip, 0) + 1
-                    if self._cluster_ips[ip] == 1:
-                        moved ^= {ip}
+                    n = counts[ip] = counts.get(ip, 0) + 1
+                    if n == 1:
+                        moved.symmetric_difference_update((ip,))
         if not moved:
             return set()
-        return {spn for spn, eps in self.endpoints_map.items() if any(ep.ip in moved for ep in eps)}
+        # ServicePorts already changed are re-filtered anyway (the whole of a cold sync)
+        return {spn for spn, eps in self.endpoints_map.items()
+                if spn not in changed and any(ep.ip in moved for ep in eps)}
 
     def state_of(self, spn: ServicePortName) -> ServicePortState | None:
         """The ServicePortState the datapaths should hold for `spn` now (None: removed)."""
