@@ -35,7 +35,6 @@ import yaml
 
 from bench.contenders import Agent, Ctx, service_manifest, write_manifests
 from bench.procs import PYTHON
-from bench.servers import CONN
 from bench.topology import SERVER2_IP, SERVER_IP
 from tests.netns import nsexec, sh
 

@@ -40,7 +40,7 @@ from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.offload.nftables import NftablesDatapath
 from usproxy.offload.nftables_client import NftClient
-from usproxy.offload.nftables_layout import _TEXT, Command
+from usproxy.offload.nftables_layout import _TEXT
 from usproxy.service_port import ServicePort
 from usproxy.types import ServicePortName
 

@@ -5,7 +5,6 @@ transaction, read back after a restart, and cleanup."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections import Counter
 from collections.abc import Iterator

@@ -11,7 +11,7 @@ the table is read back, so the next diff starts from what the kernel really hold
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from usproxy.datapath import ServicePortState

@@ -608,10 +608,14 @@ class Transaction:
                     self._add_elem(name, Elem(again))
 
     def _set_timeout(self, name: str) -> int | None:
+        """The timeout the affinity set `name` gets in this transaction (None: it is not kept)."""
+        scopes: tuple[Scope, ...] = ("cluster", "external")
         for rules in self._rules.values():
-            for scope in ("cluster", "external"):
-                be = rules.backend(scope) if rules else None
-                if be and be.affinity and any(affinity_endpoint(rules.spn, scope, t) == name for t in be.targets):  # type: ignore[union-attr]
+            if rules is None:
+                continue
+            for scope in scopes:
+                be = rules.backend(scope)
+                if be.affinity and any(affinity_endpoint(rules.spn, scope, t) == name for t in be.targets):
                     return be.affinity
         return None
 
@@ -734,10 +738,11 @@ class Transaction:
         cur = own_chains(self.family, new) if new else {}
         if old == cur:
             return
-        for fe in new.frontends if new else ():
-            be = new.backend(fe.scope)  # type: ignore[union-attr]
-            if be.round_robin and be.targets and not be.affinity:
-                self._ensure_slots(fe.kind, len(be.targets))
+        if new is not None:
+            for fe in new.frontends:
+                be = new.backend(fe.scope)
+                if be.round_robin and be.targets and not be.affinity:
+                    self._ensure_slots(fe.kind, len(be.targets))
         ipx_type = addr_type(self.family)
         for name in old.keys() - cur.keys():
             self.flushes.append(Command("flush", "chain", self.family, name))
