@@ -339,5 +339,26 @@ def test_pins_are_parsed_from_nft_text_and_retimed_from_their_last_connection() 
             "\t\t     2001:db8::1 timeout 3h expires 2h59m58s10ms }")
     pins = parse_pins(text)
     assert pins == [Pin("10.0.0.1", 5.0, 4.992), Pin("10.0.0.2", 7.0, 3.492), Pin("2001:db8::1", 10800.0, 10798.01)]
-    # under a 2 s timeout: used 8 ms ago -> 1.992 s left; used 3.5 s ago -> gone; 1.99 s ago -> 10 ms left
-    assert [retimed(p, 2) for p in pins] == ["10.0.0.1 timeout 2s expires 1992ms", None, "2001:db8::1 timeout 2s expires 10ms"]
+    # 5 s -> 2 s: used 8 ms ago -> 1.992 s left; 7 s -> 2 s, used 3.5 s ago -> expires at once
+    assert retimed(pins[0], 5, 2) == "10.0.0.1 timeout 2s expires 1992ms"
+    assert retimed(pins[1], 7, 2) == "10.0.0.2 timeout 2s expires 1ms"
+    assert retimed(pins[2], 10800, 7200) == "2001:db8::1 timeout 7200s expires 7198010ms"
+    # a pin written under 10 s but refreshed by a 3 h rule: elapsed is read against the rule's
+    # timeout, and the result never exceeds the new one (the kernel refuses expires > timeout)
+    refreshed = Pin("10.0.0.4", 10.0, 10799.0)
+    assert retimed(refreshed, 10800, 3600) == "10.0.0.4 timeout 3600s expires 3599000ms"
+    assert retimed(Pin("10.0.0.5", 10.0, 9.0), 10, 3600) == "10.0.0.5 timeout 3600s expires 3599000ms"
+
+
+@pytest.mark.parametrize("damage", ["slot-0", "slot-1"])
+async def test_a_missing_slot_element_is_rebuilt_not_wedged(fake: FakeNft, dp: NftablesDatapath, damage: str) -> None:
+    states = {WEB: web("10.244.1.1", "10.244.2.1")}
+    await dp.apply(states)  # type: ignore[arg-type]
+    intact = fake.dump()
+    del fake.tables[4].maps[damage]["10.96.0.1 . tcp . 80"]  # deleted behind our back
+    again = NftablesDatapath(FakeNftClient(fake), NoConntrack())
+    assert WEB not in await again.read_back()  # not adopted half-built
+    await again.apply(states)  # type: ignore[arg-type]
+    assert fake.dump() == intact
+    await again.apply({WEB: None})  # and it can still be removed
+    assert "10.96.0.1" not in fake.dump()

@@ -131,16 +131,17 @@ class NftablesDatapath:
             tx.update(prev, new)
         return tx
 
-    async def _retimed_pins(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> dict[Family, dict[str, list[Pin]]]:
+    async def _retimed_pins(self, changes: Mapping[ServicePortName, ServicePortState | None]
+                            ) -> dict[Family, dict[str, tuple[int, list[Pin]]]]:
         """Client pins of ServicePorts whose affinity timeout changes, as the kernel holds them
         now. Set elements keep the timeout they were written with, so the transaction re-adds
         them with the new one, counted from their last connection (field case C15: a new
         timeout is in force at once, for existing pins too)."""
-        out: dict[Family, dict[str, list[Pin]]] = {}
+        out: dict[Family, dict[str, tuple[int, list[Pin]]]] = {}
         for f, table in self.tables.items():
-            for name in _retimed_sets(table, changes):
+            for name, old in _retimed_sets(table, changes).items():
                 text = await self.transport.list_set(nft_family(f), TABLE, name)
-                out.setdefault(f, {})[name] = parse_pins(text)
+                out.setdefault(f, {})[name] = (old, parse_pins(text))
         return out
 
     def _udp_zero_to_n(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> set[tuple[str, int]]:
@@ -217,9 +218,10 @@ class NftablesDatapath:
         return {f: dict(t.rules) for f, t in self.tables.items()}
 
 
-def _retimed_sets(table: TableState, changes: Mapping[ServicePortName, ServicePortState | None]) -> list[str]:
-    """Client-address sets of endpoints that stay while their ServicePort's timeout changes."""
-    out = []
+def _retimed_sets(table: TableState, changes: Mapping[ServicePortName, ServicePortState | None]) -> dict[str, int]:
+    """Client-address sets of endpoints that stay while their ServicePort's timeout changes,
+    with the timeout their rule has had until now."""
+    out: dict[str, int] = {}
     for spn, st in changes.items():
         prev = table.rules.get(spn)
         if prev is None or st is None or st.service_port.session_affinity != "ClientIP":
@@ -229,7 +231,7 @@ def _retimed_sets(table: TableState, changes: Mapping[ServicePortName, ServicePo
         for scope in ("cluster", "external"):
             be = prev.backend(scope)
             if be.affinity and be.affinity != timeout:
-                out += [affinity_endpoint(spn, scope, t) for t in be.targets if (t.ip, t.port) in eps]
+                out.update((affinity_endpoint(spn, scope, t), be.affinity) for t in be.targets if (t.ip, t.port) in eps)
     return out
 
 

@@ -540,13 +540,16 @@ def parse_pins(listing: str) -> list[Pin]:
     return [Pin(m.group(1), _duration(m.group(2)), _duration(m.group(3))) for m in _PIN.finditer(listing)]
 
 
-def retimed(pin: Pin, timeout: int) -> str | None:
-    """The element re-added under `timeout` seconds, keeping the time since the client's last
-    connection; None when that time is already past the new timeout."""
-    left = timeout - (pin.timeout - pin.expires)
-    if left <= 0:
-        return None
-    return f"{pin.client} timeout {timeout}s expires {max(1, int(left * 1000))}ms"
+def retimed(pin: Pin, old: int, new: int) -> str:
+    """The element written again under the `new` timeout (seconds), keeping the time since the
+    client's last connection. That time is read against the `old` rule timeout (the rule's
+    `update` refreshes a pin to it, whatever timeout the element was first written with), and
+    the result is capped at `new`; a pin already past `new` expires at once (1 ms: a delete
+    would fail the transaction if the pin expired meanwhile). Written with `add`, which updates
+    an existing element's timeout and expiry (Linux 6.10+; older kernels keep the old timer)."""
+    elapsed = max(0.0, old - pin.expires)
+    left = min(float(new), new - elapsed)
+    return f"{pin.client} timeout {new}s expires {max(1, int(left * 1000))}ms"
 
 
 # -- table state and transactions -------------------------------------------------------------------
@@ -594,18 +597,16 @@ class Transaction:
         adds = [Command("add", "element", self.family, m, elems=tuple(e)) for m, e in self._elem_add.items() if e]
         return [*dels, *self.deletes, *self.flushes, *self.drops, *self.creates, *self.adds, *adds]
 
-    def retime(self, pins: Mapping[str, list[Pin]]) -> None:
-        """Re-add the pins of affinity sets whose ServicePort's timeout changes in this
-        transaction with the new timeout (see NftablesDatapath._retimed_pins)."""
-        for name, lst in pins.items():
-            timeout = self._set_timeout(name)
-            if timeout is None:
+    def retime(self, pins: Mapping[str, tuple[int, list[Pin]]]) -> None:
+        """Write the pins of affinity sets whose ServicePort's timeout changes in this
+        transaction again under the new timeout (`pins`: set -> (old timeout, pins); see
+        NftablesDatapath._retimed_pins)."""
+        for name, (old, lst) in pins.items():
+            new = self._set_timeout(name)
+            if new is None:
                 continue
             for pin in lst:
-                self._del_elem(name, pin.client)
-                again = retimed(pin, timeout)
-                if again is not None:
-                    self._add_elem(name, Elem(again))
+                self._add_elem(name, Elem(retimed(pin, old, new)))
 
     def _set_timeout(self, name: str) -> int | None:
         """The timeout the affinity set `name` gets in this transaction (None: it is not kept)."""

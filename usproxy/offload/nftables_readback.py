@@ -182,8 +182,8 @@ def _frontend(kind: Kind, parts: list[Any], scope: Scope) -> Frontend | None:
 
 
 def _slot_targets(lst: _Listing, fe: Frontend, n: int) -> tuple[Target, ...]:
-    """The frontend's endpoints by slot, up to the first missing one: a table damaged behind
-    usproxy's back then still diffs into commands the kernel accepts."""
+    """The frontend's endpoints by slot, up to the first missing one (callers refuse a short
+    list: the ServicePort is then not adopted, its elements are orphans, and it is rebuilt)."""
     out = []
     for i in range(n):
         value = lst.slots.get(slot_map(fe.kind, i), {}).get(fe.key())
@@ -219,8 +219,9 @@ def _backend(fe: Frontend, target: str, lst: _Listing) -> Backend | None:
     if target == "reject-chain":
         return Backend()
     m = _GROUP.match(target)
-    if m:
-        return Backend(_slot_targets(lst, fe, int(m.group(2))), m.group(1).endswith("m"))
+    if m:  # a slot missing (flushed or deleted behind our back): not adopted, rebuilt whole
+        targets = _slot_targets(lst, fe, int(m.group(2)))
+        return Backend(targets, m.group(1).endswith("m")) if len(targets) == int(m.group(2)) else None
     if target.startswith("aff-"):
         return _affinity_backend(target, lst)
     if target.startswith("rr-"):
@@ -241,7 +242,7 @@ def _rr_backend(chain: str, fe: Frontend, lst: _Listing) -> Backend | None:
             elif "goto" in stmt:
                 n = 1
     targets = _slot_targets(lst, fe, n)
-    return Backend(targets, masq, 0, True) if targets else None
+    return Backend(targets, masq, 0, True) if targets and len(targets) == n else None
 
 
 def _affinity_backend(chain: str, lst: _Listing) -> Backend | None:
