@@ -14,8 +14,11 @@ service entry), so the owner is decided here, once, for all of them:
   newcomer); claims made in the same sync are settled in ServicePortName order;
 - when the owner lets go (Service changed or deleted), the best waiting claim takes over.
 
-The loser is served without that frontend (a lost ClusterIP: not at all), and the conflict is
-logged once with both Services and the field.
+The loser is served without that frontend; a ServicePort that loses a ClusterIP:port is not
+served at all and holds none of its other frontends until it gets its ClusterIPs back (the
+ClusterIP:ports it does hold stay reserved to it: an externalIP naming them still loses).
+Settling is independent of the order changes arrive in within a sync. The
+conflict is logged with both Services and the field.
 """
 
 from __future__ import annotations
@@ -68,35 +71,46 @@ def describe(key: FrontendKey) -> str:
 class FrontendClaims:
     """Owners of contested frontends; `update()` per changed ServicePort, `lost()` per state."""
 
-    owner: dict[FrontendKey, ServicePortName] = field(default_factory=dict)
+    owner: dict[FrontendKey, tuple[ServicePortName, int]] = field(default_factory=dict)  # (owner, sync it got it in)
     wanted: dict[ServicePortName, dict[FrontendKey, int]] = field(default_factory=dict)
     waiting: dict[FrontendKey, set[ServicePortName]] = field(default_factory=dict)
-    fresh: set[ServicePortName] = field(default_factory=set)  # claimed since begin(): ties go by name
+    generation: int = 0  # syncs begun
 
     def begin(self) -> None:
-        """A new sync: claims made from now on settle ties among themselves in name order."""
-        self.fresh.clear()
+        """A new sync: frontends taken from now on settle ties among themselves in name order."""
+        self.generation += 1
+
+    def owner_of(self, key: FrontendKey) -> ServicePortName | None:
+        held = self.owner.get(key)
+        return held[0] if held is not None else None
 
     def update(self, spn: ServicePortName, sp: ServicePort | None) -> set[ServicePortName]:
         """Re-claim `spn`'s frontends (None: it is gone). Returns the other ServicePorts whose
         served frontends changed, which must be synced again."""
         new = frontend_claims(sp) if sp is not None else {}
-        old = self.wanted.pop(spn, {})
-        self.fresh.add(spn)
+        old = self.wanted.get(spn, {})
         if not old:  # a new ServicePort (the whole of a cold sync)
             if sp is None:
                 return set()
             self.wanted[spn] = new
             if len(new) == 1:
                 ((k, _),) = new.items()
-                if self.owner.setdefault(k, spn) == spn:  # uncontested
+                if self.owner.setdefault(k, (spn, self.generation))[0] == spn:  # uncontested
                     return set()
             return self._claim(spn, new) - {spn}
-        kept = {k for k, r in new.items() if self.owner.get(k) == spn and r <= old.get(k, r)}  # held: keep
-        affected = self._release(spn, [k for k in old if k not in kept])
-        if sp is not None:
+        kept = {k for k, r in new.items() if self.owner_of(k) == spn and r <= old.get(k, r)}  # held: keep
+        for k in old:  # stop waiting first, so the hand-overs below never pick `spn`
+            if self.owner_of(k) != spn:
+                self._unwait(k, spn)
+        self.wanted[spn] = {**old, **new}  # every frontend it may hold keeps a rank meanwhile
+        affected = self._release(spn, [k for k in old if k not in kept and self.owner_of(k) == spn])
+        if sp is None:
+            del self.wanted[spn]
+        else:
             self.wanted[spn] = new
-            affected |= self._claim(spn, {k: r for k, r in new.items() if k not in kept})
+            affected |= self._claim(spn, {k: r for k, r in new.items() if self.owner_of(k) != spn})
+            if self._dormant(spn):  # its new ClusterIP:port is another's: what it kept goes too
+                affected |= self._release(spn, [k for k, r in new.items() if r != CLUSTER_IP and self.owner_of(k) == spn])
         affected.discard(spn)
         return affected
 
@@ -104,35 +118,58 @@ class FrontendClaims:
         """Frontends `spn` asks for but another ServicePort serves, with their ranks."""
         if not self.waiting:  # every loser waits for its frontend: no waiter, no loss
             return {}
-        return {k: r for k, r in self.wanted.get(spn, {}).items() if self.owner.get(k) != spn}
+        return {k: r for k, r in self.wanted.get(spn, {}).items() if self.owner_of(k) != spn}
 
     def _release(self, spn: ServicePortName, keys: list[FrontendKey]) -> set[ServicePortName]:
         affected: set[ServicePortName] = set()
         for key in keys:
-            if self.owner.get(key) != spn:
+            if self.owner_of(key) != spn:
                 self._unwait(key, spn)
                 continue
             del self.owner[key]
             heir = self._best_waiter(key)
             if heir is not None:
                 self._unwait(key, heir)
-                self.owner[key] = heir
+                self.owner[key] = (heir, self.generation)
                 affected.add(heir)
                 log.info("%s now serves %s (released by %s)", heir, describe(key), spn)
+                if not self._dormant(heir):  # it has its ClusterIPs again: it claims the rest
+                    affected |= self._claim(heir, self._unclaimed(heir))
         return affected
 
+    def _dormant(self, spn: ServicePortName) -> bool:
+        """Not served: another ServicePort has one of its ClusterIP:ports. A dormant ServicePort
+        holds none of its other frontends and waits only for its ClusterIPs."""
+        return any(r == CLUSTER_IP and self.owner_of(k) != spn for k, r in self.wanted[spn].items())
+
+    def _unclaimed(self, spn: ServicePortName) -> dict[FrontendKey, int]:
+        return {k: r for k, r in self.wanted[spn].items()
+                if r != CLUSTER_IP and self.owner_of(k) != spn and spn not in self.waiting.get(k, ())}
+
     def _claim(self, spn: ServicePortName, claims: dict[FrontendKey, int]) -> set[ServicePortName]:
+        """Claim ClusterIPs first; the rest only if all of them are held (else: dormant)."""
+        affected = self._claim_keys(spn, {k: r for k, r in claims.items() if r == CLUSTER_IP})
+        if not self._dormant(spn):
+            affected |= self._claim_keys(spn, {k: r for k, r in claims.items() if r != CLUSTER_IP})
+        return affected
+
+    def _claim_keys(self, spn: ServicePortName, claims: dict[FrontendKey, int]) -> set[ServicePortName]:
         affected: set[ServicePortName] = set()
         for key, rank in claims.items():
-            holder = self.owner.setdefault(key, spn)
+            holder, since = self.owner.setdefault(key, (spn, self.generation))
             if holder == spn:
                 continue
             held = self.wanted[holder][key]
-            if rank < held or (rank == held and holder in self.fresh and spn < holder):  # see module doc
-                self.owner[key] = spn
+            # a ClusterIP displaces an external claim; equal claims: the holder keeps it, unless
+            # it got it in this same sync, where the smaller name wins (order-independent)
+            if rank < held or (rank == held and since == self.generation and spn < holder):
+                self.owner[key] = (spn, self.generation)
                 self.waiting.setdefault(key, set()).add(holder)
                 affected.add(holder)
                 loser, winner, lost_rank = holder, spn, held
+                if held == CLUSTER_IP:  # the holder goes dormant: its other frontends go too
+                    others = [k for k, r in self.wanted[holder].items() if r != CLUSTER_IP]
+                    affected |= self._release(holder, others)
             else:
                 self.waiting.setdefault(key, set()).add(spn)
                 loser, winner, lost_rank = spn, holder, rank

@@ -217,7 +217,7 @@ class Proxier:
         lost = self.claims.lost(spn)
         if CLUSTER_IP in lost.values():
             key = next(k for k, r in lost.items() if r == CLUSTER_IP)
-            return Placement("none", f"{describe(key)} is served by {self.claims.owner[key]}")
+            return Placement("none", f"{describe(key)} is served by {self.claims.owner_of(key)}")
         for dp in reversed(self.datapaths):
             where = dp.placement(spn)
             if where is not None:

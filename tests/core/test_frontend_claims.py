@@ -100,3 +100,34 @@ async def test_through_the_proxier_a_duplicate_clusterip_port_is_not_served_and_
     p.on_service_update(service(sp("a", "10.96.0.1")), None)
     await p.sync()
     assert spn("b") in fake.state
+
+
+def test_an_unserved_service_port_holds_none_of_its_other_frontends() -> None:
+    c = FrontendClaims()
+    for name, port in (("a", sp("a", "10.96.0.1")),
+                       ("b", sp("b", "10.96.0.1", node_port=30000)),  # its ClusterIP:port is a's: not served
+                       ("c", sp("c", "10.96.0.3", node_port=30000))):
+        c.begin()  # one sync each
+        c.update(spn(name), port)
+    assert c.lost(spn("c")) == {}  # the NodePort goes to a ServicePort that is served
+    c.begin()
+    assert c.update(spn("a"), None) == {spn("b")}  # b is served again, but c keeps the NodePort
+    assert c.lost(spn("b")) == {key(None, 30000): NODE_PORT}
+
+
+@pytest.mark.parametrize("order", [("a", "b"), ("b", "a")])
+def test_settling_does_not_depend_on_the_order_changes_arrive_in(order: tuple[str, str]) -> None:
+    c = FrontendClaims()
+    c.begin()
+    c.update(spn("b"), sp("b", "10.96.0.2", ext=("192.0.2.50",)))
+    c.update(spn("a"), sp("a", "10.96.0.1", ext=("192.0.2.50",)))
+    assert c.owner_of(key("192.0.2.50")) == spn("a")  # same sync: by name
+    c.begin()  # a later sync: both change, the holder keeps it whatever the order
+    for n in order:
+        c.update(spn(n), sp(n, f"10.96.0.{1 if n == 'a' else 2}", ext=("192.0.2.50",), node_port=30001 if n == "a" else 30002))
+    assert c.owner_of(key("192.0.2.50")) == spn("a")
+    c.begin()  # the holder goes and a newcomer arrives in the same sync: the smaller name wins
+    steps = [("a", None), ("0", sp("0", "10.96.0.9", ext=("192.0.2.50",)))]
+    for name, port in (steps if order[0] == "a" else steps[::-1]):
+        c.update(spn(name), port)
+    assert c.owner_of(key("192.0.2.50")) == spn("0")
