@@ -30,6 +30,7 @@ from usproxy.offload.nftables_layout import (
     TableState,
     Transaction,
     affinity_endpoint,
+    ip_text,
     nft_family,
     parse_pins,
     port_rules,
@@ -227,7 +228,7 @@ def _retimed_sets(table: TableState, changes: Mapping[ServicePortName, ServicePo
         if prev is None or st is None or st.service_port.session_affinity != "ClientIP":
             continue
         timeout = st.service_port.affinity_timeout
-        eps = {(str(ep.ip), ep.port) for ep in (*st.cluster_endpoints, *st.external_endpoints)}
+        eps = {(ip_text(ep.ip), ep.port) for ep in (*st.cluster_endpoints, *st.external_endpoints)}
         for scope in ("cluster", "external"):
             be = prev.backend(scope)
             if be.affinity and be.affinity != timeout:

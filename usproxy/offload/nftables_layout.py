@@ -169,10 +169,6 @@ class PortRules(NamedTuple):
     def targets(self) -> set[Target]:
         return {*self.cluster.targets, *self.external.targets}
 
-    def hairpin_ips(self) -> set[str]:
-        """Endpoint addresses this ServicePort puts in the hairpin set."""
-        return set(self.hairpin)
-
     def endpoints(self) -> tuple[Endpoint, ...]:
         """The endpoints the kernel serves (cluster and external), for read back."""
         return tuple(sorted(Endpoint(ipaddress.ip_address(t.ip), t.port) for t in self.targets()))
@@ -193,7 +189,7 @@ def slot_chain(kind: Kind, i: int) -> str:
     return f"s-{i}" if kind == "ip" else f"nps-{i}"
 
 
-_GROUP_NAME = re.compile(r"^(g|npg)(m?)-(\d+)$")
+GROUP_CHAIN = re.compile(r"^(g|npg)(m?)-(\d+)$")  # kind, masquerade, endpoint count
 
 
 def group_chain(kind: Kind, n: int, masq: bool) -> str:
@@ -299,11 +295,12 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
         external = Backend(_slots(previous.external.targets if previous else (), _targets(state.external_endpoints, v4, node_name, hairpin)),
                            masq, affinity, rr)
     if len(fes) > 1:
-        fes.sort(key=_fe_order)
+        fes.sort(key=frontend_order)
     return _new(PortRules, (sp.name, family, tuple(fes), cluster, external, frozenset(hairpin)))
 
 
-def _fe_order(fe: Frontend) -> tuple[int, str, int]:
+def frontend_order(fe: Frontend) -> tuple[int, str, int]:
+    """PortRules.frontends order: addresses first (by text, then port), then NodePorts."""
     return (0 if fe.addr is not None else 1, fe.addr or "", fe.port)
 
 
@@ -638,7 +635,7 @@ class Transaction:
         cmds = [c for kind in ("ip", "np") for i in range(self.state.slots[kind])
                 for c in slot_commands(self.family, kind, i)]
         for name in sorted(self.state.groups, key=lambda n: "m" in n):  # plain g-N before gm-N
-            m = _GROUP_NAME.match(name)
+            m = GROUP_CHAIN.match(name)
             if m:
                 kind: Kind = "ip" if m.group(1) == "g" else "np"
                 cmds += chain_commands(self.family, name, group_rules(kind, int(m.group(3)), bool(m.group(2))))
@@ -696,7 +693,7 @@ class Transaction:
     def _add_hairpin(self, new: PortRules) -> None:
         """_hairpin_delta's cold-start case: every target is new for this ServicePort."""
         have, delta, adds = self.state.hairpin, self._hairpin, self._elem_add["hairpin"]
-        for ip in new.hairpin_ips():
+        for ip in new.hairpin:
             d = delta[ip] = delta.get(ip, 0) + 1
             if have.get(ip, 0) + d == 1:
                 adds.append(_new(Elem, (f"{ip} . {ip}", None, None)))
@@ -761,8 +758,8 @@ class Transaction:
                 self.creates += chain_commands(self.family, name, cur[name])
 
     def _hairpin_delta(self, prev: PortRules | None, new: PortRules | None) -> None:
-        before = prev.hairpin_ips() if prev else set()
-        after = new.hairpin_ips() if new else set()
+        before = prev.hairpin if prev else frozenset()
+        after = new.hairpin if new else frozenset()
         have, delta = self.state.hairpin, self._hairpin
         for ip in before - after:
             delta[ip] = delta.get(ip, 0) - 1

@@ -10,15 +10,16 @@ Anything that cannot be attributed is left to the next full sync, which replaces
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from usproxy.offload.nftables_layout import (
+    GROUP_CHAIN,
     Backend,
     Family,
     Frontend,
+    frontend_order,
     Kind,
     PortRules,
     Scope,
@@ -32,7 +33,6 @@ from usproxy.offload.nftables_layout import (
 )
 from usproxy.types import ServicePortName
 
-_GROUP = re.compile(r"^(g|gm|npg|npgm)-(\d+)$")
 _VERDICT_MAPS: dict[str, Kind] = {"service-ips": "ip", "no-endpoint-services": "ip",
                                   "service-nodeports": "np", "no-endpoint-nodeports": "np"}
 
@@ -60,7 +60,7 @@ def read_table(family: Family, items: list[dict[str, Any]] | None) -> TableState
         return state
     lst = _index(items)
     state.slots = {k: _slot_count(lst, k) for k in ("ip", "np")}
-    state.groups = {c for c in lst.chains if _GROUP.match(c)}
+    state.groups = {c for c in lst.chains if GROUP_CHAIN.match(c)}
     seen = _verdicts(lst)
     for spn, s in seen.items():
         rules = _port_rules(family, spn, s, lst)
@@ -69,7 +69,7 @@ def read_table(family: Family, items: list[dict[str, Any]] | None) -> TableState
     hairpin = _hairpin_ips(lst)
     for spn, rules in state.rules.items():
         rules = state.rules[spn] = _with_hairpin(rules, hairpin)
-        for ip in rules.hairpin_ips():
+        for ip in rules.hairpin:
             state.hairpin[ip] += 1
     state.orphans = _orphans(lst, state)
     return state
@@ -101,10 +101,7 @@ def _orphans(lst: _Listing, state: TableState) -> dict[str, set[str]]:
     present: set[tuple[str, str]] = set()
     for name, kind in _VERDICT_MAPS.items():
         present.update((name, _key_text(kind, _concat(k))) for k, _ in lst.maps.get(name, []))
-    for name, elems in lst.maps.items():
-        kind = "np" if name.startswith("np-slot-") else "ip"
-        if name.startswith(("slot-", "np-slot-")):
-            present.update((name, _key_text(kind, _concat(k))) for k, _ in elems)
+    present.update((name, key) for name, index in lst.slots.items() for key in index)
     present.update(("hairpin", " . ".join(_key_text("ip", [p]) for p in _concat(e))) for e in lst.sets.get("hairpin", []))
     out: dict[str, set[str]] = {}
     for name, key in present - owned:
@@ -133,7 +130,8 @@ def _index(items: list[dict[str, Any]]) -> _Listing:
         if "map" in it:
             lst.maps[it["map"]["name"]] = it["map"].get("elem", [])
             if it["map"]["name"].startswith(("slot-", "np-slot-")):
-                lst.slots[it["map"]["name"]] = _slot_index(lst.maps[it["map"]["name"]])
+                kind: Kind = "np" if it["map"]["name"].startswith("np-") else "ip"
+                lst.slots[it["map"]["name"]] = _slot_index(kind, lst.maps[it["map"]["name"]])
         elif "set" in it:
             lst.sets[it["set"]["name"]] = it["set"].get("elem", [])
         elif "chain" in it:
@@ -193,11 +191,12 @@ def _slot_targets(lst: _Listing, fe: Frontend, n: int) -> tuple[Target, ...]:
     return tuple(out)
 
 
-def _slot_index(elems: list[Any]) -> dict[str, Target]:
+def _slot_index(kind: Kind, elems: list[Any]) -> dict[str, Target]:
+    """A slot map's elements by key, the key written as Frontend.key() writes it."""
     out = {}
     for key, value in elems:
         v = _concat(value)
-        out[" . ".join(str(p) for p in _concat(key))] = Target(norm_ip(str(v[0])), int(v[1]))
+        out[_key_text(kind, _concat(key))] = Target(norm_ip(str(v[0])), int(v[1]))
     return out
 
 
@@ -210,18 +209,18 @@ def _port_rules(family: Family, spn: ServicePortName, seen: _Seen, lst: _Listing
         if be is None:
             return None
         backends[fe.scope] = be
-    frontends = tuple(sorted((fe for fe, _ in seen.frontends),
-                             key=lambda f: (0 if f.addr is not None else 1, f.addr or "", f.port)))
+    frontends = tuple(sorted((fe for fe, _ in seen.frontends), key=frontend_order))
     return PortRules(spn, family, frontends, backends.get("cluster", Backend()), backends.get("external", Backend()))
 
 
 def _backend(fe: Frontend, target: str, lst: _Listing) -> Backend | None:
     if target == "reject-chain":
         return Backend()
-    m = _GROUP.match(target)
+    m = GROUP_CHAIN.match(target)
     if m:  # a slot missing (flushed or deleted behind our back): not adopted, rebuilt whole
-        targets = _slot_targets(lst, fe, int(m.group(2)))
-        return Backend(targets, m.group(1).endswith("m")) if len(targets) == int(m.group(2)) else None
+        n = int(m.group(3))
+        targets = _slot_targets(lst, fe, n)
+        return Backend(targets, bool(m.group(2))) if len(targets) == n else None
     if target.startswith("aff-"):
         return _affinity_backend(target, lst)
     if target.startswith("rr-"):
