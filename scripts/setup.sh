@@ -11,6 +11,7 @@ APT_PACKAGES=(
   clang llvm libbpf-dev libbpf1 linux-libc-dev   # BPF programs (compiled at set-up)
   dnsmasq-base dnsutils curl            # the demo's DNS pod, dig, curl
   haproxy                               # the userspace peer in bench/
+  debootstrap buildah openssl systemd   # scripts/image.sh and tests/deploy (image, TLS API server, systemd-analyze)
 )
 
 need_apt=()

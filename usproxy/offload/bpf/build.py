@@ -1,7 +1,8 @@
 """Compile sock_lb.c into a BPF object, at set-up or on first use.
 
 `python -m usproxy.offload.bpf.build` (the README's set-up step) writes sock_lb-<hash>.o next to
-the source, named after the source's sha256. `object_path()` uses the object whose name matches the
+the source, named after the source's sha256; building a wheel (setup.py) puts the same object into
+the wheel, so an installed wheel needs no clang. `object_path()` uses the object whose name matches the
 current source, prebuilt or in a cache directory, and otherwise compiles into the cache, so an
 edited source is never served by a stale object. The flags are those ../shared/PLATFORM.md found to work here
 (clang -target bpf -O2 -g); -mcpu=v3 gives the atomic fetch-and-add the round-robin counter uses.
@@ -79,10 +80,13 @@ def object_path() -> Path:
     return compile_object(cached)
 
 
-def build_prebuilt() -> Path:
-    """Compile next to the source (the set-up step); drop objects of older sources."""
-    out = compile_object(SOURCE.with_name(_object_name(source_hash())))
-    for old in SOURCE.parent.glob("sock_lb-*.o"):
+def build_prebuilt(directory: Path | None = None) -> Path:
+    """Compile next to the source (the set-up step), or into `directory`, a copy of this package
+    directory (the wheel's build tree: setup.py), under the name `object_path()` looks for there;
+    drop objects of older sources. Raises OffloadError without clang or when clang fails."""
+    directory = SOURCE.parent if directory is None else directory
+    out = compile_object(directory / _object_name(source_hash()))
+    for old in directory.glob("sock_lb-*.o"):
         if old != out:
             old.unlink()
     return out

@@ -1,0 +1,112 @@
+"""The fake API server (tests/sources/fake_apiserver.py) as a Pod's in-cluster configuration
+reaches it: HTTPS with a certificate for 127.0.0.1 signed by a throwaway CA, a bearer token, and
+the service-account directory the kubelet mounts at /var/run/secrets/kubernetes.io/serviceaccount
+(token, ca.crt, namespace).
+
+`ApiServerThread` runs it on its own event loop in a thread, listening inside a network
+namespace (the node's: the DaemonSet is on the host network), so the tests stay synchronous;
+`call()` runs a FakeApiServer method on that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import secrets
+import ssl
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from tests.netns import inside
+from tests.sources.fake_apiserver import RESOURCES, FakeApiServer
+
+
+def service_account(directory: Path) -> tuple[Path, Path, str]:
+    """Write a CA-signed certificate for 127.0.0.1 and the service-account files into `directory`
+    (`directory/serviceaccount`); returns (certificate chain, key, token)."""
+    sa = directory / "serviceaccount"
+    sa.mkdir(parents=True)
+    ca_key, ca_crt = directory / "ca.key", sa / "ca.crt"
+    key, csr, crt = directory / "server.key", directory / "server.csr", directory / "server.crt"
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    subprocess.run(["openssl", "req", "-x509", "-sha256", "-days", "1", *ec, "-keyout", str(ca_key),
+                    "-out", str(ca_crt), "-subj", "/CN=test-ca"], check=True, capture_output=True)
+    subprocess.run(["openssl", "req", "-sha256", *ec, "-keyout", str(key), "-out", str(csr),
+                    "-subj", "/CN=kube-apiserver"], check=True, capture_output=True)
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    subprocess.run(["openssl", "x509", "-req", "-sha256", "-days", "1", "-in", str(csr), "-CA", str(ca_crt),
+                    "-CAkey", str(ca_key), "-CAcreateserial", "-extfile", str(ext), "-out", str(crt)],
+                   check=True, capture_output=True)
+    token = secrets.token_hex(16)
+    (sa / "token").write_text(token)
+    (sa / "namespace").write_text("kube-system")
+    return crt, key, token
+
+
+class TlsApiServer(FakeApiServer):
+    """FakeApiServer over HTTPS (the in-cluster configuration only speaks https)."""
+
+    def __init__(self, context: ssl.SSLContext, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.context = context
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        for name, (path, *_rest) in RESOURCES.items():
+            app.router.add_get(path, self._handler(name))
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True, ssl_context=self.context)
+        await site.start()
+        server: Any = site._server
+        self.port = server.sockets[0].getsockname()[1]
+
+
+class ApiServerThread:
+    """A TlsApiServer listening on 127.0.0.1 in netns `ns`, served by a thread of its own."""
+
+    def __init__(self, ns: str, directory: Path) -> None:
+        crt, key, self.token = service_account(directory)
+        self.service_account_dir = directory / "serviceaccount"
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(crt, key)
+        self.api = TlsApiServer(context, bookmark_interval=0.5, token=self.token)
+        self.ns = ns
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        with inside(self.ns):  # setns is per thread: the loop's sockets are made in the node's netns
+            self.loop.run_forever()
+
+    def start(self) -> None:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.api.start(), self.loop).result(10)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run `fn(*args)` (a FakeApiServer method) on the server's loop; its result."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(*args))
+            except Exception as err:  # handed to the caller
+                fut.set_exception(err)
+        self.loop.call_soon_threadsafe(run)
+        return fut.result(10)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self.api.stop(), self.loop).result(10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+        self.loop.close()
