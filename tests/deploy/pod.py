@@ -1,8 +1,8 @@
 """The DaemonSet's container as a container runtime would start it on one node, as a spec for
 sandbox.py: the image's entrypoint with the manifest's args, its env (fieldRefs and $(VAR)
 references resolved as the kubelet does), its capabilities, allowPrivilegeEscalation and
-readOnlyRootFilesystem, the runtime's own mounts (/proc, a read-only /sys, a minimal /dev, the
-service-account directory) and every volumeMount of the manifest.
+readOnlyRootFilesystem, the runtime's own mounts (/proc with /proc/sys read-only, a read-only
+/sys, a minimal /dev, the service-account directory) and every volumeMount of the manifest.
 
 Volumes are resolved by kind: a configMap becomes a directory of its data, an emptyDir a tmpfs,
 and each hostPath a stand-in the test owns (`host_paths`), so nothing of the machine's own
@@ -69,7 +69,9 @@ def volume_mounts(ds: dict[str, Any], config_dirs: dict[str, Path],
 
 def runtime_mounts(service_account: Path) -> list[dict[str, Any]]:
     dev = [{"target": f"/dev/{n}", "type": "bind", "source": f"/dev/{n}"} for n in DEV_NODES]
-    return [{"target": "/proc", "type": "proc"}, {"target": "/sys", "type": "sysfs", "readonly": True},
+    # as runc does for a container that is not privileged: /proc/sys and friends read-only
+    proc_ro = [{"target": f"/proc/{p}", "type": "readonly"} for p in ("bus", "fs", "irq", "sys", "sysrq-trigger")]
+    return [{"target": "/proc", "type": "proc"}, *proc_ro, {"target": "/sys", "type": "sysfs", "readonly": True},
             {"target": "/dev", "type": "tmpfs"}, *dev,
             {"target": SERVICE_ACCOUNT, "type": "bind", "source": str(service_account), "readonly": True}]
 

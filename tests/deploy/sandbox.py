@@ -6,7 +6,8 @@ that private mount namespace and goes away with the process, which execs the ent
 Popen pid is the entrypoint's pid and signals reach it directly). SPEC is a JSON object:
   rootfs        the image's root file system (a writable container layer, e.g. `buildah mount`)
   netns         a network namespace file to enter first (hostNetwork: the node's)
-  mounts        [{"target", "type": bind|tmpfs|bpf|proc|sysfs, "source", "readonly"}], in order;
+  mounts        [{"target", "type": bind|tmpfs|bpf|proc|sysfs|readonly, "source", "readonly"}], in
+                order ("readonly": a path already mounted made read-only in place);
                 mount points are created as a runtime creates them (in the container's layer or
                 inside an earlier volume), symlinks in targets resolved inside rootfs
   read_only_root  remount the root read-only after the mounts (readOnlyRootFilesystem)
@@ -80,8 +81,13 @@ def make_mount_point(target: Path, source: str | None) -> None:
 
 def apply_mount(root: Path, m: dict[str, Any]) -> None:
     target = inside_root(root, m["target"])
-    make_mount_point(target, m.get("source"))
     kind, ro = m["type"], bool(m.get("readonly"))
+    if kind == "readonly":  # a path already there made read-only (runc's readonlyPaths; absent: skipped)
+        if target.exists():
+            mount("--bind", str(target), str(target))
+            mount("-o", "remount,bind,ro", str(target))
+        return
+    make_mount_point(target, m.get("source"))
     if kind == "bind":
         mount("--rbind", m["source"], str(target))
         if ro:

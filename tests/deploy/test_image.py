@@ -38,6 +38,7 @@ import pytest
 from tests.deploy.apiserver import ApiServerThread
 from tests.deploy.image import ROOT, BuiltImage, chroot, mounted
 from tests.deploy.pod import container, sandbox_argv, sandbox_spec
+from tests.deploy.sandbox import inside_root
 from tests.netns import Topology, inside
 from tests.offload.bpf.conftest import CGROUP2, attached_programs
 from tests.offload.harness import Pods, nft_list, tcp_peer_name, wait_listening
@@ -80,7 +81,7 @@ def test_image_holds_the_wheel_and_no_build_tools(built_image: BuiltImage, image
     assert [p.name for p in bpf.glob("sock_lb-*.o")] == [_bpf_object_name()]  # built into the wheel
     bins = [p.name for d in ("usr/bin", "usr/local/bin", "opt/usproxy/bin") for p in (image_rootfs / d).iterdir()]
     assert not [b for b in bins if re.fullmatch(r"(clang|gcc|g\+\+|cc|c\+\+|ld|llc|pip)[-.\d]*", b)], bins
-    assert not (image_rootfs / "usr" / "include").exists()
+    assert not [h for h in (image_rootfs / "usr" / "include").rglob("*") if not h.is_dir()]  # no headers
     assert not list(site.glob("pip")) and not list(site.glob("setuptools"))
     assert not (image_rootfs / "root" / ".cache").exists()
     assert not list((image_rootfs / "var" / "lib" / "apt" / "lists").glob("*_Packages*"))
@@ -98,8 +99,9 @@ def test_image_runs_what_the_daemonset_asks(built_image: BuiltImage, image_rootf
     env = built_image.env
     found = [d for d in env["PATH"].split(":") if (image_rootfs / d.lstrip("/") / "usproxy").is_file()]
     assert found[0] == "/opt/usproxy/bin"
-    shebang = (image_rootfs / "opt/usproxy/bin/usproxy").read_text().splitlines()[0]
-    assert shebang == "#!/opt/usproxy/bin/python"
+    interpreter = (image_rootfs / "opt/usproxy/bin/usproxy").read_text().splitlines()[0].removeprefix("#!")
+    assert interpreter.startswith("/opt/usproxy/bin/python")  # the venv's, which resolves in the image:
+    assert inside_root(image_rootfs, interpreter).is_file()  # venv → /usr/bin/python3 → python3.11
     helptext = chroot(image_rootfs, "/opt/usproxy/bin/usproxy", "run", "--help", env=env)
     assert helptext.returncode == 0, helptext.stderr
     for arg in c["args"][1:]:
@@ -109,15 +111,16 @@ def test_image_runs_what_the_daemonset_asks(built_image: BuiltImage, image_rootf
 # -- the image running as the DaemonSet's Pod ---------------------------------------------------
 
 
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, log: Path) -> Any:
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, pod: PodProcess) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        assert pod.alive(), f"the agent exited while waiting for {what}:\n{pod.log.read_text()[-4000:]}"
         with contextlib.suppress(OSError):
             got = pred()
             if got:
                 return got
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; agent log:\n{log.read_text()[-4000:]}")
+    raise AssertionError(f"timed out waiting for {what}; agent log:\n{pod.log.read_text()[-4000:]}")
 
 
 def http_get(ns: str, url: str) -> tuple[int, str]:
@@ -150,12 +153,21 @@ def relayed(node_ns: str) -> float:
     return sum(float(v) for v in re.findall(r"^usproxy_flows_total\{[^}]*\} (\S+)$", text, re.M))
 
 
+def bpf_client_argv(cgroup: Path, ns: str, *args: str) -> list[str]:
+    """tests/offload/bpf/client.py in the --bpf-cgroup and netns `ns`."""
+    return ["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec ip netns exec {ns} {sys.executable} {BPF_CLIENT} "
+            + " ".join(args)]
+
+
 def bpf_client(cgroup: Path, ns: str, *args: str) -> dict[str, Any]:
-    """tests/offload/bpf/client.py in the --bpf-cgroup and netns `ns`: its JSON result."""
-    script = f"echo $$ > {cgroup}/cgroup.procs && exec ip netns exec {ns} {sys.executable} {BPF_CLIENT} {' '.join(args)}"
-    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+    """Run the client to its end; its JSON result."""
+    out = subprocess.run(bpf_client_argv(cgroup, ns, *args), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def flows(node_ns: str) -> list[dict[str, Any]]:
+    return list(json.loads(http_get(node_ns, "http://127.0.0.1:10249/flows")[1]))
 
 
 @contextlib.contextmanager
@@ -221,6 +233,8 @@ def test_image_serves_a_cluster_ip_as_the_daemonset_runs_it(built_image: BuiltIm
         api.call(api.api.apply, "nodes", node(NODE_NAME))
         api.call(api.api.apply, "services", svc("web", VIP))
         api.call(api.api.apply, "endpointslices", eps("web-1", "web", ["10.244.1.5", "10.244.2.5"], node="node-b"))
+        host_run = tmp_path / "host-run-usproxy"
+        host_run.mkdir()
         config = tmp_path / "configmap"
         config.mkdir()
         for name, text in config_map()["data"].items():
@@ -231,7 +245,8 @@ def test_image_serves_a_cluster_ip_as_the_daemonset_runs_it(built_image: BuiltIm
                 # the manifest's placeholder for the API server, set as its comment says
                 env_overrides={"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.api.port)},
                 service_account=api.service_account_dir, config_dirs={"usproxy": config},
-                host_paths={"/sys/fs/bpf": {"type": "bpf"}, "/sys/fs/cgroup": {"type": "bind", "source": str(cgroup)}})
+                host_paths={"/sys/fs/bpf": {"type": "bpf"}, "/sys/fs/cgroup": {"type": "bind", "source": str(cgroup)},
+                            "/run/usproxy": {"type": "bind", "source": str(host_run)}})
             pod = PodProcess(spec, tmp_path)
             pid = pod.start()
             _serve_and_offload(ds, pod, pid, topology, cli, api, cgroup)
@@ -247,10 +262,10 @@ def test_image_serves_a_cluster_ip_as_the_daemonset_runs_it(built_image: BuiltIm
 def _serve_and_offload(ds: dict[str, Any], pod: PodProcess, pid: int, topology: Topology, cli: str,
                        api: ApiServerThread, cgroup: Path) -> None:
     c = container(ds)
-    node_ns, log = topology.node, pod.log
+    node_ns = topology.node
     ready = c["readinessProbe"]["httpGet"]
     wait_for(lambda: http_get(node_ns, f"http://{NODE_IP}:{ready['port']}{ready['path']}")[0] == 200, 60,
-             "the readiness probe", log)
+             "the readiness probe", pod)
     live = c["livenessProbe"]["httpGet"]
     assert http_get(node_ns, f"http://{NODE_IP}:{live['port']}{live['path']}")[0] == 200
     # the process runs as the manifest says: only the added capabilities, no escalation, read-only /
@@ -262,8 +277,8 @@ def _serve_and_offload(ds: dict[str, Any], pod: PodProcess, pid: int, topology: 
                       if line.split()[4] == "/")
     assert "ro" in root_mount[5].split(","), root_mount
     # a ClusterIP from a pod's netns: the relay first, then the kernel (nftables, DNAT)
-    assert wait_for(lambda: tcp_peer_name(cli, VIP, 80)[0] in ("be-a", "be-b"), 10, "the ClusterIP", log)
-    wait_for(lambda: "nftables" in placement(node_ns), 30, "the nftables offload", log)
+    assert wait_for(lambda: tcp_peer_name(cli, VIP, 80)[0] in ("be-a", "be-b"), 10, "the ClusterIP", pod)
+    wait_for(lambda: "nftables" in placement(node_ns), 30, "the nftables offload", pod)
     before = relayed(node_ns)
     answers = [tcp_peer_name(cli, VIP, 80) for _ in range(40)]
     assert {name for name, _ in answers} == {"be-a", "be-b"}
@@ -273,11 +288,19 @@ def _serve_and_offload(ds: dict[str, Any], pod: PodProcess, pid: int, topology: 
     # the socket LB for processes in the --bpf-cgroup (the host's cgroup root in the manifest)
     assert "bpf" in placement(node_ns), placement(node_ns)
     out = bpf_client(cgroup, cli, "tcp", VIP, "80", "20")
-    assert out["errors"] == {} and set(out["names"]) == {"be-a", "be-b"}
+    assert out["errors"] == {} and {n.split()[0] for n in out["names"]} == {"be-a", "be-b"}
     assert relayed(node_ns) == before
     assert attached_programs(cgroup)
+    hold = subprocess.Popen(bpf_client_argv(cgroup, cli, "hold", VIP, "80", "-", "0"), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout is not None and hold.stdout.readline().strip() == "tick"
+        # a connection made by the socket LB (no NAT anywhere), as the agent accounts it
+        assert wait_for(lambda: any(f["datapath"] == "bpf" for f in flows(node_ns)), 5, "a bpf flow", pod)
+    finally:
+        hold.communicate(input="", timeout=10)
     # the in-cluster watch: an EndpointSlice change reaches traffic
     api.call(api.api.apply, "endpointslices", eps("web-1", "web", ["10.244.1.5"], node="node-b"))
     wait_for(lambda: {tcp_peer_name(cli, VIP, 80)[0] for _ in range(10)} == {"be-a"}, 10,
-             "the EndpointSlice change", log)
+             "the EndpointSlice change", pod)
     assert pod.alive()

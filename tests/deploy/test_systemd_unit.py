@@ -47,7 +47,9 @@ def unit_entries() -> dict[str, list[str]]:
 def unit_environment() -> dict[str, str]:
     env: dict[str, str] = {}
     for value in unit_entries()["Environment"]:
-        env.update(word.split("=", 1) for word in shlex.split(value))
+        for word in shlex.split(value):
+            key, _, val = word.partition("=")
+            env[key] = val
     return env
 
 

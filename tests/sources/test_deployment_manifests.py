@@ -18,6 +18,7 @@ import yaml
 from aiohttp import web
 
 from usproxy.admin.server import health_routes, split_hostport
+from usproxy.agent import LOCK_DIR
 from usproxy.cli import build_parser, config_from_args
 from usproxy.offload.bpf.loader import BPFFS
 from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICES
@@ -116,6 +117,10 @@ def test_mounts_bpf_and_cgroup_where_the_agent_looks(ds: dict[str, Any]) -> None
     assert cg_vol["hostPath"]["path"] == "/sys/fs/cgroup"
     assert not any(v.get("hostPath", {}).get("path") in ("/", "/proc", "/dev", "/var/run/docker.sock")
                    for _, v in m.values())
+    # the root is read-only: the agent's lock directory is the host's, so agents on the node's
+    # network (an old Pod, a systemd one) see each other's locks
+    lock_mount, lock_vol = m[str(LOCK_DIR)]
+    assert lock_vol["hostPath"]["path"] == str(LOCK_DIR) and not lock_mount.get("readOnly")
 
 
 def _rule_target(path: str) -> tuple[str, str]:
