@@ -177,15 +177,15 @@ new_id=$(buildah images --quiet --no-trunc "$TAG")
 used=$(grep -o 'Using cache [0-9a-f]*' "$BUILD_LOG" | awk '{print $3}' || true)
 for id in $stale $old_id; do
   [ "$id" = "$new_id" ] && continue
-  grep -q "${id#sha256:}" <<<"$used" && continue
+  grep -qx "${id#sha256:}" <<<"$used" && continue  # buildah prints full IDs
   buildah rmi "$id" >/dev/null 2>&1 || true  # refused while a kept image still builds on it
 done
-[ -n "$OCI_ARCHIVE" ] && buildah push --quiet "$TAG" "oci-archive:$OCI_ARCHIVE:$TAG"
-[ -n "$DOCKER_ARCHIVE" ] && buildah push --quiet "$TAG" "docker-archive:$DOCKER_ARCHIVE:$TAG"
+if [ -n "$OCI_ARCHIVE" ]; then buildah push --quiet "$TAG" "oci-archive:$OCI_ARCHIVE:$TAG"; fi
+if [ -n "$DOCKER_ARCHIVE" ]; then buildah push --quiet "$TAG" "docker-archive:$DOCKER_ARCHIVE:$TAG"; fi
 size=$(buildah images --format '{{.Size}}' "$TAG" | head -n1)
 echo "== built in $(( $(date +%s) - start )) s: $TAG ($size)" >&2
 ctr=$(buildah from --quiet --pull-never "$TAG")
 mnt=$(buildah mount "$ctr")
-bytes=$(du -sb --exclude=./proc --exclude=./sys "$mnt" | cut -f1)
+bytes=$(du -sb "$mnt" | cut -f1)  # unpacked, as it lands on a node
 buildah rm "$ctr" >/dev/null
 echo "$TAG $new_id $bytes"
