@@ -5,7 +5,8 @@ on the NodePort; TCP or UDP by the ServicePort's protocol) and one EndpointSelec
 kind ("cluster" for ClusterIPs, "external" for NodePorts, externalIPs and LoadBalancer IPs, which
 obey externalTrafficPolicy), and it is the FlowOwner of every flow its listeners relay. A frontend
 listens only while its kind has a usable endpoint, so the kernel refuses at once otherwise (C01,
-C03). `apply()` diffs listeners by (address, port, protocol) and touches nothing that did
+C03); a connection accepted just before its listener closed is reset, never left hanging
+(TcpListener). `apply()` diffs listeners by (address, port, protocol) and touches nothing that did
 not change (C21); after it, no UDP flow points at an endpoint outside its kind's usable set.
 
 What it shares with the other ServicePorts comes through its constructor: the FlowAdmission
@@ -16,7 +17,6 @@ and reads to refuse an endpoint that is one of them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Collection
 from typing import Union
@@ -28,14 +28,15 @@ from usproxy.ratelimit import RateLimitedLog
 from usproxy.relay.endpoint_selector import EndpointSelector
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.flow_owner import TrafficKind
-from usproxy.relay.tcp import ClientSide, keepalive_listeners, serve_kwargs
+from usproxy.relay.tcp import ClientSide
+from usproxy.relay.tcp_listener import TcpListener
 from usproxy.relay.udp import UdpListener, UdpRelay
 from usproxy.service_port import LBPolicy
 from usproxy.types import ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
-Listener = Union[asyncio.AbstractServer, UdpListener]
+Listener = Union[TcpListener, UdpListener]
 ListenerKey = tuple[str, int, TrafficKind]  # (address, port, kind)
 Listening = set[tuple[str, int, str]]  # (address, port, protocol) of every listener of the relay
 
@@ -89,11 +90,8 @@ class ServicePortRelay:
         addr, port, kind = key
         try:
             if self.spn.protocol == "TCP":
-                loop = asyncio.get_running_loop()
-                server = await loop.create_server(
-                    lambda: ClientSide(self, kind, (addr, port)), addr, port, **serve_kwargs())
-                keepalive_listeners(server)
-                self.listeners[key] = server
+                self.listeners[key] = await TcpListener.open(
+                    addr, port, lambda: ClientSide(self, kind, (addr, port)))
             elif self.spn.protocol == "UDP":
                 self.listeners[key] = UdpListener(self.udp, self, (addr, port), kind)
             else:

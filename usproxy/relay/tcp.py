@@ -25,7 +25,7 @@ import asyncio
 import logging
 import socket
 import struct
-from typing import Any, cast
+from typing import cast
 
 from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.endpoint import Endpoint
@@ -44,7 +44,7 @@ LINGER_ZERO = struct.pack("ii", 1, 0)  # SO_LINGER on with 0 s: close() sends RS
 
 def tune(transport: asyncio.BaseTransport) -> None:
     """Per-connection set-up kept to what the socket does not already have: accepted sockets
-    inherit SO_KEEPALIVE from their listener (see `keepalive_listeners`) and get TCP_NODELAY from
+    inherit SO_KEEPALIVE from their listener (see tcp_listener.py) and get TCP_NODELAY from
     the loop; endpoint sockets get both in `connect`."""
     cast(asyncio.WriteTransport, transport).set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
 
@@ -60,10 +60,11 @@ def reset(transport: asyncio.WriteTransport) -> None:
     transport.close()
 
 
-def keepalive_listeners(server: asyncio.AbstractServer) -> None:
-    """SO_KEEPALIVE on a listening socket, inherited by every connection it accepts (Linux)."""
-    for sock in getattr(server, "sockets", None) or ():
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+def reset_socket(sock: socket.socket) -> None:
+    """Close a socket no transport owns with RST (SO_LINGER 0); a closed one is left alone."""
+    if sock.fileno() != -1:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_ZERO)
+        sock.close()
 
 
 class ClientSide(asyncio.Protocol):
@@ -348,6 +349,3 @@ async def connect(ep: Endpoint, timeout: float) -> socket.socket:
         raise
     return sock
 
-
-def serve_kwargs() -> dict[str, Any]:
-    return {"reuse_address": True, "backlog": 4096}
