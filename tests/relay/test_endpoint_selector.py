@@ -162,7 +162,7 @@ def test_affinity_failure_removal_rebuild_and_spec_changes() -> None:
     sel = selector(eps, affinity="ClientIP", clock=clock)
     x = sel.pick("a")
     assert x is not None
-    sel.failed(x, "a")
+    sel.failed(x)
     y = sel.pick("a", exclude=[x])
     assert y != x and all(sel.pick("a") == y for _ in range(20))
     # A pin to an endpoint that is removed is purged; pins to endpoints that remain survive.

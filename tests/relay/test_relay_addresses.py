@@ -31,9 +31,6 @@ class FakeVip:
     async def setup(self) -> None:
         pass
 
-    async def add(self, ip: IPAddress) -> None:
-        self.addresses.add(ip)
-
     async def add_many(self, ips: Iterable[IPAddress]) -> None:
         self.addresses.update(ips)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from usproxy.conntrack.flow_table import Flow, HostPort
 from usproxy.endpoint import Endpoint
+from usproxy.relay.flow_owner import FlowOwner, TrafficKind
 from usproxy.relay.tcp import DIAL_BUFFER, HIGH_WATER, ClientSide, EndpointSide
 from usproxy.types import ServicePortName
 
@@ -68,6 +69,8 @@ class FakeTransport:
 
 
 class FakeOwner:
+    """A FlowOwner that has no endpoint and records what the protocol tells it."""
+
     spn = ServicePortName("default", "web", "http", "TCP")
 
     def __init__(self) -> None:
@@ -79,22 +82,22 @@ class FakeOwner:
     def end_flow(self, flow: Flow) -> None:
         self.events.append("end")
 
-    def pick(self, kind: str, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
+    def pick(self, kind: TrafficKind, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
         return None
 
-    def failed(self, kind: str, ep: Endpoint, client_ip: str) -> None:
+    def failed(self, kind: TrafficKind, ep: Endpoint) -> None:
         self.events.append("failed")
 
-    def opened(self, kind: str, ep: Endpoint) -> None:
+    def opened(self, kind: TrafficKind, ep: Endpoint) -> None:
         self.events.append("opened")
 
-    def closed(self, kind: str, ep: Endpoint) -> None:
+    def closed(self, kind: TrafficKind, ep: Endpoint) -> None:
         self.events.append("closed")
 
 
-async def accepted() -> tuple[ClientSide, FakeTransport]:
+async def accepted(owner: FlowOwner | None = None) -> tuple[ClientSide, FakeTransport]:
     """A ClientSide whose own dial is stopped, so the test plays the endpoint's part."""
-    client = ClientSide(FakeOwner(), "cluster", ("10.96.10.10", 80))  # type: ignore[arg-type]
+    client = ClientSide(owner or FakeOwner(), "cluster", ("10.96.10.10", 80))
     t = FakeTransport(("10.244.9.10", 40000), ("10.96.10.10", 80))
     t.protocol = client
     client.connection_made(t)  # type: ignore[arg-type]
@@ -163,7 +166,8 @@ async def test_fin_each_way_then_both_legs_close() -> None:
 
 
 async def test_endpoint_connected_after_the_client_left_never_touches_it() -> None:
-    client, ct = await accepted()
+    owner = FakeOwner()
+    client, ct = await accepted(owner)
     client.connection_lost(ConnectionResetError())
     ops_before = list(ct.ops)
     side, ut = endpoint_leg(client)
@@ -172,4 +176,4 @@ async def test_endpoint_connected_after_the_client_left_never_touches_it() -> No
     side.eof_received()
     side.connection_lost(None)
     assert ct.ops == ops_before
-    assert client.owner.events.count("opened") == 0  # type: ignore[attr-defined]
+    assert owner.events.count("opened") == 0

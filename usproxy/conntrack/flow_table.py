@@ -2,7 +2,8 @@
 
 A Flow has an original tuple (client → frontend, i.e. ClusterIP:port or node:NodePort) and a reply
 tuple (endpoint → the proxy's local address), bytes and packets each way (a "packet" is one read
-or one datagram), state, start and last activity (monotonic seconds). The table is bounded by
+or one datagram), state (a FlowState, named as the kernel's conntrack names them), start and last
+activity (monotonic seconds). The table is bounded by
 `max_flows` (kube-proxy's conntrack max rule; see ProxyConfig.conntrack_max): `add` raises
 FlowTableFull instead of growing, so callers can refuse a new connection cleanly. Insert, lookup
 and delete are O(1).
@@ -14,11 +15,16 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 from usproxy.types import ServicePortName, format_hostport
 
 HostPort = tuple[str, int]
+
+# TCP: NEW (accepted) -> SYN_SENT (dialing the endpoint) -> ESTABLISHED -> FIN_WAIT (one side sent
+# FIN) -> CLOSING (both did). UDP: UNREPLIED until the endpoint's first reply, then ASSURED.
+FlowState: TypeAlias = Literal["NEW", "SYN_SENT", "ESTABLISHED", "FIN_WAIT", "CLOSING", "UNREPLIED",
+                               "ASSURED"]
 
 
 class FlowTableFull(Exception):
@@ -37,7 +43,7 @@ class Flow:
     local: HostPort | None = None
     local_of: Any = None  # a transport whose sockname is `local`, read only when shown
     datapath: str = "userspace"
-    state: str = "NEW"
+    state: FlowState = "NEW"
     started: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     bytes_in: int = 0
@@ -83,7 +89,6 @@ class FlowTable:
         self.max_flows = max_flows
         self._flows: dict[int, Flow] = {}
         self._ids = itertools.count(1)
-        self.total = 0
         self.refused = 0
         # Counters read by the metrics collector at scrape time (nothing per flow reaches
         # Prometheus): flows opened and live per protocol, bytes of flows that ended.
@@ -97,7 +102,6 @@ class FlowTable:
             raise FlowTableFull(f"flow table full ({self.max_flows} flows)")
         flow.id = next(self._ids)
         self._flows[flow.id] = flow
-        self.total += 1
         p = flow.protocol
         self.opened[p] = self.opened.get(p, 0) + 1
         self.live[p] = self.live.get(p, 0) + 1

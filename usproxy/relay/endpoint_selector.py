@@ -131,7 +131,7 @@ class EndpointSelector:
                 return ep
         return candidates[0]
 
-    def failed(self, ep: Endpoint, client_ip: str | None = None) -> None:
+    def failed(self, ep: Endpoint) -> None:
         """`ep` refused or timed out: back off from it and drop pins to it."""
         self._failed_until[ep] = self.clock() + FAIL_BACKOFF
         self._pins = {c: a for c, a in self._pins.items() if a.endpoint != ep}

@@ -9,6 +9,10 @@ more (at most MAX_RELEASED such addresses, oldest dropped first), without listen
 clients of a deleted Service are refused by the kernel at once (C21) instead of being routed nowhere
 and timing out; an address that is needed again is simply kept. A UDP sweeper expires idle flows
 once a second.
+
+It owns what the ServicePortRelays share and hands it to each through its constructor: the
+FlowAdmission (flow bounds and eviction, sized from the descriptor limit), the UdpRelay and the set
+of every listening (address, port, protocol).
 """
 
 from __future__ import annotations
@@ -22,17 +26,16 @@ from typing import Any
 
 from usproxy.admin.metrics import Metrics
 from usproxy.config import ProxyConfig
-from usproxy.conntrack.flow_table import FlowTable
 from usproxy.conntrack.metrics import FlowTableCollector
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
-from usproxy.relay.service_port_relay import ServicePortRelay
+from usproxy.relay.flow_admission import FlowAdmission
+from usproxy.relay.service_port_relay import Listening, ServicePortRelay
 from usproxy.relay.udp import UdpRelay
 from usproxy.relay.vip_interface import VipInterface
 from usproxy.service_port import LBPolicy
 from usproxy.types import IPAddress, ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)
-FD_RESERVE = 256  # descriptors kept for listeners, TCP flows and the admin server
 RELEASE_AFTER = 60.0  # seconds an address no Service uses stays local (refused), covering DNS TTLs
 MAX_RELEASED = 1024  # such addresses kept at most
 
@@ -60,18 +63,13 @@ class Relay:
         self.metrics = metrics or Metrics()
         self.vip = vip or VipInterface(cfg.vip_interface)
         self.default_policy: LBPolicy = cfg.lb_policy  # type: ignore[assignment]
-        nofile = raise_nofile_limit()
-        # A TCP flow holds two descriptors and a UDP flow one: the table never holds more flows
-        # than the descriptor limit allows, so a connection flood is refused cleanly (RST) and
-        # never runs the agent out of descriptors (EMFILE would also stop it reading manifests).
-        budget = max(16, nofile - min(FD_RESERVE, nofile // 4))
-        self.flow_table = FlowTable(min(cfg.conntrack_max(), budget // 2))
-        self.metrics.registry.register(FlowTableCollector(self.flow_table))
-        self.udp = UdpRelay(cfg.udp_idle_timeout, max(16, min(self.flow_table.max_flows, budget)))
+        self.udp = UdpRelay(cfg.udp_idle_timeout)
+        self.admission = FlowAdmission.within(cfg.conntrack_max(), raise_nofile_limit(), self.udp.evict_oldest)
+        self.metrics.registry.register(FlowTableCollector(self.admission.table))
         self.ports: dict[ServicePortName, ServicePortRelay] = {}
         self.node_ips: list[str] = []
         self.host_ips: set[IPAddress] = set()  # local addresses on other interfaces: never on usproxy0
-        self.listening: set[tuple[str, int, str]] = set()  # (address, port, protocol) of every listener
+        self.listening: Listening = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._started = False
         self.released: dict[IPAddress, float] = {}  # unused address -> since when (monotonic)
@@ -122,7 +120,9 @@ class Relay:
                 await port.close()
             return
         if port is None:
-            port = self.ports[spn] = ServicePortRelay(self, state)
+            port = self.ports[spn] = ServicePortRelay(
+                state, admission=self.admission, udp=self.udp, listening=self.listening,
+                default_policy=self.default_policy)
         await port.apply(state, self.node_ips)
         if port.errors:
             self._failing.add(spn)
@@ -188,7 +188,7 @@ class Relay:
         return "\n".join(lines)
 
     def flows_view(self) -> list[dict[str, Any]]:
-        return self.flow_table.view()
+        return self.admission.table.view()
 
     async def close(self) -> None:
         if self._sweeper is not None:

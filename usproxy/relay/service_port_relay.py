@@ -1,50 +1,62 @@
 """ServicePortRelay: the relay's runtime state for one ServicePort.
 
 It owns the listeners of that ServicePort (ClusterIPs and external IPs on `port`, node addresses
-on the NodePort; TCP or UDP by the ServicePort's protocol), one EndpointSelector per traffic kind
-("cluster" for ClusterIPs, "external" for NodePorts, externalIPs and LoadBalancer IPs, which obey
-externalTrafficPolicy), and counts of its flows. A frontend listens only while its kind has a
-usable endpoint, so the kernel refuses at once otherwise (C01, C03). `apply()` diffs listeners by
-(address, port, protocol) and touches nothing that did not change (C21); after it, no UDP flow
-points at an endpoint outside its kind's usable set.
+on the NodePort; TCP or UDP by the ServicePort's protocol) and one EndpointSelector per traffic
+kind ("cluster" for ClusterIPs, "external" for NodePorts, externalIPs and LoadBalancer IPs, which
+obey externalTrafficPolicy), and it is the FlowOwner of every flow its listeners relay. A frontend
+listens only while its kind has a usable endpoint, so the kernel refuses at once otherwise (C01,
+C03); a connection accepted just before its listener closed is reset, never left hanging
+(TcpListener). `apply()` diffs listeners by (address, port, protocol) and touches nothing that did
+not change (C21); after it, no UDP flow points at an endpoint outside its kind's usable set.
+
+What it shares with the other ServicePorts comes through its constructor: the FlowAdmission
+(flows are admitted there), the UdpRelay (its UDP listeners' flows), and the set of every
+listening (address, port, protocol) of the relay, which it keeps up to date for its own listeners
+and reads to refuse an endpoint that is one of them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
 from usproxy.conntrack.flow_table import Flow, HostPort
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.relay.endpoint_selector import EndpointSelector
-from usproxy.relay.tcp import ClientSide, keepalive_listeners, serve_kwargs
-from usproxy.relay.udp import UdpListener
+from usproxy.relay.flow_admission import FlowAdmission
+from usproxy.relay.flow_owner import TrafficKind
+from usproxy.relay.tcp import ClientSide
+from usproxy.relay.tcp_listener import TcpListener
+from usproxy.relay.udp import UdpListener, UdpRelay
+from usproxy.service_port import LBPolicy
 from usproxy.types import ServicePortName, format_hostport
-
-if TYPE_CHECKING:
-    from usproxy.relay.relay import Relay
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
-Listener = Union[asyncio.AbstractServer, UdpListener]
-ListenerKey = tuple[str, int, str]  # (address, port, kind)
+Listener = Union[TcpListener, UdpListener]
+ListenerKey = tuple[str, int, TrafficKind]  # (address, port, kind)
+Listening = set[tuple[str, int, str]]  # (address, port, protocol) of every listener of the relay
 
 
 class ServicePortRelay:
     """Listeners, selectors and flow bookkeeping of one ServicePort."""
 
-    def __init__(self, relay: Relay, state: ServicePortState) -> None:
-        self.relay = relay
+    def __init__(self, state: ServicePortState, *, admission: FlowAdmission, udp: UdpRelay,
+                 listening: Listening, default_policy: LBPolicy) -> None:
+        """`default_policy` applies where the ServicePort names no load-balancing policy."""
         self.spn: ServicePortName = state.service_port.name
         self.state = state
-        self.selectors = {"cluster": EndpointSelector(), "external": EndpointSelector()}
+        self.admission = admission
+        self.udp = udp
+        self.listening = listening
+        self.default_policy: LBPolicy = default_policy
+        self.selectors: dict[TrafficKind, EndpointSelector] = {
+            "cluster": EndpointSelector(), "external": EndpointSelector()}
         self.listeners: dict[ListenerKey, Listener] = {}
         self.errors: dict[ListenerKey, str] = {}
-        self.flows = 0
 
     # -- configuration -------------------------------------------------------------------------
     def desired(self, state: ServicePortState, node_ips: Collection[str]) -> set[ListenerKey]:
@@ -64,8 +76,8 @@ class ServicePortRelay:
         """Take a new state: update selectors, then open and close listeners as needed."""
         self.state = state
         sp = state.service_port
-        policy = sp.lb_policy or self.relay.default_policy
-        for kind, eps in (("cluster", state.cluster_endpoints), ("external", state.external_endpoints)):
+        policy = sp.lb_policy or self.default_policy
+        for kind, eps in self._endpoints(state).items():
             self.selectors[kind].update(eps, policy, sp.session_affinity, float(sp.affinity_timeout))
         self._close_stale_flows(state)
         want = self.desired(state, node_ips)
@@ -78,13 +90,10 @@ class ServicePortRelay:
         addr, port, kind = key
         try:
             if self.spn.protocol == "TCP":
-                loop = asyncio.get_running_loop()
-                server = await loop.create_server(
-                    lambda: ClientSide(self, kind, (addr, port)), addr, port, **serve_kwargs())
-                keepalive_listeners(server)
-                self.listeners[key] = server
+                self.listeners[key] = await TcpListener.open(
+                    addr, port, lambda: ClientSide(self, kind, (addr, port)))
             elif self.spn.protocol == "UDP":
-                self.listeners[key] = UdpListener(self.relay.udp, self, (addr, port), kind)
+                self.listeners[key] = UdpListener(self.udp, self, (addr, port), kind)
             else:
                 self.errors[key] = f"{self.spn.protocol} is not relayed in userspace"
                 return
@@ -93,16 +102,13 @@ class ServicePortRelay:
             log.error("%s: %s", self.spn, self.errors[key])
             return
         self.errors.pop(key, None)
-        self.relay.listening.add((addr, port, self.spn.protocol))
+        self.listening.add((addr, port, self.spn.protocol))
         log.debug("%s: listening on %s/%s", self.spn, format_hostport(addr, port), self.spn.protocol)
 
     async def _close_listener(self, key: ListenerKey) -> None:
-        listener = self.listeners.pop(key)
-        listener.close()
-        self.relay.listening.discard((key[0], key[1], self.spn.protocol))
-        if isinstance(listener, asyncio.AbstractServer):
-            # Established connections keep running (as kube-proxy); only accepting stops.
-            pass
+        # Established connections keep running (as kube-proxy); only accepting stops.
+        self.listeners.pop(key).close()
+        self.listening.discard((key[0], key[1], self.spn.protocol))
         self.errors.pop(key, None)
 
     async def retry_failed(self) -> None:
@@ -118,13 +124,17 @@ class ServicePortRelay:
         """UDP flows whose endpoint left its kind's usable set (removed, not ready any more, port
         changed, policy changed) are closed in this sync, not at idle timeout: the client's next
         datagram picks again (C03). TCP connections run on, as in kube-proxy."""
-        usable = {"cluster": state.cluster_endpoints, "external": state.external_endpoints}
+        usable = self._endpoints(state)
         for (_, _, kind), listener in self.listeners.items():
             if isinstance(listener, UdpListener):
                 listener.keep_flows_to(usable[kind])
 
-    # -- used by the TCP and UDP relays ----------------------------------------------------------
-    def pick(self, kind: str, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
+    @staticmethod
+    def _endpoints(state: ServicePortState) -> dict[TrafficKind, tuple[Endpoint, ...]]:
+        return {"cluster": state.cluster_endpoints, "external": state.external_endpoints}
+
+    # -- FlowOwner: used by the TCP and UDP relays -------------------------------------------------
+    def pick(self, kind: TrafficKind, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
         """The endpoint for a new TCP connection or UDP flow, never one of this proxy's own
         listeners (an endpoint that is, say, its own NodePort would make every connection dial
         itself until descriptors run out): such an endpoint is logged and skipped."""
@@ -137,31 +147,24 @@ class ServicePortRelay:
             if ep in own:  # nothing but our own frontends is left
                 return None
             limited.warning("%s: endpoint %s is this proxy's own frontend; refusing the loop", self.spn, ep)
-            selector.failed(ep, client_ip)
+            selector.failed(ep)
             own.add(ep)
 
     def _is_own_frontend(self, ep: Endpoint) -> bool:
-        return (str(ep.ip), ep.port, self.spn.protocol) in self.relay.listening
+        return (str(ep.ip), ep.port, self.spn.protocol) in self.listening
 
-    def failed(self, kind: str, ep: Endpoint, client_ip: str) -> None:
-        self.selectors[kind].failed(ep, client_ip)
+    def failed(self, kind: TrafficKind, ep: Endpoint) -> None:
+        self.selectors[kind].failed(ep)
 
-    def opened(self, kind: str, ep: Endpoint) -> None:
+    def opened(self, kind: TrafficKind, ep: Endpoint) -> None:
         self.selectors[kind].opened(ep)
 
-    def closed(self, kind: str, ep: Endpoint) -> None:
+    def closed(self, kind: TrafficKind, ep: Endpoint) -> None:
         self.selectors[kind].closed(ep)
 
     def new_flow(self, protocol: str, client: HostPort, frontend: HostPort) -> Flow:
-        """Add a flow; when the table is full the longest-idle UDP flow makes room (a UDP flood
-        of fresh source ports must not lock TCP out). Raises FlowTableFull otherwise."""
-        table = self.relay.flow_table
-        if len(table) >= table.max_flows and self.relay.udp.flows:
-            self.relay.udp.evict_oldest()
-        flow = table.add(Flow(protocol, self.spn, client, frontend))
-        self.flows += 1
-        return flow
+        """Admit a flow (FlowAdmission: may evict an idle UDP flow; raises FlowTableFull)."""
+        return self.admission.admit(protocol, self.spn, client, frontend)
 
     def end_flow(self, flow: Flow) -> None:
-        self.relay.flow_table.remove(flow)
-        self.flows -= 1
+        self.admission.release(flow)

@@ -25,14 +25,12 @@ import asyncio
 import logging
 import socket
 import struct
-from typing import TYPE_CHECKING, Any, cast
+from typing import cast
 
 from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
-
-if TYPE_CHECKING:
-    from usproxy.relay.service_port_relay import ServicePortRelay
+from usproxy.relay.flow_owner import FlowOwner, TrafficKind
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
@@ -41,19 +39,14 @@ DIAL_TIMEOUTS = (0.25, 0.5, 1.0, 2.0)
 DIAL_BUFFER = 256 * 1024
 HIGH_WATER = 1024 * 1024
 LOW_WATER = 256 * 1024
+LINGER_ZERO = struct.pack("ii", 1, 0)  # SO_LINGER on with 0 s: close() sends RST
 
 
 def tune(transport: asyncio.BaseTransport) -> None:
     """Per-connection set-up kept to what the socket does not already have: accepted sockets
-    inherit SO_KEEPALIVE from their listener (see `keepalive_listeners`) and get TCP_NODELAY from
+    inherit SO_KEEPALIVE from their listener (see tcp_listener.py) and get TCP_NODELAY from
     the loop; endpoint sockets get both in `connect`."""
     cast(asyncio.WriteTransport, transport).set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
-
-
-def keepalive_listeners(server: asyncio.AbstractServer) -> None:
-    """SO_KEEPALIVE on a listening socket, inherited by every connection it accepts (Linux)."""
-    for sock in getattr(server, "sockets", None) or ():
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
 
 def reset(transport: asyncio.WriteTransport) -> None:
@@ -61,21 +54,32 @@ def reset(transport: asyncio.WriteTransport) -> None:
     sock = transport.get_extra_info("socket")
     try:
         if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_ZERO)
     except OSError:
         pass
     transport.close()
 
 
-class ClientSide(asyncio.Protocol):
-    """The accepted connection from the client to ClusterIP:port (or NodePort)."""
+def reset_socket(sock: socket.socket) -> None:
+    """Close a socket no transport owns with RST (SO_LINGER 0); a closed one is left alone."""
+    if sock.fileno() != -1:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_ZERO)
+        sock.close()
 
-    def __init__(self, owner: ServicePortRelay, kind: str, frontend: HostPort) -> None:
+
+class ClientSide(asyncio.Protocol):
+    """The accepted connection from the client to ClusterIP:port (or NodePort).
+
+    It owns the flow, the dial and the client's transport. Its EndpointSide reaches it only
+    through `attach`, `reply`, `reply_eof`, `upstream_lost`, `pause_reading` and `resume_reading`.
+    """
+
+    def __init__(self, owner: FlowOwner, kind: TrafficKind, frontend: HostPort) -> None:
         self.owner = owner
-        self.kind = kind
+        self.kind: TrafficKind = kind
         self.frontend = frontend  # the listener's address: no getsockname per connection
         self.transport: asyncio.Transport | None = None
-        self.upstream: EndpointSide | None = None
+        self.upstream: EndpointSide | None = None  # set by `attach`
         self.flow: Flow | None = None
         self.pending = bytearray()
         self.held = False  # reading paused because `pending` is full (not for backpressure)
@@ -105,9 +109,8 @@ class ClientSide(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.flow is not None:
             self.flow.seen_in(len(data))
-        up = self.upstream
-        if up is not None and up.transport is not None:
-            up.transport.write(data)
+        if self.upstream is not None:
+            self.upstream.send(data)
             return
         self.pending += data
         if len(self.pending) >= DIAL_BUFFER and self.transport is not None and not self.held:
@@ -116,32 +119,90 @@ class ClientSide(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.eof_in = True
-        up = self.upstream
-        if up is not None and up.transport is not None:
-            up.transport.write_eof()
+        if self.upstream is not None:
+            self.upstream.send_eof()
             self._maybe_finish()
-        return True
+        return True  # else `attach` sends the FIN after the buffered bytes
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.dial is not None and not self.dial.done():
             self.dial.cancel()
         up = self.upstream
-        if up is not None and up.transport is not None and not up.transport.is_closing():
-            if exc is not None:
-                reset(up.transport)
-            else:
-                up.transport.close()
+        if up is not None and exc is not None:
+            up.reset()
+        elif up is not None:
+            up.close()
         self._release()
         if up is None or up.lost:
             self.upstream = None  # break the ClientSide <-> EndpointSide cycle: no GC needed
 
     def pause_writing(self) -> None:
-        if self.upstream is not None and self.upstream.transport is not None:
-            self.upstream.transport.pause_reading()
+        if self.upstream is not None:
+            self.upstream.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.upstream is not None and self.upstream.transport is not None:
-            self.upstream.transport.resume_reading()
+        if self.upstream is not None:
+            self.upstream.resume_reading()
+
+    # -- what its EndpointSide may ask ---------------------------------------------------------
+    def attach(self, side: EndpointSide) -> bool:
+        """`side` is connected to its endpoint: make it this connection's upstream and hand it
+        what the client sent meanwhile (bytes, then FIN). False, and `side` closed, when the
+        client is gone (a dial that completed after its client left never touches it)."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            side.close()
+            return False
+        ep = side.endpoint
+        self.endpoint = ep
+        self.owner.opened(self.kind, ep)
+        self.upstream = side
+        if self.flow is not None:
+            self.flow.endpoint = (str(ep.ip), ep.port)
+            self.flow.local_of = side.transport  # its address is read only when flows are shown
+            self.flow.state = "ESTABLISHED"
+        if self.pending:
+            side.send(bytes(self.pending))
+            self.pending.clear()
+        if self.held and not side.over_high_water():
+            self.transport.resume_reading()  # else the side's resume_writing resumes it
+        self.held = False
+        if self.eof_in:
+            side.send_eof()
+        return True
+
+    def reply(self, data: bytes) -> None:
+        """Endpoint → client bytes."""
+        if self.flow is not None:
+            self.flow.seen_out(len(data))
+        if self.transport is not None:
+            self.transport.write(data)
+
+    def reply_eof(self) -> None:
+        """The endpoint sent FIN: pass it on after the bytes before it."""
+        self.eof_out = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write_eof()
+        self._maybe_finish()
+
+    def upstream_lost(self, side: EndpointSide, exc: Exception | None) -> None:
+        """The endpoint connection ended: end the client's too (a reset as a reset)."""
+        t = self.transport
+        if t is not None and not t.is_closing():
+            if exc is not None:
+                reset(t)
+            else:
+                t.close()
+        if self.closed and self.upstream is side:
+            self.upstream = None  # break the cycle (the client side went first)
+
+    def pause_reading(self) -> None:
+        """The endpoint leg is over its high-water mark: stop reading the client."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None:
+            self.transport.resume_reading()
 
     # -- dialing -------------------------------------------------------------------------------
     async def _dial(self, client_ip: str) -> None:
@@ -156,7 +217,7 @@ class ClientSide(asyncio.Protocol):
             except (OSError, TimeoutError) as err:
                 limited.warning("%s: endpoint %s failed (%s); trying the next", self.owner.spn, ep,
                                 type(err).__name__ if isinstance(err, TimeoutError) else err)
-                self.owner.failed(self.kind, ep, client_ip)
+                self.owner.failed(self.kind, ep)
                 continue
             try:
                 await asyncio.get_running_loop().create_connection(lambda: EndpointSide(self, ep), sock=sock)
@@ -169,29 +230,6 @@ class ClientSide(asyncio.Protocol):
         if self.transport is not None:
             reset(self.transport)
 
-    def _connected(self, ep: Endpoint, side: EndpointSide) -> bool:
-        """`side` is connected to `ep`: make it this connection's upstream, unless we are gone."""
-        assert side.transport is not None
-        if self.closed or self.transport is None or self.transport.is_closing():
-            side.transport.close()
-            return False
-        self.endpoint = ep
-        self.owner.opened(self.kind, ep)
-        self.upstream = side
-        if self.flow is not None:
-            self.flow.endpoint = (str(ep.ip), ep.port)
-            self.flow.local_of = side.transport  # its address is read only when flows are shown
-            self.flow.state = "ESTABLISHED"
-        if self.pending:
-            side.transport.write(bytes(self.pending))
-            self.pending.clear()
-        if self.held and side.transport.get_write_buffer_size() < HIGH_WATER:
-            self.transport.resume_reading()  # else EndpointSide.resume_writing resumes it
-        self.held = False
-        if self.eof_in:
-            side.transport.write_eof()
-        return True
-
     # -- teardown ------------------------------------------------------------------------------
     def _maybe_finish(self) -> None:
         if self.flow is not None:
@@ -199,8 +237,8 @@ class ClientSide(asyncio.Protocol):
         if self.eof_in and self.eof_out:
             if self.transport is not None:
                 self.transport.close()
-            if self.upstream is not None and self.upstream.transport is not None:
-                self.upstream.transport.close()
+            if self.upstream is not None:
+                self.upstream.close()
 
     def _release(self) -> None:
         if self.closed:
@@ -215,9 +253,10 @@ class ClientSide(asyncio.Protocol):
 class EndpointSide(asyncio.Protocol):
     """The proxy's connection to the chosen endpoint.
 
-    It attaches itself to its ClientSide in `connection_made`, so no byte can arrive before the
-    client knows its upstream. A side that was not attached (its client went away meanwhile)
-    never touches the client.
+    It owns the endpoint's transport. It attaches itself to its ClientSide in `connection_made`,
+    so no byte can arrive before the client knows its upstream; a side that was not attached (its
+    client went away meanwhile) never touches the client. Its ClientSide reaches it only through
+    `send`, `send_eof`, `close`, `reset`, `pause_reading`, `resume_reading` and `over_high_water`.
     """
 
     def __init__(self, client: ClientSide, endpoint: Endpoint) -> None:
@@ -227,50 +266,68 @@ class EndpointSide(asyncio.Protocol):
         self.attached = False
         self.lost = False
 
+    # -- endpoint events -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         tune(transport)
-        self.attached = True  # before _connected writes, so a pause_writing it causes is seen
-        self.attached = self.client._connected(self.endpoint, self)
+        self.attached = True  # before attach writes, so a pause_writing it causes is seen
+        self.attached = self.client.attach(self)
 
     def data_received(self, data: bytes) -> None:
-        c = self.client
-        if not self.attached:
-            return
-        if c.flow is not None:
-            c.flow.seen_out(len(data))
-        if c.transport is not None:
-            c.transport.write(data)
+        if self.attached:
+            self.client.reply(data)
 
     def eof_received(self) -> bool:
-        c = self.client
         if not self.attached:
             return False
-        c.eof_out = True
-        if c.transport is not None and not c.transport.is_closing():
-            c.transport.write_eof()
-        c._maybe_finish()
+        self.client.reply_eof()
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        c = self.client
-        t = c.transport
-        if self.attached and t is not None and not t.is_closing():
-            if exc is not None:
-                reset(t)
-            else:
-                t.close()
-        if c.closed and c.upstream is self:
-            c.upstream = None  # break the cycle (the client side went first)
+        if self.attached:
+            self.client.upstream_lost(self, exc)
 
     def pause_writing(self) -> None:
-        if self.attached and self.client.transport is not None:
-            self.client.transport.pause_reading()
+        if self.attached:
+            self.client.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.attached and self.client.transport is not None:
-            self.client.transport.resume_reading()
+        if self.attached:
+            self.client.resume_reading()
+
+    # -- what its ClientSide may ask -----------------------------------------------------------
+    def send(self, data: bytes) -> None:
+        """Client → endpoint bytes."""
+        if self.transport is not None:
+            self.transport.write(data)
+
+    def send_eof(self) -> None:
+        """The client sent FIN: pass it on after the bytes before it."""
+        if self.transport is not None:
+            self.transport.write_eof()
+
+    def close(self) -> None:
+        """Close the endpoint connection after what is buffered, unless it is closing already."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def reset(self) -> None:
+        """As `close`, but with RST: the client reset its connection."""
+        if self.transport is not None and not self.transport.is_closing():
+            reset(self.transport)
+
+    def pause_reading(self) -> None:
+        """The client leg is over its high-water mark: stop reading the endpoint."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None:
+            self.transport.resume_reading()
+
+    def over_high_water(self) -> bool:
+        return self.transport is not None and self.transport.get_write_buffer_size() >= HIGH_WATER
 
 
 async def connect(ep: Endpoint, timeout: float) -> socket.socket:
@@ -292,6 +349,3 @@ async def connect(ep: Endpoint, timeout: float) -> socket.socket:
         raise
     return sock
 
-
-def serve_kwargs() -> dict[str, Any]:
-    return {"reuse_address": True, "backlog": 4096}

@@ -6,8 +6,9 @@ listener and the flow sockets are read with `add_reader` into one 64 KiB buffer,
 any size up to 65,507 bytes (65,527 over IPv6) keeps its boundaries and is never truncated (C05).
 Replies leave through the listener socket, which is bound to exactly the address the client sent
 to, so the reply's source is that address and port (C06). Flows are kept in last-activity order:
-idle ones (either direction counts) expire after `idle_timeout`, and when the fd budget or the
-flow table is full the longest-idle flow is evicted to make room (C08). ICMP errors from an
+idle ones (either direction counts) expire after `idle_timeout`, and `evict_oldest` closes the
+longest-idle one when FlowAdmission needs room (C08), or when a socket cannot be opened for lack of
+descriptors (the budget was wrong: recover rather than drop the flow). ICMP errors from an
 endpoint surface as ECONNREFUSED on its flow: logged at a bounded rate, never fatal, and the flow's
 socket is watched anew (on uvloop an error event stops the watch), so the error is transient.
 """
@@ -21,15 +22,12 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
 
 from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
+from usproxy.relay.flow_owner import FlowOwner, TrafficKind
 from usproxy.types import format_hostport
-
-if TYPE_CHECKING:
-    from usproxy.relay.service_port_relay import ServicePortRelay
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
@@ -65,9 +63,8 @@ class UdpFlow:
 class UdpRelay:
     """Every UDP listener and flow of the agent, with one shared receive buffer."""
 
-    def __init__(self, idle_timeout: float, max_flows: int) -> None:
+    def __init__(self, idle_timeout: float) -> None:
         self.idle_timeout = idle_timeout
-        self.max_flows = max_flows
         self.flows: OrderedDict[FlowKey, UdpFlow] = OrderedDict()
         self.buf = bytearray(MAX_DATAGRAM)
         self.view = memoryview(self.buf)
@@ -82,26 +79,25 @@ class UdpRelay:
         return self._open(listener, key)
 
     def _open(self, listener: UdpListener, key: FlowKey) -> UdpFlow | None:
-        ep = listener.owner.pick(listener.kind, key[1][0], ())
+        owner = listener.owner
+        ep = owner.pick(listener.kind, key[1][0], ())
         if ep is None:
             return None
-        if len(self.flows) >= self.max_flows:
-            self.evict_oldest()
+        try:
+            flow = owner.new_flow("UDP", key[1], key[0])  # may evict the longest-idle flow
+        except FlowTableFull:
+            limited.warning("flow table full: dropping UDP for %s", owner.spn)
+            return None
         sock = self._socket(ep)
         if sock is None:
-            return None
-        try:
-            flow = listener.owner.new_flow("UDP", key[1], key[0])
-        except FlowTableFull:
-            sock.close()
-            limited.warning("flow table full: dropping UDP for %s", listener.owner.spn)
+            owner.end_flow(flow)
             return None
         flow.endpoint, flow.state = (str(ep.ip), ep.port), "UNREPLIED"
         local = sock.getsockname()
         flow.local = (local[0], local[1])
         uf = UdpFlow(key, listener, ep, sock, flow)
         self.flows[key] = listener.flows[key] = uf
-        listener.owner.opened(listener.kind, ep)
+        owner.opened(listener.kind, ep)
         asyncio.get_running_loop().add_reader(sock.fileno(), self._reply, uf)
         return uf
 
@@ -137,9 +133,12 @@ class UdpRelay:
         uf.listener.owner.closed(uf.listener.kind, uf.endpoint)
         uf.listener.owner.end_flow(uf.flow)
 
-    def evict_oldest(self) -> None:
-        if self.flows:
-            self.close_flow(next(iter(self.flows.values())))
+    def evict_oldest(self) -> bool:
+        """Close the longest-idle flow; False when there is none."""
+        if not self.flows:
+            return False
+        self.close_flow(next(iter(self.flows.values())))
+        return True
 
     def expire(self, now: float | None = None) -> int:
         """Close flows idle longer than the timeout; returns how many."""
@@ -177,7 +176,7 @@ class UdpRelay:
 class UdpListener:
     """A UDP socket bound to one frontend (ClusterIP:port, external IP:port or node IP:NodePort)."""
 
-    def __init__(self, relay: UdpRelay, owner: ServicePortRelay, frontend: HostPort, kind: str) -> None:
+    def __init__(self, relay: UdpRelay, owner: FlowOwner, frontend: HostPort, kind: TrafficKind) -> None:
         self.relay = relay
         self.owner = owner
         self.frontend = frontend

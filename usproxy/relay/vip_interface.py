@@ -88,7 +88,7 @@ def _create(ipr: Any, name: str) -> tuple[int, str, str]:
 
 
 class VipInterface:
-    """The interface that holds ClusterIPs; `add`/`remove` are reference counted by caller."""
+    """The interface that holds ClusterIPs; `add_many`/`remove` are reference counted by caller."""
 
     def __init__(self, name: str = "usproxy0", worker: NetlinkWorker | None = None) -> None:
         self.name = name
@@ -106,9 +106,6 @@ class VipInterface:
         self.created = existed is None and self.kind != "lo"
         self.addresses = await self.existing()
         log.info("ClusterIP interface: %s", self.why)
-
-    async def add(self, ip: IPAddress) -> None:
-        await self.add_many([ip])
 
     async def add_many(self, ips: Iterable[IPAddress]) -> None:
         """Add addresses in one trip to the netlink thread (a cold sync of thousands of

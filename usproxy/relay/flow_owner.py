@@ -1,0 +1,55 @@
+"""FlowOwner: what a relayed TCP connection or UDP flow asks of the ServicePort it belongs to.
+
+The TCP and UDP relays (tcp.py, udp.py) know their ServicePort only through this interface, so
+they import nothing of the ServicePortRelay that implements it (and tests drive them with a fake).
+Every flow is admitted by `new_flow` before it is relayed and given back by `end_flow` exactly once;
+every endpoint counted by `opened` is given back by `closed` exactly once (leastConnections counts
+and flow accounting rely on both pairs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Literal, Protocol, TypeAlias
+
+from usproxy.conntrack.flow_table import Flow, HostPort
+from usproxy.endpoint import Endpoint
+from usproxy.types import ServicePortName
+
+# Which endpoints a frontend may use: "cluster" for ClusterIPs, "external" for NodePorts, external
+# IPs and load-balancer IPs (those obey externalTrafficPolicy).
+TrafficKind: TypeAlias = Literal["cluster", "external"]
+
+
+class FlowOwner(Protocol):
+    """The ServicePort side of a flow: endpoint choice and flow admission."""
+
+    @property
+    def spn(self) -> ServicePortName:
+        """The ServicePort, for logs."""
+        ...
+
+    def pick(self, kind: TrafficKind, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
+        """The endpoint for a new connection or flow from `client_ip`, none of `exclude`; None when
+        there is no usable one (the caller refuses the client)."""
+        ...
+
+    def failed(self, kind: TrafficKind, ep: Endpoint) -> None:
+        """`ep` refused or timed out a dial: back off from it."""
+        ...
+
+    def opened(self, kind: TrafficKind, ep: Endpoint) -> None:
+        """A connection or flow to `ep` started."""
+        ...
+
+    def closed(self, kind: TrafficKind, ep: Endpoint) -> None:
+        """A connection or flow to `ep` (counted by `opened`) ended."""
+        ...
+
+    def new_flow(self, protocol: str, client: HostPort, frontend: HostPort) -> Flow:
+        """Admit a flow into the flow table; raises FlowTableFull when it may not start."""
+        ...
+
+    def end_flow(self, flow: Flow) -> None:
+        """The flow ended: out of the flow table."""
+        ...
