@@ -3,8 +3,9 @@
 `python -m usproxy.offload.bpf.build` (the README's set-up step) writes sock_lb-<hash>.o next to
 the source, named after the source's sha256. `object_path()` uses the object whose name matches the
 current source, prebuilt or in a cache directory, and otherwise compiles into the cache, so an
-edited source is never served by a stale object. The flags are those ../shared/PLATFORM.md found to work here
-(clang -target bpf -O2 -g); -mcpu=v3 gives the atomic fetch-and-add the round-robin counter uses.
+edited source is never served by a stale object. The flags are those found to work on this
+project's machines (clang -target bpf -O2 -g, docs/platform.md#bpf); -mcpu=v3 gives the atomic
+fetch-and-add the round-robin counter uses.
 """
 
 from __future__ import annotations
