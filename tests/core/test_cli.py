@@ -1,13 +1,22 @@
 """The CLI: a manifest that cannot be parsed gives exit 2 naming the problem; missing input is a
-usage error; `usproxy check` prints its table; status/flows without an agent exit 1."""
+usage error; `usproxy check` prints its table; status/flows without an agent exit 1.
+
+No test here meets a real agent's state: `run` gets an interface name of its own and no offload,
+so the per-namespace locks it takes before reading its input (usproxy/agent.py NetnsLock) are its
+own, and `check` probes in a network namespace of its own.
+"""
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 USPROXY = [sys.executable, "-m", "usproxy"]
+OWN_LOCKS = ("--offload", "none", "--vip-interface", f"usp-t{secrets.token_hex(3)}")
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -18,18 +27,19 @@ def test_garbage_file_exits_2_naming_it(tmp_path: Path) -> None:
     f = tmp_path / "bad.yaml"
     f.write_text("apiVersion: v1\nkind: Service\n  metadata: [\n")
     res = run("run", "--services", str(f), "--healthz-bind-address", "127.0.0.1:0",
-              "--metrics-bind-address", "127.0.0.1:0")
+              "--metrics-bind-address", "127.0.0.1:0", *OWN_LOCKS)
     assert res.returncode == 2
     assert f"{f}: cannot parse" in res.stderr
 
 
 def test_missing_path_exits_2(tmp_path: Path) -> None:
-    res = run("run", "--services", str(tmp_path / "nope"))
+    res = run("run", "--services", str(tmp_path / "nope"), *OWN_LOCKS)
     assert res.returncode == 2 and "no such file or directory" in res.stderr
 
 
+@pytest.mark.netns
 def test_check_prints_table() -> None:
-    res = run("check")
+    res = subprocess.run(["unshare", "--net", *USPROXY, "check"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0
     for cap in ("interface bridge", "nftables", "bpf cgroup hooks", "conntrack"):
         assert cap in res.stdout

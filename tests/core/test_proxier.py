@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ipaddress
 
+import pytest
+
 from usproxy.datapath import FakeDatapath
 from usproxy.endpoint import Endpoint, categorize
 from usproxy.endpoint_slice import EndpointSlice
@@ -72,10 +74,8 @@ async def test_failed_sync_makes_next_sync_full() -> None:
     await p.sync()
     p.on_service_update(None, service("b", "10.96.0.2"))
     fake.fail_next = 1
-    try:
+    with pytest.raises(RuntimeError, match="injected sync failure"):
         await p.sync()
-    except RuntimeError:
-        pass
     await p.sync()
     assert fake.syncs[-1].full and set(fake.syncs[-1].changes) == {spn("a"), spn("b")}
 

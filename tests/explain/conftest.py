@@ -1,4 +1,5 @@
-"""Fixtures for the explain tests: our own Service sets under fixtures/, rendered for node-a."""
+"""Fixtures for the explain tests: our own Service sets under fixtures/, rendered for node-a, and
+a BPF pin root of the test's own for `--live` (never the machine's: a real agent may have pins)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+from usproxy.offload.bpf.loader import PIN_ROOT_ENV
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = Path(__file__).parent / "golden"
@@ -27,3 +29,11 @@ def load(name: str, node: Node = NODE) -> ServiceSet:
 @pytest.fixture(params=FIXTURE_NAMES)
 def fixture_name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@pytest.fixture
+def own_pin_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty pin root under tmp_path, made the default (USPROXY_BPF_PINS) for this test."""
+    root = tmp_path / "bpf-pins"
+    monkeypatch.setenv(PIN_ROOT_ENV, str(root))
+    return root

@@ -1,4 +1,8 @@
-"""`usproxy explain` end to end: every view in order, exit codes for bad input and --live."""
+"""`usproxy explain` end to end: every view in order, exit codes for bad input and --live.
+
+The --live tests read only what they create: an agent stub of their own (or a port nothing
+listens on), no nftables table (the read is replaced), and an empty BPF pin root of their own.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from tests.explain.conftest import FIXTURES
 from usproxy import cli as top
 from usproxy.errors import ConfigError
 from usproxy.explain import cli, live
+from usproxy.offload.bpf import view
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -62,16 +67,36 @@ def test_bad_usage_is_a_config_error(argv: list[str]) -> None:
         cli.main(argv)
 
 
-def test_live_without_agent_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def dead_address() -> str:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_live_without_agent_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                    own_pin_root: Path) -> None:
+    addr = dead_address()
     monkeypatch.setattr(live, "_nft_table", lambda: None)
     rc, _, err = run(["--live", "--metrics-bind-address", addr], capsys)
     assert rc == 1 and "nothing to show" in err
 
 
-def test_live_reads_a_running_agent(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_live_reads_pins_under_the_root_it_is_given(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    asked: list[Path | None] = []
+
+    def render_pinned(pin_root: Path | None = None) -> str:
+        asked.append(pin_root)
+        return "# bpf socket LB pinned (stub)"
+
+    monkeypatch.setattr(view, "render_pinned", render_pinned)
+    monkeypatch.setattr(live, "_nft_table", lambda: None)
+    text = live.read_live(dead_address(), pin_root=tmp_path / "pins")
+    assert asked == [tmp_path / "pins"]
+    assert text is not None and "# bpf socket LB pinned (stub)" in text
+
+
+def test_live_reads_a_running_agent(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                    own_pin_root: Path) -> None:
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer

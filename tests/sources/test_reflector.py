@@ -213,10 +213,16 @@ async def test_410_error_event_from_the_fault_switch(api: FakeApiServer, running
 
 
 async def test_http_410_on_watch_relists(api: FakeApiServer, running: Running) -> None:
-    await running.reflector.synced.wait()
+    api.apply("services", svc("old", "10.96.0.4"))
+    await eventually(lambda: same(api, running.store))
+    listed, replaced = len(lists(api)), running.store.replaces
     api.faults.gone_status = 1
-    api.replace_all("services", [svc("n", "10.96.0.5")])  # also compacts: the next watch is too old
+    # "old" vanishes with no event and the history is compacted: only a relist can tell
+    api.replace_all("services", [svc("n", "10.96.0.5")])
+    api.end_streams()  # the next watch gets HTTP 410
     await eventually(lambda: same(api, running.store), what="relist after HTTP 410")
+    assert api.faults.gone_status == 0 and ("default", "old") not in running.store.objects
+    assert len(lists(api)) == listed + 1 and running.store.replaces == replaced + 1
 
 
 async def test_repeated_410_backs_off_instead_of_hot_looping(api: FakeApiServer, running: Running) -> None:
@@ -309,6 +315,7 @@ async def test_server_restart_keeps_state_then_converges(api: FakeApiServer, run
     api.apply("services", svc("c", "10.96.0.3"))
     await api.restart()
     await eventually(lambda: same(api, running.store), what="converge after restart")
+    assert len(lists(api)) == 2  # the old resourceVersion was compacted away: one relist
 
 
 async def test_server_restart_with_history_resumes_the_watch(api: FakeApiServer, running: Running) -> None:
@@ -326,4 +333,4 @@ async def test_a_store_bug_is_logged_and_the_reflector_carries_on(api: FakeApiSe
     running.store.fail_next = 1
     api.apply("services", svc("a", "10.96.0.1"))
     await eventually(lambda: same(api, running.store), what="recovery by relist")
-    assert "unexpected error" in caplog.text
+    assert "unexpected error" in caplog.text and len(lists(api)) == 2

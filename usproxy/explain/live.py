@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from usproxy.table import render_flows, render_services
@@ -40,8 +41,9 @@ def _nft_table() -> str | None:
     return None
 
 
-def read_live(addr: str) -> str | None:
-    """The live view, or None when neither the agent nor the kernel table could be read."""
+def read_live(addr: str, pin_root: Path | None = None) -> str | None:
+    """The live view, or None when neither the agent nor the kernel table could be read.
+    `pin_root`: where BPF pins are read (None: USPROXY_BPF_PINS, else /sys/fs/bpf/usproxy)."""
     parts, got = [], False
     for path, render in (("/services", render_services), ("/flows", render_flows)):
         try:
@@ -59,7 +61,7 @@ def read_live(addr: str) -> str | None:
     try:
         from usproxy.offload.bpf.view import render_pinned
 
-        pinned = render_pinned()
+        pinned = render_pinned(pin_root)
     except Exception as err:  # no bpffs, no permission, an older pin layout: say so
         parts.append(f"# live bpf: cannot read pins ({err})\n")
         pinned = None

@@ -9,8 +9,8 @@ optional ClientIP stickiness. Rules are printed as iptables-save prints them. Pr
 at run time; here they are stable placeholders derived from the ServicePortName.
 
 usproxy keeps the relay but drops the redirection: the ClusterIP is a local address on usproxy0 and
-the listener binds ClusterIP:port itself (DESIGN.md "Life of a ServicePort"), so no rule stands
-between the client and the socket; without usable endpoints it does not listen and the kernel
+the listener binds ClusterIP:port itself (docs/architecture.md#life-of-a-serviceport), so no rule
+stands between the client and the socket; without usable endpoints it does not listen and the kernel
 refuses at once.
 """
 

@@ -9,7 +9,7 @@ Layout, one table per family (`ip usproxy`, `ip6 usproxy`), as kube-proxy's nfta
 (pkg/proxy/nftables/proxier.go: the `service-ips` / `service-nodeports` verdict maps keyed by
 address . protocol . port, `no-endpoint-services` with `reject`, masquerade by packet mark) but with
 no per-ServicePort chains for the common case, because per-service chains and anonymous vmaps are
-what made kube-proxy's layout take 66-75 s for 10,000 Services here (../shared/PLATFORM.md):
+what made kube-proxy's layout take 66-75 s for 10,000 Services here (docs/platform.md#nftables):
 
 - a frontend (ClusterIP/externalIP . proto . port, or NodePort proto . port) with N endpoints maps
   in `service-ips` / `service-nodeports` to `goto g-N` (`npg-N` for NodePorts; `gm-N`/`npgm-N` set

@@ -5,8 +5,8 @@ it does not (this project's machines), fall back to an empty bridge, and as a la
 the choice is logged and reported (`kind`, `why`). Addresses are /32 or /128 with IFA_F_NODAD so
 IPv6 ones can be bound at once. All netlink calls run in one dedicated worker thread (pyroute2's
 sync API cannot run inside a running event loop, and its async API fails under uvloop; see
-PLATFORM notes). On close the interface and its addresses stay by default (`keep`), as IPVS mode's
-kube-ipvs0 does: during an agent restart new connections to a ClusterIP are refused at once by the
+docs/platform.md#pyroute2-and-uvloop). On close the interface and its addresses stay by default
+(`keep`), as IPVS mode's kube-ipvs0 does: during an agent restart new connections to a ClusterIP are refused at once by the
 kernel instead of being unroutable, and offloaded traffic from local processes keeps its route
 (C20). `usproxy run --cleanup` removes the interface; `keep = False` removes on close.
 """

@@ -1,4 +1,5 @@
-"""idsrv (FIELD_CASES.md): TCP writes "<name>\\n" then echoes; UDP answers "<name>|<payload>".
+"""idsrv (docs/field-cases.md#conventions): TCP writes "<name>\\n" then echoes; UDP answers
+"<name>|<payload>".
 
 Run inside a pod netns: `idsrv.py NAME PORT [PORT...]`, one TCP and one UDP socket per port, on
 every local address. Prints "ready" once bound. On SIGTERM prints a JSON line of counts per

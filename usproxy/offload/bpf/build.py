@@ -4,8 +4,9 @@
 the source, named after the source's sha256; building a wheel (setup.py) puts the same object into
 the wheel, so an installed wheel needs no clang. `object_path()` uses the object whose name matches the
 current source, prebuilt or in a cache directory, and otherwise compiles into the cache, so an
-edited source is never served by a stale object. The flags are those ../shared/PLATFORM.md found to work here
-(clang -target bpf -O2 -g); -mcpu=v3 gives the atomic fetch-and-add the round-robin counter uses.
+edited source is never served by a stale object. The flags are those found to work on this
+project's machines (clang -target bpf -O2 -g, docs/platform.md#bpf); -mcpu=v3 gives the atomic
+fetch-and-add the round-robin counter uses.
 """
 
 from __future__ import annotations

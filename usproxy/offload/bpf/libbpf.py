@@ -3,7 +3,7 @@
 Kernel and libbpf names are kept verbatim (`BPF_CGROUP_INET4_CONNECT`, `bpf_link_create`), as
 pyroute2 does for netlink. libbpf 1.x returns -errno from its low-level calls and NULL (with errno
 set) from its object calls; both become `BpfError`, an OffloadError carrying the errno. bcc and
-pylibbpf do not work on this project's machines (../shared/PLATFORM.md); this binding does.
+pylibbpf do not work on this project's machines (docs/platform.md#bpf); this binding does.
 
 Every file descriptor handed out here is owned by the caller (close it with os.close), except
 those owned by a `BpfObject` (map and program fds), which live until `BpfObject.close()`.
