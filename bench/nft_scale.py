@@ -38,9 +38,9 @@ from typing import Any
 
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
-from usproxy.offload.nftables import NftablesDatapath
-from usproxy.offload.nftables_client import NftClient
-from usproxy.offload.nftables_layout import _TEXT
+from usproxy.offload.nftables.datapath import NftablesDatapath
+from usproxy.offload.nftables.client import NftClient
+from usproxy.offload.nftables.layout import _TEXT
 from usproxy.service_port import ServicePort
 from usproxy.types import ServicePortName
 

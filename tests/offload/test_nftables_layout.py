@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from usproxy.errors import OffloadError
-from usproxy.offload.nftables import NftablesDatapath
-from usproxy.offload.nftables_fake import FakeNft, FakeNftClient
-from usproxy.offload.nftables_layout import Pin, Target, assign_slots, comment_of, parse_comment, parse_pins, retimed
+from usproxy.offload.nftables.datapath import NftablesDatapath
+from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
+from usproxy.offload.nftables.layout import Pin, Target, assign_slots, comment_of, parse_comment, parse_pins, retimed
 from usproxy.offload.kernel_conntrack import KernelConntrack
 
 from tests.offload.helpers import ep, spn, state

@@ -20,7 +20,7 @@ from usproxy.errors import OffloadError
 from usproxy.gc_pause import LARGE, gc_paused
 from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
-from usproxy.offload.nftables_layout import (
+from usproxy.offload.nftables.layout import (
     FAMILIES,
     TABLE,
     Command,
@@ -36,7 +36,7 @@ from usproxy.offload.nftables_layout import (
     port_rules,
     render,
 )
-from usproxy.offload.nftables_readback import read_table
+from usproxy.offload.nftables.readback import read_table
 from usproxy.types import ServicePortName
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class NftablesDatapath:
     def __init__(self, transport: NftTransport | None = None, conntrack: KernelConntrack | None = None,
                  *, netns: str | None = None, lb_policy: str = "roundRobin", node_name: str | None = None) -> None:
         if transport is None:
-            from usproxy.offload.nftables_client import NftClient
+            from usproxy.offload.nftables.client import NftClient
 
             transport = NftClient(netns)
         self.transport = transport

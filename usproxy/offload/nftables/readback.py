@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from usproxy.offload.nftables_layout import (
+from usproxy.offload.nftables.layout import (
     GROUP_CHAIN,
     Backend,
     Family,

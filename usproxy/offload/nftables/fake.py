@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from usproxy.errors import OffloadError
-from usproxy.offload.nftables_layout import Command, Family, Rule, nft_family
+from usproxy.offload.nftables.layout import Command, Family, Rule, nft_family
 
 ENOENT, EEXIST, EBUSY = 2, 17, 16
 

@@ -1,0 +1,1 @@
+"""The nftables datapath (placeholder docstring, rewritten when the layout is split)."""
