@@ -1,6 +1,6 @@
 """C15 and C16 in offload mode: the real agent (relay + nftables offload), ClientIP affinity in the
 kernel (per-endpoint nft sets with timeouts, `update @set { ip saddr timeout Ns }` on each new
-connection, checked before the random pick; usproxy/offload/nftables_layout.py affinity_rules).
+connection, checked before the random pick; usproxy/offload/nftables/commands.py affinity_rules).
 
 Each test waits until its Services are placed on nftables, then makes real TCP connections to the
 ClusterIP from many source addresses of one client netns (the client socket bound to each). Every

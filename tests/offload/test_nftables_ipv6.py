@@ -26,7 +26,8 @@ import pytest
 
 from usproxy.datapath import ServicePortState
 from usproxy.offload.nftables.datapath import NftablesDatapath
-from usproxy.offload.nftables.layout import Transaction, port_rules
+from usproxy.offload.nftables.rules import port_rules
+from usproxy.offload.nftables.transaction import Transaction
 
 from tests.netns import Topology, inside, nsexec
 from tests.offload.harness import hairpin_ports, nft_list

@@ -16,7 +16,8 @@ from scipy.stats import chisquare
 from usproxy.datapath import ServicePortState
 from usproxy.errors import OffloadError
 from usproxy.offload.nftables.datapath import NftablesDatapath
-from usproxy.offload.nftables.layout import Transaction, port_rules
+from usproxy.offload.nftables.rules import port_rules
+from usproxy.offload.nftables.transaction import Transaction
 
 from tests.netns import Topology, nsexec
 from tests.offload.harness import (

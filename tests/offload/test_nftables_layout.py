@@ -9,7 +9,9 @@ import pytest
 from usproxy.errors import OffloadError
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
-from usproxy.offload.nftables.layout import Pin, Target, assign_slots, comment_of, parse_comment, parse_pins, retimed
+from usproxy.offload.nftables.names import comment_of, parse_comment
+from usproxy.offload.nftables.pins import Pin, parse_pins, retimed
+from usproxy.offload.nftables.rules import Target, assign_slots
 from usproxy.offload.kernel_conntrack import KernelConntrack
 
 from tests.offload.helpers import ep, spn, state

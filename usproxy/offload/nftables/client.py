@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from usproxy.errors import OffloadError
-from usproxy.offload.nftables.layout import Command, render
+from usproxy.offload.nftables.commands import Command, render
 
 log = logging.getLogger(__name__)
 

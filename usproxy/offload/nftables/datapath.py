@@ -1,7 +1,8 @@
 """NftablesDatapath: the KernelDatapath that offloads ServicePorts into nftables maps.
 
-The layout and its diffs are in nftables_layout.py; the transport (libnftables in a worker thread)
-in nftables_client.py; read back after a restart in nftables_readback.py. Both families' changes go
+The layout is described in the package's docstring (usproxy/offload/nftables/__init__.py), its
+diffs are Transactions (transaction.py); the transport (libnftables in a worker thread) is
+client.py; read back after a restart readback.py. Both families' changes go
 into one libnftables call, so one `apply` is one kernel transaction: all or nothing (as kube-proxy
 pkg/proxy/nftables/proxier.go syncProxyRules runs one knftables transaction per sync). The
 in-memory TableState changes only after the kernel accepted the transaction; after a refused one
@@ -20,23 +21,12 @@ from usproxy.errors import OffloadError
 from usproxy.gc_pause import LARGE, gc_paused
 from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
-from usproxy.offload.nftables.layout import (
-    FAMILIES,
-    TABLE,
-    Command,
-    Family,
-    PortRules,
-    Pin,
-    TableState,
-    Transaction,
-    affinity_endpoint,
-    ip_text,
-    nft_family,
-    parse_pins,
-    port_rules,
-    render,
-)
+from usproxy.offload.nftables.commands import Command, render
+from usproxy.offload.nftables.names import FAMILIES, TABLE, Family, affinity_endpoint, nft_family
+from usproxy.offload.nftables.pins import Pin, parse_pins
 from usproxy.offload.nftables.readback import read_table
+from usproxy.offload.nftables.rules import PortRules, ip_text, port_rules
+from usproxy.offload.nftables.transaction import TableState, Transaction
 from usproxy.types import ServicePortName
 
 log = logging.getLogger(__name__)
@@ -87,7 +77,7 @@ class NftablesDatapath:
     def unsupported(self, state: ServicePortState) -> str | None:
         """What only the relay serves: SCTP (not offloaded) and leastConnections (the kernel does
         not count connections per endpoint). The kernel picks with `numgen random`; a ServicePort
-        annotated roundRobin gets `numgen inc` in chains of its own (nftables_layout); the agent's
+        annotated roundRobin gets `numgen inc` in chains of its own (commands.rr_rules); the agent's
         default roundRobin is served as random, so unannotated ServicePorts share chains."""
         sp = state.service_port
         if sp.protocol == "SCTP":
@@ -114,7 +104,7 @@ class NftablesDatapath:
                 await self._resync()
                 raise
             for tx in txs:
-                tx.commit()
+                tx.fold_into_state()
             self.transactions += 1
         if zero_to_n:
             await self.conntrack.delete_udp(orig_dst=zero_to_n)
@@ -232,7 +222,7 @@ def _retimed_sets(table: TableState, changes: Mapping[ServicePortName, ServicePo
         for scope in ("cluster", "external"):
             be = prev.backend(scope)
             if be.affinity and be.affinity != timeout:
-                out.update((affinity_endpoint(spn, scope, t), be.affinity) for t in be.targets if (t.ip, t.port) in eps)
+                out.update((affinity_endpoint(spn, scope, t.hostport()), be.affinity) for t in be.targets if (t.ip, t.port) in eps)
     return out
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from usproxy.errors import OffloadError
-from usproxy.offload.nftables.layout import Command, Family, Rule, nft_family
+from usproxy.offload.nftables.commands import Command, Rule
+from usproxy.offload.nftables.names import Family, nft_family
 
 ENOENT, EEXIST, EBUSY = 2, 17, 16
 
