@@ -32,15 +32,6 @@ from usproxy.offload.nftables.names import (
 from usproxy.offload.nftables.rules import PortRules
 
 
-@dataclass(frozen=True, slots=True)
-class Rule:
-    """One rule: its nft text and, for the tracer, what it does (`op`, `args`)."""
-
-    text: str
-    op: str = "raw"
-    args: tuple[str, ...] = ()
-
-
 class Elem(NamedTuple):
     """One set or map element in nft syntax (a NamedTuple for the same reason as Target)."""
 
@@ -56,14 +47,16 @@ class Elem(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class Command:
     """One nft command in one family's table. `verb`: add/delete/flush; `obj`: table, map, set,
-    chain, rule, element. `spec` is the type/hook text; `rule` for rules; `elems` for elements."""
+    chain, rule, element. `spec` is the type/hook text; `rule` the rule's nft text (all there is
+    of a rule: the fake and the tests' tracer read this text, as the kernel does); `elems` for
+    elements."""
 
     verb: str
     obj: str
     family: Family
     name: str = ""
     spec: str = ""
-    rule: Rule | None = None
+    rule: str = ""
     elems: tuple[Elem, ...] = ()
 
     def nft(self) -> str:
@@ -78,14 +71,16 @@ class Command:
                                   f'{k} comment "{c}"' + ("" if v is None else f" : {v}") for k, v, c in self.elems])
             return f"{self.verb} element {where} {self.name} {{ {body} }}"
         if self.obj == "rule":
-            assert self.rule is not None
-            return f"add rule {where} {self.name} {self.rule.text}"
+            return f"add rule {where} {self.name} {self.rule}"
         spec = f" {{ {self.spec} }}" if self.spec and self.verb == "add" else ""
         return f"{self.verb} {self.obj} {where} {self.name}{spec}"
 
 
 def render(commands: Iterable[Command]) -> str:
     return "\n".join(c.nft() for c in commands) + "\n"
+
+
+MARK_MASQ = f"meta mark set meta mark | {MASQ_MARK:#x}"  # masqueraded in nat-postrouting
 
 
 # -- the fixed part ------------------------------------------------------------------------------------
@@ -109,28 +104,26 @@ def base_commands(family: Family) -> list[Command]:
     for name in ("service-nodeports", "no-endpoint-nodeports"):
         cmds.append(Command("add", "map", family, name, "type inet_proto . inet_service : verdict;"))
     cmds.append(Command("add", "set", family, "hairpin", f"type {at} . {at};"))
-    chains: list[tuple[str, str, list[Rule]]] = [
-        ("reject-chain", "", [Rule("meta l4proto tcp reject with tcp reset", "reject"), Rule("reject", "reject")]),
-        ("services", "", [Rule(f"{key3} vmap @service-ips", "vmap", ("ip", "service-ips")),
-                          Rule(f"{np_key} vmap @service-nodeports", "vmap", ("np", "service-nodeports"))]),
-        ("endpoints-check", "", [Rule(f"{key3} vmap @no-endpoint-services", "vmap", ("ip", "no-endpoint-services")),
-                                 Rule(f"{np_key} vmap @no-endpoint-nodeports", "vmap", ("np", "no-endpoint-nodeports"))]),
-        ("nat-prerouting", "type nat hook prerouting priority -100; policy accept;", [Rule("jump services", "jump", ("services",))]),
-        ("nat-output", "type nat hook output priority -100; policy accept;", [Rule("jump services", "jump", ("services",))]),
+    chains: list[tuple[str, str, list[str]]] = [
+        ("reject-chain", "", ["meta l4proto tcp reject with tcp reset", "reject"]),
+        ("services", "", [f"{key3} vmap @service-ips", f"{np_key} vmap @service-nodeports"]),
+        ("endpoints-check", "", [f"{key3} vmap @no-endpoint-services", f"{np_key} vmap @no-endpoint-nodeports"]),
+        ("nat-prerouting", "type nat hook prerouting priority -100; policy accept;", ["jump services"]),
+        ("nat-output", "type nat hook output priority -100; policy accept;", ["jump services"]),
         ("nat-postrouting", "type nat hook postrouting priority 100; policy accept;", [
-            Rule(f"meta mark & {MASQ_MARK:#x} == {MASQ_MARK:#x} meta mark set meta mark ^ {MASQ_MARK:#x} masquerade fully-random"),
-            Rule(f"ct status dnat {ipx} saddr . {ipx} daddr @hairpin masquerade fully-random")]),
-        ("filter-input", "type filter hook input priority -110; policy accept;", [Rule("ct state new jump endpoints-check")]),
+            f"meta mark & {MASQ_MARK:#x} == {MASQ_MARK:#x} meta mark set meta mark ^ {MASQ_MARK:#x} masquerade fully-random",
+            f"ct status dnat {ipx} saddr . {ipx} daddr @hairpin masquerade fully-random"]),
+        ("filter-input", "type filter hook input priority -110; policy accept;", ["ct state new jump endpoints-check"]),
         ("filter-forward", "type filter hook forward priority -110; policy accept;", [
-            Rule("ct state invalid drop"), Rule("ct state new jump endpoints-check")]),
-        ("filter-output", "type filter hook output priority -110; policy accept;", [Rule("ct state new jump endpoints-check")]),
+            "ct state invalid drop", "ct state new jump endpoints-check"]),
+        ("filter-output", "type filter hook output priority -110; policy accept;", ["ct state new jump endpoints-check"]),
     ]
     for name, hook, rules in chains:
         cmds += chain_commands(family, name, rules, hook=hook)
     return cmds
 
 
-def chain_commands(family: Family, name: str, rules: Sequence[Rule], *, hook: str = "") -> list[Command]:
+def chain_commands(family: Family, name: str, rules: Sequence[str], *, hook: str = "") -> list[Command]:
     """Create (or rewrite) a chain with exactly `rules`: add, flush, add each rule."""
     cmds = [Command("add", "chain", family, name, hook)]
     cmds.append(Command("flush", "chain", family, name))
@@ -148,45 +141,41 @@ def slot_commands(family: Family, kind: Kind, i: int) -> list[Command]:
         key = "meta l4proto . th dport"
     m = slot_map(kind, i)
     return [Command("add", "map", family, m, spec),
-            *chain_commands(family, slot_chain(kind, i), [Rule(f"dnat {ipx} to {key} map @{m}", "dnat-map", (kind, m))])]
+            *chain_commands(family, slot_chain(kind, i), [f"dnat {ipx} to {key} map @{m}"])]
 
 
-def group_rules(kind: Kind, n: int, masq: bool) -> list[Rule]:
+def group_rules(kind: Kind, n: int, masq: bool) -> list[str]:
+    """Chain g-N (npg-N): pick one of the N slot chains at random; gm-N marks, then goes to g-N."""
     if masq:
-        return [Rule(f"meta mark set meta mark | {MASQ_MARK:#x}", "mark"),
-                Rule(f"goto {group_chain(kind, n, False)}", "goto", (group_chain(kind, n, False),))]
-    if n == 1:
-        return [Rule(f"goto {slot_chain(kind, 0)}", "goto", (slot_chain(kind, 0),))]
-    targets = tuple(slot_chain(kind, i) for i in range(n))
-    body = ", ".join(f"{i} : goto {t}" for i, t in enumerate(targets))
-    return [Rule(f"numgen random mod {n} vmap {{ {body} }}", "numgen", targets)]
+        return [MARK_MASQ, f"goto {group_chain(kind, n, False)}"]
+    return pick_rules([slot_chain(kind, i) for i in range(n)], False)
 
 
-def pick_rules(chains: Sequence[str], round_robin: bool) -> list[Rule]:
+def pick_rules(chains: Sequence[str], round_robin: bool) -> list[str]:
     """Go to one of `chains`: `numgen random`, or `numgen inc` (a counter of this rule's own,
     so round robin per ServicePort) for lb-policy roundRobin."""
     if len(chains) == 1:
-        return [Rule(f"goto {chains[0]}", "goto", (chains[0],))]
+        return [f"goto {chains[0]}"]
     body = ", ".join(f"{i} : goto {c}" for i, c in enumerate(chains))
     mode = "inc" if round_robin else "random"
-    return [Rule(f"numgen {mode} mod {len(chains)} vmap {{ {body} }}", "numgen-inc" if round_robin else "numgen", tuple(chains))]
+    return [f"numgen {mode} mod {len(chains)} vmap {{ {body} }}"]
 
 
-def rr_rules(rules: PortRules, scope: Scope) -> dict[str, list[Rule]]:
+def rr_rules(rules: PortRules, scope: Scope) -> dict[str, list[str]]:
     """lb-policy roundRobin without affinity: per frontend kind of `scope` a chain of this
     ServicePort's own that marks for masquerade when needed and picks a slot chain in turn."""
     be = rules.backend(scope)
     if not be.round_robin or be.affinity or not be.targets:
         return {}
-    head = [Rule(f"meta mark set meta mark | {MASQ_MARK:#x}", "mark")] if be.masq else []
+    head = [MARK_MASQ] if be.masq else []
     kinds = sorted({fe.kind for fe in rules.frontends if fe.scope == scope})
     return {rr_chain(rules.spn, scope, k): head + pick_rules([slot_chain(k, i) for i in range(len(be.targets))], True)
             for k in kinds}
 
 
-def own_chains(family: Family, rules: PortRules) -> dict[str, list[Rule]]:
+def own_chains(family: Family, rules: PortRules) -> dict[str, list[str]]:
     """The chains that belong to one ServicePort (affinity and round robin), by name."""
-    out: dict[str, list[Rule]] = {}
+    out: dict[str, list[str]] = {}
     for scope in ("cluster", "external"):
         if _has_affinity(rules, scope):
             out.update(affinity_rules(family, rules, scope))
@@ -194,20 +183,20 @@ def own_chains(family: Family, rules: PortRules) -> dict[str, list[Rule]]:
     return out
 
 
-def affinity_rules(family: Family, rules: PortRules, scope: Scope) -> dict[str, list[Rule]]:
+def affinity_rules(family: Family, rules: PortRules, scope: Scope) -> dict[str, list[str]]:
     """kube-proxy's affinity: a set of client addresses per endpoint, checked before the random
     choice; the endpoint chain refreshes it (per-element timeout) and DNATs."""
     ipx = _ipx(family)
     be = rules.backend(scope)
     proto = rules.spn.protocol.lower()
     names = [affinity_endpoint(rules.spn, scope, t.hostport()) for t in be.targets]
-    head = [Rule(f"meta mark set meta mark | {MASQ_MARK:#x}", "mark")] if be.masq else []
-    checks = [Rule(f"{ipx} saddr @{n} goto {n}", "affinity-check", (n, n)) for n in names]
+    head = [MARK_MASQ] if be.masq else []
+    checks = [f"{ipx} saddr @{n} goto {n}" for n in names]
     out = {affinity_chain(rules.spn, scope): head + checks + pick_rules(names, be.round_robin)}
     for n, t in zip(names, be.targets):
         addr = f"[{t.ip}]" if family == 6 else t.ip
-        out[n] = [Rule(f"update @{n} {{ {ipx} saddr timeout {be.affinity}s }}", "affinity-update", (n, str(be.affinity))),
-                  Rule(f"meta l4proto {proto} dnat {ipx} to {addr}:{t.port}", "dnat", (t.ip, str(t.port)))]
+        out[n] = [f"update @{n} {{ {ipx} saddr timeout {be.affinity}s }}",
+                  f"meta l4proto {proto} dnat {ipx} to {addr}:{t.port}"]
     return out
 
 
