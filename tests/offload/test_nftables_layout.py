@@ -165,6 +165,8 @@ def test_slot_assignment_moves_as_little_as_possible() -> None:
 def test_comment_round_trip() -> None:
     assert parse_comment(comment_of(WEB, "external")) == (WEB, "external")
     assert parse_comment(comment_of(spn("x"), "cluster")) == (spn("x"), "cluster")
+    assert parse_comment("default/:http/TCP external") == (None, "external")  # an empty name is none
+    assert parse_comment("/web:http/TCP") == (None, "cluster")
 
 
 async def test_read_back_from_the_listing_adopts_without_element_changes(fake: FakeNft, dp: NftablesDatapath) -> None:

@@ -86,20 +86,7 @@ def comment_of(spn: ServicePortName, scope: Scope) -> str:
 
 
 def parse_comment(comment: str) -> tuple[ServicePortName | None, Scope]:
-    """Inverse of comment_of."""
+    """Inverse of comment_of (None: the comment names no ServicePort, say one cut at 127 bytes)."""
     if comment.endswith(EXTERNAL_SUFFIX):
-        return parse_spn(comment[: -len(EXTERNAL_SUFFIX)]), "external"
-    return parse_spn(comment), "cluster"
-
-
-def parse_spn(comment: str) -> ServicePortName | None:
-    """Inverse of ServicePortName.key(): "ns/name:port/TCP" or "ns/name/TCP"."""
-    try:
-        base, proto = comment.rsplit("/", 1)
-        namespace, rest = base.split("/", 1)
-    except ValueError:
-        return None
-    if proto not in ("TCP", "UDP", "SCTP"):
-        return None
-    name, _, port = rest.partition(":")
-    return ServicePortName(namespace, name, port, proto)  # type: ignore[arg-type]
+        return ServicePortName.from_key(comment[: -len(EXTERNAL_SUFFIX)]), "external"
+    return ServicePortName.from_key(comment), "cluster"
