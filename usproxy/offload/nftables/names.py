@@ -9,11 +9,10 @@ ServicePortName key, which is how read back attributes kernel state to ServicePo
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import re
 from typing import Literal, TypeAlias
 
+from usproxy.name_hash import name_hash
 from usproxy.types import ServicePortName
 
 Family: TypeAlias = Literal[4, 6]
@@ -35,8 +34,8 @@ def addr_type(family: Family) -> str:
 
 
 def short_hash(text: str) -> str:
-    """8 base32 characters of sha256, as kube-proxy's hashAndTruncate prefix."""
-    return base64.b32encode(hashlib.sha256(text.encode()).digest())[:8].decode().lower()
+    """8 base32 characters of sha256, as kube-proxy's hashAndTruncate prefix (lower case)."""
+    return name_hash(text, 8).lower()
 
 
 def verdict_map(kind: Kind, empty: bool) -> str:
