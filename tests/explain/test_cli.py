@@ -66,7 +66,7 @@ def test_live_without_agent_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
-    monkeypatch.setattr(live, "_nft_table", lambda: None)
+    monkeypatch.setattr(live, "_nft_tables", lambda: [])
     rc, _, err = run(["--live", "--metrics-bind-address", addr], capsys)
     assert rc == 1 and "nothing to show" in err
 
@@ -96,7 +96,7 @@ def test_live_reads_a_running_agent(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     server = HTTPServer(("127.0.0.1", 0), Agent)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    monkeypatch.setattr(live, "_nft_table", lambda: None)
+    monkeypatch.setattr(live, "_nft_tables", lambda: [])
     try:
         rc, out, _ = run(["--live", "--metrics-bind-address", f"127.0.0.1:{server.server_port}"], capsys)
     finally:
