@@ -231,13 +231,6 @@ class BpfDatapath:
                 out[format_hostport(ip, port)] = counts[bid].selected if bid in counts else 0
         return out
 
-    def affinity_view(self) -> list[dict[str, Any]]:
-        """Live affinity entries: client netns, service, endpoint, seconds since last use."""
-        if self._tables is None:
-            return []
-        now = time.monotonic_ns()
-        return [view.affinity_row(e, self._groups, now) for e in self._tables.affinity()]
-
     async def cleanup(self) -> None:
         """Detach every program and remove every pin (`usproxy run --cleanup`)."""
         self.close()

@@ -205,9 +205,6 @@ class NftablesDatapath:
         self.transport.close()
         self.conntrack.close()
 
-    def installed(self) -> dict[Family, dict[ServicePortName, PortRules]]:
-        return {f: dict(t.rules) for f, t in self.tables.items()}
-
 
 def _retimed_sets(table: TableState, changes: Mapping[ServicePortName, ServicePortState | None]) -> dict[str, int]:
     """Client-address sets of endpoints that stay while their ServicePort's timeout changes,
