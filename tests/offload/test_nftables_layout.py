@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from usproxy.capabilities import probe_nftables
 from usproxy.errors import OffloadError
-from usproxy.offload.nftables.datapath import NftablesDatapath
+from usproxy.offload.nftables.datapath import NftablesDatapath, probe_capability
 from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
 from usproxy.offload.nftables.names import comment_of, parse_comment
 from usproxy.offload.nftables.pins import Pin, parse_pins, retimed
@@ -251,6 +252,19 @@ async def test_round_robin_is_read_back_and_dropped_with_the_annotation(fake: Fa
     await again.apply({RR: plain})
     assert not [c for c in fake.tables[4].chains if c.startswith("rr-")]
     assert set(trace(fake, 4, "10.244.9.9", "10.96.0.9", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
+
+
+class Refusing(FakeNftClient):
+    def probe(self) -> str:
+        raise OffloadError("nft: Error: Could not process rule: Operation not supported", 95)
+
+
+def test_check_and_the_agent_run_one_nftables_probe() -> None:
+    refused = NftablesDatapath(Refusing(), NoConntrack()).probe()
+    assert not refused.available and "Operation not supported" in refused.detail
+    assert probe_nftables(Refusing()) == refused
+    assert probe_nftables(FakeNftClient()) == probe_capability(FakeNftClient())
+    assert probe_nftables(FakeNftClient()).available
 
 
 def test_only_least_connections_stays_in_the_relay(dp: NftablesDatapath) -> None:

@@ -67,12 +67,12 @@ class NftablesDatapath:
 
     # -- KernelDatapath -----------------------------------------------------------------------
     def probe(self) -> Capability:
-        try:
-            backend = self.transport.probe()
-        except Exception as err:  # never raises: the manager falls back to the relay
-            return Capability("nftables", False, f"nat table with maps and numgen refused: {err}")
+        """probe_capability(), then conntrack accounting turned on (for byte counts in /flows)."""
+        cap = probe_capability(self.transport)
+        if not cap.available:
+            return cap
         acct = "" if self.conntrack.enable_accounting() else "; no conntrack accounting"
-        return Capability("nftables", True, f"nat, concatenated maps, numgen ({backend}){acct}")
+        return Capability(cap.name, True, cap.detail + acct)
 
     def unsupported(self, state: ServicePortState) -> str | None:
         """What only the relay serves: SCTP (not offloaded) and leastConnections (the kernel does
@@ -204,6 +204,18 @@ class NftablesDatapath:
         """Stop the worker threads; the kernel state stays (field case C20)."""
         self.transport.close()
         self.conntrack.close()
+
+
+def probe_capability(transport: NftTransport) -> Capability:
+    """Whether nftables can hold this layout: the transport's probe (NftClient.probe loads and
+    deletes a table with every feature the layout uses). Never raises: a missing feature is an
+    answer (the manager falls back to the relay). The one probe of both the agent and `usproxy
+    check`, so they cannot disagree."""
+    try:
+        backend = transport.probe()
+    except Exception as err:
+        return Capability("nftables", False, f"nat table with maps and numgen refused: {err}")
+    return Capability("nftables", True, f"nat, concatenated maps, numgen ({backend})")
 
 
 def _retimed_sets(table: TableState, changes: Mapping[ServicePortName, ServicePortState | None]) -> dict[str, int]:
