@@ -62,10 +62,8 @@ import pytest
 
 from tests.netns import Topology, inside, nsexec
 from tests.offload.harness import Pods, conntrack, wait_listening
-from tests.offload.test_agent_offload import agent_factory, placement, pods, wait_for
+from tests.offload.test_agent_offload import placement, wait_for
 from tests.relay.harness import AgentProc, Manifests, slice_, svc
-
-__all__ = ["agent_factory", "pods"]  # fixtures, shared with test_agent_offload.py
 
 pytestmark = pytest.mark.netns
 

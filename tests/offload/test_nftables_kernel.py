@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from scipy.stats import chisquare
@@ -50,15 +49,6 @@ def dp(topology: Topology) -> Iterator[NftablesDatapath]:
         yield d
     finally:
         d.close()
-
-
-@pytest.fixture
-def pods(topology: Topology, tmp_path: Path) -> Iterator[Pods]:
-    p = Pods(topology, tmp_path)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def web(*ips: str, port: int = 8080, **kw: object) -> ServicePortState:
