@@ -64,11 +64,9 @@ class Transaction:
 
     def __init__(self, state: TableState) -> None:
         self.state = state
-        self.deletes: list[Command] = []
         self.flushes: list[Command] = []
         self.drops: list[Command] = []
         self.creates: list[Command] = []
-        self.adds: list[Command] = []
         self._slots = dict(state.slots)
         self._groups: set[str] = set()
         self._base = state.base
@@ -86,7 +84,7 @@ class Transaction:
     def commands(self) -> list[Command]:
         dels = [Command("delete", "element", self.family, m, elems=tuple(e)) for m, e in self._elem_del.items() if e]
         adds = [Command("add", "element", self.family, m, elems=tuple(e)) for m, e in self._elem_add.items() if e]
-        return [*dels, *self.deletes, *self.flushes, *self.drops, *self.creates, *self.adds, *adds]
+        return [*dels, *self.flushes, *self.drops, *self.creates, *adds]
 
     def retime(self, pins: Mapping[str, tuple[int, list[Pin]]]) -> None:
         """Write the pins of affinity sets whose ServicePort's timeout changes in this
