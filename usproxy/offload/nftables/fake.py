@@ -26,6 +26,8 @@ ENOENT, EEXIST, EBUSY = 2, 17, 16
 
 @dataclass
 class FakeTable:
+    """One family's table: map key -> (value, comment), set keys, chain -> rules, hooked chains."""
+
     maps: dict[str, dict[str, tuple[str | None, str | None]]] = field(default_factory=dict)
     sets: dict[str, set[str]] = field(default_factory=dict)
     chains: dict[str, list[str]] = field(default_factory=dict)  # rule text, as the kernel got it
