@@ -124,10 +124,10 @@ class _NftSink:
 
 async def _usproxy_nft(ns: str, n: int, changes: int) -> dict[str, Any]:
     from usproxy.manifest import objects_from
-    from usproxy.offload.nftables import NftablesDatapath
+    from usproxy.offload.nftables.datapath import NftablesDatapath
     from usproxy.proxier import Proxier
 
-    from usproxy.offload.nftables_layout import _TEXT
+    from usproxy.offload.nftables.rules import _TEXT
 
     _TEXT.clear()  # the address-text cache starts empty in a starting agent too
     nft = NftablesDatapath(netns=ns, lb_policy="random", node_name="node-0")

@@ -13,7 +13,7 @@ fifth from run to run.
 --nodes: the endpoints' nodeNames are spread over that many nodes and the datapath runs as one of
 them. 1: every endpoint is on this node, so every endpoint gets a hairpin element (the worst
 case, and what endpoints without a nodeName cost); 50: what one node of a 50-node cluster
-programs (endpoints on other nodes get no hairpin element, see nftables_layout.port_rules).
+programs (endpoints on other nodes get no hairpin element, see nftables/rules.py port_rules).
 
 One change: apply() of one ServicePort whose second endpoint is replaced (a slot element deleted
 and added, hairpin -1 +1), measured end to end; p50 and p99 over --changes rounds. Results go to
@@ -38,9 +38,9 @@ from typing import Any
 
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
-from usproxy.offload.nftables import NftablesDatapath
-from usproxy.offload.nftables_client import NftClient
-from usproxy.offload.nftables_layout import _TEXT
+from usproxy.offload.nftables.datapath import NftablesDatapath
+from usproxy.offload.nftables.client import NftClient
+from usproxy.offload.nftables.rules import _TEXT
 from usproxy.service_port import ServicePort
 from usproxy.types import ServicePortName
 

@@ -2,7 +2,8 @@
 
 Every probe returns a Capability (usproxy.offload.kernel_datapath) and never raises: a missing
 feature is an answer, not an error. Interface probes create and delete a throwaway link
-(`usproxy-probe`) through pyroute2.
+(`usproxy-probe`) through the agent's netlink worker; the nftables and BPF probes are the
+datapaths' own, so `usproxy check` and the agent cannot disagree.
 """
 
 from __future__ import annotations
@@ -10,35 +11,27 @@ from __future__ import annotations
 import ctypes.util
 import os
 import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from usproxy.offload.kernel_datapath import Capability
 
+if TYPE_CHECKING:
+    from usproxy.offload.nftables.datapath import NftTransport
+
 PROBE_LINK = "usproxy-probe"
-NFT_PROBE = """table ip usproxy_probe {
-  map m { type ipv4_addr . inet_service : ipv4_addr . inet_service ; }
-  chain c {
-    type nat hook prerouting priority dstnat;
-    meta l4proto { tcp, udp } dnat ip to ip daddr . th dport map @m
-    dnat ip to numgen random mod 2 map { 0 : 10.0.0.1, 1 : 10.0.0.2 }
-  }
-}
-"""
 
 
 def _netlink(fn: Callable[[Any], Capability]) -> Capability:
-    import asyncio
+    """fn(IPRoute) in the agent's own netlink worker (the one IPRoute set-up, relay/vip_interface)."""
+    from usproxy.relay.vip_interface import NetlinkWorker
 
-    from pyroute2 import IPRoute
-
-    ipr = IPRoute(use_event_loop=asyncio.SelectorEventLoop())
+    worker = NetlinkWorker()
     try:
-        return fn(ipr)
+        return worker.call_sync(fn)
     finally:
-        ipr.close()
+        worker.close()
 
 
 def probe_link_kind(kind: str) -> Capability:
@@ -60,14 +53,17 @@ def probe_link_kind(kind: str) -> Capability:
         return Capability(f"interface {kind}", False, f"netlink: {err}")
 
 
-def probe_nftables() -> Capability:
-    nft = shutil.which("nft")
-    if nft is None:
-        return Capability("nftables", False, "nft not installed (apt-get install nftables)")
-    res = subprocess.run([nft, "-c", "-f", "-"], input=NFT_PROBE, text=True, capture_output=True)
-    if res.returncode != 0:
-        return Capability("nftables", False, res.stderr.strip().splitlines()[-1] if res.stderr else "nft -c failed")
-    return Capability("nftables", True, "nat maps, concatenations, numgen: ok")
+def probe_nftables(transport: NftTransport | None = None) -> Capability:
+    """The agent's own nftables probe (nftables.datapath.probe_capability) through `transport`
+    (default: libnftables in this network namespace), so `usproxy check` and the agent agree."""
+    from usproxy.offload.nftables.client import NftClient
+    from usproxy.offload.nftables.datapath import probe_capability
+
+    client = transport if transport is not None else NftClient()
+    try:
+        return probe_capability(client)
+    finally:
+        client.close()
 
 
 def probe_bpf(cgroup: Path = Path("/sys/fs/cgroup/unified")) -> Capability:

@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 
 async def _nftables() -> bool:
-    from usproxy.offload.nftables import NftablesDatapath
+    from usproxy.offload.nftables.datapath import NftablesDatapath
 
     dp = NftablesDatapath()
     try:

@@ -11,6 +11,7 @@ from typing import Literal, NamedTuple, TypeAlias
 
 Protocol: TypeAlias = Literal["TCP", "UDP", "SCTP"]
 PROTOCOLS: tuple[Protocol, ...] = ("TCP", "UDP", "SCTP")
+_PROTOCOL: dict[str, Protocol] = {p: p for p in PROTOCOLS}
 IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
@@ -48,6 +49,20 @@ class ServicePortName(NamedTuple):
 
     def key(self) -> str:
         return f"{self} {self.protocol}".replace(" ", "/")
+
+    @classmethod
+    def from_key(cls, text: str) -> ServicePortName | None:
+        """Inverse of key(): "ns/name:port/TCP" or "ns/name/TCP" back to the ServicePortName.
+        None when `text` is not one: no known protocol, or an empty namespace or name (no API
+        object has one). How both kernel datapaths attribute what they read back (nftables
+        element comments, BPF service group names)."""
+        rest, _, proto = text.rpartition("/")
+        namespace, _, name_port = rest.partition("/")
+        name, _, port = name_port.partition(":")
+        protocol = _PROTOCOL.get(proto)
+        if protocol is None or not namespace or not name:
+            return None
+        return cls(namespace, name, port, protocol)
 
 
 def format_hostport(ip: IPAddress | str, port: int) -> str:

@@ -9,13 +9,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from tests.netns import Topology, inside, nsexec
 
 IDSRV = str(Path(__file__).with_name("idsrv.py"))
+OFFLOAD = ("--offload", "nftables", "--offload-after", "1", "--min-sync-period", "200ms")  # agent flags
 
 
 class Pods:
@@ -116,15 +116,6 @@ def nft_list(ns: str) -> str:
 
 def conntrack(ns: str, *args: str) -> str:
     return nsexec(ns, "conntrack", "-L", *args, check=False).stdout
-
-
-@contextlib.contextmanager
-def pods(topo: Topology, tmp: Path) -> Iterator[Pods]:
-    p = Pods(topo, tmp)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def first(d: dict[str, Any]) -> Any:

@@ -1,6 +1,6 @@
 """C15 and C16 in offload mode: the real agent (relay + nftables offload), ClientIP affinity in the
 kernel (per-endpoint nft sets with timeouts, `update @set { ip saddr timeout Ns }` on each new
-connection, checked before the random pick; usproxy/offload/nftables_layout.py affinity_rules).
+connection, checked before the random pick; usproxy/offload/nftables/commands.py affinity_rules).
 
 Each test waits until its Services are placed on nftables, then makes real TCP connections to the
 ClusterIP from many source addresses of one client netns (the client socket bound to each). Every
@@ -62,10 +62,8 @@ import pytest
 
 from tests.netns import Topology, inside, nsexec
 from tests.offload.harness import Pods, conntrack, wait_listening
-from tests.offload.test_agent_offload import agent_factory, placement, pods, wait_for
+from tests.offload.test_agent_offload import placement, wait_for
 from tests.relay.harness import AgentProc, Manifests, slice_, svc
-
-__all__ = ["agent_factory", "pods"]  # fixtures, shared with test_agent_offload.py
 
 pytestmark = pytest.mark.netns
 

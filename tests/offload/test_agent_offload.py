@@ -11,7 +11,6 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,32 +23,6 @@ from tests.relay.harness import USPROXY, AgentProc, Manifests, slice_, svc
 pytestmark = pytest.mark.netns
 
 VIP = "10.96.10.10"
-OFFLOAD = ("--offload", "nftables", "--offload-after", "1", "--min-sync-period", "200ms")
-
-
-@pytest.fixture
-def pods(topology: Topology, tmp_path: Path) -> Iterator[Pods]:
-    p = Pods(topology, tmp_path)
-    try:
-        yield p
-    finally:
-        p.close()
-
-
-@pytest.fixture
-def agent_factory(topology: Topology, tmp_path: Path) -> Iterator[Any]:
-    agents: list[AgentProc] = []
-
-    def make(manifests: Manifests) -> AgentProc:
-        a = AgentProc(topology, manifests, "uvloop", *OFFLOAD)
-        agents.append(a)
-        return a
-
-    try:
-        yield make
-    finally:
-        for a in agents:
-            a.stop()
 
 
 def web(eps: list[str], **spec: Any) -> list[dict[str, Any]]:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from usproxy.offload.nftables import NftablesDatapath
+from usproxy.offload.nftables.datapath import NftablesDatapath
 
 from tests.netns import Topology, inside, nsexec
 from tests.offload.helpers import ep, spn, state

@@ -14,15 +14,14 @@ from pathlib import Path
 import pytest
 
 from tests.netns import Topology, nsexec
-from tests.offload.harness import Pods, nft_list, tcp_name, wait_listening
-from tests.offload.test_agent_offload import OFFLOAD, placement, wait_for, web
+from tests.offload.harness import OFFLOAD, Pods, nft_list, tcp_name, wait_listening
+from tests.offload.test_agent_offload import placement, wait_for, web
 from tests.relay.harness import AgentProc, Manifests
 
 pytestmark = pytest.mark.netns
 
 
-def test_deleted_table_is_rebuilt_at_the_next_full_sync(topology: Topology, tmp_path: Path) -> None:
-    pods = Pods(topology, tmp_path)
+def test_deleted_table_is_rebuilt_at_the_next_full_sync(topology: Topology, tmp_path: Path, pods: Pods) -> None:
     pods.add("be-a", "10.244.1.5")
     cli = topology.add_host("cli", "10.244.9.10")
     wait_listening(cli, "10.244.1.5", 8080)
@@ -43,13 +42,11 @@ def test_deleted_table_is_rebuilt_at_the_next_full_sync(topology: Topology, tmp_
         assert tcp_name(cli, "10.96.10.10", 80) == "be-a"
     finally:
         assert agent.stop() == 0
-        pods.close()
 
 
-def test_flushed_hooked_chain_is_rewritten_at_the_next_full_sync(topology: Topology, tmp_path: Path) -> None:
+def test_flushed_hooked_chain_is_rewritten_at_the_next_full_sync(topology: Topology, tmp_path: Path, pods: Pods) -> None:
     """The table and its elements intact, but `ct state invalid drop` (field case C25) flushed
     away: a diff of ServicePorts alone would never notice; the full sync rewrites the chain."""
-    pods = Pods(topology, tmp_path)
     pods.add("be-a", "10.244.1.6")
     m = Manifests(tmp_path / "m")
     m.write(*web(["10.244.1.6"]))
@@ -67,4 +64,3 @@ def test_flushed_hooked_chain_is_rewritten_at_the_next_full_sync(topology: Topol
         assert placement(agent)[0] == "nftables"
     finally:
         assert agent.stop() == 0
-        pods.close()

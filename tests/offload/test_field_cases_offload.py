@@ -64,7 +64,7 @@ from typing import Any
 import pytest
 
 from tests.netns import Topology, inside, nsexec
-from tests.offload.test_agent_offload import agent_factory, metric, placement, wait_for
+from tests.offload.test_agent_offload import metric, placement, wait_for
 from tests.relay.harness import AgentProc, Backends, Manifests, slice_, svc
 from tests.relay.tcp_clients import attempt, idsrv_log_after, run_async, start_server, wait_until
 from tests.relay.tcp_servers import pattern_digest
@@ -82,7 +82,6 @@ from tests.relay.udp_helpers import ask, client_socket, icmp_unlimited, read_bac
 
 pytestmark = pytest.mark.netns
 
-__all__ = ["agent_factory"]  # a fixture (test_agent_offload.py's), used by name below
 
 CLIENT = "10.244.9.10"
 NODE = "192.0.2.10"

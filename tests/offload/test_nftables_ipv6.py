@@ -25,8 +25,9 @@ from collections.abc import Iterator
 import pytest
 
 from usproxy.datapath import ServicePortState
-from usproxy.offload.nftables import NftablesDatapath
-from usproxy.offload.nftables_layout import Transaction, port_rules
+from usproxy.offload.nftables.datapath import NftablesDatapath
+from usproxy.offload.nftables.rules import port_rules
+from usproxy.offload.nftables.transaction import Transaction
 
 from tests.netns import Topology, inside, nsexec
 from tests.offload.harness import hairpin_ports, nft_list

@@ -8,15 +8,17 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from scipy.stats import chisquare
 
+from usproxy.capabilities import probe_nftables
 from usproxy.datapath import ServicePortState
 from usproxy.errors import OffloadError
-from usproxy.offload.nftables import NftablesDatapath
-from usproxy.offload.nftables_layout import Transaction, port_rules
+from usproxy.offload.nftables.client import NftClient
+from usproxy.offload.nftables.datapath import NftablesDatapath
+from usproxy.offload.nftables.rules import port_rules
+from usproxy.offload.nftables.transaction import Transaction
 
 from tests.netns import Topology, nsexec
 from tests.offload.harness import (
@@ -47,15 +49,6 @@ def dp(topology: Topology) -> Iterator[NftablesDatapath]:
         yield d
     finally:
         d.close()
-
-
-@pytest.fixture
-def pods(topology: Topology, tmp_path: Path) -> Iterator[Pods]:
-    p = Pods(topology, tmp_path)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def web(*ips: str, port: int = 8080, **kw: object) -> ServicePortState:
@@ -237,6 +230,12 @@ async def test_round_robin_annotation_rotates_in_the_kernel(topology: Topology, 
     await dp.apply({WEB: web("10.244.1.25", "10.244.3.25", lb_policy="roundRobin")})
     after = [tcp_name(cli, VIP, 80) for _ in range(6)]
     assert len(set(after)) == 2 and after == after[:2] * 3
+
+
+def test_check_probes_the_kernel_as_the_agent_does(topology: Topology, dp: NftablesDatapath) -> None:
+    cap = probe_nftables(NftClient(topology.node))
+    assert cap.available and dp.probe().detail.startswith(cap.detail)
+    assert "usproxy-probe" not in nft_list(topology.node)  # added and deleted in one transaction
 
 
 async def test_kernel_flows_carry_byte_counts_once_accounting_is_on(topology: Topology, dp: NftablesDatapath, pods: Pods) -> None:

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import pytest
 
+from usproxy.capabilities import probe_nftables
 from usproxy.errors import OffloadError
-from usproxy.offload.nftables import NftablesDatapath
-from usproxy.offload.nftables_fake import FakeNft, FakeNftClient
-from usproxy.offload.nftables_layout import Pin, Target, assign_slots, comment_of, parse_comment, parse_pins, retimed
+from usproxy.offload.nftables.datapath import NftablesDatapath, probe_capability
+from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
+from usproxy.offload.nftables.names import comment_of, parse_comment
+from usproxy.offload.nftables.pins import Pin, parse_pins, retimed
+from usproxy.offload.nftables.rules import Target, assign_slots
 from usproxy.offload.kernel_conntrack import KernelConntrack
 
 from tests.offload.helpers import ep, spn, state
+from tests.offload.nft_trace import trace
 
 WEB, DNS, STICKY = spn("web", "http"), spn("dns", "dns", "UDP", "kube-system"), spn("sticky")
 NODE = ["192.0.2.10", "192.0.2.11"]
@@ -77,7 +81,7 @@ async def test_packet_trace(fake: FakeNft, dp: NftablesDatapath, src: str, dst: 
                             verdict: str, targets: set[str], masq: set[str]) -> None:
     await dp.apply({WEB: web("10.244.1.1", "10.244.2.1"),  # type: ignore[dict-item]
                     DNS: state(DNS, "10.96.0.10", 53, [])})
-    t = fake.trace(4, src, dst, proto, port, local=[*NODE, "127.0.0.1"])
+    t = trace(fake, 4, src, dst, proto, port, local=[*NODE, "127.0.0.1"])
     assert (t.verdict, set(t.targets), set(t.masq)) == (verdict, targets, masq)
 
 
@@ -85,9 +89,9 @@ async def test_external_traffic_policy_local_uses_local_endpoints_without_masque
     st = state(WEB, "10.96.0.1", 80, [ep("10.244.1.1", node_name="node"), ep("10.244.2.1", node_name="other")],
                node_port=30080, service_type="NodePort", external_traffic_policy="Local", external_ips=["192.0.2.50"])
     await dp.apply({WEB: st})
-    np = fake.trace(4, "203.0.113.5", "192.0.2.10", "tcp", 30080, local=NODE)
-    ext = fake.trace(4, "203.0.113.5", "192.0.2.50", "tcp", 80, local=NODE)
-    cluster = fake.trace(4, "10.244.9.10", "10.96.0.1", "tcp", 80, local=NODE)
+    np = trace(fake, 4, "203.0.113.5", "192.0.2.10", "tcp", 30080, local=NODE)
+    ext = trace(fake, 4, "203.0.113.5", "192.0.2.50", "tcp", 80, local=NODE)
+    cluster = trace(fake, 4, "10.244.9.10", "10.96.0.1", "tcp", 80, local=NODE)
     assert set(np.targets) == set(ext.targets) == {"10.244.1.1:8080"} and not np.masq and not ext.masq
     assert set(cluster.targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
 
@@ -100,11 +104,11 @@ async def test_affinity_checks_each_endpoint_set_before_the_random_choice(fake: 
     assert "update @ep-" in text and "{ ip saddr timeout 5s }" in text
     table = fake.tables[4]
     pinned = next(n for n in table.sets if n.startswith("ep-") and
-                  table.chains[n][-1].text.endswith("10.244.2.1:8080"))
+                  table.chains[n][-1].endswith("10.244.2.1:8080"))
     table.sets[pinned].add("10.244.9.10")  # as the kernel's `update` would after a connection
-    t = fake.trace(4, "10.244.9.10", "10.96.0.7", "tcp", 80)
+    t = trace(fake, 4, "10.244.9.10", "10.96.0.7", "tcp", 80)
     assert set(t.targets) == {"10.244.2.1:8080"}
-    other = fake.trace(4, "10.244.9.11", "10.96.0.7", "tcp", 80)
+    other = trace(fake, 4, "10.244.9.11", "10.96.0.7", "tcp", 80)
     assert set(other.targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
 
 
@@ -112,7 +116,7 @@ async def test_ipv6_goes_to_the_ip6_table(fake: FakeNft, dp: NftablesDatapath) -
     v6 = spn("v6")
     await dp.apply({v6: state(v6, "2001:db8:96::a", 80, [ep("2001:db8:244:1::5"), ep("2001:db8:244:2::6")])})
     assert set(fake.tables) == {6}
-    t = fake.trace(6, "2001:db8:244:9::1", "2001:db8:96::a", "tcp", 80)
+    t = trace(fake, 6, "2001:db8:244:9::1", "2001:db8:96::a", "tcp", 80)
     assert set(t.targets) == {"[2001:db8:244:1::5]:8080", "[2001:db8:244:2::6]:8080"}
 
 
@@ -162,6 +166,8 @@ def test_slot_assignment_moves_as_little_as_possible() -> None:
 def test_comment_round_trip() -> None:
     assert parse_comment(comment_of(WEB, "external")) == (WEB, "external")
     assert parse_comment(comment_of(spn("x"), "cluster")) == (spn("x"), "cluster")
+    assert parse_comment("default/:http/TCP external") == (None, "external")  # an empty name is none
+    assert parse_comment("/web:http/TCP") == (None, "cluster")
 
 
 async def test_read_back_from_the_listing_adopts_without_element_changes(fake: FakeNft, dp: NftablesDatapath) -> None:
@@ -185,8 +191,8 @@ async def test_hairpin_elements_only_for_endpoints_that_may_be_on_this_node(fake
     await dp.apply({WEB: state(WEB, "10.96.0.1", 80, eps)})
     assert fake.tables[4].sets["hairpin"] == {"10.244.1.1 . 10.244.1.1", "10.244.3.1 . 10.244.3.1"}
     # a pod connecting to its own Service through this node is masqueraded; a remote one is not
-    assert fake.trace(4, "10.244.1.1", "10.96.0.1", "tcp", 80).masq == {"10.244.1.1:8080"}
-    assert fake.trace(4, "10.244.2.1", "10.96.0.1", "tcp", 80).masq == frozenset()
+    assert trace(fake, 4, "10.244.1.1", "10.96.0.1", "tcp", 80).masq == {"10.244.1.1:8080"}
+    assert trace(fake, 4, "10.244.2.1", "10.96.0.1", "tcp", 80).masq == frozenset()
     # read back restores which targets carry the flag, so a restart changes no element
     again = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_name="node")
     await again.read_back()
@@ -215,20 +221,20 @@ def rr_state(*ips: str, **kw: object) -> object:
 
 async def test_round_robin_takes_endpoints_in_turn_in_a_chain_of_its_own(fake: FakeNft, dp: NftablesDatapath) -> None:
     await dp.apply({RR: rr_state("10.244.1.1", "10.244.2.1", "10.244.3.1"), WEB: web("10.244.1.1", "10.244.2.1")})  # type: ignore[dict-item]
-    seen = [next(iter(fake.trace(4, "10.244.9.9", "10.96.0.9", "tcp", 80).targets)) for _ in range(6)]
+    seen = [next(iter(trace(fake, 4, "10.244.9.9", "10.96.0.9", "tcp", 80).targets)) for _ in range(6)]
     assert seen == ["10.244.1.1:8080", "10.244.2.1:8080", "10.244.3.1:8080"] * 2
     chains = fake.tables[4].chains
     own = [c for c in chains if c.startswith("rr-")]
-    assert len(own) == 1 and chains[own[0]][0].text.startswith("numgen inc mod 3 vmap")
+    assert len(own) == 1 and chains[own[0]][0].startswith("numgen inc mod 3 vmap")
     assert "g-2" in chains and "g-3" not in chains  # WEB (not annotated) shares g-2 and picks at random
 
 
 async def test_round_robin_nodeport_masquerades_and_rotates_separately(fake: FakeNft, dp: NftablesDatapath) -> None:
     await dp.apply({RR: rr_state("10.244.1.1", "10.244.2.1", node_port=30009, service_type="NodePort")})  # type: ignore[dict-item]
-    via_np = [fake.trace(4, "198.51.100.7", NODE[0], "tcp", 30009, local=NODE) for _ in range(4)]
+    via_np = [trace(fake, 4, "198.51.100.7", NODE[0], "tcp", 30009, local=NODE) for _ in range(4)]
     assert [next(iter(t.targets)) for t in via_np] == ["10.244.1.1:8080", "10.244.2.1:8080"] * 2
     assert all(t.masq == t.targets for t in via_np)  # externalTrafficPolicy Cluster: masquerade
-    via_vip = [fake.trace(4, "10.244.9.9", "10.96.0.9", "tcp", 80) for _ in range(2)]
+    via_vip = [trace(fake, 4, "10.244.9.9", "10.96.0.9", "tcp", 80) for _ in range(2)]
     assert [next(iter(t.targets)) for t in via_vip] == ["10.244.1.1:8080", "10.244.2.1:8080"]  # its own counter
     assert all(not t.masq for t in via_vip)
     assert sorted(c[-2:] for c in fake.tables[4].chains if c.startswith("rr-")) == ["-c", "en"]
@@ -245,7 +251,20 @@ async def test_round_robin_is_read_back_and_dropped_with_the_annotation(fake: Fa
     plain = state(RR, "10.96.0.9", 80, [ep("10.244.1.1"), ep("10.244.2.1")])
     await again.apply({RR: plain})
     assert not [c for c in fake.tables[4].chains if c.startswith("rr-")]
-    assert set(fake.trace(4, "10.244.9.9", "10.96.0.9", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
+    assert set(trace(fake, 4, "10.244.9.9", "10.96.0.9", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
+
+
+class Refusing(FakeNftClient):
+    def probe(self) -> str:
+        raise OffloadError("nft: Error: Could not process rule: Operation not supported", 95)
+
+
+def test_check_and_the_agent_run_one_nftables_probe() -> None:
+    refused = NftablesDatapath(Refusing(), NoConntrack()).probe()
+    assert not refused.available and "Operation not supported" in refused.detail
+    assert probe_nftables(Refusing()) == refused
+    assert probe_nftables(FakeNftClient()) == probe_capability(FakeNftClient())
+    assert probe_nftables(FakeNftClient()).available
 
 
 def test_only_least_connections_stays_in_the_relay(dp: NftablesDatapath) -> None:
@@ -264,7 +283,7 @@ async def test_hooked_chains_changed_behind_our_back_are_rewritten_after_read_ba
     await dp.read_back()  # what every full sync does first
     await dp.apply(unchanged)  # type: ignore[arg-type]
     assert fake.dump() == intact
-    assert any(r.text == "ct state invalid drop" for r in fake.tables[4].chains["filter-forward"])
+    assert "ct state invalid drop" in fake.tables[4].chains["filter-forward"]
 
 
 class Recording(FakeNftClient):
@@ -299,12 +318,12 @@ async def test_shared_chains_flushed_behind_our_back_are_rewritten_after_read_ba
     intact = fake.dump()
     for chain in ("s-1", "g-2", "npgm-2"):
         fake.tables[4].chains[chain] = []
-    assert fake.trace(4, "10.244.9.9", "10.96.0.1", "tcp", 80).verdict == "none"  # not DNATed any more
+    assert trace(fake, 4, "10.244.9.9", "10.96.0.1", "tcp", 80).verdict == "none"  # not DNATed any more
     await dp.read_back()
     await dp.apply(states)  # type: ignore[arg-type]
     assert fake.dump() == intact
-    assert set(fake.trace(4, "10.244.9.9", "10.96.0.1", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
-    assert set(fake.trace(4, "203.0.113.5", NODE[0], "tcp", 30080, local=NODE).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
+    assert set(trace(fake, 4, "10.244.9.9", "10.96.0.1", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
+    assert set(trace(fake, 4, "203.0.113.5", NODE[0], "tcp", 30080, local=NODE).targets) == {"10.244.1.1:8080", "10.244.2.1:8080"}
 
 
 LONG = spn("n" * 63, "p" * 15, ns="s" * 63)  # "ns/name:port/TCP" is 147 bytes: its comment is cut at 127
@@ -316,13 +335,13 @@ async def test_elements_read_back_cannot_attribute_are_deleted_by_the_next_trans
     assert set(await again.read_back()) == {WEB}  # the cut comment names no ServicePort
     # endpoints changed while the agent was down: re-adding the ServicePort must not clash
     await again.apply({LONG: state(LONG, "10.96.0.5", 80, [ep("10.244.4.1")])})
-    assert set(fake.trace(4, "10.244.9.9", "10.96.0.5", "tcp", 80).targets) == {"10.244.4.1:8080"}
+    assert set(trace(fake, 4, "10.244.9.9", "10.96.0.5", "tcp", 80).targets) == {"10.244.4.1:8080"}
     assert "10.244.2.1 . 10.244.2.1" not in fake.tables[4].sets["hairpin"]
     # and a ServicePort deleted while the agent was down stops being DNATed at the next sync
     third = NftablesDatapath(FakeNftClient(fake), NoConntrack())
     await third.read_back()
     await third.apply({WEB: web("10.244.3.1")})  # type: ignore[dict-item]
-    assert fake.trace(4, "10.244.9.9", "10.96.0.5", "tcp", 80).verdict == "none"
+    assert trace(fake, 4, "10.244.9.9", "10.96.0.5", "tcp", 80).verdict == "none"
     assert {k for m in fake.tables[4].maps.values() for k in m if k.startswith("10.96.0.5 ")} == set()
 
 
@@ -331,7 +350,7 @@ async def test_leftover_slot_elements_after_a_flushed_verdict_map_are_cleaned_up
     fake.tables[4].maps["service-ips"].clear()  # `nft flush map ip usproxy service-ips` behind our back
     await dp.read_back()
     await dp.apply({WEB: web("10.244.1.1", "10.244.3.1")})  # type: ignore[dict-item]
-    assert set(fake.trace(4, "10.244.9.9", "10.96.0.1", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.3.1:8080"}
+    assert set(trace(fake, 4, "10.244.9.9", "10.96.0.1", "tcp", 80).targets) == {"10.244.1.1:8080", "10.244.3.1:8080"}
 
 
 def test_pins_are_parsed_from_nft_text_and_retimed_from_their_last_connection() -> None:

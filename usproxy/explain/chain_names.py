@@ -12,10 +12,8 @@ Invariant: pure functions of their arguments.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-
 from usproxy.endpoint import Endpoint
+from usproxy.name_hash import name_hash
 from usproxy.types import ServicePortName
 
 NFT_NAME_MAX = 256  # knftables.NameLengthMax
@@ -23,13 +21,9 @@ NFT_PREFIX_MAX = 16  # chainNamePrefixLengthMax
 NFT_BASE_MAX = NFT_NAME_MAX - NFT_PREFIX_MAX
 
 
-def _b32(text: str) -> str:
-    return base64.b32encode(hashlib.sha256(text.encode()).digest()).decode()
-
-
 def port_proto_hash(spn: ServicePortName) -> str:
     """The 16-character hash of a ServicePort (kube-proxy portProtoHash)."""
-    return _b32(str(spn) + spn.protocol.lower())[:16]
+    return name_hash(str(spn) + spn.protocol.lower(), 16)
 
 
 def svc_chain(spn: ServicePortName) -> str:
@@ -49,11 +43,11 @@ def ext_chain(spn: ServicePortName) -> str:
 
 def sep_chain(spn: ServicePortName, ep: Endpoint) -> str:
     """KUBE-SEP-*: one endpoint of one ServicePort."""
-    return "KUBE-SEP-" + _b32(str(spn) + spn.protocol.lower() + str(ep))[:16]
+    return "KUBE-SEP-" + name_hash(str(spn) + spn.protocol.lower() + str(ep), 16)
 
 
 def _hash_and_truncate(name: str) -> str:
-    out = _b32(name)[:8] + "-" + name
+    out = name_hash(name, 8) + "-" + name
     return out if len(out) <= NFT_BASE_MAX else out[:NFT_BASE_MAX - 3] + "..."
 
 

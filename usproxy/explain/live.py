@@ -1,9 +1,10 @@
 """`--live`: this node's real state, read (never changed) from a running agent and the kernel.
 
-Reads GET http://<metrics address>/services and /flows (JSON, see usproxy/table.py) and, when a
-`usproxy` nftables table exists, `nft list table inet usproxy` (or ip/ip6). Best effort: each
-source that cannot be read is reported as such; `read_live` returns None only when nothing at all
-could be read, so the command can exit 1 with a clear message.
+Reads GET http://<metrics address>/services and /flows (JSON, see usproxy/table.py), every
+usproxy nftables table that exists (`nft list table ip usproxy`, then `ip6`: the offload keeps one
+table per IP family, usproxy/offload/nftables) and the pinned BPF maps. Best effort: each source
+that cannot be read is reported as such; `read_live` returns None only when nothing at all could
+be read, so the command can exit 1 with a clear message.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from usproxy.offload.nftables.names import FAMILIES, TABLE, nft_family
 from usproxy.table import render_flows, render_services
 
 TIMEOUT = 3.0
@@ -26,19 +28,21 @@ def _get(addr: str, path: str) -> Any:
         return json.load(resp)
 
 
-def _nft_table() -> str | None:
+def _nft_tables() -> list[tuple[str, str]]:
+    """(family, `nft list table <family> usproxy` text) of every usproxy table that exists."""
     nft = shutil.which("nft")
     if nft is None:
-        return None
-    for family in ("inet", "ip", "ip6"):
+        return []
+    out = []
+    for family in map(nft_family, FAMILIES):
         try:
-            done = subprocess.run([nft, "list", "table", family, "usproxy"], capture_output=True,
+            done = subprocess.run([nft, "list", "table", family, TABLE], capture_output=True,
                                   text=True, timeout=TIMEOUT, check=False)
         except (OSError, subprocess.TimeoutExpired):
-            return None
+            continue
         if done.returncode == 0:
-            return done.stdout
-    return None
+            out.append((family, done.stdout))
+    return out
 
 
 def read_live(addr: str, pin_root: Path | None = None) -> str | None:
@@ -52,9 +56,10 @@ def read_live(addr: str, pin_root: Path | None = None) -> str | None:
             got = True
         except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as err:
             parts.append(f"# live {path}: not available from http://{addr} ({err})\n")
-    table = _nft_table()
-    if table is not None:
-        parts.append(f"# live: nft list table usproxy\n{table}")
+    tables = _nft_tables()
+    for family, text in tables:
+        parts.append(f"# live: nft list table {family} {TABLE}\n{text}")
+    if tables:
         got = True
     else:
         parts.append("# live: no usproxy nftables table (or nft not installed / not permitted)\n")

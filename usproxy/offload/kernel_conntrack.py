@@ -7,18 +7,17 @@ sender's earlier "refused" entry outlives the 0 -> N change). pyroute2's Conntra
 entry per request. It also lists the DNATed entries of offloaded frontends for /flows.
 
 pyroute2's synchronous API cannot run inside a running event loop, so every call runs in one
-worker thread, which first enters `netns` when one is given.
+worker thread (NetnsWorker), which first enters `netns` when one is given.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import socket
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from usproxy.offload.netns_worker import NetnsWorker
 from usproxy.types import format_hostport
 
 log = logging.getLogger(__name__)
@@ -36,13 +35,7 @@ class KernelConntrack:
 
     def __init__(self, netns: str | None = None) -> None:
         self.netns = netns
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="conntrack", initializer=self._enter)
-
-    def _enter(self) -> None:
-        if self.netns is not None:
-            from pyroute2 import netns as pr_netns
-
-            pr_netns.setns(self.netns)
+        self._worker = NetnsWorker("conntrack", netns)
 
     async def delete_udp(self, *, reply_src: Iterable[tuple[str, int]] = (),
                          orig_dst: Iterable[tuple[str, int]] = ()) -> int:
@@ -51,7 +44,7 @@ class KernelConntrack:
         rs, od = set(reply_src), set(orig_dst)
         if not rs and not od:
             return 0
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._delete_udp, rs, od)
+        return await self._worker.run(self._delete_udp, rs, od)
 
     def _delete_udp(self, reply_src: set[tuple[str, int]], orig_dst: set[tuple[str, int]]) -> int:
         from pyroute2 import Conntrack
@@ -78,9 +71,8 @@ class KernelConntrack:
         """DNATed entries to `frontends` (key -> ServicePortName text), as /flows rows."""
         if not frontends:
             return []
-        fut = self._pool.submit(self._flows, dict(frontends), datapath)
         try:
-            return fut.result(timeout)
+            return self._worker.call(self._flows, dict(frontends), datapath, timeout=timeout)
         except Exception as err:
             log.warning("listing kernel conntrack: %s", err)
             return []
@@ -111,10 +103,10 @@ class KernelConntrack:
         """Turn on per-entry packet and byte counters (net.netfilter.nf_conntrack_acct, per
         network namespace; as kube-proxy writes its own conntrack sysctls at start). Entries
         created before keep none. Returns whether accounting is on."""
-        return bool(self._pool.submit(_set_acct).result())
+        return self._worker.call(_set_acct)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._worker.close()
 
 
 ACCT = "/proc/sys/net/netfilter/nf_conntrack_acct"

@@ -386,7 +386,7 @@ def kernel_datapaths(cfg: ProxyConfig, netns: str | None = None) -> list[KernelD
         except Exception as err:
             log.warning("bpf datapath not loaded: %s", err)
     if cfg.offload in ("auto", "nftables"):
-        from usproxy.offload.nftables import NftablesDatapath
+        from usproxy.offload.nftables.datapath import NftablesDatapath
 
         out.append(NftablesDatapath(netns=netns, lb_policy=cfg.lb_policy, node_name=cfg.node_name))
     return out

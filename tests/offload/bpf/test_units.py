@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from tests.offload.bpf.builders import ep, spn, state
 from usproxy.offload.bpf import maglev
 from usproxy.offload.bpf.datapath import BpfDatapath
-from usproxy.offload.bpf.view import spn_from_key
 from usproxy.offload.bpf.layout import BackendVal, SvcKey, SvcVal, pack_addr, unpack_addr
 from usproxy.offload.bpf.tables import _fill_holes
 from usproxy.offload.kernel_datapath import KernelDatapath
@@ -57,12 +56,6 @@ def test_fill_holes_keeps_kept_slots(slots: list[int], data: st.DataObject) -> N
     assert sorted(out) == sorted(keep | set(new))
     moved = [i for i, b in enumerate(slots) if b in keep and (i >= len(out) or out[i] != b)]
     assert len(moved) <= max(0, len(slots) - len(keep))  # only tail survivors move into holes
-
-
-def test_serviceportname_round_trips_through_its_key() -> None:
-    for name in (spn("web", "http"), spn("dns", "", "UDP", ns="kube-system")):
-        assert spn_from_key(name.key()) == name
-    assert spn_from_key("garbage") is None
 
 
 def test_unsupported_service_ports() -> None:

@@ -29,7 +29,6 @@ from usproxy.offload.bpf import loader, view
 from usproxy.offload.bpf.build import object_path
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf.layout import F_AFFINITY, F_MAGLEV, F_ROUND_ROBIN, PROTO_NUMBERS, FlowVal, SvcKey
-from usproxy.offload.bpf.view import spn_from_key
 from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want, address_family
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.types import ServicePortName, format_hostport
@@ -112,7 +111,7 @@ class BpfDatapath:
 
     def _drop_orphans(self, tables: Tables) -> None:
         """Groups without a frontend or a readable name (an agent that died mid-write) go."""
-        orphans = [g for g in self._groups.values() if not g.frontends or spn_from_key(g.name) is None]
+        orphans = [g for g in self._groups.values() if not g.frontends or ServicePortName.from_key(g.name) is None]
         if not orphans:
             return
         journal = Journal()
@@ -124,7 +123,7 @@ class BpfDatapath:
     def _index(self) -> None:
         self._by_spn = {}
         for sid, g in self._groups.items():
-            spn = spn_from_key(g.name)
+            spn = ServicePortName.from_key(g.name)
             if spn is not None and g.frontends:
                 family = address_family(min(g.frontends).ip)
                 self._by_spn.setdefault(spn, {})[family] = sid
@@ -231,13 +230,6 @@ class BpfDatapath:
             for bid, (ip, port) in self._groups[sid].backends.items():
                 out[format_hostport(ip, port)] = counts[bid].selected if bid in counts else 0
         return out
-
-    def affinity_view(self) -> list[dict[str, Any]]:
-        """Live affinity entries: client netns, service, endpoint, seconds since last use."""
-        if self._tables is None:
-            return []
-        now = time.monotonic_ns()
-        return [view.affinity_row(e, self._groups, now) for e in self._tables.affinity()]
 
     async def cleanup(self) -> None:
         """Detach every program and remove every pin (`usproxy run --cleanup`)."""

@@ -28,19 +28,9 @@ from usproxy.offload.bpf.tables import Group, Tables
 from usproxy.types import ServicePortName, format_hostport
 
 
-
-def spn_from_key(text: str) -> ServicePortName | None:
-    """Parse ServicePortName.key() ("ns/name:port/TCP" or "ns/name/TCP") back."""
-    rest, _, proto = text.rpartition("/")
-    ns, _, name_port = rest.partition("/")
-    name, _, port = name_port.partition(":")
-    if proto not in ("TCP", "UDP", "SCTP") or not ns or not name:
-        return None
-    return ServicePortName(ns, name, port, proto)  # type: ignore[arg-type]
-
-
 def spn_text(key: str) -> str:
-    spn = spn_from_key(key)
+    """A service group's name (a ServicePortName key) as the ServicePortName prints."""
+    spn = ServicePortName.from_key(key)
     return str(spn) if spn else key
 
 

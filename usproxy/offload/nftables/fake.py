@@ -4,42 +4,37 @@ It applies a transaction to a copy and swaps it in only if every command succeed
 the kernel refuses (deleting a missing element, chain or set; deleting a chain that is still
 referenced or not empty; referencing a missing chain, map or set), so ordering mistakes in
 generated transactions fail in unit tests. `dump()` renders a stable text (as knftables' fake
-Dump()); `trace()` follows a packet through the generated rules to the endpoints it can reach
-(as kube-proxy's runPacketFlowTests in pkg/proxy/nftables/helpers_test.go).
+Dump()). Chains hold each rule's nft text exactly as the kernel receives it and nothing else:
+`listing()` derives read back's JSON from that text, and the tests' packet tracer
+(tests/offload/nft_trace.py, as kube-proxy's pkg/proxy/nftables/helpers_test.go) reads it too.
 """
 
 from __future__ import annotations
 
 import copy
-import ipaddress
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from usproxy.errors import OffloadError
-from usproxy.offload.nftables_layout import Command, Family, Rule, nft_family
+from usproxy.offload.nftables.commands import MARK_MASQ, Command
+from usproxy.offload.nftables.names import Family, nft_family
 
 ENOENT, EEXIST, EBUSY = 2, 17, 16
 
 
 @dataclass
 class FakeTable:
+    """One family's table: map key -> (value, comment), set keys, chain -> rules, hooked chains."""
+
     maps: dict[str, dict[str, tuple[str | None, str | None]]] = field(default_factory=dict)
     sets: dict[str, set[str]] = field(default_factory=dict)
-    chains: dict[str, list[Rule]] = field(default_factory=dict)
+    chains: dict[str, list[str]] = field(default_factory=dict)  # rule text, as the kernel got it
     hooks: dict[str, str] = field(default_factory=dict)
-    counters: dict[str, int] = field(default_factory=dict)  # `numgen inc` state, by chain
-
-
-@dataclass(frozen=True, slots=True)
-class Trace:
-    """Where a packet goes: `dnat` to one of `targets` ("ip:port"), `reject`, or `none`
-    (no usproxy rule matched: the relay or the local stack gets it). `masq`: targets for which
-    the source is masqueraded."""
-
-    verdict: str
-    targets: frozenset[str] = frozenset()
-    masq: frozenset[str] = frozenset()
+    # `numgen inc` state by chain: the kernel keeps a counter per rule, reset when the chain is
+    # flushed; the tests' tracer reads and advances it
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 class FakeNft:
@@ -61,9 +56,6 @@ class FakeNft:
         self.tables = work
         self.transactions += 1
 
-    def delete_tables(self) -> None:
-        self.tables.clear()
-
     # -- text
     def dump(self) -> str:
         out = []
@@ -82,24 +74,8 @@ class FakeNft:
                 if name in t.hooks:
                     continue
                 for rule in t.chains[name]:
-                    out.append(f"  chain {name}: {rule.text}")
+                    out.append(f"  chain {name}: {rule}")
         return "\n".join(out)
-
-    # -- packets
-    def trace(self, family: Family, src: str, dst: str, proto: str, dport: int,
-              local: Iterable[str] = ()) -> Trace:
-        """Follow a new connection src -> dst:dport through nat `services`, then the filter
-        `endpoints-check`. `local` lists this node's addresses (for NodePorts)."""
-        t = self.tables.get(family)
-        if t is None:
-            return Trace("none")
-        pkt = _Packet(src, dst, proto.lower(), dport, set(local))
-        res = _run(t, "services", pkt)
-        if res.verdict == "dnat":
-            hairpin = f"{src} . {src}" in t.sets.get("hairpin", set())
-            masq = {x for x in res.targets if hairpin and x.rsplit(":", 1)[0].strip("[]") == src}
-            return Trace("dnat", res.targets, res.masq | frozenset(masq))
-        return _run(t, "endpoints-check", _Packet(src, dst, proto.lower(), dport, set(local)))
 
 
 class FakeNftClient:
@@ -159,97 +135,31 @@ def _value_json(value: str | None) -> Any:
     return {"concat": [_scalar(p) for p in value.split(" . ")]}
 
 
-def _rule_json(r: Rule) -> list[dict[str, Any]]:
-    if r.op == "mark":
+_NUMGEN = re.compile(r"^numgen (random|inc) mod (\d+) vmap \{ (.*) \}$")
+_CHECK = re.compile(r"^ip6? saddr @(\S+) goto (\S+)$")
+_UPDATE = re.compile(r"^update @(\S+) \{ ip6? saddr timeout (\d+)s \}$")
+_DNAT = re.compile(r"dnat ip6? to (?:\[([0-9a-fA-F:.]+)\]|([0-9.]+)):(\d+)$")
+_GOTO = re.compile(r"^goto (\S+)$")
+
+
+def _rule_json(rule: str) -> list[dict[str, Any]]:
+    """The statements of one rule's text as `nft -j` lists them, as far as read back reads them
+    (the rest as "raw")."""
+    if rule == MARK_MASQ:
         return [{"mangle": {"key": {"meta": {"key": "mark"}}}}]
-    if r.op == "goto":
-        return [{"goto": {"target": r.args[0]}}]
-    if r.op in ("numgen", "numgen-inc"):
-        data = [[i, {"goto": {"target": c}}] for i, c in enumerate(r.args)]
-        mode = "inc" if r.op == "numgen-inc" else "random"
-        return [{"vmap": {"key": {"numgen": {"mode": mode, "mod": len(r.args)}}, "data": {"set": data}}}]
-    if r.op == "affinity-check":
-        return [{"match": {"op": "==", "right": "@" + r.args[0]}}, {"goto": {"target": r.args[1]}}]
-    if r.op == "affinity-update":
-        return [{"set": {"op": "update", "elem": {"elem": {"timeout": int(r.args[1])}}, "set": "@" + r.args[0]}}]
-    if r.op == "dnat":
-        return [{"dnat": {"addr": r.args[0], "port": int(r.args[1])}}]
-    return [{"raw": r.text}]
-
-
-@dataclass
-class _Packet:
-    src: str
-    dst: str
-    proto: str
-    dport: int
-    local: set[str]
-    masq: bool = False
-
-    def key(self, kind: str) -> str | None:
-        if kind == "ip":
-            return f"{self.dst} . {self.proto} . {self.dport}"
-        if self.dst in self.local and not ipaddress.ip_address(self.dst).is_loopback:
-            return f"{self.proto} . {self.dport}"
-        return None
-
-
-def _run(t: FakeTable, chain: str, pkt: _Packet, depth: int = 0) -> Trace:
-    if depth > 16:
-        raise AssertionError(f"chain loop at {chain}")
-    for rule in t.chains.get(chain, []):
-        res = _rule(t, rule, pkt, depth, chain)
-        if res is not None:
-            return res
-    return Trace("none")
-
-
-def _goto(t: FakeTable, verdict: str | None, pkt: _Packet, depth: int) -> Trace | None:
-    if verdict is None:
-        return None
-    return _run(t, verdict.split()[-1], pkt, depth + 1)
-
-
-def _rule(t: FakeTable, rule: Rule, pkt: _Packet, depth: int, chain: str) -> Trace | None:
-    op, a = rule.op, rule.args
-    if op == "vmap":
-        key = pkt.key(a[0])
-        return _goto(t, t.maps[a[1]].get(key, (None, None))[0], pkt, depth) if key else None
-    if op in ("goto", "jump"):
-        return _run(t, a[0], pkt, depth + 1)
-    if op == "mark":
-        pkt.masq = True
-        return None
-    if op == "numgen-inc":  # the kernel's per-rule counter: each trace takes the next chain
-        n = t.counters.get(chain, 0)
-        t.counters[chain] = n + 1
-        return _run(t, a[n % len(a)], pkt, depth + 1)
-    if op == "numgen":
-        results = [_run(t, c, copy.copy(pkt), depth + 1) for c in a]
-        return Trace("dnat", frozenset().union(*(r.targets for r in results)),
-                     frozenset().union(*(r.masq for r in results)))
-    if op == "dnat-map":
-        key = pkt.key(a[0])
-        value = t.maps[a[1]].get(key or "", (None, None))[0]
-        if value is None:
-            return Trace("none")
-        ip, port = value.split(" . ")
-        return _dnat(pkt, _hostport(ip, port))
-    if op == "affinity-check":
-        return _run(t, a[1], pkt, depth + 1) if pkt.src in t.sets[a[0]] else None
-    if op == "dnat":
-        return _dnat(pkt, _hostport(a[0], a[1]))
-    if op == "reject":
-        return Trace("reject")
-    return None
-
-
-def _dnat(pkt: _Packet, target: str) -> Trace:
-    return Trace("dnat", frozenset({target}), frozenset({target}) if pkt.masq else frozenset())
-
-
-def _hostport(ip: str, port: str) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    if m := _GOTO.match(rule):
+        return [{"goto": {"target": m.group(1)}}]
+    if m := _NUMGEN.match(rule):
+        chains = [v.split(" : goto ")[1] for v in m.group(3).split(", ")]
+        data = [[i, {"goto": {"target": c}}] for i, c in enumerate(chains)]
+        return [{"vmap": {"key": {"numgen": {"mode": m.group(1), "mod": int(m.group(2))}}, "data": {"set": data}}}]
+    if m := _CHECK.match(rule):
+        return [{"match": {"op": "==", "right": "@" + m.group(1)}}, {"goto": {"target": m.group(2)}}]
+    if m := _UPDATE.match(rule):
+        return [{"set": {"op": "update", "elem": {"elem": {"timeout": int(m.group(2))}}, "set": "@" + m.group(1)}}]
+    if m := _DNAT.search(rule):
+        return [{"dnat": {"addr": m.group(1) or m.group(2), "port": int(m.group(3))}}]
+    return [{"raw": rule}]
 
 
 # -- applying commands ---------------------------------------------------------------------------
@@ -290,7 +200,7 @@ def _map_or_set(t: FakeTable, cmd: Command) -> None:
 def _referenced(t: FakeTable, needle: str) -> bool:
     for rules in t.chains.values():
         for r in rules:
-            if any(tok == needle or tok.rstrip(",") == needle for tok in r.text.split()):
+            if any(tok == needle or tok.rstrip(",") == needle for tok in r.split()):
                 return True
     for m in t.maps.values():
         if any(v == needle for v, _ in m.values()):
@@ -317,10 +227,9 @@ def _chain(t: FakeTable, cmd: Command) -> None:
 
 
 def _rule_cmd(t: FakeTable, cmd: Command) -> None:
-    assert cmd.rule is not None
     if cmd.name not in t.chains:
         raise _fail(cmd, "no such chain", ENOENT)
-    toks = cmd.rule.text.replace(",", " ").split()
+    toks = cmd.rule.replace(",", " ").split()
     for i, tok in enumerate(toks):
         if tok.startswith("@") and tok[1:] not in t.maps and tok[1:] not in t.sets:
             raise _fail(cmd, f"no such set {tok}", ENOENT)

@@ -1,7 +1,8 @@
 """NftablesDatapath: the KernelDatapath that offloads ServicePorts into nftables maps.
 
-The layout and its diffs are in nftables_layout.py; the transport (libnftables in a worker thread)
-in nftables_client.py; read back after a restart in nftables_readback.py. Both families' changes go
+The layout is described in the package's docstring (usproxy/offload/nftables/__init__.py), its
+diffs are Transactions (transaction.py); the transport (libnftables in a worker thread) is
+client.py; read back after a restart readback.py. Both families' changes go
 into one libnftables call, so one `apply` is one kernel transaction: all or nothing (as kube-proxy
 pkg/proxy/nftables/proxier.go syncProxyRules runs one knftables transaction per sync). The
 in-memory TableState changes only after the kernel accepted the transaction; after a refused one
@@ -20,23 +21,12 @@ from usproxy.errors import OffloadError
 from usproxy.gc_pause import LARGE, gc_paused
 from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
-from usproxy.offload.nftables_layout import (
-    FAMILIES,
-    TABLE,
-    Command,
-    Family,
-    PortRules,
-    Pin,
-    TableState,
-    Transaction,
-    affinity_endpoint,
-    ip_text,
-    nft_family,
-    parse_pins,
-    port_rules,
-    render,
-)
-from usproxy.offload.nftables_readback import read_table
+from usproxy.offload.nftables.commands import Command, render
+from usproxy.offload.nftables.names import FAMILIES, TABLE, Family, affinity_endpoint, nft_family
+from usproxy.offload.nftables.pins import Pin, parse_pins
+from usproxy.offload.nftables.readback import read_table
+from usproxy.offload.nftables.rules import PortRules, ip_text, port_rules
+from usproxy.offload.nftables.transaction import TableState, Transaction
 from usproxy.types import ServicePortName
 
 log = logging.getLogger(__name__)
@@ -65,7 +55,7 @@ class NftablesDatapath:
     def __init__(self, transport: NftTransport | None = None, conntrack: KernelConntrack | None = None,
                  *, netns: str | None = None, lb_policy: str = "roundRobin", node_name: str | None = None) -> None:
         if transport is None:
-            from usproxy.offload.nftables_client import NftClient
+            from usproxy.offload.nftables.client import NftClient
 
             transport = NftClient(netns)
         self.transport = transport
@@ -77,17 +67,17 @@ class NftablesDatapath:
 
     # -- KernelDatapath -----------------------------------------------------------------------
     def probe(self) -> Capability:
-        try:
-            backend = self.transport.probe()
-        except Exception as err:  # never raises: the manager falls back to the relay
-            return Capability("nftables", False, f"nat table with maps and numgen refused: {err}")
+        """probe_capability(), then conntrack accounting turned on (for byte counts in /flows)."""
+        cap = probe_capability(self.transport)
+        if not cap.available:
+            return cap
         acct = "" if self.conntrack.enable_accounting() else "; no conntrack accounting"
-        return Capability("nftables", True, f"nat, concatenated maps, numgen ({backend}){acct}")
+        return Capability(cap.name, True, cap.detail + acct)
 
     def unsupported(self, state: ServicePortState) -> str | None:
         """What only the relay serves: SCTP (not offloaded) and leastConnections (the kernel does
         not count connections per endpoint). The kernel picks with `numgen random`; a ServicePort
-        annotated roundRobin gets `numgen inc` in chains of its own (nftables_layout); the agent's
+        annotated roundRobin gets `numgen inc` in chains of its own (commands.rr_rules); the agent's
         default roundRobin is served as random, so unannotated ServicePorts share chains."""
         sp = state.service_port
         if sp.protocol == "SCTP":
@@ -114,7 +104,7 @@ class NftablesDatapath:
                 await self._resync()
                 raise
             for tx in txs:
-                tx.commit()
+                tx.fold_into_state()
             self.transactions += 1
         if zero_to_n:
             await self.conntrack.delete_udp(orig_dst=zero_to_n)
@@ -215,8 +205,17 @@ class NftablesDatapath:
         self.transport.close()
         self.conntrack.close()
 
-    def installed(self) -> dict[Family, dict[ServicePortName, PortRules]]:
-        return {f: dict(t.rules) for f, t in self.tables.items()}
+
+def probe_capability(transport: NftTransport) -> Capability:
+    """Whether nftables can hold this layout: the transport's probe (NftClient.probe loads and
+    deletes a table with every feature the layout uses). Never raises: a missing feature is an
+    answer (the manager falls back to the relay). The one probe of both the agent and `usproxy
+    check`, so they cannot disagree."""
+    try:
+        backend = transport.probe()
+    except Exception as err:
+        return Capability("nftables", False, f"nat table with maps and numgen refused: {err}")
+    return Capability("nftables", True, f"nat, concatenated maps, numgen ({backend})")
 
 
 def _retimed_sets(table: TableState, changes: Mapping[ServicePortName, ServicePortState | None]) -> dict[str, int]:
@@ -232,7 +231,7 @@ def _retimed_sets(table: TableState, changes: Mapping[ServicePortName, ServicePo
         for scope in ("cluster", "external"):
             be = prev.backend(scope)
             if be.affinity and be.affinity != timeout:
-                out.update((affinity_endpoint(spn, scope, t), be.affinity) for t in be.targets if (t.ip, t.port) in eps)
+                out.update((affinity_endpoint(spn, scope, t.hostport()), be.affinity) for t in be.targets if (t.ip, t.port) in eps)
     return out
 
 

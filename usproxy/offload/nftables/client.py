@@ -1,8 +1,8 @@
 """NftClient: libnftables transport, one kernel transaction per call.
 
-Every call runs in one dedicated worker thread (libnftables blocks; the agent's loop must not),
-which first enters `netns` when one is given (tests program a throwaway namespace from the test
-process). Transactions are written in nft's own syntax and handed to libnftables'
+Every call runs in one dedicated worker thread (NetnsWorker: libnftables blocks, the agent's loop
+must not), which first enters `netns` when one is given (tests program a throwaway namespace from
+the test process). Transactions are written in nft's own syntax and handed to libnftables'
 `nft_run_cmd_from_buffer` (the `cmd()` of the pip-nftables / python3-nftables binding): one call is
 one netlink batch, so a failing command rolls back the whole transaction. Reads ask for JSON
 output (`list table` as `nft -j`), which is what read back parses.
@@ -17,8 +17,6 @@ When the binding cannot be loaded, `nft -f -` / `nft -j list` through a subproce
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import json
 import logging
 import re
@@ -28,9 +26,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from usproxy.errors import OffloadError
-from usproxy.offload.nftables_layout import Command, render
+from usproxy.offload.netns_worker import NetnsWorker
+from usproxy.offload.nftables.commands import Command, render
 
 log = logging.getLogger(__name__)
+
+# The layout's features in one throwaway table (nat hook, concatenated map data, numgen vmap),
+# added and deleted in one transaction, so nothing stays: the agent and `usproxy check` both run it.
+PROBE = ("add table ip usproxy-probe\n"
+         "add map ip usproxy-probe m { type ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service; }\n"
+         "add chain ip usproxy-probe d\n"
+         "add rule ip usproxy-probe d dnat ip to ip daddr . meta l4proto . th dport map @m\n"
+         "add chain ip usproxy-probe c { type nat hook prerouting priority dstnat; policy accept; }\n"
+         "add rule ip usproxy-probe c numgen random mod 2 vmap { 0 : goto d, 1 : goto d }\n"
+         "delete table ip usproxy-probe\n")
 
 _ERRNO = {"No such file or directory": 2, "File exists": 17, "Device or resource busy": 16,
           "Operation not permitted": 1, "Invalid argument": 22, "Operation not supported": 95,
@@ -50,16 +59,10 @@ class NftClient:
 
     def __init__(self, netns: str | None = None, *, use_library: bool = True) -> None:
         self.netns = netns
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nft", initializer=self._enter)
+        self._worker = NetnsWorker("nft", netns)
         self._nft: Any = None
         self._use_library = use_library
         self.backend = "unknown"
-
-    def _enter(self) -> None:
-        if self.netns is not None:
-            from pyroute2 import netns as pr_netns
-
-            pr_netns.setns(self.netns)
 
     def _ctx(self) -> Any:
         if self._nft is None and self._use_library:
@@ -127,15 +130,12 @@ class NftClient:
 
     async def run(self, text: str) -> None:
         """Apply one transaction (nft syntax). Raises OffloadError; then nothing changed."""
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._run_text, text, False)
-
-    def run_sync(self, text: str) -> None:
-        self._pool.submit(self._run_text, text, False).result()
+        await self._worker.run(self._run_text, text, False)
 
     async def list_set(self, family: str, table: str, name: str) -> str:
         """`nft list set` as text (its JSON rounds element timers to whole seconds); "" when the
         set does not exist."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._list_set, family, table, name)
+        return await self._worker.run(self._list_set, family, table, name)
 
     def _list_set(self, family: str, table: str, name: str) -> str:
         try:
@@ -147,10 +147,7 @@ class NftClient:
 
     async def list_table(self, family: str, table: str) -> list[dict[str, Any]] | None:
         """`nft -j list table`: the objects of the listing, or None when there is no such table."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._list_table, family, table)
-
-    def list_table_sync(self, family: str, table: str) -> list[dict[str, Any]] | None:
-        return self._pool.submit(self._list_table, family, table).result()
+        return await self._worker.run(self._list_table, family, table)
 
     def _list_table(self, family: str, table: str) -> list[dict[str, Any]] | None:
         try:
@@ -163,20 +160,14 @@ class NftClient:
         return [x for x in items if "metainfo" not in x]
 
     def probe(self) -> str:
-        """Load and delete, in one transaction, a table with this layout's features (nat hook,
-        concatenated map data, numgen vmap): raises OffloadError when the kernel lacks one."""
-        text = ("add table ip usproxy-probe\n"
-                "add map ip usproxy-probe m { type ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service; }\n"
-                "add chain ip usproxy-probe d\n"
-                "add rule ip usproxy-probe d dnat ip to ip daddr . meta l4proto . th dport map @m\n"
-                "add chain ip usproxy-probe c { type nat hook prerouting priority dstnat; policy accept; }\n"
-                "add rule ip usproxy-probe c numgen random mod 2 vmap { 0 : goto d, 1 : goto d }\n"
-                "delete table ip usproxy-probe\n")
-        self._pool.submit(self._run_text, text, False).result()
+        """Load and delete, in one transaction, a table with this layout's features (PROBE):
+        raises OffloadError when the kernel lacks one. Returns the backend (libnftables or the
+        nft command)."""
+        self._worker.call(self._run_text, PROBE, False)
         return self.backend
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._worker.close()
 
 
 def _first_error(err: str) -> str:

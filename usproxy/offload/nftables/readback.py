@@ -14,23 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from usproxy.offload.nftables_layout import (
-    GROUP_CHAIN,
-    Backend,
-    Family,
-    Frontend,
-    frontend_order,
-    Kind,
-    PortRules,
-    Scope,
-    TableState,
-    Target,
-    parse_comment,
-    slot_chain,
-    norm_ip,
-    slot_map,
-    verdict_map,
-)
+from usproxy.offload.nftables.names import GROUP_CHAIN, Family, Kind, Scope, parse_comment, slot_chain, slot_map, verdict_map
+from usproxy.offload.nftables.rules import Backend, Frontend, PortRules, Target, frontend_order, norm_ip
+from usproxy.offload.nftables.transaction import TableState
 from usproxy.types import ServicePortName
 
 _VERDICT_MAPS: dict[str, Kind] = {"service-ips": "ip", "no-endpoint-services": "ip",

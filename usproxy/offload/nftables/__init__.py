@@ -1,0 +1,43 @@
+"""The nftables offload: usproxy's tables per IP family, and the datapath that keeps them.
+
+Modules: `names` (table, map and chain names, element comments), `rules` (PortRules: what one
+ServicePort holds, from the model), `commands` (nft syntax: the fixed table, shared and per-ServicePort
+chains), `transaction` (one atomic change of one family's table, and the TableState it folds into),
+`pins` (affinity pins read back and retimed), `datapath` (NftablesDatapath, the KernelDatapath),
+`client` (libnftables in a worker thread), `readback` (TableState from `nft -j list table`) and
+`fake` (FakeNft, an in-memory nftables for unit tests). All but `client` and `datapath` are pure.
+
+`port_rules()` turns a ServicePortState into PortRules for one IP family, `Transaction` turns
+(previous, current) PortRules into element adds and deletes, and `Command`s render as nft syntax
+for libnftables. The same Commands drive `FakeNft`, and the tests' packet tracer
+(tests/offload/nft_trace.py) reads the rule text the kernel gets.
+
+Layout, one table per family (`ip usproxy`, `ip6 usproxy`), as kube-proxy's nftables mode
+(pkg/proxy/nftables/proxier.go: the `service-ips` / `service-nodeports` verdict maps keyed by
+address . protocol . port, `no-endpoint-services` with `reject`, masquerade by packet mark) but with
+no per-ServicePort chains for the common case, because per-service chains and anonymous vmaps are
+what made kube-proxy's layout take 66-75 s for 10,000 Services here (docs/platform.md#nftables):
+
+- a frontend (ClusterIP/externalIP . proto . port, or NodePort proto . port) with N endpoints maps
+  in `service-ips` / `service-nodeports` to `goto g-N` (`npg-N` for NodePorts; `gm-N`/`npgm-N` set
+  the masquerade mark first). Chain g-N is one rule `numgen random mod N vmap { i : goto s-i }`.
+- chain s-i is one rule `dnat to <frontend key> map @slot-i`; map slot-i holds, per frontend, its
+  i-th endpoint. So a frontend with N endpoints has one verdict element and N slot elements, and
+  the chains are shared by all ServicePorts: their number is the largest N, not the Service count.
+- an endpoint change touches only the changed slots (a removed endpoint's slot takes the last
+  one, then the verdict moves from g-N to g-(N-1)): cost proportional to the change.
+- sessionAffinity ClientIP uses per-ServicePort chains as kube-proxy: per endpoint a set of client
+  addresses with a timeout, checked before the numgen choice and refreshed on each new connection.
+- lb-policy roundRobin (annotation usproxy.io/lb-policy) also gets a chain of its own per
+  ServicePort (`rr-<hash>-<scope>`): `numgen inc mod N vmap { i : goto s-i }`, whose counter is
+  that rule's alone. Only annotated ServicePorts pay for a chain; the rest share g-N and pick
+  with `numgen random`, as kube-proxy's nftables mode.
+- frontends without endpoints are in `no-endpoint-services` / `no-endpoint-nodeports`, which the
+  filter hooks turn into `reject` (TCP reset, ICMP port unreachable).
+- `hairpin` holds endpoint . endpoint pairs: a connection DNATed back to its own source is
+  masqueraded (field case C24). Only endpoints that may be on this node get one (see port_rules).
+- `ct state invalid drop` on forward (C25), as kube-proxy.
+
+Every verdict element carries the ServicePortName as its comment, so `read back` (readback.py)
+can attribute kernel state to ServicePorts after a restart.
+"""

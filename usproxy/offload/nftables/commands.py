@@ -1,0 +1,205 @@
+"""nft commands: the fixed part of the table and the chains of the layout, as nft syntax.
+
+Pure (no I/O). A `Command` renders as one line of nft's own syntax (`add element ip usproxy
+slot-0 { ... }`); `render()` joins a transaction for libnftables (nftables/client.py), and the
+same Commands drive FakeNft (nftables/fake.py) in unit tests. `base_commands()` writes the table,
+its verdict maps and hooked chains, as kube-proxy's nftables mode (pkg/proxy/nftables/proxier.go
+setupNFTables); the other builders write the shared slot and group chains and the chains of one
+ServicePort's own (ClientIP affinity, lb-policy roundRobin).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from usproxy.offload.nftables.names import (
+    MASQ_MARK,
+    TABLE,
+    Family,
+    Kind,
+    Scope,
+    addr_type,
+    affinity_chain,
+    affinity_endpoint,
+    group_chain,
+    nft_family,
+    rr_chain,
+    slot_chain,
+    slot_map,
+)
+from usproxy.offload.nftables.rules import PortRules
+
+
+class Elem(NamedTuple):
+    """One set or map element in nft syntax (a NamedTuple for the same reason as Target)."""
+
+    key: str
+    value: str | None = None
+    comment: str | None = None
+
+    def nft(self) -> str:
+        c = f' comment "{self.comment}"' if self.comment is not None else ""
+        return f"{self.key}{c}" if self.value is None else f"{self.key}{c} : {self.value}"
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One nft command in one family's table. `verb`: add/delete/flush; `obj`: table, map, set,
+    chain, rule, element. `spec` is the type/hook text; `rule` the rule's nft text (all there is
+    of a rule: the fake and the tests' tracer read this text, as the kernel does); `elems` for
+    elements."""
+
+    verb: str
+    obj: str
+    family: Family
+    name: str = ""
+    spec: str = ""
+    rule: str = ""
+    elems: tuple[Elem, ...] = ()
+
+    def nft(self) -> str:
+        where = f"{nft_family(self.family)} {TABLE}"
+        if self.obj == "table":
+            return f"{self.verb} table {where}"
+        if self.obj == "element":
+            if self.verb == "delete":
+                body = ", ".join([k for k, _, _ in self.elems])
+            else:  # Elem.nft() inlined: a cold sync renders 50,000 elements
+                body = ", ".join([k if v is None and c is None else f"{k} : {v}" if c is None else
+                                  f'{k} comment "{c}"' + ("" if v is None else f" : {v}") for k, v, c in self.elems])
+            return f"{self.verb} element {where} {self.name} {{ {body} }}"
+        if self.obj == "rule":
+            return f"add rule {where} {self.name} {self.rule}"
+        spec = f" {{ {self.spec} }}" if self.spec and self.verb == "add" else ""
+        return f"{self.verb} {self.obj} {where} {self.name}{spec}"
+
+
+def render(commands: Iterable[Command]) -> str:
+    return "\n".join(c.nft() for c in commands) + "\n"
+
+
+MARK_MASQ = f"meta mark set meta mark | {MASQ_MARK:#x}"  # masqueraded in nat-postrouting
+
+
+# -- the fixed part ------------------------------------------------------------------------------------
+def _ipx(family: Family) -> str:
+    return nft_family(family)
+
+
+def _not_localhost(family: Family) -> str:
+    return "ip daddr != 127.0.0.0/8" if family == 4 else "ip6 daddr != ::1"
+
+
+def base_commands(family: Family) -> list[Command]:
+    """Table, verdict maps, hairpin set and the hooked chains; flushed and rewritten as a whole so
+    a restart after an upgrade converges. Maps are only added (idempotent), never emptied."""
+    ipx, at = _ipx(family), addr_type(family)
+    key3 = f"{ipx} daddr . meta l4proto . th dport"
+    np_key = f"fib daddr type local {_not_localhost(family)} meta l4proto . th dport"
+    cmds = [Command("add", "table", family)]
+    for name in ("service-ips", "no-endpoint-services"):
+        cmds.append(Command("add", "map", family, name, f"type {at} . inet_proto . inet_service : verdict;"))
+    for name in ("service-nodeports", "no-endpoint-nodeports"):
+        cmds.append(Command("add", "map", family, name, "type inet_proto . inet_service : verdict;"))
+    cmds.append(Command("add", "set", family, "hairpin", f"type {at} . {at};"))
+    chains: list[tuple[str, str, list[str]]] = [
+        ("reject-chain", "", ["meta l4proto tcp reject with tcp reset", "reject"]),
+        ("services", "", [f"{key3} vmap @service-ips", f"{np_key} vmap @service-nodeports"]),
+        ("endpoints-check", "", [f"{key3} vmap @no-endpoint-services", f"{np_key} vmap @no-endpoint-nodeports"]),
+        ("nat-prerouting", "type nat hook prerouting priority -100; policy accept;", ["jump services"]),
+        ("nat-output", "type nat hook output priority -100; policy accept;", ["jump services"]),
+        ("nat-postrouting", "type nat hook postrouting priority 100; policy accept;", [
+            f"meta mark & {MASQ_MARK:#x} == {MASQ_MARK:#x} meta mark set meta mark ^ {MASQ_MARK:#x} masquerade fully-random",
+            f"ct status dnat {ipx} saddr . {ipx} daddr @hairpin masquerade fully-random"]),
+        ("filter-input", "type filter hook input priority -110; policy accept;", ["ct state new jump endpoints-check"]),
+        ("filter-forward", "type filter hook forward priority -110; policy accept;", [
+            "ct state invalid drop", "ct state new jump endpoints-check"]),
+        ("filter-output", "type filter hook output priority -110; policy accept;", ["ct state new jump endpoints-check"]),
+    ]
+    for name, hook, rules in chains:
+        cmds += chain_commands(family, name, rules, hook=hook)
+    return cmds
+
+
+def chain_commands(family: Family, name: str, rules: Sequence[str], *, hook: str = "") -> list[Command]:
+    """Create (or rewrite) a chain with exactly `rules`: add, flush, add each rule."""
+    cmds = [Command("add", "chain", family, name, hook)]
+    cmds.append(Command("flush", "chain", family, name))
+    cmds += [Command("add", "rule", family, name, rule=r) for r in rules]
+    return cmds
+
+
+def slot_commands(family: Family, kind: Kind, i: int) -> list[Command]:
+    ipx, at = _ipx(family), addr_type(family)
+    if kind == "ip":
+        spec = f"type {at} . inet_proto . inet_service : {at} . inet_service;"
+        key = f"{ipx} daddr . meta l4proto . th dport"
+    else:
+        spec = f"type inet_proto . inet_service : {at} . inet_service;"
+        key = "meta l4proto . th dport"
+    m = slot_map(kind, i)
+    return [Command("add", "map", family, m, spec),
+            *chain_commands(family, slot_chain(kind, i), [f"dnat {ipx} to {key} map @{m}"])]
+
+
+def group_rules(kind: Kind, n: int, masq: bool) -> list[str]:
+    """Chain g-N (npg-N): pick one of the N slot chains at random; gm-N marks, then goes to g-N."""
+    if masq:
+        return [MARK_MASQ, f"goto {group_chain(kind, n, False)}"]
+    return pick_rules([slot_chain(kind, i) for i in range(n)], False)
+
+
+def pick_rules(chains: Sequence[str], round_robin: bool) -> list[str]:
+    """Go to one of `chains`: `numgen random`, or `numgen inc` (a counter of this rule's own,
+    so round robin per ServicePort) for lb-policy roundRobin."""
+    if len(chains) == 1:
+        return [f"goto {chains[0]}"]
+    body = ", ".join(f"{i} : goto {c}" for i, c in enumerate(chains))
+    mode = "inc" if round_robin else "random"
+    return [f"numgen {mode} mod {len(chains)} vmap {{ {body} }}"]
+
+
+def rr_rules(rules: PortRules, scope: Scope) -> dict[str, list[str]]:
+    """lb-policy roundRobin without affinity: per frontend kind of `scope` a chain of this
+    ServicePort's own that marks for masquerade when needed and picks a slot chain in turn."""
+    be = rules.backend(scope)
+    if not be.round_robin or be.affinity or not be.targets:
+        return {}
+    head = [MARK_MASQ] if be.masq else []
+    kinds = sorted({fe.kind for fe in rules.frontends if fe.scope == scope})
+    return {rr_chain(rules.spn, scope, k): head + pick_rules([slot_chain(k, i) for i in range(len(be.targets))], True)
+            for k in kinds}
+
+
+def own_chains(family: Family, rules: PortRules) -> dict[str, list[str]]:
+    """The chains that belong to one ServicePort (affinity and round robin), by name."""
+    out: dict[str, list[str]] = {}
+    for scope in ("cluster", "external"):
+        if _has_affinity(rules, scope):
+            out.update(affinity_rules(family, rules, scope))
+        out.update(rr_rules(rules, scope))
+    return out
+
+
+def affinity_rules(family: Family, rules: PortRules, scope: Scope) -> dict[str, list[str]]:
+    """kube-proxy's affinity: a set of client addresses per endpoint, checked before the random
+    choice; the endpoint chain refreshes it (per-element timeout) and DNATs."""
+    ipx = _ipx(family)
+    be = rules.backend(scope)
+    proto = rules.spn.protocol.lower()
+    names = [affinity_endpoint(rules.spn, scope, t.hostport()) for t in be.targets]
+    head = [MARK_MASQ] if be.masq else []
+    checks = [f"{ipx} saddr @{n} goto {n}" for n in names]
+    out = {affinity_chain(rules.spn, scope): head + checks + pick_rules(names, be.round_robin)}
+    for n, t in zip(names, be.targets):
+        addr = f"[{t.ip}]" if family == 6 else t.ip
+        out[n] = [f"update @{n} {{ {ipx} saddr timeout {be.affinity}s }}",
+                  f"meta l4proto {proto} dnat {ipx} to {addr}:{t.port}"]
+    return out
+
+
+def _has_affinity(rules: PortRules, scope: Scope) -> bool:
+    be = rules.backend(scope)
+    return bool(be.affinity and be.targets and any(fe.scope == scope for fe in rules.frontends))

@@ -1,0 +1,91 @@
+"""Names in usproxy's nftables tables: the table, its maps and chains, and element comments.
+
+Pure functions of their arguments. Shared structures have fixed names (`service-ips`, `slot-<i>`,
+`g-<n>`, ...); chains of one ServicePort's own (affinity, round robin) are named from a hash of its
+ServicePortName, as kube-proxy's nftables mode names its per-service chains
+(pkg/proxy/nftables/proxier.go hashAndTruncate). A verdict element's comment is the
+ServicePortName key, which is how read back attributes kernel state to ServicePorts.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, TypeAlias
+
+from usproxy.name_hash import name_hash
+from usproxy.types import ServicePortName
+
+Family: TypeAlias = Literal[4, 6]
+Scope: TypeAlias = Literal["cluster", "external"]
+Kind: TypeAlias = Literal["ip", "np"]
+
+TABLE = "usproxy"
+FAMILIES: tuple[Family, ...] = (4, 6)
+MASQ_MARK = 0x4000  # kube-proxy's masquerade bit
+COMMENT_MAX = 127  # nft element comments hold at most 128 bytes with the NUL
+
+
+def nft_family(family: Family) -> str:
+    return "ip" if family == 4 else "ip6"
+
+
+def addr_type(family: Family) -> str:
+    return "ipv4_addr" if family == 4 else "ipv6_addr"
+
+
+def short_hash(text: str) -> str:
+    """8 base32 characters of sha256, as kube-proxy's hashAndTruncate prefix (lower case)."""
+    return name_hash(text, 8).lower()
+
+
+def verdict_map(kind: Kind, empty: bool) -> str:
+    if empty:
+        return "no-endpoint-services" if kind == "ip" else "no-endpoint-nodeports"
+    return "service-ips" if kind == "ip" else "service-nodeports"
+
+
+def slot_map(kind: Kind, i: int) -> str:
+    return f"slot-{i}" if kind == "ip" else f"np-slot-{i}"
+
+
+def slot_chain(kind: Kind, i: int) -> str:
+    return f"s-{i}" if kind == "ip" else f"nps-{i}"
+
+
+GROUP_CHAIN = re.compile(r"^(g|npg)(m?)-(\d+)$")  # kind, masquerade, endpoint count
+
+
+def group_chain(kind: Kind, n: int, masq: bool) -> str:
+    return f"{'g' if kind == 'ip' else 'npg'}{'m' if masq else ''}-{n}"
+
+
+def affinity_chain(spn: ServicePortName, scope: Scope) -> str:
+    return f"aff-{short_hash(spn.key())}-{scope[0]}"
+
+
+def rr_chain(spn: ServicePortName, scope: Scope, kind: Kind) -> str:
+    """The round-robin chain of one ServicePort's scope, per frontend kind (ClusterIP/external
+    IPs, or NodePort: their slot chains differ)."""
+    return f"rr-{short_hash(spn.key())}-{scope[0]}{'' if kind == 'ip' else 'n'}"
+
+
+def affinity_endpoint(spn: ServicePortName, scope: Scope, hostport: str) -> str:
+    """Name of the endpoint chain and of its client-address set (they share it); `hostport` is
+    the endpoint as Target.hostport() writes it ("ip:port", "[ip6]:port")."""
+    return f"ep-{short_hash(spn.key())}-{scope[0]}-{short_hash(hostport)}"
+
+
+EXTERNAL_SUFFIX = " external"
+
+
+def comment_of(spn: ServicePortName, scope: Scope) -> str:
+    """The verdict element's comment: the ServicePortName, and which traffic the frontend takes."""
+    suffix = EXTERNAL_SUFFIX if scope == "external" else ""
+    return spn.key()[:COMMENT_MAX - len(suffix)] + suffix
+
+
+def parse_comment(comment: str) -> tuple[ServicePortName | None, Scope]:
+    """Inverse of comment_of (None: the comment names no ServicePort, say one cut at 127 bytes)."""
+    if comment.endswith(EXTERNAL_SUFFIX):
+        return ServicePortName.from_key(comment[: -len(EXTERNAL_SUFFIX)]), "external"
+    return ServicePortName.from_key(comment), "cluster"
