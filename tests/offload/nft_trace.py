@@ -31,6 +31,7 @@ _STEPS: list[tuple[str, re.Pattern[str]]] = [(what, re.compile(pattern + r"(?: |
     ("fib-local", r"fib daddr type local"),
     ("daddr-not", r"ip6? daddr != (\S+)"),
     ("l4proto", r"meta l4proto (tcp|udp|sctp)"),
+    ("tcp-not-syn", r"tcp flags & \(fin \| syn \| rst \| ack\) != syn"),
     ("pair-in-set", r"ip6? saddr \. ip6? daddr @(\S+)"),
     ("saddr-in-set", r"ip6? saddr @(\S+)"),
     ("ct-state", r"ct state (\S+)"),
@@ -47,6 +48,7 @@ _STEPS: list[tuple[str, re.Pattern[str]]] = [(what, re.compile(pattern + r"(?: |
     ("update", r"update @(\S+) \{ .*? \}"),
     ("reject", r"reject(?: with tcp reset)?"),
     ("drop", r"drop"),
+    ("return", r"return"),
 ]]
 MASQ_BIT = 0x4000
 
@@ -84,6 +86,7 @@ class _Packet:
     proto: str
     dport: int
     local: frozenset[str]
+    syn: bool = True  # a TCP packet that opens its connection (False: picked up mid-stream)
     mark: int = 0
     dnat: bool = False
 
@@ -100,18 +103,19 @@ class _Packet:
 
 
 def trace(nft: FakeNft, family: Family, src: str, dst: str, proto: str, dport: int,
-          local: Iterable[str] = ()) -> Trace:
-    """Follow a new connection src -> dst:dport (`proto` tcp/udp) through `family`'s table.
-    `local` lists this node's addresses (`fib daddr type local`, for NodePorts)."""
+          local: Iterable[str] = (), syn: bool = True) -> Trace:
+    """Follow a new conntrack entry src -> dst:dport (`proto` tcp/udp) through `family`'s table.
+    `local` lists this node's addresses (`fib daddr type local`, for NodePorts); `syn=False`:
+    a TCP segment of a connection the kernel did not see open, picked up mid-stream."""
     t = nft.tables.get(family)
     if t is None:
         return Trace("none")
     here = frozenset(local)
-    pkt = _Packet(src, dst, proto.lower(), dport, here)
+    pkt = _Packet(src, dst, proto.lower(), dport, here, syn)
     res = _Walk(t).chain("nat-prerouting", pkt) or Trace("none")
     if res.verdict != "dnat":
         hook = "filter-input" if dst in here else "filter-forward"
-        return _Walk(t).chain(hook, _Packet(src, dst, proto.lower(), dport, here)) or Trace("none")
+        return _Walk(t).chain(hook, _Packet(src, dst, proto.lower(), dport, here, syn)) or Trace("none")
     masq = frozenset(x for x in res.targets if _masqueraded(t, src, x, x in res.masq, here))
     return Trace("dnat", res.targets, masq)
 
@@ -119,7 +123,7 @@ def trace(nft: FakeNft, family: Family, src: str, dst: str, proto: str, dport: i
 def _masqueraded(t: FakeTable, src: str, target: str, marked: bool, local: frozenset[str]) -> bool:
     """Whether nat-postrouting masquerades the DNATed packet src -> target."""
     ip, port = target.rsplit(":", 1)
-    pkt = _Packet(src, ip.strip("[]"), "", int(port), local, MASQ_BIT if marked else 0, True)
+    pkt = _Packet(src, ip.strip("[]"), "", int(port), local, mark=MASQ_BIT if marked else 0, dnat=True)
     res = _Walk(t).chain("nat-postrouting", pkt)
     return res is not None and res.verdict == "masquerade"
 
@@ -161,6 +165,8 @@ class _Walk:
         return False, None
 
     def _statement(self, chain: str, what: str, args: tuple[str, ...], pkt: _Packet) -> tuple[bool, Trace | None]:
+        if what == "return":
+            return True, None
         if what in ("masquerade", "reject", "drop"):
             return True, Trace(what)
         if what == "goto":
@@ -217,6 +223,7 @@ _MATCHES: dict[str, Callable[[FakeTable, _Packet, tuple[str, ...]], bool]] = {
     "fib-local": lambda t, pkt, a: pkt.dst in pkt.local,
     "daddr-not": _not_in,
     "l4proto": lambda t, pkt, a: pkt.proto == a[0],
+    "tcp-not-syn": lambda t, pkt, a: pkt.proto == "tcp" and not pkt.syn,
     "pair-in-set": lambda t, pkt, a: f"{pkt.src} . {pkt.dst}" in t.sets[a[0]],
     "saddr-in-set": lambda t, pkt, a: pkt.src in t.sets[a[0]],
     "ct-state": lambda t, pkt, a: a[0] == "new",  # every traced packet opens a connection

@@ -56,3 +56,12 @@ def test_traces_of_the_every_feature_table(nft: FakeNft) -> None:
     assert sticky.targets == sticky.masq == both  # affinity chain marks NodePort traffic
     v6 = trace(nft, 6, "2001:db8:244::9", "2001:db8:96::9", "tcp", 80)
     assert v6.targets == {"[2001:db8:244::1]:8080", "[2001:db8:244::2]:8080"}
+
+
+def test_only_a_tcp_syn_is_translated_or_refused(nft: FakeNft) -> None:
+    """A TCP segment picked up mid-stream (a connection the relay owns, whose conntrack entry
+    is new) is neither DNATed nor rejected; a UDP datagram has no such mark and is translated."""
+    assert trace(nft, 4, "10.244.9.9", "10.96.0.1", "tcp", 80, syn=False).verdict == "none"
+    assert trace(nft, 4, "10.244.9.9", "10.96.0.7", "tcp", 80, syn=False).verdict == "none"
+    assert trace(nft, 4, "10.244.9.9", "10.96.0.1", "tcp", 80).verdict == "dnat"
+    assert trace(nft, 4, "10.244.9.9", "10.96.0.10", "udp", 53, syn=False).verdict == "dnat"

@@ -274,6 +274,7 @@ def test_only_least_connections_stays_in_the_relay(dp: NftablesDatapath) -> None
 
 
 async def test_hooked_chains_changed_behind_our_back_are_rewritten_after_read_back(fake: FakeNft, dp: NftablesDatapath) -> None:
+    await dp.read_back()  # the agent's first full sync: both families' tables and hooked chains
     await dp.apply({WEB: web("10.244.1.1")})  # type: ignore[dict-item]
     intact = fake.dump()
     fake.tables[4].chains["filter-forward"] = []  # an operator flushed it: `ct state invalid drop` is gone
@@ -301,7 +302,9 @@ async def test_slices_disagreeing_on_an_endpoints_node_cause_no_element_change_a
     states = {a: state(a, "10.96.0.1", 80, [ep("10.244.1.1", node_name="node"), ep("10.244.2.1", node_name="node")]),
               b: state(b, "10.96.0.2", 80, [ep("10.244.1.1", node_name="other"), ep("10.244.2.1", node_name="other"),
                                             ep("10.244.3.1", node_name="other")])}
-    await NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_name="node").apply(states)
+    first = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_name="node")
+    await first.read_back()
+    await first.apply(states)
     rec = Recording(fake)
     again = NftablesDatapath(rec, NoConntrack(), node_name="node")
     await again.read_back()
@@ -314,6 +317,7 @@ async def test_slices_disagreeing_on_an_endpoints_node_cause_no_element_change_a
 
 async def test_shared_chains_flushed_behind_our_back_are_rewritten_after_read_back(fake: FakeNft, dp: NftablesDatapath) -> None:
     states = {WEB: web("10.244.1.1", "10.244.2.1")}
+    await dp.read_back()
     await dp.apply(states)  # type: ignore[arg-type]
     intact = fake.dump()
     for chain in ("s-1", "g-2", "npgm-2"):
@@ -372,6 +376,7 @@ def test_pins_are_parsed_from_nft_text_and_retimed_from_their_last_connection() 
 @pytest.mark.parametrize("damage", ["slot-0", "slot-1"])
 async def test_a_missing_slot_element_is_rebuilt_not_wedged(fake: FakeNft, dp: NftablesDatapath, damage: str) -> None:
     states = {WEB: web("10.244.1.1", "10.244.2.1")}
+    await dp.read_back()
     await dp.apply(states)  # type: ignore[arg-type]
     intact = fake.dump()
     del fake.tables[4].maps[damage]["10.96.0.1 . tcp . 80"]  # deleted behind our back

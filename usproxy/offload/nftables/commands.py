@@ -92,6 +92,13 @@ def _not_localhost(family: Family) -> str:
     return "ip daddr != 127.0.0.0/8" if family == 4 else "ip6 daddr != ::1"
 
 
+# A TCP packet that starts a conntrack entry without being a SYN belongs to a connection the
+# kernel did not see open (tracking began after it, its entry expired or was deleted, and
+# nf_conntrack_tcp_loose picked it up mid-stream): the relay owns it, so it is neither
+# translated nor refused. Only connections the kernel saw open are DNATed or rejected.
+ONLY_NEW_TCP = "meta l4proto tcp tcp flags & (fin | syn | rst | ack) != syn return"
+
+
 def base_commands(family: Family) -> list[Command]:
     """Table, verdict maps, hairpin set and the hooked chains; flushed and rewritten as a whole so
     a restart after an upgrade converges. Maps are only added (idempotent), never emptied."""
@@ -106,8 +113,9 @@ def base_commands(family: Family) -> list[Command]:
     cmds.append(Command("add", "set", family, "hairpin", f"type {at} . {at};"))
     chains: list[tuple[str, str, list[str]]] = [
         ("reject-chain", "", ["meta l4proto tcp reject with tcp reset", "reject"]),
-        ("services", "", [f"{key3} vmap @service-ips", f"{np_key} vmap @service-nodeports"]),
-        ("endpoints-check", "", [f"{key3} vmap @no-endpoint-services", f"{np_key} vmap @no-endpoint-nodeports"]),
+        ("services", "", [ONLY_NEW_TCP, f"{key3} vmap @service-ips", f"{np_key} vmap @service-nodeports"]),
+        ("endpoints-check", "", [ONLY_NEW_TCP, f"{key3} vmap @no-endpoint-services",
+                                 f"{np_key} vmap @no-endpoint-nodeports"]),
         ("nat-prerouting", "type nat hook prerouting priority -100; policy accept;", ["jump services"]),
         ("nat-output", "type nat hook output priority -100; policy accept;", ["jump services"]),
         ("nat-postrouting", "type nat hook postrouting priority 100; policy accept;", [

@@ -103,9 +103,9 @@ class NftablesDatapath:
             except OffloadError:
                 await self._resync()
                 raise
-            for tx in txs:
-                tx.fold_into_state()
             self.transactions += 1
+        for tx in txs:  # also a change with nothing to send: a read back's hairpin count corrected
+            tx.fold_into_state()
         if zero_to_n:
             await self.conntrack.delete_udp(orig_dst=zero_to_n)
 
@@ -153,11 +153,30 @@ class NftablesDatapath:
 
     async def read_back(self) -> dict[ServicePortName, tuple[Endpoint, ...]]:
         await self._resync()
+        await self._ensure_tracking()
         out: dict[ServicePortName, set[Endpoint]] = {}
         for table in self.tables.values():
             for spn, rules in table.rules.items():
                 out.setdefault(spn, set()).update(rules.endpoints())
         return {spn: tuple(sorted(eps)) for spn, eps in out.items()}
+
+    async def _ensure_tracking(self) -> None:
+        """Install the table's hooked chains at the first read back, long before anything is
+        offloaded. Their rules make the kernel track connections in this namespace from then on,
+        so every connection the relay serves has a conntrack entry without NAT from its first
+        packet; one that had none would be picked up mid-stream at the first offload, DNATed to
+        an endpoint and reset (TCP) or moved to another endpoint (UDP)."""
+        for table in self.tables.values():
+            if table.base:
+                continue
+            tx = Transaction(table)
+            tx.ensure_base()
+            try:  # per family: a node without IPv6 still tracks IPv4
+                await self.transport.apply(tx.commands())
+            except OffloadError as err:
+                log.warning("installing table %s %s: %s", nft_family(table.family), TABLE, err)
+                continue
+            tx.fold_into_state()
 
     async def _resync(self) -> None:
         for f in FAMILIES:
