@@ -98,11 +98,8 @@ class ServicePortRelay:
 
     async def _close_listener(self, key: ListenerKey) -> None:
         listener = self.listeners.pop(key)
-        listener.close()
+        listener.close()  # only accepting stops: established connections keep running (as kube-proxy)
         self.relay.listening.discard((key[0], key[1], self.spn.protocol))
-        if isinstance(listener, asyncio.AbstractServer):
-            # Established connections keep running (as kube-proxy); only accepting stops.
-            pass
         self.errors.pop(key, None)
 
     async def retry_failed(self) -> None:
