@@ -38,6 +38,7 @@ from typing import Any
 
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
+from usproxy.node import NodeFacts
 from usproxy.offload.nftables import NftablesDatapath
 from usproxy.offload.nftables_client import NftClient
 from usproxy.offload.nftables_layout import _TEXT
@@ -72,7 +73,7 @@ async def cold_once(ns: str, n: int, nodes: int) -> tuple[float, float, Nftables
     """Program n Services into the empty namespace `ns`: (seconds, libnftables seconds, datapath)."""
     _TEXT.clear()  # the address-text cache starts empty in a starting agent too
     client = TimedClient(ns)
-    dp = NftablesDatapath(client, netns=ns, node_name="node-0")
+    dp = NftablesDatapath(client, netns=ns, node=NodeFacts("node-0"))
     dp.probe()  # as the agent: capabilities are probed (and libnftables loaded) before the first sync
     states = dict(service(i, 1, nodes) for i in range(n))
     t0 = time.perf_counter()

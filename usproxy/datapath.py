@@ -5,13 +5,16 @@ None: the ServicePort is gone), plus the endpoints that went away per ServicePor
 flows and conntrack entries can be cleared. A full resync hands every ServicePort. Datapaths keep
 their own installed view and touch only what differs. `FakeDatapath` records state and renders
 `dump()` text for unit tests.
+
+What only some datapaths offer is declared as Protocols the agent checks with isinstance:
+FlowsView (rows for /flows).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from usproxy.endpoint import Endpoint
 from usproxy.service_port import ServicePort
@@ -65,6 +68,17 @@ class Datapath(Protocol):
 
     async def close(self) -> None:
         """Release what this datapath holds (on agent shutdown)."""
+
+
+@runtime_checkable
+class FlowsView(Protocol):
+    """A datapath that lists the flows it carries for /flows (the relay's flow table, kernel
+    conntrack entries of offloaded ServicePorts)."""
+
+    flows_block: bool  # True: listing dumps kernel state, so the agent calls it in a worker thread
+
+    def flows_view(self) -> list[dict[str, Any]]:
+        """One dict per flow, in the /flows row format."""
 
 
 class FakeDatapath:

@@ -23,6 +23,7 @@ from usproxy.endpoint_slice import EndpointSlice
 from usproxy.frontend_claims import CLUSTER_IP, FrontendClaims, describe, without_frontends
 from usproxy.gc_pause import LARGE, gc_paused
 from usproxy.endpoints_change_tracker import EndpointsChangeTracker, EndpointsMap
+from usproxy.node import NodeFacts
 from usproxy.service import Service
 from usproxy.service_change_tracker import ServiceChangeTracker, ServicePortMap
 from usproxy.sync_runner import SyncRunner
@@ -33,21 +34,22 @@ log = logging.getLogger(__name__)
 
 class Proxier:
     """The mode-free core. `datapaths` are synced in order; the first that places a
-    ServicePort in `placement()` is reported as serving it."""
+    ServicePort in `placement()` is reported as serving it. `node` is this node (its name
+    decides which endpoints are local)."""
 
     def __init__(
         self,
         datapaths: Sequence[Datapath],
         *,
+        node: NodeFacts = NodeFacts(),
         metrics: Metrics | None = None,
-        node_name: str | None = None,
         zone: str | None = None,
         min_sync_period: float = 1.0,
         sync_period: float = 30.0,
     ) -> None:
         self.datapaths = list(datapaths)
         self.metrics = metrics or Metrics()
-        self.node_name = node_name
+        self.node = node
         self.zone = zone
         self.service_tracker = ServiceChangeTracker()
         self.endpoints_tracker = EndpointsChangeTracker()
@@ -85,6 +87,10 @@ class Proxier:
 
     def on_endpoint_slices_synced(self) -> None:
         self._synced["endpointslices"] = True
+        self.runner.run()
+
+    def request_sync(self) -> None:
+        """Sync soon on a datapath's own behalf (an offload window ended)."""
         self.runner.run()
 
     def set_zone(self, zone: str | None) -> None:
@@ -201,7 +207,7 @@ class Proxier:
                 return None
             sp = without_frontends(sp, lost)
         eps = tuple(self._acceptable(spn, self.endpoints_map.get(spn, ())))
-        cat = categorize(sp, eps, self.node_name, self.zone)
+        cat = categorize(sp, eps, self.node.name, self.zone)
         return ServicePortState(sp, eps, cat.cluster, cat.external)
 
     def _acceptable(self, spn: ServicePortName, eps: Sequence[Endpoint]) -> list[Endpoint]:

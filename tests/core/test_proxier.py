@@ -1,6 +1,6 @@
 """Proxier with a FakeDatapath: no sync before every source listed, only changed ServicePorts are
 handed over, a failed sync makes the next one full, endpoints equal to a ClusterIP are refused,
-and traffic policies shape cluster/external endpoints."""
+and traffic policies shape cluster/external endpoints with this node's name."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import ipaddress
 from usproxy.datapath import FakeDatapath
 from usproxy.endpoint import Endpoint, categorize
 from usproxy.endpoint_slice import EndpointSlice
+from usproxy.node import NodeFacts
 from usproxy.proxier import Proxier
 from usproxy.service import Service
 from usproxy.service_port import ServicePort
@@ -146,3 +147,22 @@ async def test_pending_change_gauges_follow_the_trackers() -> None:
     await p.sync()
     assert p.metrics.service_changes_pending._value.get() == 0
     assert p.metrics.endpoint_changes_pending._value.get() == 0
+
+
+async def test_local_endpoints_follow_the_node_name() -> None:
+    fake = FakeDatapath()
+    p = Proxier([fake], node=NodeFacts("node-a"))
+    p.on_services_synced()
+    p.on_endpoint_slices_synced()
+    p.on_service_update(None, service("a", "10.96.0.1", internal_traffic_policy="Local"))
+    p.on_endpoint_slice_update(None, eps("a", "10.244.1.1", node="node-a"))
+    await p.sync()
+    assert [str(e.ip) for e in fake.state[spn("a")].cluster_endpoints] == ["10.244.1.1"]
+    other = FakeDatapath()
+    q = Proxier([other], node=NodeFacts("node-b"))
+    q.on_services_synced()
+    q.on_endpoint_slices_synced()
+    q.on_service_update(None, service("a", "10.96.0.1", internal_traffic_policy="Local"))
+    q.on_endpoint_slice_update(None, eps("a", "10.244.1.1", node="node-a"))
+    await q.sync()
+    assert other.state[spn("a")].cluster_endpoints == ()

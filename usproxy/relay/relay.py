@@ -14,10 +14,10 @@ once a second.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import resource
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from usproxy.admin.metrics import Metrics
@@ -25,6 +25,7 @@ from usproxy.config import ProxyConfig
 from usproxy.conntrack.flow_table import FlowTable
 from usproxy.conntrack.metrics import FlowTableCollector
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
+from usproxy.node import NodeFacts
 from usproxy.relay.service_port_relay import ServicePortRelay
 from usproxy.relay.udp import UdpRelay
 from usproxy.relay.vip_interface import VipInterface
@@ -49,25 +50,43 @@ def raise_nofile_limit() -> int:
     return soft
 
 
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """What the relay takes from the agent's settings: the ClusterIP interface, the default
+    lb-policy, the flow bound (kube-proxy's conntrack max rule, ProxyConfig.conntrack_max) and
+    the UDP idle timeout in seconds."""
+
+    vip_interface: str
+    lb_policy: LBPolicy
+    conntrack_max: int
+    udp_idle_timeout: float
+
+    @classmethod
+    def from_config(cls, cfg: ProxyConfig) -> RelaySettings:
+        return cls(cfg.vip_interface, cfg.lb_policy, cfg.conntrack_max(), cfg.udp_idle_timeout)
+
+
 class Relay:
-    """The userspace datapath: a Datapath named "userspace"."""
+    """The userspace datapath: a Datapath named "userspace"; `node` gives the NodePort CIDRs."""
 
     name = "userspace"
+    flows_block = False  # its flow table lives on the event loop
 
-    def __init__(self, cfg: ProxyConfig, metrics: Metrics | None = None,
+    def __init__(self, settings: RelaySettings, node: NodeFacts, metrics: Metrics | None = None,
                  vip: VipInterface | None = None) -> None:
-        self.cfg = cfg
+        self.settings = settings
+        self.node = node
         self.metrics = metrics or Metrics()
-        self.vip = vip or VipInterface(cfg.vip_interface)
-        self.default_policy: LBPolicy = cfg.lb_policy  # type: ignore[assignment]
+        self.vip = vip or VipInterface(settings.vip_interface)
+        self.default_policy: LBPolicy = settings.lb_policy
         nofile = raise_nofile_limit()
         # A TCP flow holds two descriptors and a UDP flow one: the table never holds more flows
         # than the descriptor limit allows, so a connection flood is refused cleanly (RST) and
         # never runs the agent out of descriptors (EMFILE would also stop it reading manifests).
         budget = max(16, nofile - min(FD_RESERVE, nofile // 4))
-        self.flow_table = FlowTable(min(cfg.conntrack_max(), budget // 2))
+        self.flow_table = FlowTable(min(settings.conntrack_max, budget // 2))
         self.metrics.registry.register(FlowTableCollector(self.flow_table))
-        self.udp = UdpRelay(cfg.udp_idle_timeout, max(16, min(self.flow_table.max_flows, budget)))
+        self.udp = UdpRelay(settings.udp_idle_timeout, max(16, min(self.flow_table.max_flows, budget)))
         self.ports: dict[ServicePortName, ServicePortRelay] = {}
         self.node_ips: list[str] = []
         self.host_ips: set[IPAddress] = set()  # local addresses on other interfaces: never on usproxy0
@@ -154,7 +173,7 @@ class Relay:
 
     async def _node_addresses(self) -> list[str]:
         """NodePort addresses; also refreshes `host_ips`, the addresses other interfaces hold."""
-        nets = [ipaddress.ip_network(c, strict=False) for c in self.cfg.nodeport_addresses]
+        nets = self.node.nodeport_cidrs
         out = []
         local = await self.vip.local_addresses()
         self.host_ips = {ip for ifname, ip in local if ifname != self.vip.name}
@@ -205,7 +224,7 @@ class Relay:
     # -- flows ---------------------------------------------------------------------------------
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, max(0.1, self.cfg.udp_idle_timeout / 4)))
+            await asyncio.sleep(min(1.0, max(0.1, self.settings.udp_idle_timeout / 4)))
             try:
                 self.udp.expire()
                 await self._retry_failed()  # a listener address freed by someone else: take it
