@@ -46,10 +46,14 @@ class SyncRequest:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Which datapath serves a ServicePort, and why (shown in /services and `usproxy status`)."""
+    """Which datapath serves a ServicePort, and why (shown in /services and `usproxy status`).
+
+    `error` marks a reason that says the datapath fails to serve it as asked (a relay listener
+    that cannot bind): no later datapath's note about the same datapath hides it."""
 
     datapath: str
     reason: str
+    error: bool = False
 
 
 class Datapath(Protocol):
@@ -82,13 +86,15 @@ class FlowsView(Protocol):
 
 
 class FakeDatapath:
-    """Records synced state; `fail_next` makes the next sync raise (to test retries)."""
+    """Records synced state; `fail_next` makes the next sync raise (to test retries) and
+    `errors[spn]` is reported as its placement error."""
 
     def __init__(self, name: str = "fake") -> None:
         self.name = name
         self.state: dict[ServicePortName, ServicePortState] = {}
         self.syncs: list[SyncRequest] = []
         self.fail_next = 0
+        self.errors: dict[ServicePortName, str] = {}
 
     async def sync(self, request: SyncRequest) -> None:
         if self.fail_next:
@@ -102,7 +108,10 @@ class FakeDatapath:
                 self.state[spn] = st
 
     def placement(self, spn: ServicePortName) -> Placement | None:
-        return Placement(self.name, "fake") if spn in self.state else None
+        if spn not in self.state:
+            return None
+        error = self.errors.get(spn)
+        return Placement(self.name, error, error=True) if error is not None else Placement(self.name, "fake")
 
     def dump(self) -> str:
         lines = []

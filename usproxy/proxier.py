@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class Proxier:
-    """The mode-free core. `datapaths` are synced in order; the first that places a
-    ServicePort in `placement()` is reported as serving it. `node` is this node (its name
-    decides which endpoints are local)."""
+    """The mode-free core. `datapaths` are synced in order, each layering over those before it
+    (kernel offload over the relay); see `placement()` for which one is reported as serving a
+    ServicePort. `node` is this node (its name decides which endpoints are local)."""
 
     def __init__(
         self,
@@ -220,15 +220,21 @@ class Proxier:
         return out
 
     def placement(self, spn: ServicePortName) -> Placement:
+        """Who serves `spn` and why: the last datapath that places it (a later one layers over
+        those before it), except that an error of the datapath serving it (a relay listener
+        that cannot bind) is never hidden by a later datapath's note about that same datapath
+        (the offload manager's "establishing" while the relay serves)."""
         lost = self.claims.lost(spn)
         if CLUSTER_IP in lost.values():
             key = next(k for k, r in lost.items() if r == CLUSTER_IP)
             return Placement("none", f"{describe(key)} is served by {self.claims.owner_of(key)}")
-        for dp in reversed(self.datapaths):
-            where = dp.placement(spn)
-            if where is not None:
-                return where
-        return Placement("none", "not synced")
+        where: Placement | None = None
+        for dp in self.datapaths:
+            here = dp.placement(spn)
+            if here is None or (where is not None and where.error and here.datapath == where.datapath):
+                continue
+            where = here
+        return where or Placement("none", "not synced")
 
     async def close(self) -> None:
         for dp in reversed(self.datapaths):

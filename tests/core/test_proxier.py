@@ -1,15 +1,21 @@
 """Proxier with a FakeDatapath: no sync before every source listed, only changed ServicePorts are
 handed over, a failed sync makes the next one full, endpoints equal to a ClusterIP are refused,
-and traffic policies shape cluster/external endpoints with this node's name."""
+traffic policies shape cluster/external endpoints with this node's name and placement shows a
+relay error under offload."""
 
 from __future__ import annotations
 
 import ipaddress
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 from usproxy.datapath import FakeDatapath
 from usproxy.endpoint import Endpoint, categorize
 from usproxy.endpoint_slice import EndpointSlice
 from usproxy.node import NodeFacts
+from usproxy.offload.fake import FakeKernelDatapath
+from usproxy.offload.manager import OffloadManager, OffloadSettings
 from usproxy.proxier import Proxier
 from usproxy.service import Service
 from usproxy.service_port import ServicePort
@@ -166,3 +172,37 @@ async def test_local_endpoints_follow_the_node_name() -> None:
     q.on_endpoint_slice_update(None, eps("a", "10.244.1.1", node="node-a"))
     await q.sync()
     assert other.state[spn("a")].cluster_endpoints == ()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def offload(after: float, kernel: FakeKernelDatapath, request_sync: Callable[[], None],
+            clock: Callable[[], float] = time.monotonic) -> OffloadManager:
+    settings = OffloadSettings("nftables", after, "roundRobin", Path("/nonexistent"))
+    return OffloadManager(settings, [kernel], request_sync=request_sync, clock=clock)
+
+
+async def test_relay_listener_error_is_shown_while_offload_establishes() -> None:
+    """Once offload is on, a relay listener error still reaches /services (it was shown as
+    "establishing"); the kernel's placement wins once the kernel serves the ServicePort."""
+    relay, nft, clock = FakeDatapath("userspace"), FakeKernelDatapath(), Clock()
+    p = Proxier([relay, offload(5.0, nft, request_sync=lambda: None, clock=clock)])
+    p.on_services_synced()
+    p.on_endpoint_slices_synced()
+    p.on_service_update(None, service("a", "10.96.0.1"))
+    p.on_endpoint_slice_update(None, eps("a", "10.244.1.1"))
+    await p.sync()
+    clock.now += 1.0
+    assert (p.placement(spn("a")).datapath, p.placement(spn("a")).reason) == ("userspace", "establishing: 1.0s of 5.0s")
+    relay.errors[spn("a")] = "listen 10.96.0.1:80: Address already in use"
+    where = p.placement(spn("a"))
+    assert (where.datapath, where.reason) == ("userspace", "listen 10.96.0.1:80: Address already in use")
+    clock.now += 4.0
+    await p.sync()
+    assert spn("a") in nft.installed and p.placement(spn("a")).datapath == "nftables"

@@ -192,7 +192,7 @@ class Relay:
         if port is None:
             return None
         if port.errors:
-            return Placement("userspace", "; ".join(sorted(set(port.errors.values()))))
+            return Placement("userspace", "; ".join(sorted(set(port.errors.values()))), error=True)
         listening = ", ".join(sorted(f"{format_hostport(a, p)}" for a, p, _ in port.listeners))
         return Placement("userspace", f"listening on {listening}" if listening else "no usable endpoints: refused by the kernel")
 
