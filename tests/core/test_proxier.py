@@ -1,15 +1,17 @@
 """Proxier with a FakeDatapath: no sync before every source listed, only changed ServicePorts are
 handed over, a failed sync makes the next one full, endpoints equal to a ClusterIP are refused,
-traffic policies shape cluster/external endpoints with this node's name and placement shows a
-relay error under offload."""
+traffic policies shape cluster/external endpoints with this node's name, placement shows a relay
+error under offload, and an offload wake-up is no source change in the programming latency."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from usproxy.admin.metrics import Metrics
 from usproxy.datapath import FakeDatapath
 from usproxy.endpoint import Endpoint, categorize
 from usproxy.endpoint_slice import EndpointSlice
@@ -206,3 +208,32 @@ async def test_relay_listener_error_is_shown_while_offload_establishes() -> None
     clock.now += 4.0
     await p.sync()
     assert spn("a") in nft.installed and p.placement(spn("a")).datapath == "nftables"
+
+
+async def test_offload_wake_up_is_not_a_source_change_in_programming_latency() -> None:
+    """kubeproxy_network_programming_duration_seconds counts source changes only: the sync the
+    offload manager asks for when a window ends adds no observation."""
+    metrics, nft = Metrics(), FakeKernelDatapath()
+    p: Proxier | None = None
+
+    def wake() -> None:
+        assert p is not None
+        p.request_sync()
+
+    p = Proxier([offload(0.05, nft, request_sync=wake)], metrics=metrics, min_sync_period=0.01)
+    runner = asyncio.create_task(p.runner.loop())
+    try:
+        p.on_service_update(None, service("a", "10.96.0.1"))
+        p.on_endpoint_slice_update(None, eps("a", "10.244.1.1"))
+        p.on_services_synced()
+        p.on_endpoint_slices_synced()
+        async with asyncio.timeout(3):
+            while spn("a") not in nft.installed:  # installed by the sync the wake-up asked for
+                await asyncio.sleep(0.01)
+        assert p.runner.runs >= 2
+        count = metrics.registry.get_sample_value("kubeproxy_network_programming_duration_seconds_count")
+        assert count == 1
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await p.close()
