@@ -167,7 +167,7 @@ class Agent:
         if uses_api_server(self.cfg):
             from usproxy.sources.kube import KubeSource
 
-            assert self.node.name is not None, "resolve_node names the node whenever the API server is the source"
+            assert self.node.name is not None  # resolve_node names the node whenever the API is the source
             return KubeSource(self.cfg, self.proxier, self.metrics, node_name=self.node.name)
         raise ConfigError("give --services PATH or --kubeconfig PATH", obj="usproxy run")
 

@@ -110,7 +110,6 @@ class OffloadManager:
         self.ports: dict[ServicePortName, _Port] = {}
         self.capabilities: dict[str, Capability] = {}
         self._usable: list[KernelDatapath] | None = None
-        self._reconciled = False
         self._waiting: set[ServicePortName] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0
@@ -147,7 +146,6 @@ class OffloadManager:
         self._track(request, now)
         plan = self._plan(now, installed)
         await self._apply(plan, now)
-        self._reconciled = True
         await self._clear_stale(request.removed_endpoints)
         self._schedule(now)
 
