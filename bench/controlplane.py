@@ -124,16 +124,17 @@ class _NftSink:
 
 async def _usproxy_nft(ns: str, n: int, changes: int) -> dict[str, Any]:
     from usproxy.manifest import objects_from
+    from usproxy.node import NodeFacts
     from usproxy.offload.nftables.datapath import NftablesDatapath
     from usproxy.proxier import Proxier
 
     from usproxy.offload.nftables.rules import _TEXT
 
     _TEXT.clear()  # the address-text cache starts empty in a starting agent too
-    nft = NftablesDatapath(netns=ns, lb_policy="random", node_name="node-0")
+    nft = NftablesDatapath(netns=ns, lb_policy="random", node=NodeFacts("node-0"))
     nft.probe()  # as the agent: capabilities are probed (libnftables loaded) before the first sync
     sink = _NftSink(nft)
-    proxier = Proxier([sink], node_name="node-0")
+    proxier = Proxier([sink], node=NodeFacts("node-0"))
     m = objects_from(list[Mapping[str, Any]](services(n)))
     t_parse = time.perf_counter()
     for svc in m.services.values():

@@ -38,8 +38,9 @@ from typing import Any
 
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
-from usproxy.offload.nftables.datapath import NftablesDatapath
+from usproxy.node import NodeFacts
 from usproxy.offload.nftables.client import NftClient
+from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.rules import _TEXT
 from usproxy.service_port import ServicePort
 from usproxy.types import ServicePortName
@@ -72,7 +73,7 @@ async def cold_once(ns: str, n: int, nodes: int) -> tuple[float, float, Nftables
     """Program n Services into the empty namespace `ns`: (seconds, libnftables seconds, datapath)."""
     _TEXT.clear()  # the address-text cache starts empty in a starting agent too
     client = TimedClient(ns)
-    dp = NftablesDatapath(client, netns=ns, node_name="node-0")
+    dp = NftablesDatapath(client, netns=ns, node=NodeFacts("node-0"))
     dp.probe()  # as the agent: capabilities are probed (and libnftables loaded) before the first sync
     states = dict(service(i, 1, nodes) for i in range(n))
     t0 = time.perf_counter()

@@ -1,7 +1,9 @@
 """Agent: wires a source, the Proxier, its datapaths and the admin server, and runs them.
 
-Life: the source lists (a manifest that cannot be parsed at start raises ConfigError: exit 2), the
-admin server binds, the SyncRunner and the source's watch run as guarded tasks, and SIGTERM or
+Life: this node's facts are resolved once (NodeFacts: the same node name for the Proxier, every
+datapath and the source), each datapath gets its own settings from the ProxyConfig, the source
+lists (a manifest that cannot be parsed at start raises ConfigError: exit 2), the admin server
+binds, the SyncRunner and the source's watch run as guarded tasks, and SIGTERM or
 SIGINT stops everything in reverse order, releasing what the datapaths installed.
 """
 
@@ -13,7 +15,7 @@ import fcntl
 import logging
 import os
 import signal
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +23,36 @@ from usproxy.admin.health import Health, evaluate
 from usproxy.admin.metrics import Metrics
 from usproxy.admin.server import AdminServer
 from usproxy.config import ProxyConfig
-from usproxy.datapath import Datapath
+from usproxy.datapath import Datapath, FlowsView
 from usproxy.errors import AlreadyRunning, ConfigError
+from usproxy.node import NodeFacts, resolve_node
 from usproxy.proxier import Proxier
 from usproxy.ratelimit import RateLimitedLog
+from usproxy.sources import NodeEligibility, Source
 from usproxy.types import format_hostport
 
 log = logging.getLogger(__name__)
 
 
-def build_datapaths(cfg: ProxyConfig, metrics: Metrics) -> list[Datapath]:
-    """The relay always; kernel offload layers on top when allowed and available."""
-    from usproxy.relay.relay import Relay
+def build_datapaths(cfg: ProxyConfig, node: NodeFacts, metrics: Metrics,
+                    request_sync: Callable[[], None]) -> list[Datapath]:
+    """The relay always; kernel offload layers on top when allowed and available.
+    `request_sync` is how the offload manager asks for a sync when a window ends."""
+    from usproxy.relay.relay import Relay, RelaySettings
 
+    relay = Relay(RelaySettings.from_config(cfg), node, metrics)
     if cfg.offload == "none":
-        return [Relay(cfg, metrics)]
-    from usproxy.offload.manager import OffloadManager, kernel_datapaths
+        return [relay]
+    from usproxy.offload.manager import OffloadManager, OffloadSettings, kernel_datapaths
 
-    return [Relay(cfg, metrics), OffloadManager(cfg, metrics, kernel_datapaths(cfg))]
+    settings = OffloadSettings.from_config(cfg)
+    return [relay, OffloadManager(settings, kernel_datapaths(settings, node), request_sync=request_sync,
+                                  metrics=metrics)]
+
+
+def uses_api_server(cfg: ProxyConfig) -> bool:
+    """Whether the agent's source is the Kubernetes API (else a static manifest, or an error)."""
+    return cfg.services is None and (cfg.kubeconfig is not None or _in_cluster())
 
 
 class Agent:
@@ -51,23 +65,26 @@ class Agent:
         self._locks = [] if datapaths is not None else [NetnsLock(cfg.vip_interface)] + (
             [NetnsLock("offload")] if cfg.offload != "none" else [])
         self.metrics = Metrics()
-        self.datapaths = datapaths if datapaths is not None else build_datapaths(cfg, self.metrics)
-        self.proxier = Proxier(self.datapaths, metrics=self.metrics, node_name=cfg.node_name,
+        self.node = resolve_node(cfg, kubernetes=uses_api_server(cfg))
+        self.datapaths = datapaths if datapaths is not None else build_datapaths(
+            cfg, self.node, self.metrics, self._datapath_wants_sync)
+        self.proxier = Proxier(self.datapaths, node=self.node, metrics=self.metrics,
                                min_sync_period=cfg.min_sync_period, sync_period=cfg.sync_period)
-        for dp in self.datapaths:
-            if hasattr(dp, "request_sync"):  # the offload manager wakes the sync when a window ends
-                dp.request_sync = self.proxier.runner.run
         self.admin = AdminServer(self, cfg.healthz_bind_address, cfg.metrics_bind_address)
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
-        self.source: Any = None
+        self.source: Source | None = None
         self.exit_code = 0
+
+    def _datapath_wants_sync(self) -> None:
+        """Called by a datapath (never before the Proxier exists: only a sync arms it)."""
+        self.proxier.request_sync()
 
     # -- AdminView ----------------------------------------------------------------------------
     def health(self) -> Health:
         h = evaluate(self.proxier.last_updated, self.proxier.oldest_queued, 2 * self.cfg.sync_period)
-        eligible = getattr(self.source, "node_eligible", True)
-        return dataclasses.replace(h, node_eligible=bool(eligible))
+        eligible = self.source.node_eligible if isinstance(self.source, NodeEligibility) else True
+        return dataclasses.replace(h, node_eligible=eligible)
 
     def services_view(self) -> list[dict[str, Any]]:
         out = []
@@ -98,13 +115,12 @@ class Agent:
         1,000 entries and must not stall the relay."""
         out: list[dict[str, Any]] = []
         for dp in self.datapaths:
-            flows = getattr(dp, "flows_view", None)
-            if flows is None:
+            if not isinstance(dp, FlowsView):
                 continue
-            if getattr(dp, "flows_block", False):
-                out.extend(await asyncio.to_thread(flows))
+            if dp.flows_block:
+                out.extend(await asyncio.to_thread(dp.flows_view))
             else:
-                out.extend(flows())
+                out.extend(dp.flows_view())
         return out
 
     # -- running ------------------------------------------------------------------------------
@@ -139,7 +155,7 @@ class Agent:
         self._guard("sync-runner", self.proxier.runner.loop())
         self._guard("source", source.run())
 
-    def _make_source(self) -> Any:
+    def _make_source(self) -> Source:
         if self.cfg.services is not None:
             from usproxy.sources.static import StaticSource, watch_sighup
 
@@ -148,10 +164,11 @@ class Agent:
             src.load_initial()
             watch_sighup(src)
             return src
-        if self.cfg.kubeconfig is not None or _in_cluster():
+        if uses_api_server(self.cfg):
             from usproxy.sources.kube import KubeSource
 
-            return KubeSource(self.cfg, self.proxier, self.metrics)
+            assert self.node.name is not None  # resolve_node names the node whenever the API is the source
+            return KubeSource(self.cfg, self.proxier, self.metrics, node_name=self.node.name)
         raise ConfigError("give --services PATH or --kubeconfig PATH", obj="usproxy run")
 
     async def run(self) -> None:
@@ -226,6 +243,4 @@ def _loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, 
 
 
 def _in_cluster() -> bool:
-    import os
-
     return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))

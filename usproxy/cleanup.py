@@ -9,38 +9,39 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 from usproxy.config import ProxyConfig
+from usproxy.offload.kernel_datapath import KernelDatapath
 
 log = logging.getLogger(__name__)
 
 
-async def _nftables() -> bool:
+async def remove_kernel_state(kernels: Sequence[KernelDatapath]) -> bool:
+    """Remove what each kernel datapath installed, then release it; True when all succeeded
+    (one failing does not stop the others)."""
+    ok = True
+    for k in kernels:
+        try:
+            await k.cleanup()
+            log.info("removed what the %s datapath installed", k.name)
+        except Exception as err:
+            log.error("removing what the %s datapath installed: %s", k.name, err)
+            ok = False
+        finally:
+            k.close()
+    return ok
+
+
+def _kernel_datapaths(cfg: ProxyConfig) -> list[KernelDatapath]:
     from usproxy.offload.nftables.datapath import NftablesDatapath
 
-    dp = NftablesDatapath()
-    try:
-        await dp.cleanup()
-        log.info("removed nftables tables ip/ip6 usproxy")
-        return True
-    except Exception as err:
-        log.error("removing the usproxy nftables tables: %s", err)
-        return False
-    finally:
-        dp.close()
-
-
-async def _bpf(cfg: ProxyConfig) -> bool:
+    out: list[KernelDatapath] = [NftablesDatapath()]
     try:
         from usproxy.offload.bpf.datapath import BpfDatapath
     except ImportError:
-        return True
-    try:
-        await BpfDatapath(cfg.bpf_cgroup).cleanup()
-        return True
-    except Exception as err:
-        log.error("removing the BPF datapath: %s", err)
-        return False
+        return out
+    return [*out, BpfDatapath(cfg.bpf_cgroup)]
 
 
 async def _vip_interface(cfg: ProxyConfig) -> bool:
@@ -59,8 +60,7 @@ async def _vip_interface(cfg: ProxyConfig) -> bool:
 
 
 async def _cleanup(cfg: ProxyConfig) -> int:
-    ok = await _nftables()
-    ok = await _bpf(cfg) and ok
+    ok = await remove_kernel_state(_kernel_datapaths(cfg))
     ok = await _vip_interface(cfg) and ok
     return 0 if ok else 1
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from usproxy.errors import ConfigError
+from usproxy.service_port import LBPolicy
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class ProxyConfig:
     hostname_override: str | None = None
     nodeport_addresses: tuple[str, ...] = ()
     vip_interface: str = "usproxy0"
-    lb_policy: str = "roundRobin"
+    lb_policy: LBPolicy = "roundRobin"
     sync_period: float = 30.0
     min_sync_period: float = 0.25
     conntrack_max_per_core: int = 32768
@@ -44,11 +45,6 @@ class ProxyConfig:
     udp_idle_timeout: float = 30.0
     bpf_cgroup: Path = Path("/sys/fs/cgroup/unified")
     cleanup: bool = False
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    @property
-    def node_name(self) -> str | None:
-        return self.hostname_override or os.environ.get("NODE_NAME") or None
 
     def conntrack_max(self, cores: int | None = None) -> int:
         """kube-proxy's rule: max(maxPerCore × cores, min); 0 per core means min alone."""

@@ -5,13 +5,16 @@ None: the ServicePort is gone), plus the endpoints that went away per ServicePor
 flows and conntrack entries can be cleared. A full resync hands every ServicePort. Datapaths keep
 their own installed view and touch only what differs. `FakeDatapath` records state and renders
 `dump()` text for unit tests.
+
+What only some datapaths offer is declared as Protocols the agent checks with isinstance:
+FlowsView (rows for /flows).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from usproxy.endpoint import Endpoint
 from usproxy.service_port import ServicePort
@@ -43,10 +46,14 @@ class SyncRequest:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Which datapath serves a ServicePort, and why (shown in /services and `usproxy status`)."""
+    """Which datapath serves a ServicePort, and why (shown in /services and `usproxy status`).
+
+    `error` marks a reason that says the datapath fails to serve it as asked (a relay listener
+    that cannot bind): no later datapath's note about the same datapath hides it."""
 
     datapath: str
     reason: str
+    error: bool = False
 
 
 class Datapath(Protocol):
@@ -67,14 +74,27 @@ class Datapath(Protocol):
         """Release what this datapath holds (on agent shutdown)."""
 
 
+@runtime_checkable
+class FlowsView(Protocol):
+    """A datapath that lists the flows it carries for /flows (the relay's flow table, kernel
+    conntrack entries of offloaded ServicePorts)."""
+
+    flows_block: bool  # True: listing dumps kernel state, so the agent calls it in a worker thread
+
+    def flows_view(self) -> list[dict[str, Any]]:
+        """One dict per flow, in the /flows row format."""
+
+
 class FakeDatapath:
-    """Records synced state; `fail_next` makes the next sync raise (to test retries)."""
+    """Records synced state; `fail_next` makes the next sync raise (to test retries) and
+    `errors[spn]` is reported as its placement error."""
 
     def __init__(self, name: str = "fake") -> None:
         self.name = name
         self.state: dict[ServicePortName, ServicePortState] = {}
         self.syncs: list[SyncRequest] = []
         self.fail_next = 0
+        self.errors: dict[ServicePortName, str] = {}
 
     async def sync(self, request: SyncRequest) -> None:
         if self.fail_next:
@@ -88,7 +108,10 @@ class FakeDatapath:
                 self.state[spn] = st
 
     def placement(self, spn: ServicePortName) -> Placement | None:
-        return Placement(self.name, "fake") if spn in self.state else None
+        if spn not in self.state:
+            return None
+        error = self.errors.get(spn)
+        return Placement(self.name, error, error=True) if error is not None else Placement(self.name, "fake")
 
     def dump(self) -> str:
         lines = []

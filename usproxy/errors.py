@@ -27,9 +27,11 @@ class SourceError(UsproxyError):
 
 
 class OffloadError(UsproxyError):
-    """A kernel datapath transaction failed; `errno` is the kernel's, or 0 when unknown."""
+    """A kernel datapath transaction failed; `errno` is the kernel's, or 0 when unknown.
+    `message` is the text without the errno."""
 
     def __init__(self, message: str, errno: int = 0) -> None:
+        self.message = message
         self.errno = errno
         super().__init__(message if not errno else f"{message} (errno {errno})")
 

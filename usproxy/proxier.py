@@ -6,6 +6,9 @@ Nothing syncs before every source has listed once (as kube-proxy's isInitialized
 each datapath only the ServicePorts that changed; a failed sync makes the next one full, and so
 does the passing of `full_sync_period` (10 × the sync period), so datapaths can repair state
 changed behind their back (as kube-proxy's periodic full syncs).
+
+Only a source change starts a measurement of kubeproxy_network_programming_duration_seconds; a
+datapath asking for a sync of its own accord (`request_sync`: an offload window ended) does not.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from usproxy.endpoint_slice import EndpointSlice
 from usproxy.frontend_claims import CLUSTER_IP, FrontendClaims, describe, without_frontends
 from usproxy.gc_pause import LARGE, gc_paused
 from usproxy.endpoints_change_tracker import EndpointsChangeTracker, EndpointsMap
+from usproxy.node import NodeFacts
 from usproxy.service import Service
 from usproxy.service_change_tracker import ServiceChangeTracker, ServicePortMap
 from usproxy.sync_runner import SyncRunner
@@ -32,22 +36,23 @@ log = logging.getLogger(__name__)
 
 
 class Proxier:
-    """The mode-free core. `datapaths` are synced in order; the first that places a
-    ServicePort in `placement()` is reported as serving it."""
+    """The mode-free core. `datapaths` are synced in order, each layering over those before it
+    (kernel offload over the relay); see `placement()` for which one is reported as serving a
+    ServicePort. `node` is this node (its name decides which endpoints are local)."""
 
     def __init__(
         self,
         datapaths: Sequence[Datapath],
         *,
+        node: NodeFacts = NodeFacts(),
         metrics: Metrics | None = None,
-        node_name: str | None = None,
         zone: str | None = None,
         min_sync_period: float = 1.0,
         sync_period: float = 30.0,
     ) -> None:
         self.datapaths = list(datapaths)
         self.metrics = metrics or Metrics()
-        self.node_name = node_name
+        self.node = node
         self.zone = zone
         self.service_tracker = ServiceChangeTracker()
         self.endpoints_tracker = EndpointsChangeTracker()
@@ -86,6 +91,11 @@ class Proxier:
     def on_endpoint_slices_synced(self) -> None:
         self._synced["endpointslices"] = True
         self.runner.run()
+
+    def request_sync(self) -> None:
+        """Sync soon on a datapath's own behalf (an offload window ended). Not a source change:
+        it starts no network-programming measurement and is not counted as queued."""
+        self.runner.retry_after(0.0)
 
     def set_zone(self, zone: str | None) -> None:
         """This node's topology zone changed: every ServicePort is re-filtered at the next sync."""
@@ -201,7 +211,7 @@ class Proxier:
                 return None
             sp = without_frontends(sp, lost)
         eps = tuple(self._acceptable(spn, self.endpoints_map.get(spn, ())))
-        cat = categorize(sp, eps, self.node_name, self.zone)
+        cat = categorize(sp, eps, self.node.name, self.zone)
         return ServicePortState(sp, eps, cat.cluster, cat.external)
 
     def _acceptable(self, spn: ServicePortName, eps: Sequence[Endpoint]) -> list[Endpoint]:
@@ -214,15 +224,21 @@ class Proxier:
         return out
 
     def placement(self, spn: ServicePortName) -> Placement:
+        """Who serves `spn` and why: the last datapath that places it (a later one layers over
+        those before it), except that an error of the datapath serving it (a relay listener
+        that cannot bind) is never hidden by a later datapath's note about that same datapath
+        (the offload manager's "establishing" while the relay serves)."""
         lost = self.claims.lost(spn)
         if CLUSTER_IP in lost.values():
             key = next(k for k, r in lost.items() if r == CLUSTER_IP)
             return Placement("none", f"{describe(key)} is served by {self.claims.owner_of(key)}")
-        for dp in reversed(self.datapaths):
-            where = dp.placement(spn)
-            if where is not None:
-                return where
-        return Placement("none", "not synced")
+        where: Placement | None = None
+        for dp in self.datapaths:
+            here = dp.placement(spn)
+            if here is None or (where is not None and where.error and here.datapath == where.datapath):
+                continue
+            where = here
+        return where or Placement("none", "not synced")
 
     async def close(self) -> None:
         for dp in reversed(self.datapaths):

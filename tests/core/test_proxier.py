@@ -1,16 +1,25 @@
 """Proxier with a FakeDatapath: no sync before every source listed, only changed ServicePorts are
 handed over, a failed sync makes the next one full, endpoints equal to a ClusterIP are refused,
-and traffic policies shape cluster/external endpoints."""
+traffic policies shape cluster/external endpoints with this node's name, placement shows a relay
+error under offload, and an offload wake-up is no source change in the programming latency."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from usproxy.admin.metrics import Metrics
 from usproxy.datapath import FakeDatapath
 from usproxy.endpoint import Endpoint, categorize
 from usproxy.endpoint_slice import EndpointSlice
+from usproxy.node import NodeFacts
+from usproxy.offload.fake import FakeKernelDatapath
+from usproxy.offload.manager import OffloadManager, OffloadSettings
 from usproxy.proxier import Proxier
 from usproxy.service import Service
 from usproxy.service_port import ServicePort
@@ -146,3 +155,85 @@ async def test_pending_change_gauges_follow_the_trackers() -> None:
     await p.sync()
     assert p.metrics.service_changes_pending._value.get() == 0
     assert p.metrics.endpoint_changes_pending._value.get() == 0
+
+
+async def test_local_endpoints_follow_the_node_name() -> None:
+    fake = FakeDatapath()
+    p = Proxier([fake], node=NodeFacts("node-a"))
+    p.on_services_synced()
+    p.on_endpoint_slices_synced()
+    p.on_service_update(None, service("a", "10.96.0.1", internal_traffic_policy="Local"))
+    p.on_endpoint_slice_update(None, eps("a", "10.244.1.1", node="node-a"))
+    await p.sync()
+    assert [str(e.ip) for e in fake.state[spn("a")].cluster_endpoints] == ["10.244.1.1"]
+    other = FakeDatapath()
+    q = Proxier([other], node=NodeFacts("node-b"))
+    q.on_services_synced()
+    q.on_endpoint_slices_synced()
+    q.on_service_update(None, service("a", "10.96.0.1", internal_traffic_policy="Local"))
+    q.on_endpoint_slice_update(None, eps("a", "10.244.1.1", node="node-a"))
+    await q.sync()
+    assert other.state[spn("a")].cluster_endpoints == ()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def offload(after: float, kernel: FakeKernelDatapath, request_sync: Callable[[], None],
+            clock: Callable[[], float] = time.monotonic) -> OffloadManager:
+    settings = OffloadSettings("nftables", after, "roundRobin", Path("/nonexistent"))
+    return OffloadManager(settings, [kernel], request_sync=request_sync, clock=clock)
+
+
+async def test_relay_listener_error_is_shown_while_offload_establishes() -> None:
+    """Once offload is on, a relay listener error still reaches /services (it was shown as
+    "establishing"); the kernel's placement wins once the kernel serves the ServicePort."""
+    relay, nft, clock = FakeDatapath("userspace"), FakeKernelDatapath(), Clock()
+    p = Proxier([relay, offload(5.0, nft, request_sync=lambda: None, clock=clock)])
+    p.on_services_synced()
+    p.on_endpoint_slices_synced()
+    p.on_service_update(None, service("a", "10.96.0.1"))
+    p.on_endpoint_slice_update(None, eps("a", "10.244.1.1"))
+    await p.sync()
+    clock.now += 1.0
+    assert (p.placement(spn("a")).datapath, p.placement(spn("a")).reason) == ("userspace", "establishing: 1.0s of 5.0s")
+    relay.errors[spn("a")] = "listen 10.96.0.1:80: Address already in use"
+    where = p.placement(spn("a"))
+    assert (where.datapath, where.reason) == ("userspace", "listen 10.96.0.1:80: Address already in use")
+    clock.now += 4.0
+    await p.sync()
+    assert spn("a") in nft.installed and p.placement(spn("a")).datapath == "nftables"
+
+
+async def test_offload_wake_up_is_not_a_source_change_in_programming_latency() -> None:
+    """kubeproxy_network_programming_duration_seconds counts source changes only: the sync the
+    offload manager asks for when a window ends adds no observation."""
+    metrics, nft = Metrics(), FakeKernelDatapath()
+    p: Proxier | None = None
+
+    def wake() -> None:
+        assert p is not None
+        p.request_sync()
+
+    p = Proxier([offload(0.05, nft, request_sync=wake)], metrics=metrics, min_sync_period=0.01)
+    runner = asyncio.create_task(p.runner.loop())
+    try:
+        p.on_service_update(None, service("a", "10.96.0.1"))
+        p.on_endpoint_slice_update(None, eps("a", "10.244.1.1"))
+        p.on_services_synced()
+        p.on_endpoint_slices_synced()
+        async with asyncio.timeout(3):
+            while spn("a") not in nft.installed:  # installed by the sync the wake-up asked for
+                await asyncio.sleep(0.01)
+        assert p.runner.runs >= 2
+        count = metrics.registry.get_sample_value("kubeproxy_network_programming_duration_seconds_count")
+        assert count == 1
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await p.close()

@@ -2,7 +2,8 @@
 window with a client connecting throughout (no failure, the relay's flow count stays flat, kernel
 flows in /flows), demotion on an injected kernel failure back to the relay (no failure), an agent
 restart with traffic flowing (C20: table neither flushed nor rebuilt), C01 and C03 in offload
-mode, and `usproxy run --cleanup`."""
+mode, a relay listener error shown in /services while offload establishes, and `usproxy run
+--cleanup`."""
 
 from __future__ import annotations
 
@@ -254,6 +255,28 @@ def test_c03_udp_in_offload_mode(topology: Topology, tmp_path: Path, pods: Pods,
     assert pods.counts("be-b", "udp", 8125).get("10.244.2.8", 0) - b0 >= 15
     assert pods.counts("be-a", "udp", 8125).get("10.244.1.7", 0) == a1
     s.close()
+
+
+def test_relay_listener_error_shows_while_offload_establishes(topology: Topology, tmp_path: Path,
+                                                              pods: Pods) -> None:
+    """A NodePort address taken by another process: /services says so (it used to say
+    "establishing: 0.0s of 5.0s" once offload was on)."""
+    pods.add("be-a", "10.244.1.5")
+    m = Manifests(tmp_path / "m")
+    m.write(*web(["10.244.1.5"], type="NodePort", port_extra={"nodePort": 30080}))
+    with inside(topology.node):
+        squatter = socket.socket()
+    squatter.bind(("192.0.2.10", 30080))
+    squatter.listen()
+    agent = AgentProc(topology, m, "uvloop", "--offload", "nftables", "--offload-after", "60")
+    try:
+        agent.start()
+        wait_for(lambda: "address already in use" in placement(agent)[1].lower(), what="the listener error")
+        where, why = placement(agent)  # the words after the address are the event loop's (uvloop here)
+        assert where == "userspace" and why.startswith("listen 192.0.2.10:30080: ")
+    finally:
+        agent.stop()
+        squatter.close()
 
 
 def test_cleanup_removes_the_table(topology: Topology, tmp_path: Path, pods: Pods, agent_factory: Any) -> None:

@@ -1,15 +1,21 @@
 """OffloadManager with FakeKernelDatapaths: the window, promotion, diffs, demotion (failure,
-unsupported, annotation), restart adoption, BPF + nftables by traffic kind, timers, and dump()."""
+unsupported, annotation), restart adoption, BPF + nftables by traffic kind, timers, metric labels
+from structured reasons, a wake-up that is no source change, and dump()."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
+from collections.abc import Mapping
+from pathlib import Path
 
 from usproxy.admin.metrics import Metrics
-from usproxy.config import ProxyConfig
+from usproxy.cleanup import remove_kernel_state
 from usproxy.datapath import ServicePortState, SyncRequest
+from usproxy.errors import OffloadError
 from usproxy.offload.fake import FakeKernelDatapath
-from usproxy.offload.manager import OffloadManager
+from usproxy.offload.manager import OffloadManager, OffloadSettings
+from usproxy.types import ServicePortName
 
 from tests.offload.helpers import ep, spn, state
 
@@ -24,9 +30,13 @@ class Clock:
         return self.now
 
 
+def settings(after: float) -> OffloadSettings:
+    return OffloadSettings("auto", after, "roundRobin", Path("/nonexistent"))
+
+
 def make(*kernels: FakeKernelDatapath, after: float = 5.0) -> tuple[OffloadManager, Clock, Metrics]:
     clock, metrics = Clock(), Metrics()
-    mgr = OffloadManager(ProxyConfig(offload_after=after), metrics, list(kernels), clock=clock)
+    mgr = OffloadManager(settings(after), list(kernels), request_sync=lambda: None, metrics=metrics, clock=clock)
     return mgr, clock, metrics
 
 
@@ -136,6 +146,60 @@ async def test_failure_of_an_offloaded_update_removes_it_from_the_kernel() -> No
     assert p is not None and p.reason == "demoted: nftables: injected failure (errno 16)"
 
 
+async def test_metric_labels_come_from_the_fault_not_from_its_wording() -> None:
+    """A refusal whose message says "unavailable" and names another datapath is counted once,
+    as apply_failed of the datapath that refused it."""
+    class Busy(FakeKernelDatapath):
+        async def apply(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> None:
+            if any(st is not None for st in changes.values()):
+                raise OffloadError("bpf-style map update: Resource temporarily unavailable", errno.EAGAIN)
+            await super().apply(changes)
+
+    bpf, nft = FakeKernelDatapath("bpf", frozenset({"local"})), Busy()
+    mgr, _, metrics = make(bpf, nft, after=0)
+    await mgr.sync(req(web("10.244.1.1"), full=True))
+    p = mgr.placement(A)
+    assert p is not None and (p.datapath, p.reason) == (
+        "userspace", "demoted: nftables: bpf-style map update: Resource temporarily unavailable (errno 11)")
+    assert A not in bpf.installed  # taken out of every kernel, not only the one that refused
+    assert demotions(metrics, "nftables", "apply_failed") == 1
+    assert demotions(metrics, "nftables", "unavailable") == 0
+    assert demotions(metrics, "bpf", "apply_failed") == demotions(metrics, "bpf", "unavailable") == 0
+
+
+async def test_unsupported_everywhere_names_each_datapath_once() -> None:
+    def no_sctp(st: ServicePortState) -> str | None:
+        return "SCTP is served by the relay only" if st.service_port.protocol == "SCTP" else None
+
+    bpf = FakeKernelDatapath("bpf", frozenset({"local"}), unsupported_if=no_sctp)
+    nft = FakeKernelDatapath(unsupported_if=no_sctp)
+    mgr, _, metrics = make(bpf, nft, after=0)
+    sctp = state(spn("sig", proto="SCTP"), "10.96.0.9", 9, [ep("10.244.1.1")])
+    await mgr.sync(req(sctp, full=True))
+    p = mgr.placement(sctp.service_port.name)
+    assert p is not None and p.reason == ("demoted: bpf: SCTP is served by the relay only; "
+                                          "nftables: SCTP is served by the relay only")
+    assert demotions(metrics, "bpf", "unsupported") == demotions(metrics, "nftables", "unsupported") == 1
+
+
+async def test_annotation_naming_an_unconfigured_datapath_blames_that_datapath() -> None:
+    bpf = FakeKernelDatapath("bpf", frozenset({"local"}))
+    mgr, _, metrics = make(bpf, after=0)
+    await mgr.sync(req(web("10.244.1.1", datapath="nftables"), full=True))
+    p = mgr.placement(A)
+    assert p is not None and (p.datapath, p.reason) == ("userspace", "demoted: nftables not configured")
+    assert demotions(metrics, "nftables", "unavailable") == 1 and demotions(metrics, "bpf", "unavailable") == 0
+    assert bpf.installed == {}
+
+
+async def test_no_kernel_datapath_at_all_is_counted_as_none() -> None:
+    mgr, _, metrics = make(after=0)
+    await mgr.sync(req(web("10.244.1.1"), full=True))
+    p = mgr.placement(A)
+    assert p is not None and p.reason == "demoted: no kernel datapath configured"
+    assert demotions(metrics, "none", "unavailable") == 1
+
+
 async def test_restart_adopts_installed_service_ports_without_a_window() -> None:
     nft = FakeKernelDatapath()
     gone = state(B, "10.96.0.2", 80, [ep("10.244.2.1")])
@@ -154,8 +218,19 @@ async def test_nothing_touches_the_kernel_before_the_first_sync_and_close_keeps_
     mgr, _, _ = make(nft)
     await mgr.close()
     assert nft.closed and A in nft.installed
-    await mgr.cleanup()
+    assert await remove_kernel_state(mgr.kernels)  # `usproxy run --cleanup`, cleanup.py
     assert nft.cleaned and nft.installed == {}
+
+
+async def test_cleanup_goes_on_past_a_failing_datapath_and_says_so() -> None:
+    class Failing(FakeKernelDatapath):
+        async def cleanup(self) -> None:
+            raise OSError("EPERM")
+
+    bad, nft = Failing("bpf"), FakeKernelDatapath()
+    nft.installed = {A: web("10.244.1.1")}
+    assert not await remove_kernel_state([bad, nft])
+    assert bad.closed and nft.cleaned and nft.closed and nft.installed == {}
 
 
 async def test_bpf_serves_local_and_nftables_forwarded() -> None:
@@ -179,17 +254,17 @@ async def test_bpf_alone_leaves_forwarded_traffic_to_the_relay() -> None:
 
 
 async def test_no_kernel_datapath_says_why() -> None:
-    mgr, _, _ = make(FakeKernelDatapath(available=False), after=0)
+    mgr, _, metrics = make(FakeKernelDatapath(available=False), after=0)
     await mgr.sync(req(web("10.244.1.1"), full=True))
     p = mgr.placement(A)
     assert p is not None and p.reason == "demoted: nftables unavailable: fake: switched off"
+    assert demotions(metrics, "nftables", "unavailable") == 1
 
 
 async def test_wakes_the_sync_when_the_window_ends() -> None:
     nft = FakeKernelDatapath()
-    mgr = OffloadManager(ProxyConfig(offload_after=0.05), Metrics(), [nft])
     woke = asyncio.Event()
-    mgr.request_sync = woke.set
+    mgr = OffloadManager(settings(0.05), [nft], request_sync=woke.set)
     await mgr.sync(req(web("10.244.1.1"), full=True))
     await asyncio.wait_for(woke.wait(), 2)
     await mgr.sync(SyncRequest({}))

@@ -8,6 +8,7 @@ import pytest
 
 from usproxy.capabilities import probe_nftables
 from usproxy.errors import OffloadError
+from usproxy.node import NodeFacts
 from usproxy.offload.nftables.datapath import NftablesDatapath, probe_capability
 from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
 from usproxy.offload.nftables.names import comment_of, parse_comment
@@ -186,7 +187,7 @@ async def test_read_back_from_the_listing_adopts_without_element_changes(fake: F
 
 
 async def test_hairpin_elements_only_for_endpoints_that_may_be_on_this_node(fake: FakeNft) -> None:
-    dp = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_name="node")
+    dp = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node=NodeFacts("node"))
     eps = [ep("10.244.1.1", node_name="node"), ep("10.244.2.1", node_name="other"), ep("10.244.3.1")]
     await dp.apply({WEB: state(WEB, "10.96.0.1", 80, eps)})
     assert fake.tables[4].sets["hairpin"] == {"10.244.1.1 . 10.244.1.1", "10.244.3.1 . 10.244.3.1"}
@@ -194,7 +195,7 @@ async def test_hairpin_elements_only_for_endpoints_that_may_be_on_this_node(fake
     assert trace(fake, 4, "10.244.1.1", "10.96.0.1", "tcp", 80).masq == {"10.244.1.1:8080"}
     assert trace(fake, 4, "10.244.2.1", "10.96.0.1", "tcp", 80).masq == frozenset()
     # read back restores which targets carry the flag, so a restart changes no element
-    again = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_name="node")
+    again = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node=NodeFacts("node"))
     await again.read_back()
     assert again.tables[4].rules == dp.tables[4].rules
     assert dict(again.tables[4].hairpin) == {"10.244.1.1": 1, "10.244.3.1": 1}
@@ -302,11 +303,11 @@ async def test_slices_disagreeing_on_an_endpoints_node_cause_no_element_change_a
     states = {a: state(a, "10.96.0.1", 80, [ep("10.244.1.1", node_name="node"), ep("10.244.2.1", node_name="node")]),
               b: state(b, "10.96.0.2", 80, [ep("10.244.1.1", node_name="other"), ep("10.244.2.1", node_name="other"),
                                             ep("10.244.3.1", node_name="other")])}
-    first = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_name="node")
+    first = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node=NodeFacts("node"))
     await first.read_back()
     await first.apply(states)
     rec = Recording(fake)
-    again = NftablesDatapath(rec, NoConntrack(), node_name="node")
+    again = NftablesDatapath(rec, NoConntrack(), node=NodeFacts("node"))
     await again.read_back()
     before = fake.dump()
     await again.apply(states)

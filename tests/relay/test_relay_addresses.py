@@ -16,7 +16,8 @@ import pytest
 import usproxy.relay.relay as relay_mod
 from usproxy.config import ProxyConfig
 from usproxy.datapath import ServicePortState, SyncRequest
-from usproxy.relay.relay import MAX_RELEASED, RELEASE_AFTER, Relay
+from usproxy.node import NodeFacts
+from usproxy.relay.relay import MAX_RELEASED, RELEASE_AFTER, Relay, RelaySettings
 from usproxy.service_port import ServicePort
 from usproxy.types import IPAddress, ServicePortName
 
@@ -68,7 +69,7 @@ def state(name: str, ip: str) -> tuple[ServicePortName, ServicePortState]:
 
 async def test_deleted_address_stays_then_goes(clock: FakeTime) -> None:
     vip = FakeVip()
-    relay = Relay(ProxyConfig(), vip=vip)  # type: ignore[arg-type]
+    relay = Relay(RelaySettings.from_config(ProxyConfig()), NodeFacts(), vip=vip)  # type: ignore[arg-type]
     try:
         a_spn, a = state("a", "10.96.0.1")
         await relay.sync(SyncRequest({a_spn: a}))
@@ -87,7 +88,7 @@ async def test_deleted_address_stays_then_goes(clock: FakeTime) -> None:
 
 async def test_address_claimed_again_is_kept(clock: FakeTime) -> None:
     vip = FakeVip()
-    relay = Relay(ProxyConfig(), vip=vip)  # type: ignore[arg-type]
+    relay = Relay(RelaySettings.from_config(ProxyConfig()), NodeFacts(), vip=vip)  # type: ignore[arg-type]
     try:
         a_spn, a = state("a", "10.96.0.1")
         b_spn, b = state("b", "10.96.0.1")
@@ -104,7 +105,7 @@ async def test_address_claimed_again_is_kept(clock: FakeTime) -> None:
 
 async def test_released_addresses_are_bounded(clock: FakeTime) -> None:
     vip = FakeVip()
-    relay = Relay(ProxyConfig(), vip=vip)  # type: ignore[arg-type]
+    relay = Relay(RelaySettings.from_config(ProxyConfig()), NodeFacts(), vip=vip)  # type: ignore[arg-type]
     try:
         n = MAX_RELEASED + 10
         states = [state(f"s{i}", str(ipaddress.ip_address("10.96.0.0") + 1 + i)) for i in range(n)]

@@ -54,8 +54,7 @@ def node(name: str, zone: str | None = None) -> dict[str, Any]:
 class Recorder:
     """A Provider that records every call and keeps the state it was told about."""
 
-    def __init__(self, node_name: str | None = "node-a") -> None:
-        self.node_name = node_name
+    def __init__(self) -> None:
         self.zone: str | None = None
         self.services: dict[NamespacedName, Service] = {}
         self.slices: dict[NamespacedName, EndpointSlice] = {}

@@ -20,6 +20,7 @@ from aiohttp import web
 from usproxy.admin.server import health_routes, split_hostport
 from usproxy.agent import LOCK_DIR
 from usproxy.cli import build_parser, config_from_args
+from usproxy.node import resolve_node
 from usproxy.offload.bpf.loader import BPFFS
 from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICES
 
@@ -76,7 +77,8 @@ def test_args_parse_and_agree_with_probes(ds: dict[str, Any], objs: dict[tuple[s
     args = [a.replace(conf_flag, f"--config={local}").replace("$(NODE_NAME)", "node-x") for a in c["args"]]
     monkeypatch.delenv("NODE_NAME", raising=False)
     cfg = config_from_args(build_parser().parse_args(args))
-    assert args[0] == "run" and cfg.node_name == "node-x" and cfg.kubeconfig is None  # in-cluster
+    assert args[0] == "run" and cfg.kubeconfig is None  # in-cluster
+    assert resolve_node(cfg, kubernetes=True, environ={}).name == "node-x"
     healthz_port = split_hostport(cfg.healthz_bind_address, "healthz")[1]
     assert split_hostport(cfg.healthz_bind_address, "")[0] == "0.0.0.0"  # the kubelet probes the node IP
     assert cfg.metrics_bind_address == "127.0.0.1:10249"

@@ -4,12 +4,15 @@ The agent is built from the real command line (cli.build_parser, config_from_arg
 reflector timings, and a FakeDatapath("userspace") standing in for the relay. Covered: the listed
 Services are served, changes arrive within 1 s, /healthz stays 200 while the API server is gone
 and nothing is withdrawn, and the state converges after the server comes back;
-`clientConnection.kubeconfig` of a KubeProxyConfiguration file reaches the source too.
+`clientConnection.kubeconfig` of a KubeProxyConfiguration file reaches the source too; without
+--hostname-override or NODE_NAME the hostname names the node for the Proxier, every datapath and
+the source alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,7 +24,11 @@ from tests.sources.conftest import eps, eventually, svc
 from tests.sources.fake_apiserver import FakeApiServer
 from usproxy.agent import Agent
 from usproxy.cli import build_parser, config_from_args
+from usproxy.config import ProxyConfig
 from usproxy.datapath import FakeDatapath
+from usproxy.offload.manager import OffloadManager
+from usproxy.offload.nftables.datapath import NftablesDatapath
+from usproxy.relay.relay import Relay
 from usproxy.sources.kube import KubeSource
 
 LOOPBACK = ["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"]
@@ -56,7 +63,7 @@ async def test_serves_listed_services_and_follows_changes_within_a_second(
         api: FakeApiServer, agent: tuple[Agent, FakeDatapath]) -> None:
     a, dp = agent
     await eventually(lambda: "10.96.0.10:80 -> 10.244.1.5:8080 10.244.2.7:8080" in dp.dump(), what="listed state")
-    assert a.proxier.node_name == "node-a"
+    assert a.proxier.node.name == "node-a"
     await asyncio.sleep(1.2)  # let the sync runner's burst refill, as in a quiet cluster
     t0 = time.monotonic()
     api.apply("services", svc("api", "10.96.0.20", port=443))
@@ -94,7 +101,29 @@ async def test_kubeconfig_from_kube_proxy_configuration(api: FakeApiServer, kube
     a, dp = await start_agent(["--config", str(conf)])
     try:
         await eventually(lambda: "10.96.0.53:53" in dp.dump(), what="state through the config file")
-        assert a.proxier.node_name == "node-b"
+        assert a.proxier.node.name == "node-b"
         assert isinstance(a._make_source(), KubeSource)
     finally:
         await a.shutdown()
+
+
+async def test_without_override_the_hostname_names_the_node_everywhere(kubeconfig: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kubernetes mode, no --hostname-override, no NODE_NAME: the Proxier, the relay, the nftables
+    datapath and the source all use the hostname (the nftables datapath used to get None and
+    treated every endpoint as possibly local)."""
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    a = Agent(ProxyConfig(kubeconfig=kubeconfig, offload="nftables"))
+    try:
+        host = socket.gethostname().lower()
+        relay, manager = a.datapaths
+        assert isinstance(relay, Relay) and isinstance(manager, OffloadManager)
+        nft = [k for k in manager.kernels if isinstance(k, NftablesDatapath)]
+        assert len(nft) == 1
+        names = {"agent": a.node.name, "proxier": a.proxier.node.name, "relay": relay.node.name,
+                 "nftables": nft[0].node.name}
+        assert names == dict.fromkeys(names, host)
+        source = a._make_source()
+        assert isinstance(source, KubeSource) and source.node_name == host
+    finally:
+        await a.proxier.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from usproxy.admin.metrics import Metrics
 from usproxy.config import ProxyConfig
 from usproxy.datapath import FakeDatapath
 from usproxy.errors import ConfigError
+from usproxy.node import NodeFacts
 from usproxy.proxier import Proxier
 from usproxy.service import Service
 from usproxy.sources.kube import KubeSource, NodeAwareProvider
@@ -31,9 +31,9 @@ class Source:
     """A KubeSource running as a task."""
 
     def __init__(self, kubeconfig: Path, provider: NodeAwareProvider, metrics: Metrics | None = None,
-                 node_name: str | None = "node-a") -> None:
-        cfg = ProxyConfig(kubeconfig=kubeconfig, hostname_override=node_name)
-        self.source = KubeSource(cfg, provider, metrics, options=FAST, node_wait=1.0)
+                 node_name: str = "node-a") -> None:
+        cfg = ProxyConfig(kubeconfig=kubeconfig)
+        self.source = KubeSource(cfg, provider, metrics, node_name=node_name, options=FAST, node_wait=1.0)
         self.task = asyncio.create_task(self.source.run())
 
     async def stop(self) -> None:
@@ -245,36 +245,21 @@ async def test_node_access_forbidden_is_tolerated(api: FakeApiServer, kubeconfig
         await s.stop()
 
 
-async def test_node_name_from_override_env_or_hostname(api: FakeApiServer, kubeconfig: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("NODE_NAME", raising=False)
-    rec = Recorder(node_name=None)
-    src = KubeSource(ProxyConfig(kubeconfig=kubeconfig), rec)
-    assert rec.node_name == src.node_name == socket.gethostname().lower()
-    monkeypatch.setenv("NODE_NAME", "from-env")
-    rec = Recorder(node_name=None)
-    KubeSource(ProxyConfig(kubeconfig=kubeconfig), rec)
-    assert rec.node_name == "from-env"
-    rec = Recorder(node_name=None)
-    KubeSource(ProxyConfig(kubeconfig=kubeconfig, hostname_override="flag"), rec)
-    assert rec.node_name == "flag"
-
-
 # -- configuration and credentials -------------------------------------------------------------
 
 def test_bad_kubeconfigs_are_config_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rec = Recorder()
     with pytest.raises(ConfigError, match=r"kubeconfig .*missing: no such file"):
-        KubeSource(ProxyConfig(kubeconfig=tmp_path / "missing"), rec)
+        KubeSource(ProxyConfig(kubeconfig=tmp_path / "missing"), rec, node_name="node-a")
     (tmp_path / "broken").write_text("clusters: [\n")
     with pytest.raises(ConfigError, match=r"kubeconfig .*broken: cannot use"):
-        KubeSource(ProxyConfig(kubeconfig=tmp_path / "broken"), rec)
+        KubeSource(ProxyConfig(kubeconfig=tmp_path / "broken"), rec, node_name="node-a")
     (tmp_path / "nocontext").write_text("apiVersion: v1\nkind: Config\nclusters: []\ncontexts: []\nusers: []\n")
     with pytest.raises(ConfigError, match=r"kubeconfig .*nocontext: cannot use"):
-        KubeSource(ProxyConfig(kubeconfig=tmp_path / "nocontext"), rec)
+        KubeSource(ProxyConfig(kubeconfig=tmp_path / "nocontext"), rec, node_name="node-a")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(ConfigError, match="in-cluster configuration"):
-        KubeSource(ProxyConfig(), rec)
+        KubeSource(ProxyConfig(), rec, node_name="node-a")
 
 
 async def test_bearer_token_from_kubeconfig(tmp_path: Path) -> None:
@@ -299,7 +284,7 @@ async def test_bearer_token_from_kubeconfig(tmp_path: Path) -> None:
 
 async def test_api_server_down_keeps_serving_the_last_known_state(api: FakeApiServer, kubeconfig: Path) -> None:
     dp = FakeDatapath("userspace")
-    proxier = Proxier([dp], node_name="node-a", min_sync_period=0.01, sync_period=30)
+    proxier = Proxier([dp], node=NodeFacts("node-a"), min_sync_period=0.01, sync_period=30)
     runner = asyncio.create_task(proxier.runner.loop())
     api.apply("services", svc("a", "10.96.0.1"))
     api.apply("endpointslices", eps("a-1", "a", ["10.0.0.1", "10.0.0.2"]))

@@ -62,3 +62,6 @@ class KernelDatapath(Protocol):
 
     async def cleanup(self) -> None:
         """Remove everything this datapath ever installed (`usproxy run --cleanup`)."""
+
+    def close(self) -> None:
+        """Release this process's threads and descriptors; what is installed stays (C20)."""

@@ -12,36 +12,57 @@ nftables both, so `auto` with both available installs a ServicePort in BPF (loca
 (forwarded). Each kernel datapath gets one transaction per sync. A refused transaction is split
 in halves until the failing ServicePorts are found; those are *demoted*: removed from the kernel
 and served by the relay, with the reason in /services, `usproxy status`, the log and the metric
-usproxy_offload_demotions. They are retried after another window.
+usproxy_offload_demotions. They are retried after another window. Each ServicePort's phase and
+the faults that keep it in userspace are values (reason.py), worded only for those outputs.
 
 On the first (full) sync after start, what the kernel holds is read back: ServicePorts installed
 and still wanted stay offloaded at once and only differences are applied (field case C20);
 ServicePorts no longer wanted are removed. Before that first sync (the source has not listed) the
-kernel is left alone, and `close()` never flushes it: only `cleanup()` does.
+kernel is left alone, and `close()` never flushes it: only `usproxy run --cleanup` does
+(cleanup.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from usproxy.admin.metrics import Metrics
-from usproxy.config import ProxyConfig
+from usproxy.config import OffloadMode, ProxyConfig
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.endpoint import Endpoint
 from usproxy.errors import OffloadError
+from usproxy.node import NodeFacts
 from usproxy.offload.kernel_datapath import Capability, KernelDatapath, TrafficKind
+from usproxy.offload.reason import ESTABLISHED, ESTABLISHING, NO_DATAPATH, PINNED, REMOVED, Cause, Fault, Phase, Reason
+from usproxy.service_port import LBPolicy
 from usproxy.types import IPAddress, ServicePortName
 
 log = logging.getLogger(__name__)
 
 ALL_TRAFFIC: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
 Changes = dict[ServicePortName, ServicePortState | None]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadSettings:
+    """What the offload layer takes from the agent's settings: which kernel datapaths
+    (--offload), the window (--offload-after, seconds), the default lb-policy and the cgroup the
+    BPF socket LB attaches to."""
+
+    mode: OffloadMode
+    offload_after: float
+    lb_policy: LBPolicy
+    bpf_cgroup: Path
+
+    @classmethod
+    def from_config(cls, cfg: ProxyConfig) -> OffloadSettings:
+        return cls(cfg.offload, cfg.offload_after, cfg.lb_policy, cfg.bpf_cgroup)
 
 
 @dataclass
@@ -53,8 +74,8 @@ class _Port:
     since: float  # when `usable` last changed, or the last demotion
     kernels: tuple[str, ...] = ()  # kernel datapaths holding it now
     established_at: float = 0.0
-    reason: str = ""  # why it is (still) in userspace
-    demoted: str | None = None  # the last failure, until the next window passes
+    reason: Reason = ESTABLISHING  # its phase, and why it is (still) in userspace
+    refused: Fault | None = None  # the last refused transaction, until the next window passes
     dirty: bool = True  # state changed since the kernels last got it
 
 
@@ -70,21 +91,25 @@ def usable_key(state: ServicePortState) -> frozenset[tuple[IPAddress, int]]:
 
 
 class OffloadManager:
-    """The offload layer over a list of KernelDatapaths (in order of preference)."""
+    """The offload layer over a list of KernelDatapaths (in order of preference).
+
+    `request_sync` asks for a sync when a ServicePort's window ends (the agent passes the
+    Proxier's, which does not count it as a source change)."""
 
     name = "offload"
+    flows_block = True  # flows_view dumps kernel state: call it off the event loop
 
-    def __init__(self, cfg: ProxyConfig, metrics: Metrics | None = None,
-                 kernels: Sequence[KernelDatapath] = (), *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.cfg = cfg
+    def __init__(self, settings: OffloadSettings, kernels: Sequence[KernelDatapath] = (), *,
+                 request_sync: Callable[[], None], metrics: Metrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.offload_after = settings.offload_after
         self.metrics = metrics or Metrics()
         self.kernels = list(kernels)
         self.clock = clock
-        self.request_sync: Callable[[], None] = lambda: None  # the Agent sets proxier.runner.run
+        self.request_sync = request_sync
         self.ports: dict[ServicePortName, _Port] = {}
         self.capabilities: dict[str, Capability] = {}
         self._usable: list[KernelDatapath] | None = None
-        self._reconciled = False
         self._waiting: set[ServicePortName] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0
@@ -105,9 +130,11 @@ class OffloadManager:
     def _kernel(self, name: str) -> KernelDatapath:
         return next(k for k in self.kernels if k.name == name)
 
-    def _unavailable(self) -> str:
-        caps = [f"{c.name} unavailable: {c.detail}" for c in self.capabilities.values() if not c.available]
-        return "; ".join(caps) or "no kernel datapath configured"
+    def _unavailable(self, wanted: str | None) -> tuple[Fault, ...]:
+        """Why no kernel datapath (of the `wanted` kind, None: any) is usable here."""
+        faults = tuple(Fault(c.name, Cause.UNAVAILABLE, c.detail) for c in self.capabilities.values()
+                       if not c.available and wanted in (None, c.name))
+        return faults or (Fault(wanted or NO_DATAPATH, Cause.ABSENT),)
 
     # -- Datapath ------------------------------------------------------------------------------
     async def sync(self, request: SyncRequest) -> None:
@@ -119,7 +146,6 @@ class OffloadManager:
         self._track(request, now)
         plan = self._plan(now, installed)
         await self._apply(plan, now)
-        self._reconciled = True
         await self._clear_stale(request.removed_endpoints)
         self._schedule(now)
 
@@ -128,7 +154,7 @@ class OffloadManager:
             port = self.ports.get(spn)
             if st is None:
                 if port is not None:
-                    port.dirty, port.reason = True, "removed"
+                    port.dirty, port.reason = True, REMOVED
                     self._waiting.add(spn)
                 continue
             key = usable_key(st)
@@ -138,7 +164,8 @@ class OffloadManager:
                 if key != port.usable:
                     port.usable, port.since = key, now
                 port.state, port.dirty = st, True
-                port.reason = "" if port.reason == "removed" else port.reason
+                if port.reason.phase is Phase.REMOVED:  # back before its removal was applied
+                    port.reason = ESTABLISHING
             self._waiting.add(spn)
 
     async def _read_back(self) -> dict[str, dict[ServicePortName, tuple[Endpoint, ...]]]:
@@ -153,33 +180,35 @@ class OffloadManager:
         return out
 
     # -- planning ------------------------------------------------------------------------------
-    def choose(self, port: _Port, now: float) -> tuple[tuple[str, ...], str, bool]:
-        """The kernel datapaths that should hold `port` now; or () with why it stays in userspace
-        and whether that ends when its window passes."""
+    def choose(self, port: _Port, now: float) -> tuple[tuple[str, ...], Reason, bool]:
+        """The kernel datapaths that should hold `port` now and its reason (ESTABLISHED when
+        they are not empty); and whether a reason to stay in userspace ends when its window
+        passes."""
         sp = port.state.service_port
         if sp.datapath == "userspace":
-            return (), "pinned by annotation usproxy.io/datapath: userspace", False
+            return (), PINNED, False
         kernels = [k for k in self.usable_kernels() if sp.datapath in (None, k.name)]
         if not kernels:
-            return (), f"demoted: {self._unavailable()}", False
-        picked, why, needed = [], [], set(ALL_TRAFFIC)
+            return (), Reason(Phase.DEMOTED, self._unavailable(sp.datapath)), False
+        picked: list[str] = []
+        faults: list[Fault] = []
+        needed = set(ALL_TRAFFIC)
         for k in kernels:
             if not k.traffic & needed:
                 continue
-            reason = k.unsupported(port.state)
-            if reason is not None:
-                why.append(f"{k.name}: {reason}")
+            why = k.unsupported(port.state)
+            if why is not None:
+                faults.append(Fault(k.name, Cause.UNSUPPORTED, why))
                 continue
             picked.append(k.name)
             needed -= k.traffic
         if not picked:
-            return (), "demoted: " + "; ".join(why), False
-        waited = now - port.since
-        if port.kernels or waited >= self.cfg.offload_after:
-            return tuple(picked), "", False
-        if port.demoted is not None:
-            return (), f"demoted: {port.demoted}", True
-        return (), f"establishing: {waited:.1f}s of {self.cfg.offload_after:.1f}s", True
+            return (), Reason(Phase.DEMOTED, tuple(faults)), False
+        if port.kernels or now - port.since >= self.offload_after:
+            return tuple(picked), ESTABLISHED, False
+        if port.refused is not None:
+            return (), Reason(Phase.DEMOTED, (port.refused,)), True
+        return (), ESTABLISHING, True
 
     def _plan(self, now: float, installed: Mapping[str, Mapping[ServicePortName, tuple[Endpoint, ...]]]) -> _Plan:
         plan = _Plan()
@@ -193,8 +222,8 @@ class OffloadManager:
     def _adopt(self, kname: str, spn: ServicePortName, now: float, plan: _Plan) -> None:
         """A ServicePort found in the kernel at start: keep it there if it is still wanted."""
         port = self.ports.get(spn)
-        if port is not None and port.reason != "removed":
-            port.since = min(port.since, now - self.cfg.offload_after)
+        if port is not None and port.reason.phase is not Phase.REMOVED:
+            port.since = min(port.since, now - self.offload_after)
             if kname in self.choose(port, now)[0]:
                 port.kernels = tuple(sorted({*port.kernels, kname}))
                 port.established_at = now
@@ -205,8 +234,8 @@ class OffloadManager:
 
     def _plan_port(self, spn: ServicePortName, now: float, plan: _Plan) -> None:
         port = self.ports[spn]
-        removed = port.reason == "removed"
-        target, reason, waits = ((), "removed", False) if removed else self.choose(port, now)
+        removed = port.reason.phase is Phase.REMOVED
+        target, reason, waits = ((), REMOVED, False) if removed else self.choose(port, now)
         for kname in set(target) | set(port.kernels):
             if kname not in target:
                 plan.changes.setdefault(kname, {})[spn] = None
@@ -215,23 +244,24 @@ class OffloadManager:
         plan.targets[spn] = target
         if not waits:
             self._waiting.discard(spn)
-        if reason.startswith("demoted") and not waits and reason != port.reason:
-            self._count_demotion(spn, reason, "unsupported")
+        if reason.phase is Phase.DEMOTED and not waits and reason != port.reason:
+            log.info("%s stays in userspace: %s", spn.key(), reason.text())
+            self._count_demotion(reason.faults)
         port.reason = reason
 
     # -- applying ------------------------------------------------------------------------------
     async def _apply(self, plan: _Plan, now: float) -> None:
-        failed: dict[ServicePortName, str] = {}
+        failed: dict[ServicePortName, Fault] = {}
         done: dict[str, set[ServicePortName]] = {}
         for kname, changes in plan.changes.items():
             done[kname], errors = await self._apply_kernel(self._kernel(kname), changes)
             failed.update(errors)
         for spn, target in plan.targets.items():
             self._settle(spn, target, done, failed, now)
-        for spn, why in failed.items():
-            await self._demote(spn, why, now)
+        for spn, fault in failed.items():
+            await self._demote(spn, fault, now)
 
-    async def _apply_kernel(self, k: KernelDatapath, changes: Changes) -> tuple[set[ServicePortName], dict[ServicePortName, str]]:
+    async def _apply_kernel(self, k: KernelDatapath, changes: Changes) -> tuple[set[ServicePortName], dict[ServicePortName, Fault]]:
         """Apply in one transaction; on failure bisect to find the ServicePorts that fail."""
         if not changes:
             return set(), {}
@@ -240,7 +270,7 @@ class OffloadManager:
             return set(changes), {}
         except OffloadError as err:
             if len(changes) == 1:
-                return set(), {spn: f"{k.name}: {err}" for spn in changes}
+                return set(), {spn: Fault(k.name, Cause.REFUSED, err.message, err.errno) for spn in changes}
             log.warning("%s: transaction of %d ServicePorts refused (%s); bisecting", k.name, len(changes), err)
         items = list(changes.items())
         half = len(items) // 2
@@ -249,7 +279,7 @@ class OffloadManager:
         return ok_a | ok_b, {**err_a, **err_b}
 
     def _settle(self, spn: ServicePortName, target: tuple[str, ...], done: Mapping[str, set[ServicePortName]],
-                failed: Mapping[ServicePortName, str], now: float) -> None:
+                failed: Mapping[ServicePortName, Fault], now: float) -> None:
         port = self.ports[spn]
         before = port.kernels
         if spn in failed:  # _demote removes it from every kernel that may hold it
@@ -257,37 +287,32 @@ class OffloadManager:
             return
         port.kernels, port.dirty = target, False
         if target and not before:
-            port.established_at, port.demoted = now, None
+            port.established_at, port.refused = now, None
             log.info("%s offloaded to %s", spn.key(), "+".join(target))
-        if port.reason == "removed":
+        if port.reason.phase is Phase.REMOVED:
             del self.ports[spn]
             self._waiting.discard(spn)
 
-    async def _demote(self, spn: ServicePortName, why: str, now: float) -> None:
+    async def _demote(self, spn: ServicePortName, fault: Fault, now: float) -> None:
         """Send a ServicePort back to the relay after a refused transaction."""
         port = self.ports.get(spn)
         if port is None:
             return
-        log.warning("%s demoted to userspace: %s", spn.key(), why)
-        self._count_demotion(spn, why, "apply_failed")
+        log.warning("%s demoted to userspace: %s", spn.key(), fault.text())
+        self._count_demotion((fault,))
         for kname in port.kernels:
             try:
                 await self._kernel(kname).apply({spn: None})
             except OffloadError as err:
                 log.error("removing %s from %s after a failure: %s", spn.key(), kname, err)
                 continue
-        port.kernels, port.demoted, port.since = (), why, now
-        port.reason, port.dirty = f"demoted: {why}", True
+        port.kernels, port.refused, port.since = (), fault, now
+        port.reason, port.dirty = Reason(Phase.DEMOTED, (fault,)), True
         self._waiting.add(spn)
 
-    def _count_demotion(self, spn: ServicePortName, why: str, kind: str) -> None:
-        names = [k.name for k in self.kernels] or ["none"]
-        label = "unavailable" if "unavailable" in why or "no kernel" in why else kind
-        if kind == "unsupported":
-            log.info("%s stays in userspace: %s", spn.key(), why)
-        for n in names:
-            if n in why or len(names) == 1:
-                self.metrics.demotions.labels(n, label).inc()
+    def _count_demotion(self, faults: tuple[Fault, ...]) -> None:
+        for f in faults:
+            self.metrics.demotions.labels(f.datapath, f.cause.label).inc()
 
     async def _clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
         for k in self.usable_kernels():
@@ -301,7 +326,7 @@ class OffloadManager:
 
     def _schedule(self, now: float) -> None:
         """Wake the sync when the next waiting ServicePort's window ends."""
-        due = [self.ports[s].since + self.cfg.offload_after for s in self._waiting if s in self.ports]
+        due = [self.ports[s].since + self.offload_after for s in self._waiting if s in self.ports]
         due = [d for d in due if d > now]
         if not due:
             return
@@ -320,24 +345,19 @@ class OffloadManager:
     # -- views -----------------------------------------------------------------------------------
     def placement(self, spn: ServicePortName) -> Placement | None:
         port = self.ports.get(spn)
-        if port is None or port.reason == "removed":
+        if port is None or port.reason.phase is Phase.REMOVED:
             return None
+        now = self.clock()
         if port.kernels:
-            age = self.clock() - port.established_at
             note = "" if self._covers(port.kernels) else "; forwarded traffic via userspace"
-            return Placement("+".join(port.kernels), f"established {age:.1f}s ago{note}")
-        if port.reason.startswith("establishing"):
-            _, reason, _ = self.choose(port, self.clock())
-            return Placement("userspace", reason or port.reason)
-        return Placement("userspace", port.reason or "establishing")
+            return Placement("+".join(port.kernels), f"established {now - port.established_at:.1f}s ago{note}")
+        return Placement("userspace", port.reason.text(waited=now - port.since, window=self.offload_after))
 
     def _covers(self, names: tuple[str, ...]) -> bool:
         kinds: set[str] = set()
         for n in names:
             kinds |= self._kernel(n).traffic
         return ALL_TRAFFIC <= kinds
-
-    flows_block = True  # flows_view dumps kernel state: call it off the event loop
 
     def flows_view(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -348,9 +368,10 @@ class OffloadManager:
     def dump(self) -> str:
         lines = []
         for spn in sorted(self.ports):
-            p = self.placement(spn)
+            port, p = self.ports[spn], self.placement(spn)
             if p is not None:
-                lines.append(f"{spn.key()} {p.datapath} ({p.reason.split(':')[0].split(' ')[0]})")
+                phase = Phase.ESTABLISHED if port.kernels else port.reason.phase
+                lines.append(f"{spn.key()} {p.datapath} ({phase.value})")
         for k in self.kernels:
             text = k.dump()
             if text:
@@ -362,31 +383,22 @@ class OffloadManager:
         if self._timer is not None:
             self._timer.cancel()
         for k in self.kernels:
-            closer = getattr(k, "close", None)
-            if closer is not None:
-                res = closer()
-                if inspect.isawaitable(res):
-                    await res
-
-    async def cleanup(self) -> None:
-        """Remove everything every kernel datapath installed (`usproxy run --cleanup`)."""
-        for k in self.kernels:
-            await k.cleanup()
+            k.close()
 
 
-def kernel_datapaths(cfg: ProxyConfig, netns: str | None = None) -> list[KernelDatapath]:
+def kernel_datapaths(settings: OffloadSettings, node: NodeFacts, netns: str | None = None) -> list[KernelDatapath]:
     """The kernel datapaths `--offload` allows, best first: BPF (local traffic at connect time),
     then nftables. A datapath that cannot even be constructed is skipped with a log line."""
     out: list[KernelDatapath] = []
-    if cfg.offload in ("auto", "bpf"):
+    if settings.mode in ("auto", "bpf"):
         try:
             from usproxy.offload.bpf.datapath import BpfDatapath
 
-            out.append(BpfDatapath(cfg.bpf_cgroup, selection=cfg.lb_policy))
+            out.append(BpfDatapath(settings.bpf_cgroup, selection=settings.lb_policy))
         except Exception as err:
             log.warning("bpf datapath not loaded: %s", err)
-    if cfg.offload in ("auto", "nftables"):
+    if settings.mode in ("auto", "nftables"):
         from usproxy.offload.nftables.datapath import NftablesDatapath
 
-        out.append(NftablesDatapath(netns=netns, lb_policy=cfg.lb_policy, node_name=cfg.node_name))
+        out.append(NftablesDatapath(netns=netns, lb_policy=settings.lb_policy, node=node))
     return out

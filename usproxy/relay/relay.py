@@ -18,16 +18,17 @@ of every listening (address, port, protocol).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import resource
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from usproxy.admin.metrics import Metrics
 from usproxy.config import ProxyConfig
 from usproxy.conntrack.metrics import FlowTableCollector
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
+from usproxy.node import NodeFacts
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.service_port_relay import Listening, ServicePortRelay
 from usproxy.relay.udp import UdpRelay
@@ -52,19 +53,37 @@ def raise_nofile_limit() -> int:
     return soft
 
 
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """What the relay takes from the agent's settings: the ClusterIP interface, the default
+    lb-policy, the flow bound (kube-proxy's conntrack max rule, ProxyConfig.conntrack_max) and
+    the UDP idle timeout in seconds."""
+
+    vip_interface: str
+    lb_policy: LBPolicy
+    conntrack_max: int
+    udp_idle_timeout: float
+
+    @classmethod
+    def from_config(cls, cfg: ProxyConfig) -> RelaySettings:
+        return cls(cfg.vip_interface, cfg.lb_policy, cfg.conntrack_max(), cfg.udp_idle_timeout)
+
+
 class Relay:
-    """The userspace datapath: a Datapath named "userspace"."""
+    """The userspace datapath: a Datapath named "userspace"; `node` gives the NodePort CIDRs."""
 
     name = "userspace"
+    flows_block = False  # its flow table lives on the event loop
 
-    def __init__(self, cfg: ProxyConfig, metrics: Metrics | None = None,
+    def __init__(self, settings: RelaySettings, node: NodeFacts, metrics: Metrics | None = None,
                  vip: VipInterface | None = None) -> None:
-        self.cfg = cfg
+        self.settings = settings
+        self.node = node
         self.metrics = metrics or Metrics()
-        self.vip = vip or VipInterface(cfg.vip_interface)
-        self.default_policy: LBPolicy = cfg.lb_policy  # type: ignore[assignment]
-        self.udp = UdpRelay(cfg.udp_idle_timeout)
-        self.admission = FlowAdmission.within(cfg.conntrack_max(), raise_nofile_limit(), self.udp.evict_oldest)
+        self.vip = vip or VipInterface(settings.vip_interface)
+        self.default_policy: LBPolicy = settings.lb_policy
+        self.udp = UdpRelay(settings.udp_idle_timeout)
+        self.admission = FlowAdmission.within(settings.conntrack_max, raise_nofile_limit(), self.udp.evict_oldest)
         self.metrics.registry.register(FlowTableCollector(self.admission.table))
         self.ports: dict[ServicePortName, ServicePortRelay] = {}
         self.node_ips: list[str] = []
@@ -154,7 +173,7 @@ class Relay:
 
     async def _node_addresses(self) -> list[str]:
         """NodePort addresses; also refreshes `host_ips`, the addresses other interfaces hold."""
-        nets = [ipaddress.ip_network(c, strict=False) for c in self.cfg.nodeport_addresses]
+        nets = self.node.nodeport_cidrs
         out = []
         local = await self.vip.local_addresses()
         self.host_ips = {ip for ifname, ip in local if ifname != self.vip.name}
@@ -173,7 +192,7 @@ class Relay:
         if port is None:
             return None
         if port.errors:
-            return Placement("userspace", "; ".join(sorted(set(port.errors.values()))))
+            return Placement("userspace", "; ".join(sorted(set(port.errors.values()))), error=True)
         listening = ", ".join(sorted(f"{format_hostport(a, p)}" for a, p, _ in port.listeners))
         return Placement("userspace", f"listening on {listening}" if listening else "no usable endpoints: refused by the kernel")
 
@@ -205,7 +224,7 @@ class Relay:
     # -- flows ---------------------------------------------------------------------------------
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, max(0.1, self.cfg.udp_idle_timeout / 4)))
+            await asyncio.sleep(min(1.0, max(0.1, self.settings.udp_idle_timeout / 4)))
             try:
                 self.udp.expire()
                 await self._retry_failed()  # a listener address freed by someone else: take it

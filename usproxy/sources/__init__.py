@@ -1,11 +1,13 @@
 """Sources of Services and EndpointSlices: static manifests and the Kubernetes API.
 
 Both deliver parsed objects to a Provider (the Proxier), as kube-proxy's config handlers do.
+What only some sources know (whether this Node is being deleted) is a Protocol of its own that the
+agent checks with isinstance.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from usproxy.endpoint_slice import EndpointSlice
 from usproxy.service import Service
@@ -21,3 +23,18 @@ class Provider(Protocol):
     def on_services_synced(self) -> None: ...
 
     def on_endpoint_slices_synced(self) -> None: ...
+
+
+class Source(Protocol):
+    """What the agent runs: a source feeding its Provider until cancelled."""
+
+    async def run(self) -> None: ...
+
+
+@runtime_checkable
+class NodeEligibility(Protocol):
+    """A source that follows this Node: False while it is being deleted (kube-proxy's
+    ProxierHealthServer nodeEligible, which fails /healthz so load balancers drain the node)."""
+
+    @property
+    def node_eligible(self) -> bool: ...

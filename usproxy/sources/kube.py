@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
 from pathlib import Path
@@ -56,9 +55,8 @@ T = TypeVar("T")
 
 
 class NodeAwareProvider(Provider, Protocol):
-    """A Provider that also takes this node's name and zone (the Proxier reads both at sync)."""
+    """A Provider that also takes this node's zone (the Proxier reads it at sync)."""
 
-    node_name: str | None
     zone: str | None
 
     def set_zone(self, zone: str | None) -> None: ...
@@ -249,18 +247,16 @@ def client_config(kubeconfig: Path | None) -> ClientConfig:
 
 
 class KubeSource:
-    """Feeds a Provider from a live API server: Services, EndpointSlices, and this node's zone."""
+    """Feeds a Provider from a live API server: Services, EndpointSlices, and the zone and
+    eligibility of the Node named `node_name` (the agent's NodeFacts.name)."""
 
     def __init__(self, cfg: ProxyConfig, provider: NodeAwareProvider, metrics: Metrics | None = None, *,
-                 options: ReflectorOptions | None = None, node_wait: float = 5.0) -> None:
+                 node_name: str, options: ReflectorOptions | None = None, node_wait: float = 5.0) -> None:
         self.provider = provider
         self.metrics = metrics
         self.options = options or ReflectorOptions()
         self.node_wait = node_wait
-        # kube-proxy: --hostname-override, else the node's hostname (NODE_NAME is read by ProxyConfig)
-        self.node_name = cfg.node_name or socket.gethostname().lower()
-        if provider.node_name is None:
-            provider.node_name = self.node_name
+        self.node_name = node_name
         self._client_config = client_config(cfg.kubeconfig)
         self.services: ObjectCache[Service] = ObjectCache(
             "Service", parse=parse_service, skip=skip_reason, deliver=provider.on_service_update,

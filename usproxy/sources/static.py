@@ -100,9 +100,9 @@ class StaticSource:
             except Exception:  # e.g. EMFILE while listing: keep the state, try again next poll
                 limited.warning("reading %s failed; keeping the last good state", self.path)
 
-    def poll(self, force: bool = False) -> bool:
-        """Reload files that changed (all files when `force`); returns True if any did."""
-        scan = self._scan(force)
+    def poll(self) -> bool:
+        """Reload files that changed; returns True if any did."""
+        scan = self._scan(False)
         if scan is None:
             return False
         self._apply(scan, self._parse(scan.changed))

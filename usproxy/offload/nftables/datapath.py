@@ -19,6 +19,7 @@ from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.errors import OffloadError
 from usproxy.gc_pause import LARGE, gc_paused
+from usproxy.node import NodeFacts
 from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.offload.nftables.commands import Command, render
@@ -53,7 +54,7 @@ class NftablesDatapath:
     traffic: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
 
     def __init__(self, transport: NftTransport | None = None, conntrack: KernelConntrack | None = None,
-                 *, netns: str | None = None, lb_policy: str = "roundRobin", node_name: str | None = None) -> None:
+                 *, netns: str | None = None, lb_policy: str = "roundRobin", node: NodeFacts = NodeFacts()) -> None:
         if transport is None:
             from usproxy.offload.nftables.client import NftClient
 
@@ -61,7 +62,7 @@ class NftablesDatapath:
         self.transport = transport
         self.conntrack = conntrack if conntrack is not None else KernelConntrack(netns)
         self.lb_policy = lb_policy
-        self.node_name = node_name  # endpoints on other nodes get no hairpin element
+        self.node = node  # endpoints on other nodes get no hairpin element
         self.tables: dict[Family, TableState] = {f: TableState(f) for f in FAMILIES}
         self.transactions = 0
 
@@ -118,7 +119,7 @@ class NftablesDatapath:
             tx.ensure_base()
         for spn, st in changes.items():
             prev = table.rules.get(spn)
-            new = port_rules(st, table.family, prev, self.node_name) if st is not None else None
+            new = port_rules(st, table.family, prev, self.node.name) if st is not None else None
             tx.update(prev, new)
         return tx
 
