@@ -2,6 +2,6 @@
 
 import sys
 
-from usproxy.cli import main
+from usproxy.app.cli import main
 
 sys.exit(main())

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import GaugeMetricFamily
 
-from usproxy.admin.metrics import Metrics
+from usproxy.metrics import Metrics
 from usproxy.datapath import Datapath, Placement, ServicePortState, SyncRequest
 from usproxy.endpoint import Endpoint, categorize
 from usproxy.endpoint_slice import EndpointSlice

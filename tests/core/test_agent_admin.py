@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from usproxy.admin.health import evaluate
-from usproxy.agent import Agent
+from usproxy.app.agent import Agent
 from usproxy.config import ProxyConfig
 from usproxy.datapath import FakeDatapath
 

@@ -2,7 +2,7 @@
 usage error; `usproxy check` prints its table; status/flows without an agent exit 1.
 
 No test here meets a real agent's state: `run` gets an interface name of its own and no offload,
-so the per-namespace locks it takes before reading its input (usproxy/agent.py NetnsLock) are its
+so the per-namespace locks it takes before reading its input (usproxy/app/agent.py NetnsLock) are its
 own, and `check` probes in a network namespace of its own.
 """
 

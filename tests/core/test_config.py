@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from usproxy.cli import build_parser, config_from_args
+from usproxy.app.cli import build_parser, config_from_args
 from usproxy.config import load_kube_proxy_configuration, parse_duration
 from usproxy.errors import ConfigError
 

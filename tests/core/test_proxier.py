@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from usproxy.admin.metrics import Metrics
+from usproxy.metrics import Metrics
 from usproxy.datapath import FakeDatapath
 from usproxy.endpoint import Endpoint, categorize
 from usproxy.endpoint_slice import EndpointSlice

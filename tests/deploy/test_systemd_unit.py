@@ -26,7 +26,7 @@ import pytest
 from tests.deploy.image import ROOT
 from tests.deploy.pod import container
 from tests.deploy.test_image import daemonset
-from usproxy.cli import build_parser, config_from_args
+from usproxy.app.cli import build_parser, config_from_args
 from usproxy.sources import static
 
 DEPLOY = ROOT / "deploy"
@@ -110,7 +110,7 @@ def test_only_the_daemonsets_capabilities_a_read_only_system_and_the_journal() -
     assert sorted(e["AmbientCapabilities"][0].split()) == sorted(e["CapabilityBoundingSet"][0].split()) == caps
     assert e["NoNewPrivileges"] == ["yes"] and e["ProtectSystem"] == ["strict"]
     # what the agent writes under a read-only system: its lock files (agent.LOCK_DIR) and the cache
-    from usproxy.agent import LOCK_DIR
+    from usproxy.app.agent import LOCK_DIR
 
     assert e["RuntimeDirectory"] == [LOCK_DIR.name] and str(LOCK_DIR) == "/run/usproxy"
     assert unit_environment()["USPROXY_BPF_CACHE"].startswith(f"/var/cache/{e['CacheDirectory'][0]}/")

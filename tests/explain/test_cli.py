@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.explain.conftest import FIXTURES
-from usproxy import cli as top
+from usproxy.app import cli as top
 from usproxy.errors import ConfigError
 from usproxy.explain import cli, live
 from usproxy.offload.bpf import view

@@ -9,8 +9,8 @@ import errno
 from collections.abc import Mapping
 from pathlib import Path
 
-from usproxy.admin.metrics import Metrics
-from usproxy.cleanup import remove_kernel_state
+from usproxy.metrics import Metrics
+from usproxy.app.cleanup import remove_kernel_state
 from usproxy.datapath import ServicePortState, SyncRequest
 from usproxy.errors import OffloadError
 from usproxy.offload.fake import FakeKernelDatapath

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from scipy.stats import chisquare
 
-from usproxy.capabilities import probe_nftables
+from usproxy.app.capabilities import probe_nftables
 from usproxy.datapath import ServicePortState
 from usproxy.errors import OffloadError
 from usproxy.offload.nftables.client import NftClient

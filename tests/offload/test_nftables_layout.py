@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from usproxy.capabilities import probe_nftables
+from usproxy.app.capabilities import probe_nftables
 from usproxy.errors import OffloadError
 from usproxy.node import NodeFacts
 from usproxy.offload.nftables.datapath import NftablesDatapath, probe_capability

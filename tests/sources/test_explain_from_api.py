@@ -10,7 +10,7 @@ import pytest
 
 from tests.sources.conftest import eps, svc
 from tests.sources.fake_apiserver import FakeApiServer
-from usproxy.cli import main
+from usproxy.app.cli import main
 
 
 async def test_explain_lists_the_api_servers_services(api: FakeApiServer, kubeconfig: Path,

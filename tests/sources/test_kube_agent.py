@@ -22,8 +22,8 @@ import pytest
 
 from tests.sources.conftest import eps, eventually, svc
 from tests.sources.fake_apiserver import FakeApiServer
-from usproxy.agent import Agent
-from usproxy.cli import build_parser, config_from_args
+from usproxy.app.agent import Agent
+from usproxy.app.cli import build_parser, config_from_args
 from usproxy.config import ProxyConfig
 from usproxy.datapath import FakeDatapath
 from usproxy.offload.manager import OffloadManager

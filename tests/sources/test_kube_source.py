@@ -14,7 +14,7 @@ import pytest
 from tests.sources.conftest import FAST, Recorder, converged, eventually, eps, node, server_state, svc
 from tests.sources.fake_apiserver import FakeApiServer, kubeconfig_text
 from usproxy.admin.health import evaluate
-from usproxy.admin.metrics import Metrics
+from usproxy.metrics import Metrics
 from usproxy.config import ProxyConfig
 from usproxy.datapath import FakeDatapath
 from usproxy.errors import ConfigError

@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from usproxy.admin.health import Health
-from usproxy.admin.metrics import Metrics
+from usproxy.metrics import Metrics
 
 
 class AdminView(Protocol):

@@ -1,6 +1,6 @@
 """`usproxy explain` and `usproxy explain trace`: argument parsing and the order of the views.
 
-`main(argv)` gets everything after `explain`. Bad input raises ConfigError (usproxy/cli.py turns
+`main(argv)` gets everything after `explain`. Bad input raises ConfigError (usproxy/app/cli.py turns
 it into exit 2 with the object and field named); argparse usage errors exit 2 as well; `--live`
 with nothing readable exits 1.
 """

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from usproxy.admin.metrics import Metrics
+from usproxy.metrics import Metrics
 from usproxy.config import OffloadMode, ProxyConfig
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.endpoint import Endpoint

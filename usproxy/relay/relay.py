@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from usproxy.admin.metrics import Metrics
+from usproxy.metrics import Metrics
 from usproxy.config import ProxyConfig
 from usproxy.conntrack.metrics import FlowTableCollector
 from usproxy.datapath import Placement, ServicePortState, SyncRequest

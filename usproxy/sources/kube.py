@@ -33,7 +33,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import aiohttp
 import yaml
 
-from usproxy.admin.metrics import Metrics
+from usproxy.metrics import Metrics
 from usproxy.config import ProxyConfig
 from usproxy.endpoint_slice import EndpointSlice, parse_endpoint_slice
 from usproxy.errors import ConfigError, SourceError

@@ -99,10 +99,10 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if cfg.cleanup:
-        from usproxy.cleanup import cleanup
+        from usproxy.app.cleanup import cleanup
 
         return int(cleanup(cfg))
-    from usproxy.agent import Agent
+    from usproxy.app.agent import Agent
 
     agent: list[Agent] = []
 
@@ -147,7 +147,7 @@ def cmd_flows(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from usproxy.capabilities import probe_all
+    from usproxy.app.capabilities import probe_all
     from usproxy.table import render_table
 
     caps = probe_all()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from usproxy.admin.health import Health, evaluate
-from usproxy.admin.metrics import Metrics
+from usproxy.metrics import Metrics
 from usproxy.admin.server import AdminServer
 from usproxy.config import ProxyConfig
 from usproxy.datapath import Datapath, FlowsView
