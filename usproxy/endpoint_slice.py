@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from usproxy.endpoint import Endpoint, merged
 from usproxy.fields import Fields, describe
-from usproxy.types import PROTOCOLS, IPAddress, NamespacedName, Protocol, ServicePortName
+from usproxy.types import PROTOCOLS, NamespacedName, Protocol, ServicePortName, refused_address
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +40,6 @@ class EndpointSlice:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoints", {spn: merged([eps]) for spn, eps in self.endpoints.items()})
-
-
-def refused_address(ip: IPAddress) -> str | None:
-    """Why an endpoint address is refused, or None when it is acceptable."""
-    for attr in ("is_loopback", "is_link_local", "is_multicast", "is_unspecified"):
-        if getattr(ip, attr):
-            return attr.removeprefix("is_").replace("_", "-")
-    return None
 
 
 def _endpoint_base(e: Fields, family: int) -> Endpoint | None:

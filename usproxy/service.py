@@ -25,7 +25,7 @@ from usproxy.service_port import (
     SessionAffinity,
     TrafficPolicy,
 )
-from usproxy.types import PROTOCOLS, IPAddress, NamespacedName, Protocol, ServicePortName
+from usproxy.types import PROTOCOLS, IPAddress, NamespacedName, Protocol, ServicePortName, refused_address
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,9 @@ def _frontend_ip(f: Fields, field: str, text: object) -> IPAddress:
     """A Service address the proxy will answer on: never loopback, link-local, multicast or
     unspecified (binding those would capture node-local services or every address)."""
     ip = f.ip(field, text)
-    for attr in ("is_loopback", "is_link_local", "is_multicast", "is_unspecified"):
-        if getattr(ip, attr):
-            raise f.error(field, f"{ip} is a {attr.removeprefix('is_').replace('_', '-')} address")
+    why = refused_address(ip)
+    if why:
+        raise f.error(field, f"{ip} is a {why} address")
     return ip
 
 

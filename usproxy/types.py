@@ -69,3 +69,13 @@ def format_hostport(ip: IPAddress | str, port: int) -> str:
     """"ip:port" for IPv4, "[ip]:port" for IPv6 (field case C23)."""
     text = str(ip)
     return f"[{text}]:{port}" if ":" in text else f"{text}:{port}"
+
+
+def refused_address(ip: IPAddress) -> str | None:
+    """Why an address can be neither a Service frontend nor an Endpoint (loopback, link-local,
+    multicast, unspecified: serving or relaying to it would open a path to node-local services
+    or to every address), or None when it is acceptable."""
+    for attr in ("is_loopback", "is_link_local", "is_multicast", "is_unspecified"):
+        if getattr(ip, attr):
+            return attr.removeprefix("is_").replace("_", "-")
+    return None

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.offload.nftables.names import Family, Kind, Scope, affinity_chain, group_chain, rr_chain
-from usproxy.types import IPAddress, ServicePortName
+from usproxy.types import IPAddress, ServicePortName, format_hostport
 
 _TEXT: dict[int, str] = {}
 # Builds a NamedTuple from a tuple of every field without NamedTuple's Python-level __new__: a
@@ -58,7 +58,7 @@ class Target(NamedTuple):
         return f"{self.ip} . {self.port}"
 
     def hostport(self) -> str:
-        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
+        return format_hostport(self.ip, self.port)
 
 
 class Frontend(NamedTuple):
