@@ -158,6 +158,9 @@ async def test_c03_udp_one_way_sender_follows_endpoint_changes(topology: Topolog
     s.close()
 
 
+BATCH = 500  # datagrams in flight at once, below netdev_max_backlog
+
+
 async def test_c17_uniform_over_five_endpoints_and_after_churn(topology: Topology, dp: NftablesDatapath, pods: Pods) -> None:
     ips = [f"10.244.{i}.30" for i in range(1, 7)]
     pods.add("be", *ips, port=8081, mute=True)
@@ -171,17 +174,18 @@ async def test_c17_uniform_over_five_endpoints_and_after_churn(topology: Topolog
         return sum(pods.counts("be", "udp", 8081).values())
 
     def flows(n: int, base_port: int) -> Counter[str]:
-        """n new UDP flows (distinct source address and port), sent in batches the endpoint's
-        socket buffer holds, so every flow is counted even on a busy machine."""
+        """n new UDP flows (distinct source address and port), sent in batches that both the
+        endpoint's socket buffer and the kernel's per-CPU input queue (netdev_max_backlog, 1000:
+        each datagram crosses two veths) hold, so every flow is counted even on a busy machine."""
         before = Counter(pods.counts("be", "udp", 8081))
         start = sum(before.values())
-        for batch in range(0, n, 2000):
-            for k in range(batch, min(n, batch + 2000)):
+        for batch in range(0, n, BATCH):
+            for k in range(batch, min(n, batch + BATCH)):
                 s = udp_socket(cli, (f"10.244.9.{10 + k % 3}", base_port + k // 3))
                 s.sendto(b"x", ("10.96.120.120", 81))
                 s.close()
             deadline = time.monotonic() + 30
-            while total() - start < min(n, batch + 2000) and time.monotonic() < deadline:
+            while total() - start < min(n, batch + BATCH) and time.monotonic() < deadline:
                 time.sleep(0.05)
         got = Counter(pods.counts("be", "udp", 8081)) - before
         assert sum(got.values()) == n, f"{sum(got.values())} of {n} flows counted"  # shares below are of all
