@@ -158,22 +158,18 @@ async def test_pending_change_gauges_follow_the_trackers() -> None:
 
 
 async def test_local_endpoints_follow_the_node_name() -> None:
-    fake = FakeDatapath()
-    p = Proxier([fake], node=NodeFacts("node-a"))
-    p.on_services_synced()
-    p.on_endpoint_slices_synced()
-    p.on_service_update(None, service("a", "10.96.0.1", internal_traffic_policy="Local"))
-    p.on_endpoint_slice_update(None, eps("a", "10.244.1.1", node="node-a"))
-    await p.sync()
-    assert [str(e.ip) for e in fake.state[spn("a")].cluster_endpoints] == ["10.244.1.1"]
-    other = FakeDatapath()
-    q = Proxier([other], node=NodeFacts("node-b"))
-    q.on_services_synced()
-    q.on_endpoint_slices_synced()
-    q.on_service_update(None, service("a", "10.96.0.1", internal_traffic_policy="Local"))
-    q.on_endpoint_slice_update(None, eps("a", "10.244.1.1", node="node-a"))
-    await q.sync()
-    assert other.state[spn("a")].cluster_endpoints == ()
+    async def local_endpoints(node: str) -> list[str]:
+        fake = FakeDatapath()
+        p = Proxier([fake], node=NodeFacts(node))
+        p.on_services_synced()
+        p.on_endpoint_slices_synced()
+        p.on_service_update(None, service("a", "10.96.0.1", internal_traffic_policy="Local"))
+        p.on_endpoint_slice_update(None, eps("a", "10.244.1.1", node="node-a"))
+        await p.sync()
+        return [str(e.ip) for e in fake.state[spn("a")].cluster_endpoints]
+
+    assert await local_endpoints("node-a") == ["10.244.1.1"]
+    assert await local_endpoints("node-b") == []
 
 
 class Clock:

@@ -19,10 +19,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from tests.netns import inside
-from tests.sources.fake_apiserver import RESOURCES, FakeApiServer
+from tests.sources.fake_apiserver import FakeApiServer
 
 
 def service_account(directory: Path) -> tuple[Path, Path, str]:
@@ -48,38 +46,15 @@ def service_account(directory: Path) -> tuple[Path, Path, str]:
     return crt, key, token
 
 
-class TlsApiServer(FakeApiServer):
-    """FakeApiServer over HTTPS (the in-cluster configuration only speaks https)."""
-
-    def __init__(self, context: ssl.SSLContext, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.context = context
-
-    @property
-    def url(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        app = web.Application()
-        for name, (path, *_rest) in RESOURCES.items():
-            app.router.add_get(path, self._handler(name))
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True, ssl_context=self.context)
-        await site.start()
-        server: Any = site._server
-        self.port = server.sockets[0].getsockname()[1]
-
-
 class ApiServerThread:
-    """A TlsApiServer listening on 127.0.0.1 in netns `ns`, served by a thread of its own."""
+    """A FakeApiServer over HTTPS listening on 127.0.0.1 in netns `ns`, served by a thread of its own."""
 
     def __init__(self, ns: str, directory: Path) -> None:
         crt, key, self.token = service_account(directory)
         self.service_account_dir = directory / "serviceaccount"
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(crt, key)
-        self.api = TlsApiServer(context, bookmark_interval=0.5, token=self.token)
+        self.api = FakeApiServer(ssl_context=context, bookmark_interval=0.5, token=self.token)
         self.ns = ns
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, daemon=True)

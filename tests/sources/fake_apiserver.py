@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,8 +107,10 @@ def status(code: int, reason: str, message: str) -> Obj:
 class FakeApiServer:
     """The fake server. `start()` binds 127.0.0.1 (the same port again after `stop()`)."""
 
-    def __init__(self, *, bookmark_interval: float = 0.3, token: str | None = None) -> None:
+    def __init__(self, *, bookmark_interval: float = 0.3, token: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.rv = 100
+        self.ssl_context = ssl_context  # HTTPS when given (the in-cluster configuration needs it)
         self.objects: dict[str, dict[Key, Obj]] = {r: {} for r in RESOURCES}
         self.history: dict[str, list[Event]] = {r: [] for r in RESOURCES}
         self.compacted = 0
@@ -122,7 +125,7 @@ class FakeApiServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://127.0.0.1:{self.port}"
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -131,7 +134,7 @@ class FakeApiServer:
             app.router.add_get(path, self._handler(name))
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True, ssl_context=self.ssl_context)
         await site.start()
         server: Any = site._server
         self.port = server.sockets[0].getsockname()[1]
