@@ -109,6 +109,20 @@ def test_usproxy_check_from_the_wheel(installed: Installed, topology: Topology, 
     assert "nftables" in out.stdout and "bpf" in out.stdout
 
 
+@pytest.mark.netns
+def test_check_from_the_wheel_needs_no_clang(installed: Installed, topology: Topology, tmp_path: Path) -> None:
+    """On a node without clang (the image, an edge device), `usproxy check` and the agent agree:
+    the wheel's prebuilt object serves, so BPF is available. nsenter keeps /sys (cgroup v2)."""
+    assert installed.run("--help", cwd=tmp_path).returncode == 0
+    env = clean_env(PATH=f"{installed.venv / 'bin'}:/usr/sbin:/sbin")  # clang lives in /usr/bin
+    out = subprocess.run(["/usr/bin/nsenter", f"--net=/run/netns/{topology.node}",
+                          str(installed.venv / "bin" / "usproxy"), "check"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("bpf cgroup hooks"))
+    assert row.split()[3] == "yes" and "clang" not in row, out.stdout
+
+
 def test_without_clang_the_wheel_builds_without_the_object_and_says_why(tmp_path: Path) -> None:
     bindir = tmp_path / "bin"  # a PATH holding the interpreter and nothing else (no clang)
     bindir.mkdir()
