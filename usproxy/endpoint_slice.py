@@ -7,6 +7,9 @@ container port number under the ServicePort's name). Only `addresses[0]` of an e
 as kube-proxy does. Conditions: unset ready/serving mean true, unset terminating means false.
 Addresses that would turn the proxy into a path to node-local services (loopback, link-local,
 multicast, unspecified) are refused with a ConfigError-style log and skipped.
+Names are validated as the API server does (the slice's name a DNS-1123 subdomain, its namespace
+and port names DNS-1123 labels) and the Service label must name a valid Service (a DNS-1123
+label): they reach nftables comments and log lines.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from usproxy.endpoint import Endpoint, merged
-from usproxy.fields import Fields, describe
+from usproxy.fields import Fields, describe, is_dns1123_label
 from usproxy.types import PROTOCOLS, NamespacedName, Protocol, ServicePortName, refused_address
 
 log = logging.getLogger(__name__)
@@ -69,10 +72,14 @@ def parse_endpoint_slice(raw: Mapping[str, Any]) -> EndpointSlice:
     """Build an EndpointSlice from a raw body. Raises ConfigError naming object and field."""
     top = Fields(describe("EndpointSlice", raw), raw)
     meta = top.child("metadata", required=True)
-    name = NamespacedName(meta.text("namespace", "default") or "default", meta.text("name"))
+    name = NamespacedName(meta.label("namespace", "default") if meta.data.get("namespace") else "default",
+                          meta.subdomain("name"))
     labels = meta.str_map("labels")
     if not labels.get(SERVICE_NAME_LABEL):
         raise meta.error(f"labels[{SERVICE_NAME_LABEL}]", "required: names the slice's Service")
+    if not is_dns1123_label(labels[SERVICE_NAME_LABEL]):
+        raise meta.error(f"labels[{SERVICE_NAME_LABEL}]",
+                         f"must name a Service (a DNS-1123 label), got {labels[SERVICE_NAME_LABEL]!r}")
     service = NamespacedName(name.namespace, labels[SERVICE_NAME_LABEL])
     address_type = top.choice("addressType", ADDRESS_TYPES, "IPv4")
     if address_type == "FQDN":
@@ -84,7 +91,7 @@ def parse_endpoint_slice(raw: Mapping[str, Any]) -> EndpointSlice:
         if p.data.get("port") is None:
             continue  # "all ports" slices of selector-less Services carry nothing to proxy
         protocol = cast(Protocol, p.choice("protocol", PROTOCOLS, "TCP"))
-        spn = ServicePortName(service.namespace, service.name, p.text("name", ""), protocol)
+        spn = ServicePortName(service.namespace, service.name, p.label("name", ""), protocol)
         port = p.integer("port", lo=1)
         out[spn] = tuple(_with_port(b, port) for b in bases)
     return EndpointSlice(name, service, address_type, out)

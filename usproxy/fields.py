@@ -2,16 +2,37 @@
 
 Every getter raises ConfigError("<Kind> <ns>/<name>: <path>: <problem>"), so a bad document is
 reported exactly and can be skipped without affecting any other object.
+
+Names are validated as the API server does (k8s.io/apimachinery/pkg/util/validation: IsDNS1123Label,
+IsDNS1123Subdomain), because they end up in kernel commands (nftables element comments) and log
+lines: a name outside those alphabets (a quote, a newline) is refused here. `describe()` quotes
+a name that is not safe, so the error about it cannot forge a log line either.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from usproxy.errors import ConfigError
 from usproxy.types import IPAddress
+
+_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+DNS1123_LABEL = re.compile(_LABEL)  # at most 63 characters
+DNS1123_SUBDOMAIN = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")  # at most 253 characters
+_LABEL_HELP = "lower-case letters, digits and '-', starting and ending with a letter or digit"
+
+
+def is_dns1123_label(text: str) -> bool:
+    """IsDNS1123Label: what namespace names, Service names and port names are."""
+    return len(text) <= 63 and DNS1123_LABEL.fullmatch(text) is not None
+
+
+def is_dns1123_subdomain(text: str) -> bool:
+    """IsDNS1123Subdomain: what most object names (EndpointSlice names) are."""
+    return len(text) <= 253 and DNS1123_SUBDOMAIN.fullmatch(text) is not None
 
 
 class Fields:
@@ -62,6 +83,22 @@ class Fields:
             raise self.error(key, "required")
         if not isinstance(value, str):
             raise self.error(key, f"must be a string, got {value!r}")
+        return value
+
+    def label(self, key: str, default: str | None = None) -> str:
+        """A DNS-1123 label (namespace, Service and port names); "" only when `default` is ""
+        (an unnamed port). Raises ConfigError."""
+        value = self.text(key, default)
+        if not (value == default == "" or is_dns1123_label(value)):
+            raise self.error(key, f"must be a DNS-1123 label ({_LABEL_HELP}, at most 63), got {value!r}")
+        return value
+
+    def subdomain(self, key: str, default: str | None = None) -> str:
+        """A DNS-1123 subdomain (object names such as an EndpointSlice's). Raises ConfigError."""
+        value = self.text(key, default)
+        if not is_dns1123_subdomain(value):
+            raise self.error(key, f"must be a DNS-1123 subdomain ({_LABEL_HELP}, "
+                                  f"dot-separated, at most 253), got {value!r}")
         return value
 
     def opt_str(self, key: str) -> str | None:
@@ -120,8 +157,15 @@ class Fields:
 
 
 def describe(kind: str, raw: Mapping[str, Any]) -> str:
-    """"Service default/web" for error messages, tolerant of broken metadata."""
+    """"Service default/web" for error messages, tolerant of broken metadata. A namespace or
+    name that is not a DNS-1123 subdomain is shown quoted (repr), so it cannot forge log lines."""
     meta = raw.get("metadata")
     meta = meta if isinstance(meta, Mapping) else {}
-    ns = meta.get("namespace") or "default"
-    return f"{kind} {ns}/{meta.get('name', '<unnamed>')}"
+    ns, name = meta.get("namespace") or "default", meta.get("name", "<unnamed>")
+    return f"{kind} {_shown(ns)}/{_shown(name)}"
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, str) and (value == "<unnamed>" or is_dns1123_subdomain(value)):
+        return value
+    return repr(value)

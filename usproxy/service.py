@@ -4,6 +4,11 @@ Skipped, as kube-proxy pkg/proxy/util ShouldSkipService and its service-proxy-na
 headless Services (clusterIP None), ExternalName Services, and Services labelled
 `service.kubernetes.io/service-proxy-name` unless the label names usproxy. Every other problem is
 a ConfigError naming the Service and the field.
+
+Names are validated as the API server does (pkg/apis/core/validation: the namespace a DNS-1123
+label, the Service name a DNS-1123 label (DNS-1035 labels, and the relaxed Service names of
+newer API servers, are such labels), each port name a DNS-1123 label), because they reach
+nftables comments and log lines: a name outside that alphabet refuses the Service.
 """
 
 from __future__ import annotations
@@ -106,7 +111,7 @@ def _affinity(spec: Fields) -> tuple[SessionAffinity, int]:
 
 
 def _port(p: Fields, svc: NamespacedName, many: bool) -> tuple[ServicePortName, int, int | str, int]:
-    name = p.text("name", "")
+    name = p.label("name", "")
     if many and not name:
         raise p.error("name", "required when a Service has more than one port")
     protocol = cast(Protocol, p.choice("protocol", PROTOCOLS, "TCP"))
@@ -132,7 +137,8 @@ def parse_service(raw: Mapping[str, Any]) -> Service:
     """
     top = Fields(describe("Service", raw), raw)
     meta = top.child("metadata", required=True)
-    svc = NamespacedName(meta.text("namespace", "default") or "default", meta.text("name"))
+    svc = NamespacedName(meta.label("namespace", "default") if meta.data.get("namespace") else "default",
+                         meta.label("name"))
     spec = top.child("spec", required=True)
     stype = cast(ServiceType, spec.choice("type", ("ClusterIP", "NodePort", "LoadBalancer"), "ClusterIP"))
     cluster_ips = _cluster_ips(spec)

@@ -15,23 +15,34 @@ import fcntl
 import logging
 import os
 import signal
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from usproxy.admin.health import Health, evaluate
 from usproxy.metrics import Metrics
 from usproxy.admin.server import AdminServer
 from usproxy.config import ProxyConfig
-from usproxy.datapath import Datapath, FlowsView
+from usproxy.datapath import Datapath, FlowsView, ServicePortState
+from usproxy.endpoint import Endpoint
 from usproxy.errors import AlreadyRunning, ConfigError
 from usproxy.node import NodeFacts, resolve_node
 from usproxy.proxier import Proxier
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.sources import NodeEligibility, Source
-from usproxy.types import format_hostport
+from usproxy.types import ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)
+
+VIEW_CHUNK = 250  # rows of /services and /flows built between two turns of the loop (~1-3 ms)
+
+
+@runtime_checkable
+class ChunkedFlowsView(Protocol):
+    """A datapath whose flows live on the loop and can be listed a chunk at a time (the relay):
+    `flows_chunks(n)` yields lists of at most n /flows rows from a snapshot of its table."""
+
+    def flows_chunks(self, size: int) -> Iterator[list[dict[str, Any]]]: ...
 
 
 def build_datapaths(cfg: ProxyConfig, node: NodeFacts, metrics: Metrics,
@@ -87,37 +98,69 @@ class Agent:
         return dataclasses.replace(h, node_eligible=eligible)
 
     def services_view(self) -> list[dict[str, Any]]:
+        """/services rows, one per ServicePort, sorted. Linear in endpoints: whether an endpoint
+        is usable is a set lookup (a tuple scan made 10,000 endpoints cost 8.8 s on the loop).
+        For big views the admin server should await `services()`, which yields to the loop."""
         out = []
+        for spn in sorted(self.proxier.service_map):
+            st = self.proxier.state_of(spn)
+            if st is not None:
+                usable = set(st.cluster_endpoints)
+                out.append(self._service_row(spn, st, [_endpoint_row(ep, usable) for ep in st.endpoints]))
+        return out
+
+    async def services(self) -> list[dict[str, Any]]:
+        """The rows of `services_view()`, built in chunks of about VIEW_CHUNK items (ServicePorts
+        and endpoints) with the loop running between chunks, so a view of 100,000 endpoints does
+        not stall the relay. Each row is one ServicePort's state when its turn came."""
+        out: list[dict[str, Any]] = []
+        work = 0
         for spn in sorted(self.proxier.service_map):
             st = self.proxier.state_of(spn)
             if st is None:
                 continue
-            sp = st.service_port
-            where = self.proxier.placement(spn)
-            out.append({
-                "servicePortName": str(spn), "protocol": sp.protocol,
-                "clusterIPs": [str(ip) for ip in sp.cluster_ips], "port": sp.port,
-                "nodePort": sp.node_port, "type": sp.service_type,
-                "externalIPs": [str(ip) for ip in sp.external_ips_all()],
-                "sessionAffinity": sp.session_affinity, "affinityTimeoutSeconds": sp.affinity_timeout,
-                "externalTrafficPolicy": sp.external_traffic_policy,
-                "internalTrafficPolicy": sp.internal_traffic_policy,
-                "endpoints": [{"address": str(ep), "ready": ep.ready, "serving": ep.serving,
-                               "terminating": ep.terminating, "nodeName": ep.node_name,
-                               "usable": ep in st.cluster_endpoints} for ep in st.endpoints],
-                "datapath": where.datapath, "reason": where.reason,
-            })
+            usable = set(st.cluster_endpoints)
+            eps = []
+            for ep in st.endpoints:
+                eps.append(_endpoint_row(ep, usable))
+                work += 1
+                if work >= VIEW_CHUNK:
+                    work = 0
+                    await asyncio.sleep(0)
+            out.append(self._service_row(spn, st, eps))
+            work += 1
         return out
+
+    def _service_row(self, spn: ServicePortName, st: ServicePortState,
+                     endpoints: list[dict[str, Any]]) -> dict[str, Any]:
+        sp = st.service_port
+        where = self.proxier.placement(spn)
+        return {
+            "servicePortName": str(spn), "protocol": sp.protocol,
+            "clusterIPs": [str(ip) for ip in sp.cluster_ips], "port": sp.port,
+            "nodePort": sp.node_port, "type": sp.service_type,
+            "externalIPs": [str(ip) for ip in sp.external_ips_all()],
+            "sessionAffinity": sp.session_affinity, "affinityTimeoutSeconds": sp.affinity_timeout,
+            "externalTrafficPolicy": sp.external_traffic_policy,
+            "internalTrafficPolicy": sp.internal_traffic_policy,
+            "endpoints": endpoints,
+            "datapath": where.datapath, "reason": where.reason,
+        }
 
     async def flows(self) -> list[dict[str, Any]]:
         """/flows: the relay's rows (read on the loop: its flow table lives there) and the kernel
         datapaths' rows, read in a worker thread: dumping kernel conntrack takes ~0.3 s per
-        1,000 entries and must not stall the relay."""
+        1,000 entries and must not stall the relay. The relay's rows are built VIEW_CHUNK at a
+        time with the loop running between chunks (9,800 flows cost 0.15 s in one piece)."""
         out: list[dict[str, Any]] = []
         for dp in self.datapaths:
-            if not isinstance(dp, FlowsView):
+            if isinstance(dp, ChunkedFlowsView):
+                for chunk in dp.flows_chunks(VIEW_CHUNK):
+                    out.extend(chunk)
+                    await asyncio.sleep(0)
+            elif not isinstance(dp, FlowsView):
                 continue
-            if dp.flows_block:
+            elif dp.flows_block:
                 out.extend(await asyncio.to_thread(dp.flows_view))
             else:
                 out.extend(dp.flows_view())
@@ -233,6 +276,11 @@ class NetnsLock:
             pass
         os.close(self.fd)
         self.fd = None
+
+
+def _endpoint_row(ep: Endpoint, usable: set[Endpoint]) -> dict[str, Any]:
+    return {"address": str(ep), "ready": ep.ready, "serving": ep.serving, "terminating": ep.terminating,
+            "nodeName": ep.node_name, "usable": ep in usable}
 
 
 def _loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

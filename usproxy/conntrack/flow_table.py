@@ -123,3 +123,12 @@ class FlowTable:
     def view(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         return [f.as_dict(now) for f in self._flows.values()]
+
+    def view_chunks(self, size: int) -> Iterator[list[dict[str, Any]]]:
+        """The rows of `view()`, `size` at a time, from the flows live when iteration began: the
+        caller may let the loop run between chunks (a flow that ends meanwhile is still shown,
+        with its last counters)."""
+        flows = list(self._flows.values())
+        now = time.monotonic()
+        for i in range(0, len(flows), size):
+            yield [f.as_dict(now) for f in flows[i:i + size]]

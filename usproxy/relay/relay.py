@@ -21,6 +21,7 @@ import asyncio
 import logging
 import resource
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +209,10 @@ class Relay:
 
     def flows_view(self) -> list[dict[str, Any]]:
         return self.admission.table.view()
+
+    def flows_chunks(self, size: int) -> Iterator[list[dict[str, Any]]]:
+        """flows_view() in chunks of `size` rows (the agent's ChunkedFlowsView)."""
+        return self.admission.table.view_chunks(size)
 
     async def close(self) -> None:
         if self._sweeper is not None:

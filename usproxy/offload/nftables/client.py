@@ -11,6 +11,12 @@ Why nft syntax rather than JSON input: libnftables 1.0.6 (Debian 12) cannot expr
 JSON: it rejects map data of concatenated types ("Invalid map type 'ipv4_addr . inet_service'")
 and crashes on a `dnat to <concatenation> map` rule. Output JSON is fine.
 
+The libnftables context, and with it its netlink socket, is created by the constructor, in the
+worker thread (so in `netns`), and kept for the client's life. libnftables waits on that socket
+with select(), which aborts the process ("bit out of range 0 - FD_SETSIZE") when its number is
+1024 or more; the agent builds its datapaths before it opens any listener or accepts any flow,
+so the socket gets a low number however many descriptors the agent holds later.
+
 When the binding cannot be loaded, `nft -f -` / `nft -j list` through a subprocess is the fallback
 (what kube-proxy's knftables does), entered into `netns` with `ip netns exec`.
 """
@@ -63,6 +69,8 @@ class NftClient:
         self._nft: Any = None
         self._use_library = use_library
         self.backend = "unknown"
+        if use_library:
+            self._worker.call(self._ctx)  # now, while descriptor numbers are low (module docstring)
 
     def _ctx(self) -> Any:
         if self._nft is None and self._use_library:

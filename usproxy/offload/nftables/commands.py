@@ -26,6 +26,7 @@ from usproxy.offload.nftables.names import (
     group_chain,
     nft_family,
     rr_chain,
+    safe_comment,
     slot_chain,
     slot_map,
 )
@@ -37,10 +38,10 @@ class Elem(NamedTuple):
 
     key: str
     value: str | None = None
-    comment: str | None = None
+    comment: str | None = None  # rendered through safe_comment: it cannot leave its quotes
 
     def nft(self) -> str:
-        c = f' comment "{self.comment}"' if self.comment is not None else ""
+        c = f' comment "{safe_comment(self.comment)}"' if self.comment is not None else ""
         return f"{self.key}{c}" if self.value is None else f"{self.key}{c} : {self.value}"
 
 
@@ -68,7 +69,7 @@ class Command:
                 body = ", ".join([k for k, _, _ in self.elems])
             else:  # Elem.nft() inlined: a cold sync renders 50,000 elements
                 body = ", ".join([k if v is None and c is None else f"{k} : {v}" if c is None else
-                                  f'{k} comment "{c}"' + ("" if v is None else f" : {v}") for k, v, c in self.elems])
+                                  f'{k} comment "{safe_comment(c)}"' + ("" if v is None else f" : {v}") for k, v, c in self.elems])
             return f"{self.verb} element {where} {self.name} {{ {body} }}"
         if self.obj == "rule":
             return f"add rule {where} {self.name} {self.rule}"

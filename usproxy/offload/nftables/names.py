@@ -5,6 +5,10 @@ Pure functions of their arguments. Shared structures have fixed names (`service-
 ServicePortName, as kube-proxy's nftables mode names its per-service chains
 (pkg/proxy/nftables/proxier.go hashAndTruncate). A verdict element's comment is the
 ServicePortName key, which is how read back attributes kernel state to ServicePorts.
+
+A comment is the only text of the layout that comes from input (names: validated as DNS-1123 at
+parsing), and nft has no escape inside a quoted string: `safe_comment` keeps comments to an
+alphabet that cannot close the quote or start a new command, whatever reaches this layer.
 """
 
 from __future__ import annotations
@@ -23,6 +27,13 @@ TABLE = "usproxy"
 FAMILIES: tuple[Family, ...] = (4, 6)
 MASQ_MARK = 0x4000  # kube-proxy's masquerade bit
 COMMENT_MAX = 127  # nft element comments hold at most 128 bytes with the NUL
+_COMMENT_UNSAFE = re.compile(r"[^A-Za-z0-9._:/ -]")
+
+
+def safe_comment(text: str) -> str:
+    """`text` with every character outside [A-Za-z0-9._:/ -] replaced by "_", at most
+    COMMENT_MAX bytes: safe between nft's double quotes (no quote, newline, ';', '#', '{')."""
+    return _COMMENT_UNSAFE.sub("_", text)[:COMMENT_MAX]
 
 
 def nft_family(family: Family) -> str:
@@ -81,7 +92,7 @@ EXTERNAL_SUFFIX = " external"
 def comment_of(spn: ServicePortName, scope: Scope) -> str:
     """The verdict element's comment: the ServicePortName, and which traffic the frontend takes."""
     suffix = EXTERNAL_SUFFIX if scope == "external" else ""
-    return spn.key()[:COMMENT_MAX - len(suffix)] + suffix
+    return safe_comment(spn.key())[:COMMENT_MAX - len(suffix)] + suffix
 
 
 def parse_comment(comment: str) -> tuple[ServicePortName | None, Scope]:
