@@ -151,3 +151,12 @@ async def closed(reader: asyncio.StreamReader) -> bool:
         return await asyncio.wait_for(reader.read(), 3) == b""
     except ConnectionResetError:
         return True
+
+
+def test_everything_withdrawn_on_a_local_error_admin_connections_scale_with_the_descriptor_limit() -> None:
+    """Under a low descriptor limit the admin listeners together take at most 1/8 of it, within
+    the quarter the relay reserves (FD_RESERVE); never more than MAX_CONNECTIONS each."""
+    from usproxy.admin.server import MAX_CONNECTIONS, connection_limit
+
+    assert connection_limit(256) == 16 and 2 * connection_limit(256) <= 256 // 8
+    assert connection_limit(1 << 20) == MAX_CONNECTIONS
