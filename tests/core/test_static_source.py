@@ -332,3 +332,17 @@ def test_a_file_rewritten_in_place_while_read_is_read_again(tmp_path: Path, monk
     assert not src.poll() and ports(rec, "a") == [80]
     monkeypatch.setattr(static, "load_file", real)
     assert src.poll() and ports(rec, "a") == [81] and ports(rec, "b") == [82]
+
+
+def test_a_file_rewritten_in_place_but_replaced_by_rename_is_read_at_once(tmp_path: Path) -> None:
+    """An atomic rename (a new inode) is complete by construction: no settle wait, even when it
+    empties the file."""
+    f = tmp_path / "svc.yaml"
+    f.write_text(service("a", 80))
+    rec, clock = Recorder(), Clock()
+    src = StaticSource(tmp_path, rec, clock=clock, settle=0.2, empty_settle=5.0)
+    src.load_initial()
+    rename_into(f, service("a", 81))
+    assert src.poll() and ports(rec, "a") == [81]
+    rename_into(f, "kind: List\nitems: []\n")
+    assert src.poll() and rec.services == {}

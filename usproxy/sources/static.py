@@ -10,11 +10,14 @@ Invariants, so that no local fault and no half-written file withdraws a Service:
 - A read error (a directory that cannot be listed, a file that cannot be read: EMFILE, EACCES, EIO)
   never reads as "no objects": the affected files keep their last good state, the error is logged
   with its errno and counted (`on_error`), and the read is tried again at the next poll.
-- A file rewritten in place (`kubectl get ... -o yaml > file`: truncated, then written) is read
-  only once its stat key has stayed the same for `settle` seconds, and the read is discarded if
-  the key changed while it was read; a file that held objects and now holds none (truncated,
-  not yet written) is believed only once it has stayed so for `empty_settle` seconds. A removed
-  file withdraws its objects at once (removal is never a step of a rewrite).
+- A file rewritten in place (the same inode; `kubectl get ... -o yaml > file`: truncated, then
+  written) or a new file is read only once its stat key has stayed the same for `settle` seconds,
+  and the read is discarded if the key changed while it was read; a file that held objects and now
+  holds none (truncated, not yet written) is believed only once it has stayed so for `empty_settle`
+  seconds. A file replaced by a rename (a new inode) is complete by construction and read at once;
+  a file that changes more often than `settle` is read anyway MAX_WAIT seconds after its first
+  change not yet taken (the emptied-file rule still holds).
+  A removed file withdraws its objects at once (removal is never a step of a rewrite).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ FileKey = tuple[int, int, int]  # (inode, size, mtime ns)
 limited = RateLimitedLog(log)
 SETTLE = 0.2  # seconds a changed file's stat key must stay the same before it is read
 EMPTY_SETTLE = 5.0  # seconds a file that held objects must stay empty before it is believed
+MAX_WAIT = 0.5  # seconds a file that keeps changing waits at most before it is read anyway
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,12 @@ def _stat_key(path: Path) -> FileKey | None:
     except OSError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _written_during_read(before: FileKey | None, after: FileKey | None) -> bool:
+    """Whether the same inode changed while it was read. A rename meanwhile does not count: the
+    inode that was read is complete, and the new one is read at the next poll."""
+    return before is not None and after is not None and before[0] == after[0] and before != after
 
 
 def _is_empty(m: Manifests) -> bool:
@@ -95,6 +105,7 @@ class StaticSource:
         self.clock = clock
         self._keys: dict[Path, FileKey | None] = {}  # the key of each file's last accepted read
         self._seen: dict[Path, tuple[FileKey | None, float]] = {}  # a new key, and since when
+        self._pending: dict[Path, float] = {}  # since when a change of the file waits to be taken
         self._good: dict[Path, Manifests] = {}
         self.services: dict[NamespacedName, Service] = {}
         self.slices: dict[NamespacedName, EndpointSlice] = {}
@@ -161,13 +172,26 @@ class StaticSource:
                 self._seen.pop(f, None)
                 if force:
                     ready[f] = key
-            elif self._settled(f, key, now, self.settle):
+            elif self._renamed(f, key) or self._settled(f, key, now, self.settle) or self._waited(f, now):
                 ready[f] = key
         listed = set(files)
         for f in self._seen.keys() - listed:
             del self._seen[f]
+        for f in self._pending.keys() - listed:
+            del self._pending[f]
         gone = [f for f in self._keys if f not in listed]
         return Scan(ready, gone) if ready or gone else None
+
+    def _renamed(self, f: Path, key: FileKey | None) -> bool:
+        """Whether `f` was replaced by another file (a new inode: an atomic rename, complete by
+        construction) rather than written in place (the same inode: maybe a write in progress)."""
+        old = self._keys.get(f)
+        return old is not None and key is not None and key[0] != old[0]
+
+    def _waited(self, f: Path, now: float) -> bool:
+        """Whether a change of `f` has waited MAX_WAIT seconds (a file that changes more often
+        than `settle`, e.g. rewritten every 0.1 s, is still read twice a second)."""
+        return now - self._pending.setdefault(f, now) >= MAX_WAIT
 
     def _settled(self, f: Path, key: FileKey | None, now: float, period: float) -> bool:
         """Whether `f` has had `key` for `period` seconds (the first sighting starts the clock)."""
@@ -184,7 +208,7 @@ class StaticSource:
                 result: Manifests | ConfigError = load_file(f)
             except ConfigError as err:
                 result = err
-            out[f] = Read(result, key, _stat_key(f) == key)
+            out[f] = Read(result, key, not _written_during_read(key, _stat_key(f)))
         return out
 
     def _apply(self, scan: Scan, reads: dict[Path, Read]) -> bool:
@@ -193,6 +217,7 @@ class StaticSource:
             self._good.pop(f, None)
             self._keys.pop(f, None)
             self._seen.pop(f, None)
+            self._pending.pop(f, None)
         changed = bool(scan.gone)
         for f, read in reads.items():
             changed |= self._take(f, read)
@@ -214,15 +239,18 @@ class StaticSource:
             log.error("%s; keeping its last good state", result)
             self._count(result)
             self._keys[f] = read.key  # read again only once it changes
+            self._pending.pop(f, None)
             return False
-        if _is_empty(result) and not _is_empty(self._good.get(f, result)):
+        if _is_empty(result) and not _is_empty(self._good.get(f, result)) and not self._renamed(f, read.key):
             if not self._settled(f, read.key, self.clock(), self.empty_settle):
                 limited.warning("%s is empty; keeping its objects until it stays empty for %gs", f, self.empty_settle)
+                self._pending[f] = self.clock()  # the write that follows the truncation gets its own wait
                 return False
             log.warning("%s stayed empty for %gs; withdrawing its objects", f, self.empty_settle)
         self._good[f] = self._report(result)
         self._keys[f] = read.key
         self._seen.pop(f, None)
+        self._pending.pop(f, None)
         log.info("reloaded %s", f)
         return True
 
