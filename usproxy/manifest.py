@@ -3,11 +3,14 @@
 Accepts what `kubectl get svc,endpointslices -A -o yaml` prints. A document that cannot be parsed
 at all raises ConfigError (the caller decides: exit 2 at start-up, keep the last good state
 later). A bad object inside a good document is recorded in `Manifests.errors` and skipped; every
-other object is kept.
+other object is kept. A file or directory that cannot be read (EMFILE, EACCES, EIO...) raises
+ManifestReadError, never an empty result: a local read error must not read as "no objects" (which
+would withdraw every Service), so only a path that does not exist lists as nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -27,6 +30,18 @@ from usproxy.types import NamespacedName
 log = logging.getLogger(__name__)
 
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+VANISHED = frozenset({errno.ENOENT, errno.ENOTDIR})  # a directory removed while it is walked
+
+
+class ManifestReadError(ConfigError):
+    """A manifest file or directory exists but could not be read; `errno` is the OS's (0 when
+    unknown). Transient by nature (descriptors, permissions, I/O): the caller keeps its last good
+    state and tries again."""
+
+    def __init__(self, err: OSError, path: str) -> None:
+        self.errno = err.errno or 0
+        name = errno.errorcode.get(self.errno, str(self.errno))
+        super().__init__(f"cannot read: [{name}] {err.strerror or err}", obj=str(err.filename or path))
 
 
 @dataclass
@@ -175,20 +190,36 @@ def manifest_files(path: Path) -> list[Path]:
 
     Hidden files and directories are skipped and not walked (a kubelet ConfigMap volume keeps
     its data in `..<timestamp>` directories, replaced atomically); a directory that vanishes while
-    it is walked is ignored."""
+    it is walked is ignored. Raises ManifestReadError when a directory cannot be listed (EMFILE,
+    EACCES...): a partial listing would withdraw the objects of every file it missed."""
     if not path.is_dir():
         return [path]
     out: list[Path] = []
-    for root, dirs, files in os.walk(path, onerror=lambda err: None):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        out.extend(Path(root, f) for f in files if not f.startswith(".") and f.endswith(MANIFEST_SUFFIXES))
-    return sorted(p for p in out if p.is_file())
+    try:
+        for root, dirs, files in os.walk(path, onerror=_unless_vanished):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            out.extend(Path(root, f) for f in files if not f.startswith(".") and f.endswith(MANIFEST_SUFFIXES))
+        return sorted(p for p in out if p.is_file())
+    except OSError as err:
+        raise ManifestReadError(err, str(path)) from None
+
+
+def _unless_vanished(err: OSError) -> None:
+    if err.errno not in VANISHED:
+        raise err
 
 
 def load_file(path: Path) -> Manifests:
-    """Parse one file. Raises ConfigError when the file cannot be read or parsed at all."""
+    """Parse one file. Raises ManifestReadError when it cannot be read, ConfigError when it is not
+    UTF-8 or cannot be parsed at all."""
+    return objects_from(parse_documents(read_text(path), str(path)))
+
+
+def read_text(path: Path) -> str:
+    """A manifest file's text. Raises ManifestReadError (OS error) or ConfigError (not UTF-8)."""
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
+        return path.read_text()
+    except OSError as err:
+        raise ManifestReadError(err, str(path)) from None
+    except UnicodeDecodeError as err:
         raise ConfigError(f"cannot read: {err}", obj=str(path)) from None
-    return objects_from(parse_documents(text, str(path)))

@@ -111,3 +111,52 @@ async def test_healthz_fails_while_node_is_being_deleted_livez_does_not(agent: A
     assert status == 503 and body["nodeEligible"] is False
     status, _ = await get(agent, "healthz", "/livez")
     assert status == 200
+
+
+async def test_everything_withdrawn_on_a_local_error_health_port_flood_is_bounded(
+        agent: Agent, monkeypatch: Any) -> None:
+    """Idle clients of the health port (issue 18: they took every descriptor, and the manifest
+    directory then read as empty) are bounded: over the limit a connection is reset at once, and a
+    connection without a complete request head (idle, or a slow partial head) is closed after
+    the idle timeout, after which /healthz answers again."""
+    import usproxy.admin.server as server
+
+    monkeypatch.setattr(server, "IDLE_TIMEOUT", 0.5)
+    admin = server.AdminServer(agent, "127.0.0.1:0", "", max_connections=4)
+    await admin.start()
+    try:
+        host, port = admin.bound["healthz"]
+        idle = [await asyncio.open_connection(host, port) for _ in range(3)]
+        slow = await asyncio.open_connection(host, port)
+        slow[1].write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished
+        await asyncio.sleep(0.1)
+        over = await asyncio.open_connection(host, port)
+        assert await closed(over[0])  # reset, never served
+        over[1].close()
+        start = time.monotonic()
+        for reader, _ in [*idle, slow]:
+            assert await closed(reader)  # the server closed it
+        assert time.monotonic() - start < 2.0
+        async with aiohttp.ClientSession() as s, s.get(f"http://{host}:{port}/healthz") as r:
+            assert r.status in (200, 503) and "nodeEligible" in await r.json()
+        for _, writer in [*idle, slow]:
+            writer.close()
+    finally:
+        await admin.stop()
+
+
+async def closed(reader: asyncio.StreamReader) -> bool:
+    """Whether the peer closed or reset the connection (within 3 s) without sending anything."""
+    try:
+        return await asyncio.wait_for(reader.read(), 3) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_everything_withdrawn_on_a_local_error_admin_connections_scale_with_the_descriptor_limit() -> None:
+    """Under a low descriptor limit the admin listeners together take at most 1/8 of it, within
+    the quarter the relay reserves (FD_RESERVE); never more than MAX_CONNECTIONS each."""
+    from usproxy.admin.server import MAX_CONNECTIONS, connection_limit
+
+    assert connection_limit(256) == 16 and 2 * connection_limit(256) <= 256 // 8
+    assert connection_limit(1 << 20) == MAX_CONNECTIONS

@@ -3,11 +3,24 @@
 healthz address (default 0.0.0.0:10256): /healthz and /livez, kube-proxy's JSON body, 200 or 503.
 metrics address (default 127.0.0.1:10249): /metrics (Prometheus text), /services and /flows (JSON).
 When both addresses are equal one server serves every path.
+
+Bounded, so that no client can take the node's descriptors (issue 18: idle connections to the
+health port exhausted them, and the manifest directory then read as empty): each listener holds
+at most MAX_CONNECTIONS connections, fewer under a low descriptor limit (`connection_limit`; one more
+is reset at once), and a connection that has not sent
+a complete request head IDLE_TIMEOUT seconds after it opened or after its last response is closed
+(aiohttp's keep-alive timer, which also runs before the first request). Both listeners together stay
+within the relay's descriptor reserve (FlowAdmission.FD_RESERVE).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import resource
+import socket
+import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -16,6 +29,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from usproxy.admin.health import Health
 from usproxy.metrics import Metrics
+from usproxy.ratelimit import RateLimitedLog
+
+log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
+MAX_CONNECTIONS = 64  # per listener; two listeners take at most a half of FD_RESERVE
+FD_SHARE = 16  # and at most 1/16 of the descriptor limit each (FD_RESERVE is at least 1/4 of it)
+IDLE_TIMEOUT = 10.0  # seconds a connection may stay without a complete request head
+MAX_HEAD_LINE = 8190  # bytes of the request line and of each header (aiohttp's default, stated)
 
 
 class AdminView(Protocol):
@@ -73,11 +94,41 @@ def split_hostport(text: str, flag: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def connection_limit(nofile: int) -> int:
+    """Connections one admin listener may hold under a descriptor limit of `nofile`."""
+    return max(4, min(MAX_CONNECTIONS, nofile // FD_SHARE))
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the limit: reset at once (SO_LINGER 0), holding nothing."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.close()
+
+
+def bounded(server: web.Server, limit: int, where: str) -> Callable[[], asyncio.Protocol]:
+    """A protocol factory serving through `server` while it holds fewer than `limit` connections."""
+    def factory() -> asyncio.Protocol:
+        if len(server.connections) >= limit:
+            limited.warning("admin %s: %d connections open; refusing more", where, limit)
+            return _Refused()
+        return server()
+    return factory
+
+
 class AdminServer:
     """Runs the healthz and metrics listeners; `start()` binds, `stop()` releases."""
 
-    def __init__(self, view: AdminView, healthz: str, metrics: str) -> None:
+    def __init__(self, view: AdminView, healthz: str, metrics: str, *,
+                 max_connections: int | None = None) -> None:
+        """`max_connections` per listener; None: `connection_limit` of the soft RLIMIT_NOFILE
+        when the server starts (after the relay raised it)."""
         self.view = view
+        self.max_connections = max_connections
+        self._listeners: list[asyncio.AbstractServer] = []
         self.addrs = {"healthz": split_hostport(healthz, "--healthz-bind-address") if healthz else None,
                       "metrics": split_hostport(metrics, "--metrics-bind-address") if metrics else None}
         self._runners: list[web.AppRunner] = []
@@ -90,20 +141,32 @@ class AdminServer:
                 continue
             app = apps.setdefault(addr, web.Application())
             (health_routes if role == "healthz" else metrics_routes)(app, self.view)
+        limit = self.max_connections or connection_limit(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         for addr, app in apps.items():
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, addr[0], addr[1], reuse_address=True)
-            await site.start()
-            self._runners.append(runner)
-            server: Any = site._server
-            socks = list(getattr(server, "sockets", None) or [])
-            real = socks[0].getsockname()[:2] if socks else addr
+            real = await self._serve(addr, app, limit)
             for role, a in self.addrs.items():
                 if a == addr:
-                    self.bound[role] = (str(real[0]), int(real[1]))
+                    self.bound[role] = real
+
+    async def _serve(self, addr: tuple[str, int], app: web.Application, limit: int) -> tuple[str, int]:
+        """Serve `app` on `addr`, at most `limit` connections; returns the bound address."""
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=IDLE_TIMEOUT,
+                               max_line_size=MAX_HEAD_LINE, max_field_size=MAX_HEAD_LINE)
+        await runner.setup()
+        self._runners.append(runner)
+        assert runner.server is not None
+        where = "/".join(role for role, a in self.addrs.items() if a == addr)
+        listener = await asyncio.get_running_loop().create_server(
+            bounded(runner.server, limit, where), addr[0], addr[1], reuse_address=True)
+        self._listeners.append(listener)
+        socks = list(listener.sockets or [])
+        real = socks[0].getsockname()[:2] if socks else addr
+        return (str(real[0]), int(real[1]))
 
     async def stop(self) -> None:
+        for listener in self._listeners:
+            listener.close()
+        self._listeners.clear()
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()

@@ -9,6 +9,13 @@ than the limit less FD_RESERVE allows, and UDP flows are bounded by `max_udp` to
 flood is then refused cleanly (RST) and never runs the agent out of descriptors (EMFILE would also
 stop it reading manifests).
 
+Descriptor budget: every descriptor the relay holds counts against one budget, `descriptors` (the
+limit less FD_RESERVE): each listener (the shared set of every listening socket, `listeners`) one,
+each TCP flow two, each UDP flow one. A flow that would go over it is refused like a full table;
+a listener that would go over it fails with EMFILE (`reserve_listener`) and is retried at the next
+sync. FD_RESERVE is left for what the relay does not count: the admin servers (bounded by their
+own connection limits), manifest reads, the API watch, libnftables and the event loop itself.
+
 Policy: at a bound, the longest-idle UDP flow of any ServicePort is closed to make room (`evict_idle`,
 the UDP relay's), so a UDP flood of fresh source ports cannot lock TCP out, and UDP, which has no
 close to wait for, ages out first (C08). TCP connections are never evicted: a flow that still finds
@@ -17,31 +24,54 @@ the table full is refused with FlowTableFull.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import errno
+from collections.abc import Callable, Sized
 
-from usproxy.conntrack.flow_table import Flow, FlowTable, HostPort
+from usproxy.conntrack.flow_table import Flow, FlowTable, FlowTableFull, HostPort
 from usproxy.types import ServicePortName
 
-FD_RESERVE = 256  # descriptors kept for listeners, TCP flows and the admin server
+FD_RESERVE = 256  # descriptors kept for the admin servers, manifest reads, the API watch, libnftables
 MIN_FLOWS = 16  # bounds never go below this, whatever the descriptor limit
 
 
 class FlowAdmission:
     """The flow table's bounds and eviction policy; `table` is read by /flows and the metrics."""
 
-    def __init__(self, table: FlowTable, max_udp: int, evict_idle: Callable[[], bool]) -> None:
+    def __init__(self, table: FlowTable, max_udp: int, evict_idle: Callable[[], bool], *,
+                 descriptors: int | None = None, listeners: Sized = ()) -> None:
         """`evict_idle()` closes the longest-idle UDP flow (which then calls `release`); it
-        returns False when there is none."""
+        returns False when there is none. `descriptors` is the budget (None: unbounded),
+        `listeners` the live set of listening sockets (its length is read at each admission)."""
         self.table = table
         self.max_udp = max_udp
         self.evict_idle = evict_idle
+        self.descriptors = descriptors
+        self.listeners = listeners
 
     @classmethod
-    def within(cls, conntrack_max: int, nofile: int, evict_idle: Callable[[], bool]) -> FlowAdmission:
+    def within(cls, conntrack_max: int, nofile: int, evict_idle: Callable[[], bool],
+               listeners: Sized = ()) -> FlowAdmission:
         """Bounds for a process allowed `nofile` descriptors and a conntrack max of `conntrack_max`."""
         budget = max(MIN_FLOWS, nofile - min(FD_RESERVE, nofile // 4))
         table = FlowTable(min(conntrack_max, budget // 2))
-        return cls(table, max(MIN_FLOWS, min(table.max_flows, budget)), evict_idle)
+        return cls(table, max(MIN_FLOWS, min(table.max_flows, budget)), evict_idle,
+                   descriptors=budget, listeners=listeners)
+
+    def descriptors_held(self) -> int:
+        """Descriptors the relay holds now: one per listener and UDP flow, two per TCP flow."""
+        live = self.table.live
+        return len(self.listeners) + 2 * live.get("TCP", 0) + sum(n for p, n in live.items() if p != "TCP")
+
+    def _over_budget(self, need: int) -> bool:
+        return self.descriptors is not None and self.descriptors_held() + need > self.descriptors
+
+    def reserve_listener(self) -> None:
+        """Raises OSError(EMFILE) when one more listener would go over the descriptor budget
+        (the caller reports it as a failed listen and retries later)."""
+        if self._over_budget(1):
+            self.evict_idle()
+        if self._over_budget(1):
+            raise OSError(errno.EMFILE, f"descriptor budget of {self.descriptors} reached")
 
     def admit(self, protocol: str, service: ServicePortName, client: HostPort, frontend: HostPort) -> Flow:
         """A new flow in the table, after making room by the policy; raises FlowTableFull (and
@@ -50,6 +80,10 @@ class FlowAdmission:
             self.evict_idle()
         if len(self.table) >= self.table.max_flows:
             self.evict_idle()
+        need = 2 if protocol == "TCP" else 1
+        if self._over_budget(need) and not (self.evict_idle() and not self._over_budget(need)):
+            self.table.refused += 1
+            raise FlowTableFull(f"descriptor budget of {self.descriptors} reached")
         return self.table.add(Flow(protocol, service, client, frontend))
 
     def release(self, flow: Flow) -> None:

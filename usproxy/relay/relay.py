@@ -84,12 +84,13 @@ class Relay:
         self.vip = vip or VipInterface(settings.vip_interface)
         self.default_policy: LBPolicy = settings.lb_policy
         self.udp = UdpRelay(settings.udp_idle_timeout)
-        self.admission = FlowAdmission.within(settings.conntrack_max, raise_nofile_limit(), self.udp.evict_oldest)
+        self.listening: Listening = set()
+        self.admission = FlowAdmission.within(settings.conntrack_max, raise_nofile_limit(), self.udp.evict_oldest,
+                                              self.listening)
         self.metrics.registry.register(FlowTableCollector(self.admission.table))
         self.ports: dict[ServicePortName, ServicePortRelay] = {}
         self.node_ips: list[str] = []
         self.host_ips: set[IPAddress] = set()  # local addresses on other interfaces: never on usproxy0
-        self.listening: Listening = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._started = False
         self.released: dict[IPAddress, float] = {}  # unused address -> since when (monotonic)

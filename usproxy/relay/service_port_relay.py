@@ -89,6 +89,8 @@ class ServicePortRelay:
     async def _open_listener(self, key: ListenerKey) -> None:
         addr, port, kind = key
         try:
+            if self.spn.protocol in ("TCP", "UDP"):
+                self.admission.reserve_listener()  # listeners count against the flows' descriptor budget
             if self.spn.protocol == "TCP":
                 self.listeners[key] = await TcpListener.open(
                     addr, port, lambda: ClientSide(self, kind, (addr, port)))

@@ -5,19 +5,33 @@ an atomic rename are both seen within a second. Each file keeps its last good pa
 leaves that file's objects as they were and logs why; a bad object inside a good file is skipped
 with an error and counted. The first load is strict: a file that cannot be parsed at all raises
 ConfigError (the CLI exits 2).
+
+Invariants, so that no local fault and no half-written file withdraws a Service:
+- A read error (a directory that cannot be listed, a file that cannot be read: EMFILE, EACCES, EIO)
+  never reads as "no objects": the affected files keep their last good state, the error is logged
+  with its errno and counted (`on_error`), and the read is tried again at the next poll.
+- A file rewritten in place (the same inode; `kubectl get ... -o yaml > file`: truncated, then
+  written) or a new file is read only once its stat key has stayed the same for `settle` seconds,
+  and the read is discarded if the key changed while it was read; a file that held objects and now
+  holds none (truncated, not yet written) is believed only once it has stayed so for `empty_settle`
+  seconds. A file replaced by a rename (a new inode) is complete by construction and read at once;
+  a file that changes more often than `settle` is read anyway MAX_WAIT seconds after its first
+  change not yet taken (the emptied-file rule still holds).
+  A removed file withdraws its objects at once (removal is never a step of a rewrite).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from usproxy.endpoint_slice import EndpointSlice
 from usproxy.errors import ConfigError
-from usproxy.manifest import Manifests, load_file, manifest_files
+from usproxy.manifest import ManifestReadError, Manifests, load_file, manifest_files
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.service import Service
 from usproxy.sources import Provider
@@ -25,15 +39,28 @@ from usproxy.types import NamespacedName
 
 log = logging.getLogger(__name__)
 
-FileKey = tuple[int, int, int]
+FileKey = tuple[int, int, int]  # (inode, size, mtime ns)
 limited = RateLimitedLog(log)
+SETTLE = 0.2  # seconds a changed file's stat key must stay the same before it is read
+EMPTY_SETTLE = 5.0  # seconds a file that held objects must stay empty before it is believed
+MAX_WAIT = 0.5  # seconds a file that keeps changing waits at most before it is read anyway
 
 
 @dataclass(frozen=True, slots=True)
 class Scan:
-    keys: dict[Path, FileKey | None]
-    changed: list[Path]
+    """One poll: the settled files to read (with the key each had), the files that went away."""
+
+    ready: dict[Path, FileKey | None]
     gone: list[Path]
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """One file read: its parse or the error, and whether its stat key held still during the read."""
+
+    result: Manifests | ConfigError
+    key: FileKey | None
+    stable: bool
 
 
 def _stat_key(path: Path) -> FileKey | None:
@@ -44,8 +71,19 @@ def _stat_key(path: Path) -> FileKey | None:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def _written_during_read(before: FileKey | None, after: FileKey | None) -> bool:
+    """Whether the same inode changed while it was read. A rename meanwhile does not count: the
+    inode that was read is complete, and the new one is read at the next poll."""
+    return before is not None and after is not None and before[0] == after[0] and before != after
+
+
+def _is_empty(m: Manifests) -> bool:
+    return not (m.services or m.slices or m.errors or m.skipped)
+
+
 class StaticSource:
-    """Feeds a Provider from manifests on disk."""
+    """Feeds a Provider from manifests on disk. `settle` and `empty_settle` are in seconds,
+    `clock` gives monotonic seconds (tests pass their own)."""
 
     def __init__(
         self,
@@ -54,12 +92,20 @@ class StaticSource:
         *,
         poll_interval: float = 0.2,
         on_error: Callable[[ConfigError], None] | None = None,
+        settle: float = SETTLE,
+        empty_settle: float = EMPTY_SETTLE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
         self.provider = provider
         self.poll_interval = poll_interval
         self.on_error = on_error
-        self._keys: dict[Path, FileKey | None] = {}
+        self.settle = settle
+        self.empty_settle = empty_settle
+        self.clock = clock
+        self._keys: dict[Path, FileKey | None] = {}  # the key of each file's last accepted read
+        self._seen: dict[Path, tuple[FileKey | None, float]] = {}  # a new key, and since when
+        self._pending: dict[Path, float] = {}  # since when a change of the file waits to be taken
         self._good: dict[Path, Manifests] = {}
         self.services: dict[NamespacedName, Service] = {}
         self.slices: dict[NamespacedName, EndpointSlice] = {}
@@ -93,58 +139,133 @@ class StaticSource:
             try:
                 scan = await asyncio.to_thread(self._scan, forced)
                 if scan is not None:
-                    parsed = await asyncio.to_thread(self._parse, scan.changed)
-                    self._apply(scan, parsed)
+                    self._apply(scan, await asyncio.to_thread(self._read, scan.ready))
             except asyncio.CancelledError:
                 raise
-            except Exception:  # e.g. EMFILE while listing: keep the state, try again next poll
+            except ManifestReadError as err:
+                self._read_failed(err)
+            except Exception:  # a bug or a fault not foreseen: keep the state, try again next poll
                 limited.warning("reading %s failed; keeping the last good state", self.path)
 
     def poll(self) -> bool:
-        """Reload files that changed; returns True if any did."""
-        scan = self._scan(False)
+        """Reload files that changed and settled; returns True if any did or went away (False,
+        state kept and the error counted, when the directory cannot be listed)."""
+        try:
+            scan = self._scan(False)
+        except ManifestReadError as err:
+            self._read_failed(err)
+            return False
         if scan is None:
             return False
-        self._apply(scan, self._parse(scan.changed))
-        return True
+        return self._apply(scan, self._read(scan.ready))
 
     def _scan(self, force: bool) -> Scan | None:
-        """Which files changed or went away since the last poll; None when nothing did."""
+        """The files whose change has settled (every file when forced) and the files that went
+        away; None when there are neither. Raises ManifestReadError when a directory cannot be
+        listed: a partial listing would read as removals."""
         files = manifest_files(self.path) if self.path.exists() else []
-        keys = {f: _stat_key(f) for f in files}
-        changed = [f for f in files if force or keys[f] != self._keys.get(f)]
-        gone = [f for f in self._keys if f not in keys]
-        return Scan(keys, changed, gone) if changed or gone else None
+        now = self.clock()
+        ready: dict[Path, FileKey | None] = {}
+        for f in files:
+            key = _stat_key(f)
+            if key == self._keys.get(f) and f in self._keys:
+                self._seen.pop(f, None)
+                if force:
+                    ready[f] = key
+            elif self._renamed(f, key) or self._settled(f, key, now, self.settle) or self._waited(f, now):
+                ready[f] = key
+        listed = set(files)
+        for f in self._seen.keys() - listed:
+            del self._seen[f]
+        for f in self._pending.keys() - listed:
+            del self._pending[f]
+        gone = [f for f in self._keys if f not in listed]
+        return Scan(ready, gone) if ready or gone else None
+
+    def _renamed(self, f: Path, key: FileKey | None) -> bool:
+        """Whether `f` was replaced by another file (a new inode: an atomic rename, complete by
+        construction) rather than written in place (the same inode: maybe a write in progress)."""
+        old = self._keys.get(f)
+        return old is not None and key is not None and key[0] != old[0]
+
+    def _waited(self, f: Path, now: float) -> bool:
+        """Whether a change of `f` has waited MAX_WAIT seconds (a file that changes more often
+        than `settle`, e.g. rewritten every 0.1 s, is still read twice a second)."""
+        return now - self._pending.setdefault(f, now) >= MAX_WAIT
+
+    def _settled(self, f: Path, key: FileKey | None, now: float, period: float) -> bool:
+        """Whether `f` has had `key` for `period` seconds (the first sighting starts the clock)."""
+        seen = self._seen.get(f)
+        if seen is None or seen[0] != key:
+            self._seen[f] = seen = (key, now)
+        return now - seen[1] >= period
 
     @staticmethod
-    def _parse(files: list[Path]) -> dict[Path, Manifests | ConfigError]:
-        out: dict[Path, Manifests | ConfigError] = {}
-        for f in files:
+    def _read(files: dict[Path, FileKey | None]) -> dict[Path, Read]:
+        out: dict[Path, Read] = {}
+        for f, key in files.items():
             try:
-                out[f] = load_file(f)
+                result: Manifests | ConfigError = load_file(f)
             except ConfigError as err:
-                out[f] = err
+                result = err
+            out[f] = Read(result, key, not _written_during_read(key, _stat_key(f)))
         return out
 
-    def _apply(self, scan: Scan, parsed: dict[Path, Manifests | ConfigError]) -> None:
+    def _apply(self, scan: Scan, reads: dict[Path, Read]) -> bool:
+        """Take what was read; returns True when some file's state changed or went away."""
         for f in scan.gone:
             self._good.pop(f, None)
-        for f, result in parsed.items():
-            if isinstance(result, ConfigError):
-                log.error("%s; keeping its last good state", result)
-                if self.on_error is not None:
-                    self.on_error(result)
-            else:
-                self._good[f] = self._report(result)
-                log.info("reloaded %s", f)
-        self._keys = scan.keys
-        self._deliver()
+            self._keys.pop(f, None)
+            self._seen.pop(f, None)
+            self._pending.pop(f, None)
+        changed = bool(scan.gone)
+        for f, read in reads.items():
+            changed |= self._take(f, read)
+        if changed:
+            self._deliver()
+        return changed
+
+    def _take(self, f: Path, read: Read) -> bool:
+        """One file's read: kept as its new state, or held back (still changing, read error,
+        empty and not yet settled) with its last good state kept."""
+        result = read.result
+        if not read.stable:  # written while it was read: read it again once it settles
+            self._seen.pop(f, None)
+            return False
+        if isinstance(result, ManifestReadError):
+            self._read_failed(result)
+            return False
+        if isinstance(result, ConfigError):
+            log.error("%s; keeping its last good state", result)
+            self._count(result)
+            self._keys[f] = read.key  # read again only once it changes
+            self._pending.pop(f, None)
+            return False
+        if _is_empty(result) and not _is_empty(self._good.get(f, result)) and not self._renamed(f, read.key):
+            if not self._settled(f, read.key, self.clock(), self.empty_settle):
+                limited.warning("%s is empty; keeping its objects until it stays empty for %gs", f, self.empty_settle)
+                self._pending[f] = self.clock()  # the write that follows the truncation gets its own wait
+                return False
+            log.warning("%s stayed empty for %gs; withdrawing its objects", f, self.empty_settle)
+        self._good[f] = self._report(result)
+        self._keys[f] = read.key
+        self._seen.pop(f, None)
+        self._pending.pop(f, None)
+        log.info("reloaded %s", f)
+        return True
+
+    def _read_failed(self, err: ManifestReadError) -> None:
+        limited.warning("%s (errno %d); keeping the last good state", err, err.errno)
+        self._count(err)
+
+    def _count(self, err: ConfigError) -> None:
+        if self.on_error is not None:
+            self.on_error(err)
 
     def _report(self, m: Manifests) -> Manifests:
         for err in m.errors:
             log.error("%s; skipped", err)
-            if self.on_error is not None:
-                self.on_error(err)
+            self._count(err)
         for why in m.skipped:
             log.info("%s; not proxied", why)
         return m
