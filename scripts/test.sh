@@ -9,4 +9,4 @@ echo "== mypy --strict"
 echo "== pyflakes"
 .venv/bin/python -m pyflakes usproxy bench tests demo
 echo "== pytest"
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 "$@"
