@@ -177,3 +177,38 @@ async def test_endpoint_connected_after_the_client_left_never_touches_it() -> No
     side.connection_lost(None)
     assert ct.ops == ops_before
     assert owner.events.count("opened") == 0
+
+
+async def test_endpoint_connected_after_its_dial_timed_out_never_attaches() -> None:
+    """The race at a dial timeout: the connect completes in the same loop turn the timeout fires
+    in, so `connection_made` runs while the dial is being cancelled (the loop then closes the
+    transport). The side must not attach: the client stays untouched for the next endpoint."""
+    owner = FakeOwner()
+    client, ct = await accepted(owner)
+    sides: list[EndpointSide] = []
+    try:
+        async with asyncio.timeout(0.01) as client.deadline:
+            try:
+                await asyncio.sleep(1)
+            except asyncio.CancelledError:
+                assert client.deadline.expired()
+                side, _ = endpoint_leg(client)  # connection_made after the timer fired
+                sides.append(side)
+                raise
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("the dial's timeout did not fire")
+    assert not sides[0].attached and client.upstream is None
+    sides[0].data_received(b"late")
+    assert ct.ops == [] and owner.events.count("opened") == 0
+
+
+async def test_endpoint_connected_in_time_stops_the_dial_timeout() -> None:
+    client, ct = await accepted()
+    async with asyncio.timeout(0.05) as client.deadline:
+        side, _ = endpoint_leg(client)
+        await asyncio.sleep(0.1)  # past the timeout: it must not fire any more
+    assert side.attached and client.upstream is side
+    side.data_received(b"reply")
+    assert ct.ops == [b"reply"]

@@ -11,10 +11,13 @@ Events in, writes out; no Streams on the hot path. Invariants:
   it have been handed to the kernel.
 - Dials never block accepting: each runs as its own task with bounded timeouts (kube-proxy
   userspace's 250 ms, 500 ms, 1 s, 2 s, pkg/proxy/userspace/proxysocket.go tryConnect), and a
-  refused or timed-out endpoint is retried on the next one (C14). The timeout covers only the
-  connect of a bare socket; its transport is made after success, and the EndpointSide attaches
-  itself to its client in `connection_made`. So an abandoned dial leaves nothing that could act
-  on the client, and no byte from an endpoint arrives before the client knows its upstream.
+  refused or timed-out endpoint is retried on the next one (C14). The loop connects and makes
+  the transport in one call (`create_connection(host, port)`, in C under uvloop: a Python socket
+  and `sock_connect` cost ~50 us more per connection). The EndpointSide attaches itself to its
+  client in `connection_made`, which first stops the dial's timeout; a side connected after its
+  dial timed out never attaches (`ClientSide.connected`). So an abandoned dial leaves nothing that
+  could act on the client, and no byte from an endpoint arrives before the client knows its
+  upstream.
 - Data that arrived during the dial is written first, then the client's FIN if it came; reading
   resumes only if the dial buffer paused it and the endpoint leg is under its high-water mark.
 """
@@ -45,8 +48,19 @@ LINGER_ZERO = struct.pack("ii", 1, 0)  # SO_LINGER on with 0 s: close() sends RS
 def tune(transport: asyncio.BaseTransport) -> None:
     """Per-connection set-up kept to what the socket does not already have: accepted sockets
     inherit SO_KEEPALIVE from their listener (see tcp_listener.py) and get TCP_NODELAY from
-    the loop; endpoint sockets get both in `connect`."""
+    the loop; endpoint connections get SO_KEEPALIVE from `keepalive`."""
     cast(asyncio.WriteTransport, transport).set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+
+
+def keepalive(transport: asyncio.BaseTransport) -> None:
+    """SO_KEEPALIVE on an endpoint connection, so a long-idle flow to a vanished endpoint ends.
+    (TCP_NODELAY the loop sets on every TCP transport.)"""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        except OSError:
+            pass
 
 
 def reset(transport: asyncio.WriteTransport) -> None:
@@ -86,6 +100,7 @@ class ClientSide(asyncio.Protocol):
         self.eof_in = False  # client sent FIN
         self.eof_out = False  # endpoint sent FIN
         self.dial: asyncio.Task[None] | None = None
+        self.deadline: asyncio.Timeout | None = None  # the running dial's timeout
         self.endpoint: Endpoint | None = None
         self.closed = False
 
@@ -145,6 +160,16 @@ class ClientSide(asyncio.Protocol):
             self.upstream.resume_reading()
 
     # -- what its EndpointSide may ask ---------------------------------------------------------
+    def connected(self, side: EndpointSide) -> bool:
+        """`side` connected: stop the dial's timeout and attach it, unless the timeout fired
+        first (the dial is being cancelled, and the loop closes `side`'s transport): then the
+        side never touches this client, whose dial goes on to the next endpoint."""
+        if self.deadline is not None:
+            if self.deadline.expired():
+                return False
+            self.deadline.reschedule(None)
+        return self.attach(side)
+
     def attach(self, side: EndpointSide) -> bool:
         """`side` is connected to its endpoint: make it this connection's upstream and hand it
         what the client sent meanwhile (bytes, then FIN). False, and `side` closed, when the
@@ -207,24 +232,22 @@ class ClientSide(asyncio.Protocol):
     # -- dialing -------------------------------------------------------------------------------
     async def _dial(self, client_ip: str) -> None:
         tried: list[Endpoint] = []
+        loop = asyncio.get_running_loop()
         for timeout in DIAL_TIMEOUTS:
             ep = self.owner.pick(self.kind, client_ip, tried)
             if ep is None:
                 break
             tried.append(ep)
             try:
-                sock = await connect(ep, timeout)
+                async with asyncio.timeout(timeout) as self.deadline:  # no extra Task per dial
+                    await loop.create_connection(lambda: EndpointSide(self, ep), str(ep.ip), ep.port)
             except (OSError, TimeoutError) as err:
                 limited.warning("%s: endpoint %s failed (%s); trying the next", self.owner.spn, ep,
                                 type(err).__name__ if isinstance(err, TimeoutError) else err)
                 self.owner.failed(self.kind, ep)
                 continue
-            try:
-                await asyncio.get_running_loop().create_connection(lambda: EndpointSide(self, ep), sock=sock)
-            except OSError as err:  # raised before a transport owns the socket
-                sock.close()
-                limited.warning("%s: endpoint %s: %s", self.owner.spn, ep, err)
-                continue
+            finally:
+                self.deadline = None
             return
         limited.warning("%s: no endpoint answered for %s", self.owner.spn, client_ip)
         if self.transport is not None:
@@ -270,8 +293,9 @@ class EndpointSide(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         tune(transport)
+        keepalive(transport)
         self.attached = True  # before attach writes, so a pause_writing it causes is seen
-        self.attached = self.client.attach(self)
+        self.attached = self.client.connected(self)
 
     def data_received(self, data: bytes) -> None:
         if self.attached:
@@ -328,24 +352,3 @@ class EndpointSide(asyncio.Protocol):
 
     def over_high_water(self) -> bool:
         return self.transport is not None and self.transport.get_write_buffer_size() >= HIGH_WATER
-
-
-async def connect(ep: Endpoint, timeout: float) -> socket.socket:
-    """A connected non-blocking socket to `ep`, or OSError/TimeoutError after `timeout` seconds.
-
-    The transport is made only after the connect succeeded: a dial abandoned at its timeout
-    leaves nothing behind but a closed socket (no protocol that could still act on the client).
-    """
-    loop = asyncio.get_running_loop()
-    sock = socket.socket(socket.AF_INET6 if ep.ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        async with asyncio.timeout(timeout):  # no extra Task per dial, unlike wait_for
-            await loop.sock_connect(sock, (str(ep.ip), ep.port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
