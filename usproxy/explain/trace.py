@@ -170,12 +170,19 @@ def _portals(ss: ServiceSet, pkt: Packet, p: Path) -> None:
     q.result, q.lands = "", ""
 
 
+def _nodeport_listener(ss: ServiceSet, pkt: Packet) -> bool:
+    """The relay listens on NodePorts at the node addresses, or on every address without them."""
+    ips = ss.node.ips_of(pkt.dst.version)
+    return pkt.dst in ips if ips else pkt.dst_local
+
+
 def _relay(ss: ServiceSet, pkt: Packet, p: Path) -> list[Path]:
+    on_nodeport = _nodeport_listener(ss, pkt)
     for fp in ss.family_ports(pkt.dst.version):
         addrs = (fp.cluster_ip, *fp.external_ips, *fp.lb_ips)
         if fp.sp.protocol != pkt.proto or not (
                 (pkt.dst in addrs and pkt.dport == fp.sp.port)
-                or (pkt.dst_local and fp.sp.node_port == pkt.dport)):
+                or (on_nodeport and fp.sp.node_port == pkt.dport)):
             continue
         internal = pkt.dst == fp.cluster_ip
         p.lookups += 1
