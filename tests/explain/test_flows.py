@@ -58,19 +58,19 @@ def _flows() -> list[tuple[str, Flow]]:
     return out
 
 
-def _set(test: str) -> ServiceSet:
+def flow_set(test: str) -> ServiceSet:
     return service_set(load_manifests(FLOWS / f"{test}.yaml"), NODE)
 
 
-def _packet(ss: ServiceSet, src: str, dst: str) -> Packet:
+def flow_packet(ss: ServiceSet, src: str, dst: str) -> Packet:
     """As kube-proxy's tracer: every address of testNodeIPs is local, not only NodePort ones."""
     pkt = trace.parse_packet(src, dst, ss)
     return replace(pkt, src_local=pkt.src in LOCAL, dst_local=pkt.dst in LOCAL)
 
 
 def _trace(mode: str, test: str, src: str, dst: str) -> list[Path]:
-    ss = _set(test)
-    return trace.TRACERS[mode](ss, _packet(ss, src, dst))
+    ss = flow_set(test)
+    return trace.TRACERS[mode](ss, flow_packet(ss, src, dst))
 
 
 @pytest.mark.parametrize(("mode", "flow"), _flows(), ids=lambda v: str(v))
@@ -103,10 +103,10 @@ VIEWS = {"iptables": iptables.render, "ipvs": ipvs.render, "userspace": userspac
 @pytest.mark.parametrize("mode", sorted(VIEWS))
 @pytest.mark.parametrize("test", sorted(DATA["tests"]))
 def test_every_rule_counted_is_a_rule_the_view_prints(mode: str, test: str) -> None:
-    ss = _set(test)
+    ss = flow_set(test)
     printed = VIEWS[mode](ss)
     for f in DATA["tests"][test]:
-        for p in trace.TRACERS[mode](ss, _packet(ss, f["src"], f["dst"])):
+        for p in trace.TRACERS[mode](ss, flow_packet(ss, f["src"], f["dst"])):
             assert p.rules == len(p.walked) and p.matched <= p.rules
             assert all(rule in printed for rule in p.walked), f["name"]
 
@@ -140,7 +140,7 @@ def test_bpf_external_nodeport_is_not_rewritten_at_connect() -> None:
 
 
 def test_userspace_from_the_node_walks_kube_portals_host_dnat() -> None:
-    ss = _set("TestNodePorts")
+    ss = flow_set("TestNodePorts")
     port = userspace.proxy_port(ss.family_ports(4)[0])
     for p in _trace("userspace", "TestNodePorts", "192.168.0.2", "172.30.0.41:80/TCP"):
         text = "\n".join(p.hops)

@@ -60,12 +60,14 @@ Outcome = tuple[list[Path], list[Path]]  # (ended with a verdict, fell through /
 
 @dataclass(frozen=True, slots=True)
 class Walker:
-    """Walks one packet through a Dump; `local` are this node's addresses (fib ... type local)."""
+    """Walks one packet through a Dump (`fib ... type local` reads the packet's local flags)."""
 
     dump: Dump
     pkt: Packet
 
     def walk(self, chain: str, path: Path, depth: int = 0) -> Outcome:
+        """Walk `chain`: (paths that ended with a verdict, paths that left it without one).
+        Raises ValueError for a chain the dump does not declare or a rule it cannot read."""
         if chain not in self.dump.chains:
             raise ValueError(f"jump to a chain the dump does not declare: {chain}")
         if depth >= MAX_DEPTH:
@@ -85,8 +87,9 @@ class Walker:
     def rule(self, chain: str, i: int, full: str, rest: str, p: Path,
              depth: int) -> tuple[list[Path], list[Path], list[Path]]:
         """(ended, continue in this chain, left this chain) for what is left of one rule."""
+        steps = self._steps()
         while rest:
-            for pattern, step in self._steps():
+            for pattern, step in steps:
                 m = pattern.match(rest)
                 if m is None:
                     continue
@@ -108,7 +111,7 @@ class Walker:
         return [], [p], []
 
     def _steps(self) -> list[tuple[re.Pattern[str], Callable[[re.Match[str], Path], object]]]:
-        return [(re.compile(pat), fn) for pat, fn in _STEPS_OF(self)]
+        return [(re.compile(pat), fn) for pat, fn in _steps_of(self)]
 
     def verdict(self, text: str, p: Path, depth: int) -> tuple[list[Path], list[Path], list[Path]]:
         word, _, target = text.partition(" ")
@@ -148,7 +151,7 @@ def _addr_in(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, text: str) -> bo
     return any(ip in ipaddress.ip_network(a.strip(), strict=False) for a in text.split(","))
 
 
-def _STEPS_OF(w: Walker) -> list[tuple[str, Callable[[re.Match[str], Path], object]]]:
+def _steps_of(w: Walker) -> list[tuple[str, Callable[[re.Match[str], Path], object]]]:
     """(pattern, step): a step returns False (no match: the rule ends), True (go on reading the
     rule) or a verdict text (a verdict map hit). Order matters: lookups before literals."""
     pkt, els = w.pkt, w.dump.elements

@@ -50,8 +50,6 @@ class Path:
     result: str = ""
     lands: str = ""
     masquerade: bool = False
-    stopped: bool = False  # nftables: a goto'd chain ended without a verdict; the base chain is done
-    reply: list[str] = field(default_factory=list)  # the reply path and what the backend sees
 
     @property
     def rules(self) -> int:
@@ -60,7 +58,7 @@ class Path:
 
     def fork(self, share: Fraction) -> Path:
         return Path(self.share * share, list(self.hops), list(self.walked), self.lookups,
-                    self.matched, self.result, self.lands, self.masquerade, self.stopped, list(self.reply))
+                    self.matched, self.result, self.lands, self.masquerade)
 
 
 def parse_packet(src: str, dst: str, ss: ServiceSet) -> Packet:

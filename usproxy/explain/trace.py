@@ -4,7 +4,9 @@ One tracer per mode, each over the text that mode's view prints, as kube-proxy's
 own dumps: iptables over the iptables-restore input (`iptables_trace`), nftables over the
 transaction dump (`nftables_trace`), IPVS over its nat helper rules, `ipset save`, `ip addr show
 kube-ipvs0` and `ipvsadm -Ln`, BPF over `cilium-dbg bpf lb list`, userspace over kube-proxy 1.0's
-portal rules. So a trace can only follow, and only count, rules that are really printed.
+portal rules. So a trace can only follow, and only count, rules that are really printed. Each
+path ends with what follows the first packet (`reply`): conntrack or its equivalent, where
+masquerade happens, the source the backend sees and how the reply is un-NATed.
 
 A random choice (`-m statistic`, `numgen`, IPVS rr, a BPF slot) splits the walk: every branch is
 followed and reported with its exact share (fractions.Fraction). A new client has no affinity
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from usproxy.explain import bpf, iptables, nftables, userspace
+from usproxy.explain import bpf, iptables, nftables, reply, userspace
 from usproxy.explain.iptables_trace import Walker, parse_restore
 from usproxy.explain.ipvs_trace import trace_ipvs
 from usproxy.explain.nftables_trace import Walker as NftWalker
@@ -234,5 +236,7 @@ def render(ss: ServiceSet, pkt: Packet, modes: tuple[str, ...]) -> str:
                        f"({p.matched} matched, listed)  lookups {p.lookups}{masq}")
             out += [f"    {hop}" for hop in p.hops]
             out.append(f"    => {p.result}")
+            out.append("    after the first packet (later packets, the reply, what the backend sees):")
+            out += [f"      {line}" for line in reply.lines(mode, ss, pkt, p)]
         out.append("")
     return "\n".join(out)
