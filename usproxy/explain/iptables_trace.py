@@ -129,13 +129,15 @@ class Walker:
                 p.walked.append(rule.line)
                 share = self.share(rule, p)
                 if share == 0:
+                    p.miss(f"{table} {chain}", i)
                     nxt.append(p)
                     continue
                 if share != 1:
-                    nxt.append(p.fork(1 - share))
+                    rest = p.fork(1 - share)
+                    rest.miss(f"{table} {chain}", i)
+                    nxt.append(rest)
                 taken = p.fork(share) if share != 1 else p
-                taken.hops.append(f"{table} {chain} rule {i}: {rule.line}")
-                taken.matched += 1
+                taken.hit(f"{table} {chain} rule {i}: {rule.line}")
                 ended, cont, returned = self.target(rule, taken, depth)
                 done += ended + returned
                 nxt += cont

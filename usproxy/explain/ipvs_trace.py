@@ -78,7 +78,7 @@ def trace_ipvs(ss: ServiceSet, pkt: Packet) -> list[Path]:
     vs = services.get((pkt.proto, format_hostport(pkt.dst, pkt.dport)))
     if vs is None:
         return [_no_service(p, pkt, pkt.dst in bound)]
-    p.hops.append(f"IPVS service table: {vs.line}")
+    p.note(f"IPVS service table: {vs.line}")
     if not vs.reals:
         p.result = ("no real servers: ip_vs_leave() answers ICMP port unreachable "
                     "(for TCP too), like a REJECT")
@@ -87,7 +87,7 @@ def trace_ipvs(ss: ServiceSet, pkt: Packet) -> list[Path]:
     out = []
     for real in vs.reals:
         q = p.fork(Fraction(1, len(vs.reals)))
-        q.hops.append(f"  -> {real} Masq (rr: 1/{len(vs.reals)} of new connections)")
+        q.note(f"  -> {real} Masq (rr: 1/{len(vs.reals)} of new connections)")
         q.result = (f"to {real} (forwarding method Masq: IPVS rewrites the destination only; "
                     "Masq is not source NAT)")
         q.lands = real
@@ -112,10 +112,11 @@ def _loop_back(rules: Mapping[tuple[str, str], list[TextRule]],
     host, _, port = real.rpartition(":")
     after = replace(pkt, dst=ipaddress.ip_address(host.strip("[]")), dport=int(port))
     w = Walker(rules, after, sets)
-    for rule in rules.get(("nat", "KUBE-POSTROUTING"), []):
+    for i, rule in enumerate(rules.get(("nat", "KUBE-POSTROUTING"), []), start=1):
         if rule.target == "MASQUERADE" and any(c.kind == "match-set" for c in rule.conds):
-            probe = Path()
-            if w.share(rule, probe) == 1:
-                q.hops.append(f"nat KUBE-POSTROUTING (after IPVS): {rule.line}")
-                q.matched += 1
-                q.masquerade = True
+            q.walked.append(rule.line)
+            if w.share(rule, q) == 0:
+                q.miss("nat KUBE-POSTROUTING (after IPVS)", i)
+                continue
+            q.hit(f"nat KUBE-POSTROUTING (after IPVS) rule {i}: {rule.line}")
+            q.masquerade = True

@@ -96,18 +96,18 @@ class Walker:
                 rest = rest[m.end():].lstrip()
                 out = step(m, p)
                 if out is False:
+                    p.miss(chain, i)
                     return [], [p], []
                 if isinstance(out, str):  # a verdict-map hit: its verdict replaces the rest
-                    p.hops.append(f"{chain} rule {i}: {full}  [{out}]")
-                    p.matched += 1
+                    p.hit(f"{chain} rule {i}: {full}  [{out}]")
                     return self.verdict(out, p, depth)
                 break
             else:
                 if (m := re.match(r"^numgen random mod \d+ vmap \{ (.*) \}$", rest)) is not None:
                     return self.numgen(chain, i, full, m[1], p, depth)
-                p.hops.append(f"{chain} rule {i}: {full}")
-                p.matched += 1
+                p.hit(f"{chain} rule {i}: {full}")
                 return self.verdict(rest, p, depth)
+        p.hit(f"{chain} rule {i}: {full}")
         return [], [p], []
 
     def _steps(self) -> list[tuple[re.Pattern[str], Callable[[re.Match[str], Path], object]]]:
@@ -139,8 +139,7 @@ class Walker:
         ended, back = [], []
         for target in targets:
             q = p.fork(Fraction(1, len(targets)))
-            q.hops.append(f"{chain} rule {i}: {full}  [goto {target}]")
-            q.matched += 1
+            q.hit(f"{chain} rule {i}: {full}  [goto {target}]")
             e, b = self.walk(target, q, depth + 1)
             ended += e
             back += b

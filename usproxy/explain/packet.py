@@ -6,7 +6,8 @@ destination are addresses of this node (kube-proxy's tracers take the node's add
 its exact share of new connections (`fractions.Fraction`); its invariants: `walked` holds the text
 of every rendered rule evaluated, in order, so `rules == len(walked)` counts only rules the mode's
 view lists; `hops` are the ones that matched (plus map lookups and the tracer's own notes);
-`matched` of the hops are rules that matched; `lands` is the outcome in the vocabulary of kube-proxy's packet-flow tests
+the hops list every one of them, as matched or in runs of "no match" (`matched + skipped ==
+rules` for rule walks), besides lookups and notes; `lands` is the outcome in the vocabulary of kube-proxy's packet-flow tests
 (pkg/proxy/nftables/helpers_test.go tracePacket): "ip:port" of an endpoint, "REJECT", "DROP", or ""
 when no Service rule handled the packet.
 """
@@ -46,19 +47,42 @@ class Path:
     hops: list[str] = field(default_factory=list)
     walked: list[str] = field(default_factory=list)
     lookups: int = 0
-    matched: int = 0  # how many of `hops` are rules that matched (the rest are lookups and notes)
+    matched: int = 0  # rules listed in `hops` as matched
+    skipped: int = 0  # rules listed in `hops` as tested without a match ("rules 1-4: no match")
     result: str = ""
     lands: str = ""
     masquerade: bool = False
+    run: tuple[str, int, int] | None = None  # the "no match" run `hops[-1]` lists: (chain, first, last)
 
     @property
     def rules(self) -> int:
         """Rendered rules evaluated for the first packet."""
         return len(self.walked)
 
+    def hit(self, hop: str) -> None:
+        """List a rule that matched."""
+        self.hops.append(hop)
+        self.matched += 1
+        self.run = None
+
+    def miss(self, chain: str, i: int) -> None:
+        """List rule `i` of `chain` as tested without a match, merged into a run of such rules."""
+        self.skipped += 1
+        if self.run is not None and self.run[0] == chain and self.run[2] == i - 1:
+            self.run = (chain, self.run[1], i)
+            self.hops[-1] = f"{chain} rules {self.run[1]}-{i}: no match"
+            return
+        self.run = (chain, i, i)
+        self.hops.append(f"{chain} rule {i}: no match")
+
+    def note(self, hop: str) -> None:
+        """List a lookup or an explanation (not a rule)."""
+        self.hops.append(hop)
+        self.run = None
+
     def fork(self, share: Fraction) -> Path:
         return Path(self.share * share, list(self.hops), list(self.walked), self.lookups,
-                    self.matched, self.result, self.lands, self.masquerade)
+                    self.matched, self.skipped, self.result, self.lands, self.masquerade, self.run)
 
 
 def parse_packet(src: str, dst: str, ss: ServiceSet) -> Packet:

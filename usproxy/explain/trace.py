@@ -113,7 +113,7 @@ def trace_bpf(ss: ServiceSet, pkt: Packet) -> list[Path]:
 
 
 def _slots(p: Path, slots: dict[int, tuple[str, str]]) -> list[Path]:
-    p.hops.append(f"connect() hook, services map: {slots[0][1]}")
+    p.note(f"connect() hook, services map: {slots[0][1]}")
     backends = [slots[s] for s in sorted(slots) if s > 0]
     if not backends:
         p.result, p.lands = "no backends: connect() fails at once (ECONNREFUSED)", "REJECT"
@@ -122,7 +122,7 @@ def _slots(p: Path, slots: dict[int, tuple[str, str]]) -> list[Path]:
     for backend, line in backends:
         q = p.fork(Fraction(1, len(backends)))
         q.lookups += 2  # the chosen slot, then the backends map
-        q.hops.append(f"slot chosen at random, 1/{len(backends)}: {line}")
+        q.note(f"slot chosen at random, 1/{len(backends)}: {line}")
         q.result = (f"to {backend} (connect() rewrote the socket's destination: no packet is "
                     "translated, no source NAT)")
         q.lands = backend
@@ -165,10 +165,10 @@ def _portals(ss: ServiceSet, pkt: Packet, p: Path) -> None:
     q = w.walk("nat", entry, p)[0]  # portal rules carry no probability: one path, p itself
     q.hops = [f"kube-proxy 1.0: {h}" for h in q.hops]
     if q.result:
-        q.hops.append(f"kube-proxy 1.0: {q.result}: its proxy accepts there and opens a second "
+        q.note(f"kube-proxy 1.0: {q.result}: its proxy accepts there and opens a second "
                       "connection to an endpoint")
     else:
-        q.hops.append("kube-proxy 1.0: no portal rule matched")
+        q.note("kube-proxy 1.0: no portal rule matched")
     q.result, q.lands = "", ""
 
 
@@ -192,11 +192,11 @@ def _relay(ss: ServiceSet, pkt: Packet, p: Path) -> list[Path]:
         eps = [str(e) for e in (fp.internal if internal else fp.external)]
         hostport = format_hostport(pkt.dst, pkt.dport)
         if not eps:
-            p.hops.append(f"usproxy: {hostport} is {where}, but the relay does not listen while "
+            p.note(f"usproxy: {hostport} is {where}, but the relay does not listen while "
                           "the ServicePort has no usable endpoint")
             p.result, p.lands = f"refused by the kernel: {_refused(pkt)}", "REJECT"
             return [p]
-        p.hops.append(f"usproxy: {hostport} is {where}: the kernel's socket lookup finds the "
+        p.note(f"usproxy: {hostport} is {where}: the kernel's socket lookup finds the "
                       f"relay's listener (kube-proxy 1.0 listened on 0.0.0.0:{proxy_port(fp)})")
         return _split_relay(eps, p, f"relay picks an endpoint ({fp.sp.lb_policy or 'roundRobin'})")
     p.lookups += 1
@@ -214,7 +214,7 @@ def _split_relay(eps: list[str], p: Path, hop: str) -> list[Path]:
     out = []
     for ep in eps:
         q = p.fork(Fraction(1, len(eps)))
-        q.hops.append(hop)
+        q.note(hop)
         q.result, q.lands = f"to {ep} (a second connection, from the relay)", ep
         out.append(q)
     return out
@@ -232,8 +232,8 @@ def render(ss: ServiceSet, pkt: Packet, modes: tuple[str, ...]) -> str:
         out.append(f"## {mode}: {head}")
         for n, p in enumerate(paths, start=1):
             masq = ", masqueraded" if p.masquerade else ""
-            out.append(f"  path {n}/{len(paths)}  share {p.share}  rules {p.rules} evaluated "
-                       f"({p.matched} matched, listed)  lookups {p.lookups}{masq}")
+            out.append(f"  path {n}/{len(paths)}  share {p.share}  rules {p.rules} "
+                       f"({p.matched} matched, {p.skipped} no match)  lookups {p.lookups}{masq}")
             out += [f"    {hop}" for hop in p.hops]
             out.append(f"    => {p.result}")
             out.append("    after the first packet (later packets, the reply, what the backend sees):")
