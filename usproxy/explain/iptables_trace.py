@@ -119,7 +119,11 @@ class Walker:
     ipsets: Mapping[str, tuple[str, frozenset[str]]] = field(default_factory=dict)
 
     def walk(self, table: str, chain: str, path: Path, depth: int = 0) -> list[Path]:
-        """Paths that ended (result set), returned (RETURN) or fell off the end of `chain`."""
+        """Paths that ended (result set), returned (RETURN) or fell off the end of `chain`.
+
+        A jump to a chain the input never declares ends the path with lands "ERROR"
+        (iptables-restore would refuse the input). Raises ValueError if `chain` itself is not
+        declared."""
         if (table, chain) not in self.rules:
             raise ValueError(f"jump to a chain the rules do not declare: {table} {chain}")
         live, done = [path], []
@@ -209,6 +213,11 @@ class Walker:
             return [p], [], []
         if t in ("MASQUERADE", ""):
             return [], [p], []
+        if (rule.table, t) not in self.rules:
+            p.result = (f"-j {t}: a chain this input never declares, so iptables-restore would "
+                        "refuse the whole input")
+            p.lands = "ERROR"
+            return [p], [], []
         if depth >= MAX_DEPTH:
             raise RuntimeError(f"rule loop at {t}")
         out = self.walk(rule.table, t, p, depth + 1)

@@ -67,7 +67,8 @@ class Walker:
 
     def walk(self, chain: str, path: Path, depth: int = 0) -> Outcome:
         """Walk `chain`: (paths that ended with a verdict, paths that left it without one).
-        Raises ValueError for a chain the dump does not declare or a rule it cannot read."""
+        A jump to a chain the dump never adds ends the path with lands "ERROR" (nft would refuse
+        the transaction). Raises ValueError if `chain` itself is not declared or a rule is unread."""
         if chain not in self.dump.chains:
             raise ValueError(f"jump to a chain the dump does not declare: {chain}")
         if depth >= MAX_DEPTH:
@@ -128,6 +129,11 @@ class Walker:
             return [], [p], []
         if text in ("masquerade fully-random",) or text.startswith("update @"):
             return [], [p], []
+        if word in ("jump", "goto") and target not in self.dump.chains:
+            p.result = (f"{text}: a chain the transaction never adds, so nft would refuse the "
+                        "whole transaction")
+            p.lands = "ERROR"
+            return [p], [], []
         if word in ("jump", "goto") and " " not in target:
             ended, back = self.walk(target, p, depth + 1)
             return (ended, back, []) if word == "jump" else (ended, [], back)
@@ -140,7 +146,7 @@ class Walker:
         for target in targets:
             q = p.fork(Fraction(1, len(targets)))
             q.hit(f"{chain} rule {i}: {full}  [goto {target}]")
-            e, b = self.walk(target, q, depth + 1)
+            e, _, b = self.verdict(f"goto {target}", q, depth)
             ended += e
             back += b
         return ended, [], back
