@@ -78,17 +78,17 @@ class Walker:
             nxt: list[Path] = []
             for p in live:
                 p.walked.append(rule)
-                e, c, b = self.rule(chain, i, rule, rule, p, depth)
+                e, c, b = self.rule(chain, i, rule, p, depth)
                 ended += e
                 nxt += c
                 back += b
             live = nxt
         return ended, back + live
 
-    def rule(self, chain: str, i: int, full: str, rest: str, p: Path,
+    def rule(self, chain: str, i: int, full: str, p: Path,
              depth: int) -> tuple[list[Path], list[Path], list[Path]]:
-        """(ended, continue in this chain, left this chain) for what is left of one rule."""
-        steps = self._steps()
+        """(ended, continue in this chain, left this chain) after rule `i`, read from the left."""
+        steps, rest = self._steps(), full
         while rest:
             for pattern, step in steps:
                 m = pattern.match(rest)

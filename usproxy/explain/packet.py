@@ -9,7 +9,8 @@ view lists; `hops` are the ones that matched (plus map lookups and the tracer's 
 the hops list every one of them, as matched or in runs of "no match" (`matched + skipped ==
 rules` for rule walks), besides lookups and notes; `lands` is the outcome in the vocabulary of kube-proxy's packet-flow tests
 (pkg/proxy/nftables/helpers_test.go tracePacket): "ip:port" of an endpoint, "REJECT", "DROP", or ""
-when no Service rule handled the packet.
+when no Service rule handled the packet; "ERROR" when the rules jump to a chain they never declare
+(iptables-restore or nft would refuse them).
 """
 
 from __future__ import annotations

@@ -82,7 +82,8 @@ def _lb_rows(text: str) -> dict[str, dict[int, tuple[str, str]]]:
     """`cilium-dbg bpf lb list` -> {frontend: {slot: (backend or "", line)}}."""
     out: dict[str, dict[int, tuple[str, str]]] = {}
     for line in text.splitlines()[1:]:
-        key, slot, value = line.split()[0], int(line.split()[1].strip("()")), line.split()[2]
+        key, slot_text, value = line.split()[:3]
+        slot = int(slot_text.strip("()"))
         out.setdefault(key, {})[slot] = (value.rpartition("/")[0] if slot else "", line)
     return out
 
