@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import ipaddress
 from fractions import Fraction
 
 import pytest
 
 from tests.explain.conftest import load
 from usproxy.errors import ConfigError
-from usproxy.explain import trace
+from usproxy.explain import iptables_trace, nftables_trace, trace
+from usproxy.explain.packet import Packet, Path
 
 
 def landings(mode: str, fixture: str, src: str, dst: str) -> dict[str, Fraction]:
@@ -88,3 +90,13 @@ def test_render_names_every_mode() -> None:
 def test_bad_destination_is_a_config_error(dst: str) -> None:
     with pytest.raises(ConfigError):
         trace.parse_packet("10.0.0.1", dst, load("clusterip"))
+
+
+def test_a_jump_to_an_undeclared_chain_is_reported_as_refused_input() -> None:
+    pkt = Packet(ipaddress.ip_address("10.0.0.1"), ipaddress.ip_address("10.96.0.1"), 80, "TCP")
+    ipt = iptables_trace.Walker(iptables_trace.parse_restore("*nat\n:A - [0:0]\n-A A -j B\nCOMMIT\n"), pkt)
+    (p,) = ipt.walk("nat", "A", Path())
+    assert p.lands == "ERROR" and "iptables-restore would refuse" in p.result
+    dump = "add chain ip kube-proxy a\nadd rule ip kube-proxy a numgen random mod 1 vmap { 0 : goto b }\n"
+    ended, through = nftables_trace.Walker(nftables_trace.parse_dump(dump), pkt).walk("a", Path())
+    assert not through and [q.lands for q in ended] == ["ERROR"] and "nft would refuse" in ended[0].result

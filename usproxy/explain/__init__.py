@@ -2,5 +2,6 @@
 
 Pure rendering: nothing here touches the kernel or the network, except `live` (read-only, and only
 when `--live` is asked). Every renderer reads the same `ServiceSet`, so the modes can be compared
-line for line; `cost` and `trace` reuse the renderers' structured rules instead of re-deriving them.
+line for line; `cost` reuses the renderers' structured rules, and `trace` walks the text each
+renderer prints, so neither re-derives them.
 """

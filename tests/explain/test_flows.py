@@ -1,0 +1,150 @@
+"""Every mode's trace against kube-proxy's packet-flow tests (tests/explain/flows/flows.yaml).
+
+Each flow of kube-proxy's nftables tests (runPacketFlowTests) is traced in all five modes over the
+Services of that test; the endpoints reached (or REJECT / DROP / "" for not handled) and the
+masquerade mark must be kube-proxy's, or the per-mode difference the data names with its reason.
+A second set of tests holds each tracer to the text its mode renders: every rule counted is a rule
+printed, and the trace lists it (as matched, or in a run of rules that did not match).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, replace
+from pathlib import Path as FsPath
+from typing import Any
+
+import pytest
+import yaml
+
+from usproxy.explain import ipvs, iptables, nftables, trace, userspace
+from usproxy.explain.packet import Packet, Path
+from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+
+FLOWS = FsPath(__file__).parent / "flows"
+DATA: dict[str, Any] = yaml.safe_load((FLOWS / "flows.yaml").read_text())
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    test: str
+    name: str
+    src: str
+    dst: str
+    output: str
+    masq: bool
+
+    def __str__(self) -> str:
+        return f"{self.test}: {self.name}"
+
+
+def _node() -> tuple[Node, frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]]:
+    n = DATA["node"]
+    node = Node(n["name"], tuple(ipaddress.ip_address(ip) for ip in n["nodeport_ips"]),
+                (ipaddress.ip_network(n["cluster_cidr"]),), (ipaddress.ip_network(n["service_cidr"]),))
+    return node, frozenset(ipaddress.ip_address(ip) for ip in n["local_ips"])
+
+
+NODE, LOCAL = _node()
+
+
+def _flows() -> list[tuple[str, Flow]]:
+    out = []
+    for test, flows in DATA["tests"].items():
+        for f in flows:
+            for mode in trace.TRACERS:
+                want = {"output": f["output"], "masq": f["masq"], **f.get("modes", {}).get(mode, {})}
+                out.append((mode, Flow(test, f["name"], f["src"], f["dst"], want["output"], want["masq"])))
+    return out
+
+
+def flow_set(test: str) -> ServiceSet:
+    return service_set(load_manifests(FLOWS / f"{test}.yaml"), NODE)
+
+
+def flow_packet(ss: ServiceSet, src: str, dst: str) -> Packet:
+    """As kube-proxy's tracer: every address of testNodeIPs is local, not only NodePort ones."""
+    pkt = trace.parse_packet(src, dst, ss)
+    return replace(pkt, src_local=pkt.src in LOCAL, dst_local=pkt.dst in LOCAL)
+
+
+def _trace(mode: str, test: str, src: str, dst: str) -> list[Path]:
+    ss = flow_set(test)
+    return trace.TRACERS[mode](ss, flow_packet(ss, src, dst))
+
+
+@pytest.mark.parametrize(("mode", "flow"), _flows(), ids=lambda v: str(v))
+def test_flow(mode: str, flow: Flow) -> None:
+    paths = _trace(mode, flow.test, flow.src, flow.dst)
+    assert sum(p.share for p in paths) == 1
+    assert ", ".join(sorted({p.lands for p in paths})) == ", ".join(sorted(flow.output.split(", ")))
+    assert {p.masquerade for p in paths} == {flow.masq}
+
+
+def test_every_mode_differs_from_nftables_only_with_a_reason() -> None:
+    for flows in DATA["tests"].values():
+        for f in flows:
+            assert "nftables" not in f.get("modes", {})
+            assert all(o.get("why") for o in f.get("modes", {}).values()), f["name"]
+
+
+def test_random_choices_split_evenly() -> None:
+    for mode in trace.TRACERS:
+        paths = _trace(mode, "TestClusterIPGeneral", "10.180.0.2", "172.30.0.42:80/TCP")
+        assert [p.share for p in paths] == [pytest.approx(0.5)] * 2, mode
+
+
+# --- the trace follows, and counts, only the rules its mode prints -------------------------
+
+VIEWS = {"iptables": iptables.render, "ipvs": ipvs.render, "userspace": userspace.render,
+         "nftables": lambda ss: nftables.render(ss, "dump")}
+
+
+@pytest.mark.parametrize("mode", sorted(VIEWS))
+@pytest.mark.parametrize("test", sorted(DATA["tests"]))
+def test_every_rule_counted_is_printed_by_the_view_and_listed_by_the_trace(mode: str, test: str) -> None:
+    ss = flow_set(test)
+    printed = VIEWS[mode](ss)
+    for f in DATA["tests"][test]:
+        for p in trace.TRACERS[mode](ss, flow_packet(ss, f["src"], f["dst"])):
+            assert p.rules == len(p.walked) == p.matched + p.skipped  # each one listed
+            assert all(rule in printed for rule in p.walked), f["name"]
+
+
+def test_nodeport_trace_does_not_match_the_clusterip_masquerade_rule() -> None:
+    for mode in ("nftables", "iptables"):
+        for p in _trace(mode, "TestExternalTrafficPolicyCluster", "203.0.113.2", "192.168.0.2:3001/TCP"):
+            assert not [h for h in p.hops if "172.30.0.41" in h], mode
+            assert any("mark-for-masquerade" in h or "KUBE-MARK-MASQ" in h for h in p.hops)
+
+
+def test_ipvs_counts_its_own_rules_and_says_masq_is_not_source_nat() -> None:
+    cluster = _trace("ipvs", "TestExternalTrafficPolicyCluster", "10.0.0.2", "172.30.0.41:80/TCP")
+    nodeport = _trace("ipvs", "TestExternalTrafficPolicyCluster", "203.0.113.2", "192.168.0.2:3001/TCP")
+    assert cluster[0].rules != nodeport[0].rules
+    assert all(p.masquerade and "KUBE-MARK-MASQ" in " ".join(p.hops) for p in nodeport)
+    assert all("not source NAT" in p.result for p in cluster + nodeport)
+
+
+def test_ipvs_hairpin_is_masqueraded_by_the_loop_back_ipset() -> None:
+    (p,) = _trace("ipvs", "TestClusterIPGeneral", "10.180.0.1", "172.30.0.41:80/TCP")
+    assert p.masquerade and "KUBE-LOOP-BACK" in p.hops[-1]
+
+
+def test_bpf_external_nodeport_is_not_rewritten_at_connect() -> None:
+    for p in _trace("bpf", "TestExternalTrafficPolicyCluster", "203.0.113.2", "192.168.0.2:3001/TCP"):
+        assert "connect() rewrote" not in p.result and "nftables fallback" in p.result
+        assert any("tc/XDP" in h for h in p.hops) and any("fallback" in h for h in p.hops)
+    for p in _trace("bpf", "TestExternalTrafficPolicyCluster", "10.0.0.2", "172.30.0.41:80/TCP"):
+        assert "connect() rewrote" in p.result and p.rules == 0
+
+
+def test_userspace_from_the_node_walks_kube_portals_host_dnat() -> None:
+    ss = flow_set("TestNodePorts")
+    port = userspace.proxy_port(ss.family_ports(4)[0])
+    for p in _trace("userspace", "TestNodePorts", "192.168.0.2", "172.30.0.41:80/TCP"):
+        text = "\n".join(p.hops)
+        assert "KUBE-PORTALS-HOST" in text and f"DNAT to 192.168.0.2:{port}" in text
+        assert "REDIRECT" not in text
+    for p in _trace("userspace", "TestNodePorts", "10.0.0.2", "172.30.0.41:80/TCP"):
+        assert "KUBE-PORTALS-CONTAINER" in "\n".join(p.hops) and f"REDIRECT to port {port}" in "\n".join(p.hops)

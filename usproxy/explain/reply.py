@@ -1,0 +1,124 @@
+"""The rest of a traced connection: later packets, the reply path and the source the backend sees.
+
+For one `Path` of one mode: only the first packet walks the rules; later packets and every reply
+ride what the first one left behind (netfilter conntrack for iptables and nftables, IPVS's own
+connection table plus conntrack for IPVS, the connected socket for BPF socket LB, two sockets in
+the relay's flow table for userspace). The reply is un-DNATed (and un-SNATed when masqueraded)
+back to the Service address the client used. Masquerade happens in nat POSTROUTING (iptables
+KUBE-POSTROUTING, the nftables `masquerading` chain; IPVS uses iptables' KUBE-POSTROUTING), never
+for socket LB and never for the relay, whose second connection simply starts at this node. The
+rules quoted are the views' own (iptables.build, nftables.build, ipvs.iptables_helpers).
+"""
+
+from __future__ import annotations
+
+from usproxy.explain import iptables, ipvs, nftables
+from usproxy.explain.packet import Packet, Path
+from usproxy.explain.service_set import ServiceSet
+from usproxy.types import format_hostport
+
+NODE_SOURCE = "this node's address on the interface toward the backend"
+
+
+def lines(mode: str, ss: ServiceSet, pkt: Packet, p: Path) -> list[str]:
+    """What happens after the first packet of `p`, one sentence a line."""
+    if p.lands in ("REJECT", "DROP", ""):
+        return _no_connection(mode, pkt, p)
+    if mode == "bpf" and p.result.startswith("nftables fallback"):
+        return ["(usproxy's nftables fallback, as nftables mode:)", *_conntrack(ss, pkt, p, "nftables")]
+    if mode in ("iptables", "nftables"):
+        return _conntrack(ss, pkt, p, mode)
+    return {"ipvs": _ipvs, "bpf": _socket_lb, "userspace": _relay}[mode](ss, pkt, p)
+
+
+def _orig(pkt: Packet) -> str:
+    return format_hostport(pkt.dst, pkt.dport)
+
+
+def _no_connection(mode: str, pkt: Packet, p: Path) -> list[str]:
+    if p.lands == "DROP":
+        return ["no reply: the first packet is dropped; the client retries, then times out"]
+    if p.lands == "":
+        return [f"not a Service connection here: nothing was translated, so any reply comes from "
+                f"whatever answers {_orig(pkt)}"]
+    if mode == "bpf" and "connect()" in p.result:
+        return ["no packet leaves: connect() itself fails with ECONNREFUSED"]
+    answer = "ICMP port unreachable" if mode == "ipvs" or pkt.proto != "TCP" else "a TCP RST"
+    return [f"no connection: this node answers the first packet with {answer}, from "
+            f"{_orig(pkt)}, so the client fails at once instead of timing out"]
+
+
+def _masquerade_rule(ss: ServiceSet, pkt: Packet, mode: str) -> str:
+    if mode == "iptables":
+        rs = iptables.build(ss, pkt.dst.version)
+        rule = next(r for r in rs.rules if r.chain == iptables.POSTROUTING and r.target == "MASQUERADE")
+        return f"nat {iptables.POSTROUTING}: {rule.text()}"
+    t = nftables.build(ss, pkt.dst.version)
+    text = next(r.text for r in t.chains["masquerading"].rules if r.text.startswith("masquerade"))
+    return f"masquerading (hooked at nat-postrouting): {text}"
+
+
+def _seen(pkt: Packet, p: Path) -> str:
+    return NODE_SOURCE if p.masquerade else f"the client's own address {pkt.src}"
+
+
+def _conntrack(ss: ServiceSet, pkt: Packet, p: Path, mode: str) -> list[str]:
+    out = ["conntrack: only this first packet walked the rules; the translation is stored in its "
+           "conntrack entry, so later packets and every reply skip the nat rules"]
+    if p.masquerade:
+        out.append(f"source NAT (the packet carries the masquerade mark): "
+                   f"{_masquerade_rule(ss, pkt, mode)}")
+    else:
+        out.append("no source NAT: nothing marked this packet for masquerade")
+    return out + _sees_and_reply(pkt, p)
+
+
+def _sees_and_reply(pkt: Packet, p: Path) -> list[str]:
+    undo = (f"the destination back to {pkt.src} (un-SNAT) and " if p.masquerade else "")
+    return [f"the backend {p.lands} sees the connection from {_seen(pkt, p)}",
+            f"reply from {p.lands}: conntrack turns {undo}the source back to {_orig(pkt)} "
+            f"(un-DNAT), so the client gets its replies from the address it connected to"]
+
+
+def _ipvs(ss: ServiceSet, pkt: Packet, p: Path) -> list[str]:
+    out = ["IPVS keeps this connection in its own table (ipvsadm -Lnc): later packets go to the "
+           "same real server without walking the rules; netfilter conntrack tracks it too "
+           "(kube-proxy sets net.ipv4.vs.conntrack=1), which lets POSTROUTING masquerade it",
+           f"forwarding method Masq rewrote the destination only: {_orig(pkt)} -> {p.lands}"]
+    if p.masquerade and not any("KUBE-LOOP-BACK" in h for h in p.hops):
+        rule = next(line for line in ipvs.iptables_helpers(ss, pkt.dst.version).splitlines()
+                    if line.startswith("-A KUBE-POSTROUTING") and "requiring SNAT" in line)
+        out.append(f"source NAT (the packet carries the masquerade mark): nat KUBE-POSTROUTING: {rule}")
+    elif p.masquerade:
+        out.append("source NAT: the KUBE-LOOP-BACK rule above (a pod reaching itself)")
+    else:
+        out.append("no source NAT: nothing marked this packet for masquerade")
+    return out + _sees_and_reply(pkt, p)
+
+
+def _socket_lb(ss: ServiceSet, pkt: Packet, p: Path) -> list[str]:
+    per = ("each sendmsg() of an unconnected UDP socket is rewritten the same way"
+           if pkt.proto == "UDP" else "later packets need no lookup at all")
+    return [f"no packet is translated: connect() connected the socket to {p.lands} itself, so every "
+            f"packet carries {p.lands} from the start ({per}); conntrack, if loaded, sees a plain "
+            "connection with no NAT",
+            f"the backend {p.lands} sees the client's own address {pkt.src}: no source NAT anywhere",
+            f"replies come from {p.lands}; the getpeername() hook (and recvmsg() for UDP) shows "
+            f"the application {_orig(pkt)} instead (reverse NAT by the frontend's revNAT ID)"]
+
+
+def _relay(ss: ServiceSet, pkt: Packet, p: Path) -> list[str]:
+    first = (f"{pkt.src} -> {_orig(pkt)} ends at the relay's listener (accept())"
+             if pkt.proto == "TCP" else f"datagrams from {pkt.src} to {_orig(pkt)} reach the "
+             "relay's socket, one session per client address and port")
+    out = [f"two connections, no NAT: {first}; the relay opens a second one from this node to "
+           f"{p.lands} and copies the bytes between them; its own flow table pairs the two "
+           "(`usproxy flows`, /flows on the metrics address)",
+           f"the backend {p.lands} sees {NODE_SOURCE} (the second connection's source, chosen "
+           "by routing): never the client's address",
+           f"replies: the backend answers the relay, which writes them on the first connection, "
+           f"whose local address is {_orig(pkt)}: nothing to un-NAT"]
+    if pkt.dst.version == 4:
+        out.append(f"kube-proxy 1.0 did the same behind its portal rule: conntrack turned the "
+                   f"source of its replies back from the proxy port to {_orig(pkt)}")
+    return out
