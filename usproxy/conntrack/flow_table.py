@@ -6,14 +6,16 @@ or one datagram), state (a FlowState, named as the kernel's conntrack names them
 activity (monotonic seconds). The table is bounded by
 `max_flows` (kube-proxy's conntrack max rule; see ProxyConfig.conntrack_max): `add` raises
 FlowTableFull instead of growing, so callers can refuse a new connection cleanly. Insert, lookup
-and delete are O(1).
+and delete are O(1). The table also counts live flows per client address (`per_client`), which
+FlowAdmission reads for its fair share. A flow's owner may set `closer`, which ends the flow
+(both legs reset) when the relay times it out.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
@@ -42,6 +44,7 @@ class Flow:
     endpoint: HostPort | None = None
     local: HostPort | None = None
     local_of: Any = None  # a transport whose sockname is `local`, read only when shown
+    closer: Callable[[], None] | None = None  # ends the flow (idle and half-close timeouts)
     datapath: str = "userspace"
     state: FlowState = "NEW"
     started: float = field(default_factory=time.monotonic)
@@ -90,10 +93,13 @@ class FlowTable:
         self._flows: dict[int, Flow] = {}
         self._ids = itertools.count(1)
         self.refused = 0
+        self.refused_fair_share = 0  # of `refused`: a client over its fair share (FlowAdmission)
+        self.timed_out = 0  # flows the relay reset for idling past their timeout
         # Counters read by the metrics collector at scrape time (nothing per flow reaches
         # Prometheus): flows opened and live per protocol, bytes of flows that ended.
         self.opened: dict[str, int] = {}
         self.live: dict[str, int] = {}
+        self.per_client: dict[str, int] = {}  # client address -> live flows
         self.bytes_done = [0, 0]  # original (client -> endpoint), reply
 
     def add(self, flow: Flow) -> Flow:
@@ -105,12 +111,19 @@ class FlowTable:
         p = flow.protocol
         self.opened[p] = self.opened.get(p, 0) + 1
         self.live[p] = self.live.get(p, 0) + 1
+        c = flow.client[0]
+        self.per_client[c] = self.per_client.get(c, 0) + 1
         return flow
 
     def remove(self, flow: Flow) -> None:
         if self._flows.pop(flow.id, None) is None:
             return
         self.live[flow.protocol] -= 1
+        c = flow.client[0]
+        if self.per_client[c] <= 1:
+            del self.per_client[c]
+        else:
+            self.per_client[c] -= 1
         self.bytes_done[0] += flow.bytes_in
         self.bytes_done[1] += flow.bytes_out
 

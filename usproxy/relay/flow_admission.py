@@ -20,6 +20,13 @@ Policy: at a bound, the longest-idle UDP flow of any ServicePort is closed to ma
 the UDP relay's), so a UDP flood of fresh source ports cannot lock TCP out, and UDP, which has no
 close to wait for, ages out first (C08). TCP connections are never evicted: a flow that still finds
 the table full is refused with FlowTableFull.
+
+Fair share (issue 18: one client's 9,872 idle connections to one Service got every other client of
+every Service reset): while the table or the descriptor budget is under pressure (7/8 of its bound
+or more), a client address that holds its fair share of the pressure mark (the mark divided by the
+number of client addresses with live flows) or more is refused; clients below their share are
+still admitted up to the bound. No client is limited while there is no pressure (an ingress
+controller or a NATed network is one address with many legitimate connections).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from usproxy.types import ServicePortName
 
 FD_RESERVE = 256  # descriptors kept for the admin servers, manifest reads, the API watch, libnftables
 MIN_FLOWS = 16  # bounds never go below this, whatever the descriptor limit
+PRESSURE = 7 / 8  # share of a bound above which the fair share applies
 
 
 class FlowAdmission:
@@ -84,7 +92,23 @@ class FlowAdmission:
         if self._over_budget(need) and not (self.evict_idle() and not self._over_budget(need)):
             self.table.refused += 1
             raise FlowTableFull(f"descriptor budget of {self.descriptors} reached")
+        if self._over_fair_share(client[0], need):
+            self.table.refused += 1
+            self.table.refused_fair_share += 1
+            raise FlowTableFull(f"client {client[0]} holds its fair share of the flow table")
         return self.table.add(Flow(protocol, service, client, frontend))
+
+    def _over_fair_share(self, client_ip: str, need: int) -> bool:
+        """Under pressure, does `client_ip` hold its fair share (see the module docstring)?"""
+        mark = int(self.table.max_flows * PRESSURE)
+        pressed = len(self.table) >= mark
+        if not pressed and self.descriptors is not None:
+            pressed = self.descriptors_held() + need > self.descriptors * PRESSURE
+            mark = min(mark, int(self.descriptors * PRESSURE) // 2)  # in flows: two descriptors each
+        if not pressed:
+            return False
+        held = self.table.per_client.get(client_ip, 0)
+        return held > 0 and held >= max(1, mark // len(self.table.per_client))
 
     def release(self, flow: Flow) -> None:
         """The flow ended (idempotent)."""
