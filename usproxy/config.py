@@ -43,6 +43,9 @@ class ProxyConfig:
     conntrack_max_per_core: int = 32768
     conntrack_min: int = 131072
     udp_idle_timeout: float = 30.0
+    # idle timeouts of relayed TCP flows: kube-proxy's conntrack flags for the kernel's entries
+    tcp_established_timeout: float = 86400.0
+    tcp_close_wait_timeout: float = 3600.0
     bpf_cgroup: Path = Path("/sys/fs/cgroup/unified")
     cleanup: bool = False
 
@@ -81,7 +84,11 @@ KNOWN_FIELDS: dict[str, str] = {
     "conntrack.maxPerCore": "conntrack_max_per_core",
     "conntrack.min": "conntrack_min",
     "conntrack.udpTimeout": "udp_idle_timeout",
+    "conntrack.tcpEstablishedTimeout": "tcp_established_timeout",
+    "conntrack.tcpCloseWaitTimeout": "tcp_close_wait_timeout",
 }
+DURATIONS = ("sync_period", "min_sync_period", "udp_idle_timeout", "tcp_established_timeout",
+             "tcp_close_wait_timeout")
 IGNORED_QUIETLY = {"apiVersion", "kind", "mode", "bindAddress", "clusterCIDR", "featureGates"}
 
 
@@ -97,7 +104,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _convert(name: str, key: str, value: Any) -> Any:
-    if name in ("sync_period", "min_sync_period", "udp_idle_timeout"):
+    if name in DURATIONS:
         return parse_duration(value, key)
     if name in ("conntrack_max_per_core", "conntrack_min"):
         if not isinstance(value, int) or value < 0:

@@ -42,6 +42,10 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--conntrack-max-per-core", type=int)
     p.add_argument("--conntrack-min", type=int)
     p.add_argument("--udp-idle-timeout", metavar="DURATION")
+    p.add_argument("--conntrack-tcp-timeout-established", dest="tcp_established_timeout", metavar="DURATION",
+                   help="a relayed TCP connection idle this long is reset (default 24h, as kube-proxy's flag)")
+    p.add_argument("--conntrack-tcp-timeout-close-wait", dest="tcp_close_wait_timeout", metavar="DURATION",
+                   help="a half-closed relayed TCP connection idle this long is reset (default 1h)")
     p.add_argument("--bpf-cgroup", type=Path)
     p.add_argument("--cleanup", action="store_true", default=None,
                    help="remove everything usproxy installed in the kernel, then exit")
@@ -64,13 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+FLAG_OF_DURATION = {"sync_period": "--sync-period", "min_sync_period": "--min-sync-period",
+                    "udp_idle_timeout": "--udp-idle-timeout",
+                    "tcp_established_timeout": "--conntrack-tcp-timeout-established",
+                    "tcp_close_wait_timeout": "--conntrack-tcp-timeout-close-wait"}
+
+
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """Flags over the --config file; raises ConfigError (exit 2) naming the flag at fault."""
     cfg = load_kube_proxy_configuration(args.config) if args.config else ProxyConfig()
     overrides = {k: getattr(args, k) for k in vars(args) if k not in ("command", "verbose", "config")}
-    for key in ("sync_period", "min_sync_period", "udp_idle_timeout"):
+    for key, flag in FLAG_OF_DURATION.items():
         if overrides.get(key) is not None:
-            overrides[key] = parse_duration(overrides[key], "--" + key.replace("_", "-"))
+            overrides[key] = parse_duration(overrides[key], flag)
     cfg = with_overrides(cfg, overrides)
     validate(cfg, given_services=args.services is not None, given_kubeconfig=args.kubeconfig is not None)
     return cfg
@@ -91,7 +101,9 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
                 raise ConfigError(str(err), obj="usproxy run") from None
     for flag, seconds in (("--offload-after", cfg.offload_after), ("--sync-period", cfg.sync_period),
                           ("--min-sync-period", cfg.min_sync_period),
-                          ("--udp-idle-timeout", cfg.udp_idle_timeout)):
+                          ("--udp-idle-timeout", cfg.udp_idle_timeout),
+                          ("--conntrack-tcp-timeout-established", cfg.tcp_established_timeout),
+                          ("--conntrack-tcp-timeout-close-wait", cfg.tcp_close_wait_timeout)):
         if seconds < 0:
             raise ConfigError(f"must not be negative, got {seconds}", obj="usproxy run", field=flag)
 

@@ -58,16 +58,27 @@ def raise_nofile_limit() -> int:
 class RelaySettings:
     """What the relay takes from the agent's settings: the ClusterIP interface, the default
     lb-policy, the flow bound (kube-proxy's conntrack max rule, ProxyConfig.conntrack_max) and
-    the UDP idle timeout in seconds."""
+    the idle timeouts in seconds: UDP flows, established TCP flows and half-closed TCP flows (as
+    kube-proxy's conntrack settings give them to the kernel's entries; 0 turns one off)."""
 
     vip_interface: str
     lb_policy: LBPolicy
     conntrack_max: int
     udp_idle_timeout: float
+    tcp_established_timeout: float = 86400.0
+    tcp_close_wait_timeout: float = 3600.0
 
     @classmethod
     def from_config(cls, cfg: ProxyConfig) -> RelaySettings:
-        return cls(cfg.vip_interface, cfg.lb_policy, cfg.conntrack_max(), cfg.udp_idle_timeout)
+        return cls(cfg.vip_interface, cfg.lb_policy, cfg.conntrack_max(), cfg.udp_idle_timeout,
+                   cfg.tcp_established_timeout, cfg.tcp_close_wait_timeout)
+
+
+def tcp_sweep_period(settings: RelaySettings) -> float:
+    """How often idle TCP flows are looked for (seconds): a tenth of the shorter timeout, between
+    0.1 s and 10 s, so a flow outlives its timeout by at most a tenth (or 10 s)."""
+    timeouts = [t for t in (settings.tcp_established_timeout, settings.tcp_close_wait_timeout) if t > 0]
+    return min(10.0, max(0.1, min(timeouts) / 10)) if timeouts else 10.0
 
 
 class Relay:
@@ -229,10 +240,33 @@ class Relay:
 
     # -- flows ---------------------------------------------------------------------------------
     async def _sweep(self) -> None:
+        tcp_every = tcp_sweep_period(self.settings)
+        next_tcp = time.monotonic() + tcp_every
         while True:
-            await asyncio.sleep(min(1.0, max(0.1, self.settings.udp_idle_timeout / 4)))
+            await asyncio.sleep(min(1.0, max(0.1, self.settings.udp_idle_timeout / 4), tcp_every))
             try:
                 self.udp.expire()
+                if time.monotonic() >= next_tcp:
+                    self.expire_tcp()
+                    next_tcp = time.monotonic() + tcp_every
                 await self._retry_failed()  # a listener address freed by someone else: take it
             except Exception:
-                log.exception("UDP flow sweep failed")
+                log.exception("flow sweep failed")
+
+    def expire_tcp(self, now: float | None = None) -> int:
+        """Reset relayed TCP flows idle past their timeout: established ones after
+        `tcp_established_timeout`, half-closed ones (FIN_WAIT: one side sent FIN) after
+        `tcp_close_wait_timeout` (as the kernel expires kube-proxy's conntrack entries). Returns how
+        many were reset; O(flows), run every `tcp_sweep_period`."""
+        now = time.monotonic() if now is None else now
+        est, half = self.settings.tcp_established_timeout, self.settings.tcp_close_wait_timeout
+        expired = [f for f in self.admission.table if f.protocol == "TCP" and f.closer is not None and (
+            (f.state == "FIN_WAIT" and half and now - f.last_seen > half)
+            or (f.state == "ESTABLISHED" and est and now - f.last_seen > est))]
+        for f in expired:
+            assert f.closer is not None
+            f.closer()
+        if expired:
+            self.admission.table.timed_out += len(expired)
+            log.info("reset %d relayed TCP flows idle past their timeout", len(expired))
+        return len(expired)

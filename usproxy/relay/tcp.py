@@ -40,8 +40,8 @@ limited = RateLimitedLog(log)
 
 DIAL_TIMEOUTS = (0.25, 0.5, 1.0, 2.0)
 DIAL_BUFFER = 256 * 1024
-HIGH_WATER = 1024 * 1024
-LOW_WATER = 256 * 1024
+HIGH_WATER = 64 * 1024  # per leg, as HAProxy's 16 KiB buffers: the kernel's socket buffers (bounded by tcp_mem) hold the rest
+LOW_WATER = 16 * 1024
 LINGER_ZERO = struct.pack("ii", 1, 0)  # SO_LINGER on with 0 s: close() sends RST
 
 
@@ -119,6 +119,7 @@ class ClientSide(asyncio.Protocol):
             reset(self.transport)
             return
         self.flow.state = "SYN_SENT"
+        self.flow.closer = self.expire
         self.dial = asyncio.get_running_loop().create_task(self._dial(client[0]))
 
     def data_received(self, data: bytes) -> None:
@@ -150,6 +151,13 @@ class ClientSide(asyncio.Protocol):
         self._release()
         if up is None or up.lost:
             self.upstream = None  # break the ClientSide <-> EndpointSide cycle: no GC needed
+
+    def expire(self) -> None:
+        """The flow idled past its timeout: reset both legs (each then sees connection_lost)."""
+        if self.upstream is not None:
+            self.upstream.reset()
+        if self.transport is not None and not self.transport.is_closing():
+            reset(self.transport)
 
     def pause_writing(self) -> None:
         if self.upstream is not None:
@@ -193,6 +201,7 @@ class ClientSide(asyncio.Protocol):
         self.held = False
         if self.eof_in:
             side.send_eof()
+            self._maybe_finish()  # the client's FIN came during the dial: the flow is half-closed
         return True
 
     def reply(self, data: bytes) -> None:
