@@ -22,7 +22,7 @@ import pytest
 from scipy.stats import chisquare
 
 from usproxy.endpoint import Endpoint
-from usproxy.relay.endpoint_selector import FAIL_BACKOFF, EndpointSelector
+from usproxy.relay.endpoint_selector import FAIL_BACKOFF, MAX_PINS, EndpointSelector
 from usproxy.service_port import LBPolicy
 
 
@@ -195,6 +195,24 @@ def test_expired_pins_do_not_accumulate() -> None:
         sel.pick(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}")
         clock.now += 0.01  # about 100 clients are live at any time
     assert len(sel._pins) < 5000
+
+
+def test_live_pins_are_bounded_and_the_least_recent_go_first() -> None:
+    """150,000 client addresses all within the 3 h timeout (a scan, or a NAT pool): the pins stay
+    at most MAX_PINS, the most recent clients keep theirs, and an evicted client is pinned afresh."""
+    clock = Clock()
+    sel = selector(endpoints(3), affinity="ClientIP", timeout=10800.0, clock=clock)
+    first = {}
+    for i in range(150_000):
+        ip = f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}"
+        first[ip] = sel.pick(ip)
+        clock.now += 0.001
+        assert len(sel._pins) <= MAX_PINS + 1
+    recent = [f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}" for i in range(149_000, 150_000)]
+    assert all(sel.pick(ip) == first[ip] for ip in recent)  # the most recent keep their endpoint
+    assert "10.0.0.0" not in sel._pins  # the oldest went
+    again = sel.pick("10.0.0.0")
+    assert all(sel.pick("10.0.0.0") == again for _ in range(5))
 
 
 def test_failed_endpoint_backs_off_unless_all_do() -> None:

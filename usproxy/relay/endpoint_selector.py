@@ -5,7 +5,10 @@ random (uniform, no modulo bias: `random.randrange`), leastConnections (fewest o
 round-robin order). sessionAffinity ClientIP: a client IP stays on its endpoint while it connects
 again within `timeout` seconds of its last connection (each new connection refreshes the timer);
 the pin moves when the endpoint is removed or fails; expired pins are purged as the table grows
-(amortised), so client IPs that come and go do not accumulate. A failed endpoint is skipped for a
+(amortised), so client IPs that come and go do not accumulate, and at most MAX_PINS live pins are
+kept per ServicePort (the BPF datapath's affinity map is an LRU of 65,536 entries): past that the
+least recently used quarter is dropped, and those clients are pinned afresh on their next
+connection. A failed endpoint is skipped for a
 short back-off unless every endpoint is backing off. Endpoint-set updates keep the round-robin
 position meaningful and keep affinity entries of endpoints that remain (C16).
 
@@ -25,6 +28,7 @@ from usproxy.service_port import LBPolicy, SessionAffinity
 
 FAIL_BACKOFF = 2.0  # seconds a failed endpoint is skipped
 PURGE_MIN = 1024  # affinity entries before expired ones are first purged
+MAX_PINS = 65536  # live affinity entries per ServicePort (~200 B each)
 
 
 @dataclass(slots=True)
@@ -96,7 +100,10 @@ class EndpointSelector:
         self._pins[client_ip] = Affinity(ep, now)
         if len(self._pins) >= self._purge_at:
             self._pins = {c: a for c, a in self._pins.items() if now - a.last_used <= self.timeout}
-            self._purge_at = max(PURGE_MIN, 2 * len(self._pins))
+            if len(self._pins) > MAX_PINS:
+                keep = sorted(self._pins.items(), key=lambda ca: ca[1].last_used)[-(MAX_PINS * 3 // 4):]
+                self._pins = dict(keep)
+            self._purge_at = min(MAX_PINS + 1, max(PURGE_MIN, 2 * len(self._pins)))
 
     def _candidates(self, now: float, exclude: Collection[Endpoint]) -> Sequence[Endpoint]:
         if self._failed_until:
