@@ -10,6 +10,7 @@ import asyncio
 import errno
 import ipaddress
 import json
+import logging
 import socket
 from typing import Any
 
@@ -106,7 +107,8 @@ async def test_sync_services_and_endpoints_over_http() -> None:
         await hcs.close()
 
 
-async def test_port_in_use_is_reported_with_errno_other_services_unaffected_and_retried() -> None:
+async def test_port_in_use_is_reported_with_errno_other_services_unaffected_and_retried(
+        caplog: pytest.LogCaptureFixture) -> None:
     hcs = ServiceHealthServer(LOOPBACK, lambda: True)
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -117,6 +119,9 @@ async def test_port_in_use_is_reported_with_errno_other_services_unaffected_and_
         assert f"[Errno {errno.EADDRINUSE}]" in str(hcs.error_of(AB)) and hcs.error_of(CD) is None
         assert f"port {busy}" in str(hcs.errors()[AB]) and hcs.listening(AB) == []
         assert (await probe(other))[0] == 200
+        await hcs.sync({AB: busy, CD: other}, {AB: 1, CD: 1})  # still taken: logged once only
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "a/b" in errors[0] and "Address already in use" in errors[0]
         taken.close()
         await hcs.sync({AB: busy, CD: other}, {AB: 1, CD: 1})  # the next sync retries
         assert hcs.error_of(AB) is None and (await probe(busy))[0] == 200

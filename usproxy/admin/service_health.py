@@ -183,8 +183,11 @@ class ServiceHealthServer:
                     raise
         except OSError as err:
             await _close_listeners(check)
-            check.error = f"cannot listen on port {check.port}: {err}"
-            limited.warning("health check of %s: %s; retried at the next sync", name, check.error)
+            error = f"cannot listen on port {check.port}: {err}"
+            # logged when it starts or changes: a retry every sync must not flood the log
+            (log.debug if error == check.error else log.error)(
+                "health check of %s: %s; retried at the next sync", name, error)
+            check.error = error
             return
         check.error = None
         log.info("health check of %s listening on %s", name,
@@ -198,7 +201,10 @@ class ServiceHealthServer:
         if not self.node.nodeport_cidrs:
             return ["::" if socket.has_ipv6 else "0.0.0.0"]
         nets = self.node.nodeport_cidrs
-        local = await asyncio.to_thread(_local_addresses, self.exclude_interface)
+        try:
+            local = await asyncio.to_thread(_local_addresses, self.exclude_interface)
+        except Exception as err:  # a netlink error (pyroute2's NetlinkError is no OSError)
+            raise OSError(f"cannot list this node's addresses: {err}") from err
         matched = sorted({str(ip) for ip in local if any(ip in n for n in nets)})
         if not matched:
             raise OSError(f"no address of this node is in --nodeport-addresses "
