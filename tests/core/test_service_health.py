@@ -1,7 +1,8 @@
 """Service health checks (healthCheckNodePort) as kube-proxy pkg/proxy/healthcheck: the answer
 (status, headers, tab-indented JSON body), SyncServices/SyncEndpoints semantics over real HTTP on
 loopback (open, keep, re-open on a port change, close), a port that cannot be bound reported with
-its errno and retried while other Services answer, the Proxier's counts (local ready endpoints
+its errno and retried while other Services answer (and shown in the agent's /services until the
+periodic sync takes the freed port), the Proxier's counts (local ready endpoints
 by distinct address, only after a successful sync), and the model field's parsing."""
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ import ipaddress
 import json
 import logging
 import socket
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
 from tests.core.test_agent_admin import closed
 from tests.core.test_proxier import eps, service
 from usproxy.admin.service_health import ServiceHealthServer, reply
+from usproxy.app.agent import Agent
+from usproxy.config import ProxyConfig
 from usproxy.datapath import FakeDatapath
 from usproxy.endpoint import Endpoint
 from usproxy.endpoint_slice import EndpointSlice
@@ -232,3 +237,43 @@ def test_health_check_node_port_is_kept_only_for_load_balancers_with_local_polic
 def test_bad_health_check_node_port_names_service_and_field(value: object, message: str) -> None:
     m = objects_from([_with(healthCheckNodePort=value)])
     assert [str(e) for e in m.errors] == [f"Service default/lb: spec.healthCheckNodePort: {message}"]
+
+
+async def test_agent_shows_a_bind_error_in_services_and_serves_once_the_port_is_free(tmp_path: Path) -> None:
+    """The agent (fake datapath, NodePort addresses 127.0.0.1/32): a taken health check port is
+    shown in /services with its errno, and the periodic sync takes the port once it is free."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = int(taken.getsockname()[1])
+    slice_ = {"kind": "EndpointSlice", "addressType": "IPv4",
+              "metadata": {"name": "lb-1", "namespace": "default", "labels": {"kubernetes.io/service-name": "lb"}},
+              "ports": [{"name": "http", "port": 8080}, {"name": "https", "port": 8443}],
+              "endpoints": [{"addresses": ["10.244.1.5"], "nodeName": "node1"}]}
+    (tmp_path / "svc.yaml").write_text(yaml.safe_dump_all([_with(healthCheckNodePort=port), slice_]))
+    cfg = ProxyConfig(services=tmp_path, healthz_bind_address="127.0.0.1:0", metrics_bind_address="127.0.0.1:0",
+                      min_sync_period=0.05, sync_period=0.3, hostname_override="node1",
+                      nodeport_addresses=("127.0.0.1/32",))
+    agent = Agent(cfg, datapaths=[FakeDatapath("userspace")])
+    await agent.start()
+    try:
+        rows = await wait_rows(agent, lambda rows: bool(rows) and rows[0]["healthCheckError"] is not None)
+        assert {r["healthCheckNodePort"] for r in rows} == {port}
+        assert f"cannot listen on port {port}: [Errno {errno.EADDRINUSE}] 127.0.0.1:{port}" in rows[0]["healthCheckError"]
+        taken.close()
+        await wait_rows(agent, lambda rows: rows[0]["healthCheckError"] is None)
+        status, _, body = await probe(port)
+        assert status == 200 and body["localEndpoints"] == 1  # 10.244.1.5 serves two ports: one address
+    finally:
+        taken.close()
+        await agent.shutdown()
+
+
+async def wait_rows(agent: Agent, cond: Any, timeout: float = 3.0) -> list[dict[str, Any]]:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        rows = agent.services_view()
+        if cond(rows):
+            return rows
+        assert asyncio.get_running_loop().time() < deadline, rows
+        await asyncio.sleep(0.05)
