@@ -7,6 +7,11 @@ each datapath only the ServicePorts that changed; a failed sync makes the next o
 does the passing of `full_sync_period` (10 × the sync period), so datapaths can repair state
 changed behind their back (as kube-proxy's periodic full syncs).
 
+After the datapaths applied a sync, the service health server (when the agent set
+`service_health`) gets each healthCheckNodePort and the count of local ready endpoints per Service
+(distinct addresses, as kube-proxy's EndpointsMap.LocalReadyEndpoints), kept per ServicePort and
+updated only for the ServicePorts a sync hands over.
+
 Only a source change starts a measurement of kubeproxy_network_programming_duration_seconds; a
 datapath asking for a sync of its own accord (`request_sync`: an offload window ended) does not.
 """
@@ -15,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily
 
@@ -30,9 +36,17 @@ from usproxy.node import NodeFacts
 from usproxy.service import Service
 from usproxy.service_change_tracker import ServiceChangeTracker, ServicePortMap
 from usproxy.sync_runner import SyncRunner
-from usproxy.types import IPAddress, ServicePortName
+from usproxy.types import IPAddress, NamespacedName, ServicePortName
 
 log = logging.getLogger(__name__)
+
+
+class ServiceHealthSink(Protocol):
+    """Where the Proxier reports health checks after each successful sync (kube-proxy's
+    ServiceHealthServer SyncServices + SyncEndpoints): `ports` per Service that has a
+    healthCheckNodePort, `counts` of local ready endpoints per Service."""
+
+    async def sync(self, ports: Mapping[NamespacedName, int], counts: Mapping[NamespacedName, int]) -> None: ...
 
 
 class Proxier:
@@ -61,6 +75,9 @@ class Proxier:
         self._cluster_ips: dict[IPAddress, int] = {}  # ClusterIP -> number of ServicePorts using it
         self._counted: dict[ServicePortName, tuple[IPAddress, ...]] = {}
         self.claims = FrontendClaims()  # one owner per frontend, for every datapath
+        self.service_health: ServiceHealthSink | None = None
+        # healthCheckNodePort and local ready endpoint addresses, per ServicePort that has one
+        self._health: dict[ServicePortName, tuple[int, frozenset[IPAddress]]] = {}
         self._synced = {"services": False, "endpointslices": False}
         self._need_full = True
         self.full_sync_period = 10 * sync_period  # seconds between full syncs (drift repair)
@@ -130,6 +147,8 @@ class Proxier:
             try:
                 for dp in self.datapaths:
                     await dp.sync(request)
+                if self.service_health is not None:
+                    await self.service_health.sync(*self.health_checks())
             except Exception:
                 self._need_full = True
                 self.metrics.sync_failures.inc()
@@ -170,8 +189,30 @@ class Proxier:
             self._last_full = time.monotonic()
         names = set(self.service_map) | changed if full else changed
         changes = {spn: self.state_of(spn) for spn in names}
+        self._track_health(changes)
         removed = {spn: frozenset(eps) for spn, eps in ep_change.removed.items()}
         return SyncRequest(changes=changes, removed_endpoints=removed, full=full)
+
+    def _track_health(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> None:
+        """Record the healthCheckNodePort and local ready endpoints of the changed ServicePorts."""
+        for spn, st in changes.items():
+            port = st.service_port.health_check_node_port if st is not None else 0
+            if st is None or not port:
+                self._health.pop(spn, None)
+                continue
+            local = frozenset(ep.ip for ep in st.endpoints
+                              if ep.ready and self.node.name is not None and ep.node_name == self.node.name)
+            self._health[spn] = (port, local)
+
+    def health_checks(self) -> tuple[dict[NamespacedName, int], dict[NamespacedName, int]]:
+        """(healthCheckNodePort per Service, local ready endpoints per Service): an address
+        counts once however many ports of the Service it serves (as kube-proxy)."""
+        ports: dict[NamespacedName, int] = {}
+        local: dict[NamespacedName, set[IPAddress]] = {}
+        for spn, (port, ips) in self._health.items():
+            ports[spn.service] = port
+            local.setdefault(spn.service, set()).update(ips)
+        return ports, {name: len(ips) for name, ips in local.items() if ips}
 
     def _track_cluster_ips(self, changed: set[ServicePortName]) -> set[ServicePortName]:
         """Update ClusterIP reference counts for the changed ServicePorts (cost proportional to

@@ -161,6 +161,7 @@ def parse_service(raw: Mapping[str, Any]) -> Service:
         datapath=cast(DatapathName | None, _annotation(meta, annotations, DATAPATH_ANNOTATION, DATAPATHS)),
         labels=tuple(sorted(meta.str_map("labels").items())),
     )
+    common["health_check_node_port"] = _health_check_node_port(spec, stype, common["external_traffic_policy"])
     port_fields = spec.items("ports")
     if not port_fields:
         raise spec.error("ports", "at least one port is required")
@@ -173,6 +174,21 @@ def parse_service(raw: Mapping[str, Any]) -> Service:
             node_port = 0  # the API server clears it; a hand-written file may not
         ports[spn] = ServicePort(name=spn, port=port, target_port=target, node_port=node_port, **common)
     return Service(svc, ports)
+
+
+def _health_check_node_port(spec: Fields, stype: ServiceType, etp: TrafficPolicy) -> int:
+    """spec.healthCheckNodePort (1..65535; absent or 0: none), kept only where kube-proxy serves
+    it (apiservice.NeedsHealthCheck: type LoadBalancer, externalTrafficPolicy Local); such a
+    Service without one is logged, as kube-proxy pkg/proxy/service.go does. Raises ConfigError."""
+    raw = spec.data.get("healthCheckNodePort")
+    unset = raw is None or (raw == 0 and not isinstance(raw, bool))
+    port = 0 if unset else spec.integer("healthCheckNodePort", lo=1)
+    if stype != "LoadBalancer" or etp != "Local":
+        return 0
+    if not port:
+        log.warning("%s: LoadBalancer with externalTrafficPolicy Local has no spec.healthCheckNodePort; "
+                    "no health check is served", spec.obj)
+    return port
 
 
 def _annotation(meta: Fields, annotations: dict[str, str], key: str, choices: tuple[str, ...]) -> str | None:

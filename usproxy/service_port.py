@@ -28,7 +28,9 @@ class ServicePort:
     `cluster_ips` holds one address per IP family (primary first). `node_port` is 0 when the
     Service has none. `affinity_timeout` is in seconds and only meaningful with ClientIP.
     `lb_policy` and `datapath` come from the annotations usproxy.io/lb-policy and
-    usproxy.io/datapath (None: use the agent's default).
+    usproxy.io/datapath (None: use the agent's default). `health_check_node_port` is the
+    Service's spec.healthCheckNodePort, non-zero only for a LoadBalancer with
+    externalTrafficPolicy Local (as kube-proxy pkg/proxy/service.go, apiservice.NeedsHealthCheck).
     """
 
     name: ServicePortName
@@ -47,6 +49,7 @@ class ServicePort:
     lb_policy: LBPolicy | None = None
     datapath: DatapathName | None = None
     labels: tuple[tuple[str, str], ...] = field(default=(), compare=True)
+    health_check_node_port: int = 0
 
     @property
     def protocol(self) -> Protocol:

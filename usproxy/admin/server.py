@@ -99,7 +99,7 @@ def connection_limit(nofile: int) -> int:
     return max(4, min(MAX_CONNECTIONS, nofile // FD_SHARE))
 
 
-class _Refused(asyncio.Protocol):
+class Refused(asyncio.Protocol):
     """A connection over the limit: reset at once (SO_LINGER 0), holding nothing."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -114,7 +114,7 @@ def bounded(server: web.Server, limit: int, where: str) -> Callable[[], asyncio.
     def factory() -> asyncio.Protocol:
         if len(server.connections) >= limit:
             limited.warning("admin %s: %d connections open; refusing more", where, limit)
-            return _Refused()
+            return Refused()
         return server()
     return factory
 

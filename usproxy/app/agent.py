@@ -3,7 +3,7 @@
 Life: this node's facts are resolved once (NodeFacts: the same node name for the Proxier, every
 datapath and the source), each datapath gets its own settings from the ProxyConfig, the source
 lists (a manifest that cannot be parsed at start raises ConfigError: exit 2), the admin server
-binds, the SyncRunner and the source's watch run as guarded tasks, and SIGTERM or
+binds, the service health server (healthCheckNodePorts) is handed to the Proxier, the SyncRunner and the source's watch run as guarded tasks, and SIGTERM or
 SIGINT stops everything in reverse order, releasing what the datapaths installed.
 """
 
@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 from usproxy.admin.health import Health, evaluate
 from usproxy.metrics import Metrics
 from usproxy.admin.server import AdminServer
+from usproxy.admin.service_health import ServiceHealthServer
 from usproxy.config import ProxyConfig
 from usproxy.datapath import Datapath, FlowsView, ServicePortState
 from usproxy.endpoint import Endpoint
@@ -82,6 +83,9 @@ class Agent:
         self.proxier = Proxier(self.datapaths, node=self.node, metrics=self.metrics,
                                min_sync_period=cfg.min_sync_period, sync_period=cfg.sync_period)
         self.admin = AdminServer(self, cfg.healthz_bind_address, cfg.metrics_bind_address)
+        self.service_health = ServiceHealthServer(self.node, lambda: self.health().healthy,
+                                                  exclude_interface=cfg.vip_interface)
+        self.proxier.service_health = self.service_health
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self.source: Source | None = None
@@ -145,6 +149,8 @@ class Agent:
             "internalTrafficPolicy": sp.internal_traffic_policy,
             "endpoints": endpoints,
             "datapath": where.datapath, "reason": where.reason,
+            "healthCheckNodePort": sp.health_check_node_port,
+            "healthCheckError": self.service_health.error_of(spn.service),
         }
 
     async def flows(self) -> list[dict[str, Any]]:
@@ -234,6 +240,7 @@ class Agent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         await self.proxier.close()
+        await self.service_health.close()
         await self.admin.stop()
         for lock in self._locks:
             lock.release()
