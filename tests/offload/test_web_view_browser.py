@@ -2,8 +2,9 @@
 real agent (relay + nftables offload) and the test reads what a person would see: the Services
 listed, a relay flow appearing within a second of a connection opening and leaving after it closes,
 the ServicePort's datapath turning from userspace to nftables once --offload-after has passed (with
-the event listed), a drawing for every one of the five modes next to its rules, and a removed
-endpoint highlighted. Screenshots are kept in the test's tmp dir (printed), never in the repo."""
+the event listed) and a kernel conntrack flow listed, a drawing for every one of the five modes
+next to its rules, and an endpoint removed and added back highlighted in its row and drawings.
+Screenshots are kept in the test's tmp dir (printed), never in the repo."""
 
 from __future__ import annotations
 
@@ -89,6 +90,15 @@ def test_the_page_shows_services_flows_offload_and_drawings(
                      what="default/web:http offloaded to nftables")
         browser.wait("document.querySelector('#events').textContent.includes('default/web:http: offloaded → nftables')",
                      what="the offload event")
+        with inside(client):
+            conn = socket.create_connection((VIP, 80), timeout=3)
+        try:  # now a kernel conntrack flow, as /flows lists it
+            conn.recv(64)
+            browser.wait("[...document.querySelectorAll('#flows tbody tr')].some(r => "
+                         "r.textContent.startsWith('nftables') && r.textContent.includes('10.244.9.9'))",
+                         timeout=2.0, what="the connection's kernel conntrack flow")
+        finally:
+            conn.close()
 
         # A drawing and the rules for every mode, for every Service.
         for service in ("default/web", "kube-system/dns"):
@@ -108,6 +118,14 @@ def test_the_page_shows_services_flows_offload_and_drawings(
                      f"?.textContent === '10.244.2.1:8080'", timeout=3.0, what="the removed endpoint highlighted")
         browser.wait("document.querySelectorAll('details[data-service=\"default/web\"] "
                      ".mode[data-mode=nftables] g.backend').length === 1", what="the drawing redrawn")
+        browser.screenshot(tmp_path / "web-view-removed.png")
+        # ... and added back: highlighted in its row and in every mode's drawing.
+        m.write(*services(["10.244.1.1", "10.244.2.1"]))
+        browser.wait(f"document.querySelector('#services tr[data-spn=\"default/web:http\"] .ep.added')"
+                     f"?.textContent === '10.244.2.1:8080'", timeout=3.0, what="the added endpoint highlighted")
+        browser.wait("document.querySelectorAll('details[data-service=\"default/web\"] "
+                     "g.backend.added[data-endpoint=\"10.244.2.1:8080\"]').length === 5",
+                     what="the added backend highlighted in all five drawings")
         shot = browser.screenshot(tmp_path / "web-view.png")
         print(f"screenshots: {shot.parent}")
         assert seen < 1.0
