@@ -114,15 +114,15 @@ def test_the_page_shows_services_flows_offload_and_drawings(
 
         # An endpoint removed: shown struck out in its row, and the drawings redrawn with one backend.
         m.write(*services(["10.244.1.1"]))
-        browser.wait(f"document.querySelector('#services tr[data-spn=\"default/web:http\"] .ep.removed')"
-                     f"?.textContent === '10.244.2.1:8080'", timeout=3.0, what="the removed endpoint highlighted")
+        browser.wait("document.querySelector('#services tr[data-spn=\"default/web:http\"] .ep.removed')"
+                     "?.textContent === '10.244.2.1:8080'", timeout=3.0, what="the removed endpoint highlighted")
         browser.wait("document.querySelectorAll('details[data-service=\"default/web\"] "
                      ".mode[data-mode=nftables] g.backend').length === 1", what="the drawing redrawn")
         browser.screenshot(tmp_path / "web-view-removed.png")
         # ... and added back: highlighted in its row and in every mode's drawing.
         m.write(*services(["10.244.1.1", "10.244.2.1"]))
-        browser.wait(f"document.querySelector('#services tr[data-spn=\"default/web:http\"] .ep.added')"
-                     f"?.textContent === '10.244.2.1:8080'", timeout=3.0, what="the added endpoint highlighted")
+        browser.wait("document.querySelector('#services tr[data-spn=\"default/web:http\"] .ep.added')"
+                     "?.textContent === '10.244.2.1:8080'", timeout=3.0, what="the added endpoint highlighted")
         browser.wait("document.querySelectorAll('details[data-service=\"default/web\"] "
                      "g.backend.added[data-endpoint=\"10.244.2.1:8080\"]').length === 5",
                      what="the added backend highlighted in all five drawings")
