@@ -165,3 +165,47 @@ def test_each_modes_drawing_names_its_own_chains() -> None:
     for m, svg in svgs.items():
         root = ET.fromstring(svg)
         assert any(line.get("class") == "reply" for line in root.iter(f"{SVG}line")), m
+
+
+def test_the_standalone_page_holds_every_service_and_mode_in_one_file() -> None:
+    """`explain --html`'s page for examples/: one block per Service, five modes each with one
+    drawing per ServicePort and explain's own rules for that Service; no script, no link out."""
+    from html import unescape
+
+    from usproxy.admin import standalone_page
+    from usproxy.explain.service_set import load_manifests, service_set
+
+    ss = service_set(load_manifests(Path(__file__).resolve().parents[2] / "examples"))
+    page = standalone_page.render(ss)
+    assert "<script" not in page and not re.search(r"<link|src=|https?://(?!www\.w3\.org/2000/svg)", page)
+    blocks = re.findall(r'<details class="service" data-service="([^"]+)" open>(.*?)</details>', page, re.S)
+    names = sorted({f"{sp.name.namespace}/{sp.name.name}" for sp, _ in ss.ports})
+    assert sorted(n for n, _ in blocks) == names and len(names) >= 2
+    for name, block in blocks:
+        ports = tuple((sp, eps) for sp, eps in ss.ports if f"{sp.name.namespace}/{sp.name.name}" == name)
+        one = ServiceSet(ports, ss.node)
+        modes = re.findall(r'<div class="mode" data-mode="(\w+)">(.*?)<pre class="rules">(.*?)</pre>', block, re.S)
+        assert [m for m, _, _ in modes] == list(path_drawing.MODES)
+        n_ports = sum(len(one.family_ports(f)) for f in one.families())
+        for mode, drawing, rules in modes:
+            assert drawing.count("<svg ") == n_ports, (name, mode)
+            assert unescape(rules) == web_view.RENDERERS[mode](one)
+    assert standalone_page.render(ServiceSet(())).count("No Services to show.") == 1
+
+
+def test_without_endpoints_every_mode_draws_where_it_refuses() -> None:
+    from usproxy.explain.service_set import family_port
+    from usproxy.service_port import ServicePort
+    from usproxy.types import ServicePortName
+    import ipaddress
+
+    name = ServicePortName("default", "empty", "", "TCP")
+    sp = ServicePort(name=name, cluster_ips=(ipaddress.ip_address("10.96.20.20"),), port=80, target_port=8080)
+    fp = family_port(sp, (), 4, None)
+    assert fp is not None
+    ends = {m: path_drawing.path_of(m, fp).hops[-1] for m in path_drawing.MODES}
+    assert all(not path_drawing.path_of(m, fp).backends for m in path_drawing.MODES)
+    assert "-j REJECT" in ends["iptables"].lines and ends["nftables"].title == "no-endpoint-services"
+    assert "ECONNREFUSED" in ends["bpf"].lines and "kernel answers RST" in ends["userspace"].lines
+    svg = ET.fromstring(path_drawing.render(path_drawing.path_of("ipvs", fp)))
+    assert "no real server:" in " ".join(svg.itertext())

@@ -18,6 +18,9 @@ the drawing and the rules shown next to it name the same chains. The facts drawn
   random mod N vmap) → endpoint-* chain dnat (pkg/proxy/nftables/proxier.go).
 - bpf: a cgroup connect() hook picks a backend and connects the socket to it: no packet is
   rewritten, and getpeername() is rewritten back to the ClusterIP.
+Without a usable endpoint each mode refuses the connection at its own place: nothing listens for
+the relay (RST), a filter REJECT for iptables, the no-endpoint-services map for nftables, an IPVS
+virtual server with no real server, ECONNREFUSED from the BPF connect hook.
 
 Replies ride conntrack in the kernel modes (un-DNATed to ClusterIP:port). Invariant: pure function of
 its arguments; text is XML-escaped. Each backend is an SVG group with `data-endpoint="ip:port"`, so
@@ -130,9 +133,24 @@ _BUILDERS = {"userspace": _userspace, "iptables": _iptables, "ipvs": _ipvs,
              "nftables": _nftables, "bpf": _bpf}
 
 
+_REFUSED = {  # where a connection to a ServicePort without a usable endpoint ends, per mode
+    "userspace": Hop("refused", ("usproxy: nothing listens", "on ClusterIP:port, the", "kernel answers RST",
+                                 "(1.0: accept, then close)")),
+    "iptables": Hop("filter KUBE-SERVICES", ('"… has no endpoints"', "-j REJECT", "(icmp port unreachable)")),
+    "ipvs": Hop("IPVS virtual server", ("no real server:", "nowhere to send it", "the connection fails")),
+    "nftables": Hop("no-endpoint-services", ("map ip . proto . port", "goto reject-chain", "reject")),
+    "bpf": Hop("cgroup/connect4 hook", ("service has no backend", "connect() fails with", "ECONNREFUSED")),
+}
+
+
 def path_of(mode: str, fp: FamilyPort) -> Path:
-    """The path of a new connection to `fp`'s ClusterIP in `mode` (one of MODES); KeyError else."""
-    return _BUILDERS[mode](fp, fp.internal)
+    """The path of a new connection to `fp`'s ClusterIP in `mode` (one of MODES); KeyError else.
+    Without a usable endpoint the path ends where that mode refuses it."""
+    path = _BUILDERS[mode](fp, fp.internal)
+    if fp.internal:
+        return path
+    return Path(mode, (path.hops[0], _REFUSED[mode]), (), "no reply from a backend: the client is refused",
+                "backend sees: nothing")
 
 
 def _text(x: int, y: int, s: str, cls: str = "") -> str:

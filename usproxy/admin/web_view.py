@@ -70,7 +70,8 @@ class WebSource(Protocol):
     def service_ports(self) -> list[ServicePortState]: ...
 
 
-def _asset(name: str) -> str:
+def asset(name: str) -> str:
+    """The text of one file of usproxy/admin/static (shipped as package data)."""
     return resources.files("usproxy.admin").joinpath("static", name).read_text(encoding="utf-8")
 
 
@@ -81,12 +82,16 @@ def service_detail(source: WebSource, namespace: str, name: str) -> dict[str, An
                   if (st.service_port.name.namespace, st.service_port.name.name) == (namespace, name))
     if not ports:
         return None
-    ss = ServiceSet(ports, Node(name=source.node.name))
+    return {"service": f"{namespace}/{name}", "modes": mode_views(ServiceSet(ports, Node(name=source.node.name)))}
+
+
+def mode_views(ss: ServiceSet) -> list[dict[str, Any]]:
+    """Per mode (path_drawing.MODES order): {"mode", "title", "rules": the text usproxy.explain
+    renders for `ss`, "svgs": one drawing per ServicePort and IP family}."""
     fps = [fp for family in ss.families() for fp in ss.family_ports(family)]
-    modes = [{"mode": m, "title": TITLES[m], "rules": RENDERERS[m](ss),
-              "svgs": [path_drawing.render(path_drawing.path_of(m, fp)) for fp in fps]}
-             for m in path_drawing.MODES]
-    return {"service": f"{namespace}/{name}", "modes": modes}
+    return [{"mode": m, "title": TITLES[m], "rules": RENDERERS[m](ss),
+             "svgs": [path_drawing.render(path_drawing.path_of(m, fp)) for fp in fps]}
+            for m in path_drawing.MODES]
 
 
 class WebView:
@@ -105,13 +110,13 @@ class WebView:
         app.on_shutdown.append(self._shutdown)
 
     async def page(self, request: web.Request) -> web.Response:
-        return web.Response(text=_asset("view.html"), content_type="text/html")
+        return web.Response(text=asset("view.html"), content_type="text/html")
 
     async def static(self, request: web.Request) -> web.Response:
         name = request.match_info["file"]
         if name not in ASSETS:
             raise web.HTTPNotFound()
-        return web.Response(text=_asset(name), content_type=ASSETS[name])
+        return web.Response(text=asset(name), content_type=ASSETS[name])
 
     async def service(self, request: web.Request) -> web.Response:
         namespace, _, name = request.query.get("name", "").partition("/")
