@@ -93,6 +93,22 @@ async def test_a_stalled_page_is_dropped_and_metrics_stay_fast(agent: Agent, mon
     writer.close()
 
 
+async def test_a_page_that_falls_behind_is_told_how_many_events_it_missed(agent: Agent, monkeypatch: Any) -> None:
+    monkeypatch.setattr(Subscription, "LIMIT", 4)
+    async with aiohttp.ClientSession() as s, s.get(url(agent, "/view/stream")) as r:
+        assert (await asyncio.wait_for(r.content.readline(), 2)) == b"event: snapshot\n"
+        while agent.events.subscribers and next(iter(agent.events.subscribers)).events:
+            await asyncio.sleep(0.01)  # the server has written everything queued so far
+        for i in range(10):  # published between two reads of the server: 6 dropped
+            agent.events.publish("demoted", servicePortName="default/web:http", datapath="userspace", reason=str(i))
+        seen: list[str] = []
+        while "event: lagged" not in seen:
+            seen.append((await asyncio.wait_for(r.content.readline(), 2)).decode().strip())
+        lagged = json.loads((await r.content.readline()).decode().removeprefix("data: "))
+    reasons = [json.loads(x.removeprefix("data: "))["reason"] for x in seen if '"demoted"' in x]
+    assert reasons == ["6", "7", "8", "9"] and lagged == {"dropped": 6}
+
+
 async def test_page_and_assets_come_from_the_package_only(agent: Agent) -> None:
     async with aiohttp.ClientSession() as s:
         texts = []

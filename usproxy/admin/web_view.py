@@ -5,8 +5,9 @@ Read-only. Routes:
 - GET /view/static/{file}: those three files only.
 - GET /view/stream: server-sent events: "snapshot" (every ServicePort as /services shows it,
   and the flow table as /flows shows it, at most MAX_FLOWS rows plus the total) every
-  SNAPSHOT_PERIOD seconds while some page is open, and "offloaded" / "demoted" / "userspace" as
-  the offload manager publishes them (usproxy.admin.events).
+  SNAPSHOT_PERIOD seconds while some page is open (longer when building one takes long), and
+  "offloaded" / "demoted" / "userspace" as the offload manager publishes them
+  (usproxy.admin.events); "lagged" with the count of events a slow page missed.
 - GET /view/service?name=NS/NAME: per mode, the SVG drawings of that Service's ports
   (path_drawing) and the rules the mode holds for it (usproxy.explain's renderers).
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from importlib import resources
 from typing import Any, Protocol, runtime_checkable
@@ -101,6 +104,7 @@ class WebView:
         self.source = source
         self.streams: set[asyncio.Task[Any]] = set()
         self._snapshots: asyncio.Task[None] | None = None
+        self._encode = SseEncoder()
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/view", self.page)
@@ -135,10 +139,15 @@ class WebView:
         self.streams.add(me)
         sub = self.source.events.subscribe()
         self._ensure_snapshots()
+        told = 0  # events dropped for this page that it was told about
         try:
             while True:
                 events = await sub.next(timeout=HEARTBEAT)
-                await asyncio.wait_for(resp.write(_sse(events, sub.dropped)), WRITE_TIMEOUT)
+                payload = b"".join(self._encode(ev) for ev in events) or b": keep-alive\n\n"
+                if sub.dropped > told:  # the page fell behind: say how many events it missed
+                    told = sub.dropped
+                    payload += f"event: lagged\ndata: {json.dumps({'dropped': told})}\n\n".encode()
+                await asyncio.wait_for(resp.write(payload), WRITE_TIMEOUT)
         except (ConnectionError, TimeoutError):
             pass  # the page went away or stalled: drop it
         finally:
@@ -154,6 +163,7 @@ class WebView:
         """One snapshot per period while some page is open; ends when none is."""
         hub = self.source.events
         while hub.subscribers:
+            start = time.monotonic()
             try:
                 services = await self.source.services()
                 flows = await self.source.flows()
@@ -161,7 +171,9 @@ class WebView:
                 log.exception("web view: building a snapshot failed")
             else:
                 hub.publish("snapshot", services=services, flows=flows[:MAX_FLOWS], flowCount=len(flows))
-            await asyncio.sleep(SNAPSHOT_PERIOD)
+            # A big table (dumping kernel conntrack takes ~0.3 s per 1,000 entries) is read at most
+            # a third of the time, so an open page never keeps the agent busy.
+            await asyncio.sleep(max(SNAPSHOT_PERIOD, 2 * (time.monotonic() - start)))
 
     async def _shutdown(self, app: web.Application) -> None:
         """Close open streams so the admin server stops at once."""
@@ -171,12 +183,22 @@ class WebView:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _sse(events: list[Event], dropped: int) -> bytes:
-    """Server-sent event lines for `events` (a comment line when there are none)."""
-    if not events:
-        return b": keep-alive\n\n"
-    parts = [f"event: {ev.kind}\ndata: {json.dumps({**ev.json(), 'dropped': dropped})}\n\n" for ev in events]
-    return "".join(parts).encode()
+class SseEncoder:
+    """The server-sent event bytes of an Event, encoded once however many pages read it: the
+    last ENCODED events are kept (a snapshot of a big table is costly to encode)."""
+
+    ENCODED = 32
+
+    def __init__(self) -> None:
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+
+    def __call__(self, ev: Event) -> bytes:
+        out = self._cache.get(ev.seq)
+        if out is None:
+            out = self._cache[ev.seq] = f"event: {ev.kind}\ndata: {json.dumps(ev.json())}\n\n".encode()
+            if len(self._cache) > self.ENCODED:
+                self._cache.popitem(last=False)
+        return out
 
 
 def add_routes(app: web.Application, view: object) -> None:

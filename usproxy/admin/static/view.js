@@ -132,6 +132,9 @@ function connect() {
     refreshPaths(snap.services);
   });
   for (const kind of ["offloaded", "demoted", "userspace"]) src.addEventListener(kind, e => addEvent(JSON.parse(e.data)));
+  src.addEventListener("lagged", e => {  // this page read too slowly: the agent dropped some events
+    status.textContent = `live (missed ${JSON.parse(e.data).dropped} events)`;
+  });
 }
 
 connect();
