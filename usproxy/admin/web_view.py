@@ -78,14 +78,12 @@ def asset(name: str) -> str:
     return resources.files("usproxy.admin").joinpath("static", name).read_text(encoding="utf-8")
 
 
-def service_detail(source: WebSource, namespace: str, name: str) -> dict[str, Any] | None:
-    """The drawings and rules of one Service: {"service", "modes": [{"mode", "title", "svgs",
-    "rules"}]}; None when no ServicePort of it is known."""
+def service_set_of(source: WebSource, namespace: str, name: str) -> ServiceSet | None:
+    """The ServicePorts of one Service with their endpoints now (read on the loop, where the
+    agent's state lives); None when no ServicePort of it is known."""
     ports = tuple((st.service_port, st.endpoints) for st in source.service_ports()
                   if (st.service_port.name.namespace, st.service_port.name.name) == (namespace, name))
-    if not ports:
-        return None
-    return {"service": f"{namespace}/{name}", "modes": mode_views(ServiceSet(ports, Node(name=source.node.name)))}
+    return ServiceSet(ports, Node(name=source.node.name)) if ports else None
 
 
 def mode_views(ss: ServiceSet) -> list[dict[str, Any]]:
@@ -124,10 +122,13 @@ class WebView:
 
     async def service(self, request: web.Request) -> web.Response:
         namespace, _, name = request.query.get("name", "").partition("/")
-        body = service_detail(self.source, namespace, name)
-        if body is None:
+        ss = service_set_of(self.source, namespace, name)
+        if ss is None:
             raise web.HTTPNotFound(text=f"no Service {namespace}/{name}\n")
-        return web.json_response(body)
+        # Values only from here: rendered in a thread, as a Service of 10,000 endpoints renders
+        # 10,000 rules per mode.
+        modes = await asyncio.to_thread(mode_views, ss)
+        return web.json_response({"service": f"{namespace}/{name}", "modes": modes})
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         if len(self.streams) >= MAX_WATCHERS:
