@@ -3,17 +3,19 @@
 `Browser(ns)` starts Debian's `chromium` inside network namespace `ns` (so the page reaches the
 agent's 127.0.0.1 there) with --remote-debugging-pipe: commands are JSON objects ended by a NUL
 byte on the child's fd 3, answers and events come back the same way on its fd 4. No network port,
-no Python dependency beyond the standard library. `close()` kills the browser and removes its
-profile directory. Root needs --no-sandbox.
+no Python dependency beyond the standard library. `close()` kills the browser's process group and
+removes its profile directory. Root needs --no-sandbox.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -34,7 +36,8 @@ class Browser:
                 f"--user-data-dir={self.profile}", f"--window-size={width},{height}", "about:blank"]
         shell = f'exec ip netns exec "$0" "$@" 3<&{cmd_r} 4>&{out_w} {cmd_r}<&- {out_w}>&-'
         self.proc = subprocess.Popen(["bash", "-c", shell, ns, *argv], pass_fds=(cmd_r, out_w),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)  # its own group: close() ends all of it
         os.close(cmd_r)
         os.close(out_w)
         self._buf = b""
@@ -99,8 +102,18 @@ class Browser:
         return path
 
     def close(self) -> None:
-        self.proc.kill()
+        """Kill the browser's process group (its renderer and GPU processes too), then remove
+        the profile they wrote to."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # until the last of the group is gone
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
         for fd in (self._cmd_w, self._out_r):
             os.close(fd)
         shutil.rmtree(self.profile, ignore_errors=True)
