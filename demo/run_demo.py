@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,29 @@ CGROUP2 = Path("/sys/fs/cgroup/unified")
 DEMO_CGROUP = CGROUP2 / "usproxy-demo"
 BPFFS = Path("/sys/fs/bpf")
 PINS = BPFFS / "usproxy-demo"
+WEB_PORT = 18249  # where the demo forwards the web view on this machine
+FORWARDER = """
+import asyncio, socket, sys
+async def pipe(r, w):
+    try:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+    finally:
+        w.close()
+async def serve(r, w):
+    try:
+        ar, aw = await asyncio.open_connection('127.0.0.1', 10249)
+    except OSError:
+        w.close()
+        return
+    await asyncio.gather(pipe(r, aw), pipe(ar, w), return_exceptions=True)
+async def main():
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    server = await asyncio.start_server(serve, sock=sock)
+    await server.serve_forever()
+asyncio.run(main())
+"""
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -157,6 +181,28 @@ class Demo:
         self.bpf_phase()
         title("Agent log (last lines)")
         print("\n".join((self.workdir / "agent.log").read_text().splitlines()[-6:]))
+        self.web_view()
+
+    def web_view(self) -> None:
+        """The agent's live page (/view, next to /metrics on 127.0.0.1:10249 in the node namespace),
+        forwarded to this machine's 127.0.0.1:WEB_PORT: the listening socket is made here (so it
+        lives in this namespace) and handed to a forwarder that runs in the node namespace (so
+        its connections to the agent do). With a terminal, waits for Enter before tearing down."""
+        title("The live web view: Services, flows, offload events and each mode's path, drawn")
+        page = in_ns(NODE, sys.executable, "-c", "import urllib.request;print(urllib.request.urlopen("
+                     "'http://127.0.0.1:10249/view',timeout=3).read().decode())", check=False).stdout
+        print("the agent serves /view:", "yes" if "usproxy" in page else "no answer")
+        try:
+            listener = socket.create_server(("127.0.0.1", WEB_PORT))
+        except OSError:  # taken: any free port will do
+            listener = socket.create_server(("127.0.0.1", 0))
+        port, fd = listener.getsockname()[1], listener.fileno()
+        self.procs.append(subprocess.Popen(["ip", "netns", "exec", NODE, sys.executable, "-c", FORWARDER, str(fd)],
+                                           pass_fds=(fd,)))
+        listener.close()
+        print(f"web view: http://127.0.0.1:{port}/view  (in the node namespace: http://127.0.0.1:10249/view)")
+        if sys.stdin.isatty():
+            input("open it in a browser on this machine; press Enter to end the demo and tear down ")
 
     def show_flows(self) -> None:
         title("The flow table while three connections are open (usproxy flows)")

@@ -12,6 +12,7 @@ APT_PACKAGES=(
   dnsmasq-base dnsutils curl            # the demo's DNS pod, dig, curl
   haproxy                               # the userspace peer in bench/
   debootstrap buildah openssl systemd   # scripts/image.sh and tests/deploy (image, TLS API server, systemd-analyze)
+  chromium                              # the web view tests (tests/offload/test_web_view_browser.py): headless
 )
 
 need_apt=()

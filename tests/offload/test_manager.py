@@ -295,3 +295,32 @@ async def test_dump_text() -> None:
         "default/api/TCP 10.96.0.2:81 -> reject",
         "default/web:http/TCP 10.96.0.1:80 -> 10.244.1.1:8080 10.244.1.2:8080",
     ])
+
+
+async def test_offloads_and_demotions_are_published_as_they_happen() -> None:
+    """The web view's events: one per change of datapath, with the reason /services shows."""
+    from usproxy.admin.events import EventHub
+
+    hub = EventHub()
+    sub = hub.subscribe()
+    nft = FakeKernelDatapath(unsupported_if=lambda st: "SCTP is served by the relay only"
+                             if st.service_port.protocol == "SCTP" else None)
+    clock = Clock()
+    mgr = OffloadManager(settings(1), [nft], request_sync=lambda: None, clock=clock, events=hub)
+    sctp = state(spn("sig", proto="SCTP"), "10.96.0.9", 9, [ep("10.244.1.1")])
+    await mgr.sync(SyncRequest({sctp.service_port.name: sctp, A: web("10.244.1.1")}, full=True))
+    clock.now += 1
+    await mgr.sync(SyncRequest({}))
+    nft.fail_next = 1
+    await mgr.sync(req(web("10.244.1.1", "10.244.1.2")))  # an update the kernel refuses
+    clock.now += 1
+    await mgr.sync(SyncRequest({}))  # offloaded again after another window
+    await mgr.sync(req(web("10.244.1.1", "10.244.1.2", datapath="userspace")))  # pinned: back to the relay
+    got = [(e.kind, e.data["servicePortName"], e.data["datapath"], e.data["reason"]) for e in await sub.next(0)]
+    assert got == [
+        ("demoted", "default/sig", "userspace", "demoted: nftables: SCTP is served by the relay only"),
+        ("offloaded", "default/web:http", "nftables", "established"),
+        ("demoted", "default/web:http", "userspace", "demoted: nftables: injected failure (errno 16)"),
+        ("offloaded", "default/web:http", "nftables", "established"),
+        ("userspace", "default/web:http", "userspace", "pinned by annotation usproxy.io/datapath: userspace"),
+    ]

@@ -1,7 +1,8 @@
 """The admin HTTP servers (aiohttp).
 
 healthz address (default 0.0.0.0:10256): /healthz and /livez, kube-proxy's JSON body, 200 or 503.
-metrics address (default 127.0.0.1:10249): /metrics (Prometheus text), /services and /flows (JSON).
+metrics address (default 127.0.0.1:10249): /metrics (Prometheus text), /services and /flows (JSON),
+and the live page /view (web_view.py).
 When both addresses are equal one server serves every path.
 
 Bounded, so that no client can take the node's descriptors (issue 18: idle connections to the
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from usproxy.admin import web_view
 from usproxy.admin.health import Health
 from usproxy.metrics import Metrics
 from usproxy.ratelimit import RateLimitedLog
@@ -84,6 +86,7 @@ def metrics_routes(app: web.Application, view: AdminView) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/services", services)
     app.router.add_get("/flows", flows)
+    web_view.add_routes(app, view)
 
 
 def split_hostport(text: str, flag: str) -> tuple[str, int]:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from usproxy.admin.events import EventHub
 from usproxy.admin.health import Health, evaluate
 from usproxy.metrics import Metrics
 from usproxy.admin.server import AdminServer
@@ -47,9 +48,10 @@ class ChunkedFlowsView(Protocol):
 
 
 def build_datapaths(cfg: ProxyConfig, node: NodeFacts, metrics: Metrics,
-                    request_sync: Callable[[], None]) -> list[Datapath]:
+                    request_sync: Callable[[], None], events: EventHub | None = None) -> list[Datapath]:
     """The relay always; kernel offload layers on top when allowed and available.
-    `request_sync` is how the offload manager asks for a sync when a window ends."""
+    `request_sync` is how the offload manager asks for a sync when a window ends; `events`
+    where it publishes offloads and demotions."""
     from usproxy.relay.relay import Relay, RelaySettings
 
     relay = Relay(RelaySettings.from_config(cfg), node, metrics)
@@ -59,7 +61,7 @@ def build_datapaths(cfg: ProxyConfig, node: NodeFacts, metrics: Metrics,
 
     settings = OffloadSettings.from_config(cfg)
     return [relay, OffloadManager(settings, kernel_datapaths(settings, node), request_sync=request_sync,
-                                  metrics=metrics)]
+                                  metrics=metrics, events=events)]
 
 
 def uses_api_server(cfg: ProxyConfig) -> bool:
@@ -77,9 +79,10 @@ class Agent:
         self._locks = [] if datapaths is not None else [NetnsLock(cfg.vip_interface)] + (
             [NetnsLock("offload")] if cfg.offload != "none" else [])
         self.metrics = Metrics()
+        self.events = EventHub()
         self.node = resolve_node(cfg, kubernetes=uses_api_server(cfg))
         self.datapaths = datapaths if datapaths is not None else build_datapaths(
-            cfg, self.node, self.metrics, self._datapath_wants_sync)
+            cfg, self.node, self.metrics, self._datapath_wants_sync, self.events)
         self.proxier = Proxier(self.datapaths, node=self.node, metrics=self.metrics,
                                min_sync_period=cfg.min_sync_period, sync_period=cfg.sync_period)
         self.admin = AdminServer(self, cfg.healthz_bind_address, cfg.metrics_bind_address)
@@ -152,6 +155,11 @@ class Agent:
             "healthCheckNodePort": sp.health_check_node_port,
             "healthCheckError": self.service_health.error_of(spn.service),
         }
+
+    def service_ports(self) -> list[ServicePortState]:
+        """Every ServicePort with its endpoints now, sorted by name (the web view's drawings)."""
+        states = (self.proxier.state_of(spn) for spn in sorted(self.proxier.service_map))
+        return [st for st in states if st is not None]
 
     async def flows(self) -> list[dict[str, Any]]:
         """/flows: the relay's rows (read on the loop: its flow table lives there) and the kernel

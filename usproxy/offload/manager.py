@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from usproxy.admin.events import EventHub
 from usproxy.metrics import Metrics
 from usproxy.config import OffloadMode, ProxyConfig
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
@@ -101,8 +102,10 @@ class OffloadManager:
 
     def __init__(self, settings: OffloadSettings, kernels: Sequence[KernelDatapath] = (), *,
                  request_sync: Callable[[], None], metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, events: EventHub | None = None) -> None:
+        """`events`: where offloads and demotions are published as they happen (the web view)."""
         self.offload_after = settings.offload_after
+        self.events = events
         self.metrics = metrics or Metrics()
         self.kernels = list(kernels)
         self.clock = clock
@@ -247,6 +250,7 @@ class OffloadManager:
         if reason.phase is Phase.DEMOTED and not waits and reason != port.reason:
             log.info("%s stays in userspace: %s", spn.key(), reason.text())
             self._count_demotion(reason.faults)
+            self._publish("demoted", spn, "userspace", reason.text())
         port.reason = reason
 
     # -- applying ------------------------------------------------------------------------------
@@ -289,6 +293,9 @@ class OffloadManager:
         if target and not before:
             port.established_at, port.refused = now, None
             log.info("%s offloaded to %s", spn.key(), "+".join(target))
+            self._publish("offloaded", spn, "+".join(target), "established")
+        elif before and not target and port.reason.phase is not Phase.REMOVED:
+            self._publish("userspace", spn, "userspace", port.reason.text())
         if port.reason.phase is Phase.REMOVED:
             del self.ports[spn]
             self._waiting.discard(spn)
@@ -309,6 +316,12 @@ class OffloadManager:
         port.kernels, port.refused, port.since = (), fault, now
         port.reason, port.dirty = Reason(Phase.DEMOTED, (fault,)), True
         self._waiting.add(spn)
+        self._publish("demoted", spn, "userspace", port.reason.text())
+
+    def _publish(self, kind: str, spn: ServicePortName, datapath: str, text: str) -> None:
+        """Tell the web view (if any) that `spn` changed datapath; never blocks."""
+        if self.events is not None:
+            self.events.publish(kind, servicePortName=str(spn), datapath=datapath, reason=text)
 
     def _count_demotion(self, faults: tuple[Fault, ...]) -> None:
         for f in faults:

@@ -1,0 +1,208 @@
+"""WebView: the live page of the node, served by the agent next to /metrics (same listener).
+
+Read-only. Routes:
+- GET /view: the page (usproxy/admin/static/view.html, .js, .css; nothing from the internet).
+- GET /view/static/{file}: those three files only.
+- GET /view/stream: server-sent events: "snapshot" (every ServicePort as /services shows it,
+  and the flow table as /flows shows it, at most MAX_FLOWS rows plus the total) every
+  SNAPSHOT_PERIOD seconds while some page is open (longer when building one takes long), and
+  "offloaded" / "demoted" / "userspace" as the offload manager publishes them
+  (usproxy.admin.events); "lagged" with the count of events a slow page missed.
+- GET /view/service?name=NS/NAME: per mode, the SVG drawings of that Service's ports
+  (path_drawing) and the rules the mode holds for it (usproxy.explain's renderers).
+
+The data is the agent's own: `services()` and `flows()` are what /services and /flows return. One
+snapshot task serves every open page (flows are dumped once per period, not once per page); it
+runs only while a page is open. At most MAX_WATCHERS streams at once (503 beyond), so pages never
+take the listener's connections from /metrics; a stream whose write does not finish within
+WRITE_TIMEOUT seconds (a stalled browser) is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from importlib import resources
+from typing import Any, Protocol, runtime_checkable
+
+from aiohttp import web
+
+from usproxy.admin import path_drawing
+from usproxy.admin.events import Event, EventHub
+from usproxy.datapath import ServicePortState
+from usproxy.explain import bpf, iptables, ipvs, nftables, userspace
+from usproxy.explain.service_set import Node, ServiceSet
+from usproxy.node import NodeFacts
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_PERIOD = 0.5  # seconds between two snapshots while a page is open
+HEARTBEAT = 15.0  # seconds of silence after which a comment line keeps the stream open
+WRITE_TIMEOUT = 10.0  # seconds one write to a page may take before the page is dropped
+MAX_WATCHERS = 8  # streams at once
+MAX_FLOWS = 500  # flow rows per snapshot (the total is sent too)
+ASSETS = {"view.js": "application/javascript", "view.css": "text/css"}
+TITLES = {
+    "userspace": "userspace: kube-proxy 1.0's proxy, and usproxy's relay",
+    "iptables": "iptables: kube-proxy's iptables mode",
+    "ipvs": "ipvs: kube-proxy's IPVS mode",
+    "nftables": "nftables: kube-proxy's nftables mode",
+    "bpf": "bpf: a BPF socket load balancer",
+}
+RENDERERS: dict[str, Callable[[ServiceSet], str]] = {
+    "userspace": userspace.render, "iptables": iptables.render, "ipvs": ipvs.render,
+    "nftables": nftables.render, "bpf": bpf.render,
+}
+
+
+@runtime_checkable
+class WebSource(Protocol):
+    """What the page reads from the agent (usproxy.app.agent.Agent is one)."""
+
+    events: EventHub
+    node: NodeFacts
+
+    async def services(self) -> list[dict[str, Any]]: ...
+
+    async def flows(self) -> list[dict[str, Any]]: ...
+
+    def service_ports(self) -> list[ServicePortState]: ...
+
+
+def asset(name: str) -> str:
+    """The text of one file of usproxy/admin/static (shipped as package data)."""
+    return resources.files("usproxy.admin").joinpath("static", name).read_text(encoding="utf-8")
+
+
+def service_set_of(source: WebSource, namespace: str, name: str) -> ServiceSet | None:
+    """The ServicePorts of one Service with their endpoints now (read on the loop, where the
+    agent's state lives); None when no ServicePort of it is known."""
+    ports = tuple((st.service_port, st.endpoints) for st in source.service_ports()
+                  if (st.service_port.name.namespace, st.service_port.name.name) == (namespace, name))
+    return ServiceSet(ports, Node(name=source.node.name)) if ports else None
+
+
+def mode_views(ss: ServiceSet) -> list[dict[str, Any]]:
+    """Per mode (path_drawing.MODES order): {"mode", "title", "rules": the text usproxy.explain
+    renders for `ss`, "svgs": one drawing per ServicePort and IP family}."""
+    fps = [fp for family in ss.families() for fp in ss.family_ports(family)]
+    return [{"mode": m, "title": TITLES[m], "rules": RENDERERS[m](ss),
+             "svgs": [path_drawing.render(path_drawing.path_of(m, fp)) for fp in fps]}
+            for m in path_drawing.MODES]
+
+
+class WebView:
+    """The routes above over one WebSource; `add_to(app)` registers them."""
+
+    def __init__(self, source: WebSource) -> None:
+        self.source = source
+        self.streams: set[asyncio.Task[Any]] = set()
+        self._snapshots: asyncio.Task[None] | None = None
+        self._encode = SseEncoder()
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_get("/view", self.page)
+        app.router.add_get("/view/static/{file}", self.static)
+        app.router.add_get("/view/stream", self.stream)
+        app.router.add_get("/view/service", self.service)
+        app.on_shutdown.append(self._shutdown)
+
+    async def page(self, request: web.Request) -> web.Response:
+        return web.Response(text=asset("view.html"), content_type="text/html")
+
+    async def static(self, request: web.Request) -> web.Response:
+        name = request.match_info["file"]
+        if name not in ASSETS:
+            raise web.HTTPNotFound()
+        return web.Response(text=asset(name), content_type=ASSETS[name])
+
+    async def service(self, request: web.Request) -> web.Response:
+        namespace, _, name = request.query.get("name", "").partition("/")
+        ss = service_set_of(self.source, namespace, name)
+        if ss is None:
+            raise web.HTTPNotFound(text=f"no Service {namespace}/{name}\n")
+        # Values only from here: rendered in a thread, as a Service of 10,000 endpoints renders
+        # 10,000 rules per mode.
+        modes = await asyncio.to_thread(mode_views, ss)
+        return web.json_response({"service": f"{namespace}/{name}", "modes": modes})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        if len(self.streams) >= MAX_WATCHERS:
+            raise web.HTTPServiceUnavailable(text=f"at most {MAX_WATCHERS} pages at once\n")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        me = asyncio.current_task()
+        assert me is not None
+        self.streams.add(me)
+        sub = self.source.events.subscribe()
+        self._ensure_snapshots()
+        told = 0  # events dropped for this page that it was told about
+        try:
+            while True:
+                events = await sub.next(timeout=HEARTBEAT)
+                payload = b"".join(self._encode(ev) for ev in events) or b": keep-alive\n\n"
+                if sub.dropped > told:  # the page fell behind: say how many events it missed
+                    told = sub.dropped
+                    payload += f"event: lagged\ndata: {json.dumps({'dropped': told})}\n\n".encode()
+                await asyncio.wait_for(resp.write(payload), WRITE_TIMEOUT)
+        except (ConnectionError, TimeoutError):
+            pass  # the page went away or stalled: drop it
+        finally:
+            sub.close()
+            self.streams.discard(me)
+        return resp
+
+    def _ensure_snapshots(self) -> None:
+        if self._snapshots is None or self._snapshots.done():
+            self._snapshots = asyncio.create_task(self._snapshot_loop(), name="web-view-snapshots")
+
+    async def _snapshot_loop(self) -> None:
+        """One snapshot per period while some page is open; ends when none is."""
+        hub = self.source.events
+        while hub.subscribers:
+            start = time.monotonic()
+            try:
+                services = await self.source.services()
+                flows = await self.source.flows()
+            except Exception:
+                log.exception("web view: building a snapshot failed")
+            else:
+                hub.publish("snapshot", services=services, flows=flows[:MAX_FLOWS], flowCount=len(flows))
+            # A big table (dumping kernel conntrack takes ~0.3 s per 1,000 entries) is read at most
+            # a third of the time, so an open page never keeps the agent busy.
+            await asyncio.sleep(max(SNAPSHOT_PERIOD, 2 * (time.monotonic() - start)))
+
+    async def _shutdown(self, app: web.Application) -> None:
+        """Close open streams so the admin server stops at once."""
+        tasks = [*self.streams, *([self._snapshots] if self._snapshots else [])]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SseEncoder:
+    """The server-sent event bytes of an Event, encoded once however many pages read it: the
+    last ENCODED events are kept (a snapshot of a big table is costly to encode)."""
+
+    ENCODED = 32
+
+    def __init__(self) -> None:
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+
+    def __call__(self, ev: Event) -> bytes:
+        out = self._cache.get(ev.seq)
+        if out is None:
+            out = self._cache[ev.seq] = f"event: {ev.kind}\ndata: {json.dumps(ev.json())}\n\n".encode()
+            if len(self._cache) > self.ENCODED:
+                self._cache.popitem(last=False)
+        return out
+
+
+def add_routes(app: web.Application, view: object) -> None:
+    """Serve the page from `app` when `view` can feed it (the agent can; test fakes may not)."""
+    if isinstance(view, WebSource):
+        WebView(view).add_to(app)
