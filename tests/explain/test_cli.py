@@ -41,6 +41,17 @@ def test_one_mode(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0 and "add rule ip kube-proxy" in out and "KUBE-SVC-" not in out
 
 
+def test_html_writes_one_self_contained_file_with_every_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    page = tmp_path / "view.html"
+    rc, out, _ = run(["--services", str(FIXTURES / "clusterip.yaml"), "--html", str(page)], capsys)
+    text = page.read_text()
+    assert rc == 0 and str(page) in out
+    assert text.count("<svg") >= 5  # one drawing per mode at least
+    for mode in ("userspace", "iptables", "ipvs", "nftables", "bpf"):
+        assert f"<h3>{mode}: " in text, mode
+    assert "http://" not in text.replace("http://www.w3.org", "") and "https://" not in text  # nothing fetched
+
+
 def test_trace_subcommand_through_the_top_level_cli(capsys: pytest.CaptureFixture[str]) -> None:
     rc = top.main(["explain", "trace", "10.244.9.9", "10.96.1.1:80/TCP",
                    "--services", str(FIXTURES / "clusterip.yaml"), "--mode", "iptables"])

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--live", action="store_true", help="also show this node's running agent")
     p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT")
+    p.add_argument("--html", type=Path, metavar="FILE",
+                   help="write the drawings of every mode, with their rules, as one self-contained HTML file")
     return p
 
 
@@ -138,6 +140,12 @@ def main(argv: list[str]) -> int:
         print(trace.render(ss, pkt, _modes(targs.mode)), end="")
         return 0
     args = build_parser().parse_args(argv)
+    if args.html is not None:
+        from usproxy.admin import standalone_page
+
+        args.html.write_text(standalone_page.render(load(args)))
+        print(f"usproxy explain: wrote {args.html}")
+        return 0
     if args.services is not None or not args.live:
         print(render_all(load(args), _modes(args.mode), args.nft_format), end="")
     if args.live:
