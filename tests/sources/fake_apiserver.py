@@ -105,10 +105,11 @@ def status(code: int, reason: str, message: str) -> Obj:
 
 
 class FakeApiServer:
-    """The fake server. `start()` binds 127.0.0.1 (the same port again after `stop()`)."""
+    """The fake server. `start()` binds `host` (127.0.0.1 unless told; the same port again after `stop()`)."""
 
     def __init__(self, *, bookmark_interval: float = 0.3, token: str | None = None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.rv = 100
         self.ssl_context = ssl_context  # HTTPS when given (the in-cluster configuration needs it)
         self.objects: dict[str, dict[Key, Obj]] = {r: {} for r in RESOURCES}
@@ -125,7 +126,7 @@ class FakeApiServer:
 
     @property
     def url(self) -> str:
-        return f"{'https' if self.ssl_context else 'http'}://127.0.0.1:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://{self.host}:{self.port}"
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -134,7 +135,7 @@ class FakeApiServer:
             app.router.add_get(path, self._handler(name))
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True, ssl_context=self.ssl_context)
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True, ssl_context=self.ssl_context)
         await site.start()
         server: Any = site._server
         self.port = server.sockets[0].getsockname()[1]
