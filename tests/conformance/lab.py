@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -46,14 +47,14 @@ BPFFS = Path("/sys/fs/bpf")
 NFT_FLAGS = ("--offload", "nftables", "--offload-after", "1", "--min-sync-period", "200ms")
 
 
-class BpfAgent:
+class BpfAgent(AgentProc):
     """`usproxy run --offload bpf` in the node netns via nsenter (ip netns exec would hide the
-    cgroup filesystem and bpffs), on a throwaway cgroup and pin directory."""
+    cgroup filesystem and bpffs), on a throwaway cgroup and pin directory; /healthz and /services
+    as AgentProc reads them."""
 
     def __init__(self, topo: Topology, manifests: Manifests, config: Path, cgroup: Path, pins: Path) -> None:
-        self.topo, self.manifests, self.config, self.cgroup, self.pins = topo, manifests, config, cgroup, pins
-        self.log = manifests.dir / "agent.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(topo, manifests)
+        self.config, self.cgroup, self.pins = config, cgroup, pins
 
     def _cmd(self, *args: str) -> list[str]:
         return ["nsenter", f"--net=/run/netns/{self.topo.node}", USPROXY, "-v", "run", *args]
@@ -61,25 +62,20 @@ class BpfAgent:
     def _env(self) -> dict[str, str]:
         return dict(os.environ, USPROXY_BPF_PINS=str(self.pins))
 
-    def start(self) -> None:
+    def start(self, timeout: float = 10.0) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self._cmd(
                 "--services", str(self.manifests.dir), "--config", str(self.config), "--offload", "bpf",
-                "--offload-after", "0", "--bpf-cgroup", str(self.cgroup), "--healthz-bind-address",
+                "--offload-after", "0", "--min-sync-period", "200ms", "--bpf-cgroup", str(self.cgroup),
+                "--healthz-bind-address",
                 "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249"), env=self._env(), stdout=out,
                 stderr=subprocess.STDOUT)
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        rc = super().stop(sig, timeout)
         subprocess.run(self._cmd("--cleanup", "--bpf-cgroup", str(self.cgroup)), env=self._env(),
                        capture_output=True, timeout=60)
+        return rc
 
 
 class Lab:
@@ -89,7 +85,7 @@ class Lab:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pod_ns: dict[str, str] = {}
         self.ext = ""
-        self.agent: AgentProc | BpfAgent | None = None
+        self.agent: AgentProc | None = None
         self.state: tuple[str, str, int] | None = None
         self.manifests: Manifests | None = None
         token = secrets.token_hex(4)
@@ -169,7 +165,7 @@ class Lab:
         if phase > 0:
             assert self.manifests is not None and self.agent is not None
             t_upd = self.manifests.write(*objects(group, phase))
-            self._wait_synced(t_upd)
+            self.agent.wait_synced_after(t_upd)
             self._wait_placed(datapath)
         self.state = (datapath, group.key, phase)
 
@@ -193,7 +189,7 @@ class Lab:
             return
         agent, self.agent, self.state = self.agent, None, None
         agent.stop()
-        if isinstance(agent, AgentProc):
+        if not isinstance(agent, BpfAgent):  # BpfAgent.stop cleans up (it knows the cgroup)
             nsexec(self.topo.node, USPROXY, "run", "--cleanup", check=False)
         left = nsexec(self.topo.node, "nft", "list", "ruleset").stdout
         assert "usproxy" not in left, left
@@ -201,12 +197,6 @@ class Lab:
     def services(self) -> list[dict[str, Any]]:
         with inside(self.topo.node), urllib.request.urlopen("http://127.0.0.1:10249/services", timeout=5) as r:
             return list(json.load(r))
-
-    def _wait_synced(self, t_upd: float) -> None:
-        if isinstance(self.agent, AgentProc):
-            self.agent.wait_synced_after(t_upd)
-        else:
-            time.sleep(1.0)  # the BPF agent's healthz is on the same port; read /services below
 
     def _wait_placed(self, datapath: str, timeout: float = 20.0) -> None:
         """Until every ServicePort with endpoints is where the datapath under test puts it."""
@@ -216,7 +206,7 @@ class Lab:
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
                 rows = self.services()
-                if rows and all(want in r["datapath"] for r in rows if _placeable(r, datapath)):
+                if rows and all(want in r["datapath"] for r in rows if _placeable(r)):
                     time.sleep(0.3)
                     return
             time.sleep(0.1)
@@ -260,11 +250,10 @@ class Lab:
         assert not self.pins.exists(), f"pins left: {self.pins}"
 
 
-def _placeable(row: dict[str, Any], datapath: str) -> bool:
-    """ServicePorts the datapath under test must hold: with endpoints; for bpf, TCP/UDP ClusterIPs."""
-    if not row.get("endpoints"):
-        return False
-    return datapath != "bpf" or row["servicePortName"] != ""
+def _placeable(row: dict[str, Any]) -> bool:
+    """ServicePorts the datapath under test must hold: those with endpoints (every one here is TCP or
+    UDP with a ClusterIP, so the BPF socket LB takes them all)."""
+    return bool(row.get("endpoints"))
 
 
 def _lb_sources() -> set[str]:
