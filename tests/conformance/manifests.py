@@ -3,7 +3,8 @@
 `objects(group, phase)` gives every Service and EndpointSlice of the group's scenarios, with
 addresses and ports mapped (tests/conformance/addresses.py) by each scenario's index in its group;
 in phase 1 a scenario's `after` change is applied (its slices or its Services left out).
-`kube_proxy_configuration(group)` gives the agent's config as kube-proxy's fake proxier has it.
+The Service CIDR goes in as a networking.k8s.io/v1 ServiceCIDR object (the static source ignores
+kinds it does not read). `kube_proxy_configuration(group)` gives the agent's config as kube-proxy's fake proxier has it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from tests.conformance import addresses as A
 from tests.conformance.reference import NODE, Group, Scenario, Slice, Svc
 
+SERVICE_CIDR = "172.30.0.0/16"  # NewFakeProxier's serviceCIDRs
 POD_CIDR = "10.244.0.0/16"  # kube-proxy's fake: 10.0.0.0/8 (its pods); here every pod is in 10.244/16
 
 
@@ -67,7 +69,11 @@ def _ns(namespace: str, k: int) -> str:
 
 
 def objects(group: Group, phase: int) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+    """The group's manifest: kube-proxy's Service CIDR as a ServiceCIDR object, then per scenario its
+    Services and EndpointSlices (less what phase 1 deletes)."""
+    out: list[dict[str, Any]] = [{"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+                                  "metadata": {"name": "kubernetes"},
+                                  "spec": {"cidrs": [A.cidr(SERVICE_CIDR)]}}]
     for sc in group.scenarios:
         k = scenario_index(group, sc)
         after = sc.after if phase >= 1 else None

@@ -52,7 +52,7 @@ def test_addresses_are_owned_and_do_not_collide(group: object) -> None:
     assert isinstance(group, Group)
     frontends: Counter[tuple[str, int, str]] = Counter()
     for obj in objects(group, 0):
-        if obj["kind"] != "Service":
+        if obj["kind"] != "Service":  # (the ServiceCIDR object has no frontends)
             continue
         spec = obj["spec"]
         ips = [spec["clusterIP"], *spec.get("externalIPs", []),
