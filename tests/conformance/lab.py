@@ -1,0 +1,268 @@
+"""The conformance lab: one node netns with pods, an external client, a world router, and the agent
+under test, switched per (datapath, group, phase).
+
+Topology (tests/netns.py's node, plus): every pod address of every scenario as its own netns on
+the node bridge, each running endpoint_server.py on the ports its slices name; netns "ext" on the
+bridge with 203.0.113.2/24 and 203.0.113.130/24 behind the node's 203.0.113.1; netns "world" on a
+/30 link (addresses.WORLD_LINK) to which the node routes the Service CIDR 10.96.0.0/16 and the
+LoadBalancer/external IP range 198.51.100.0/24, and which answers every packet with ICMP host
+unreachable (so traffic no datapath handles fails fast, and a DROP is a real drop). ICMP rate
+limits are off in node and world so every refusal is seen. LoadBalancer IPs that kube-proxy uses as
+a source ("SNATted to the LB IP") are node addresses on lo.
+
+`Lab.use(datapath, group, phase)` stops the running agent when the datapath or group changes
+(and removes what it left in the kernel with `usproxy run --cleanup`), starts the next one on the
+group's manifests and KubeProxyConfiguration, writes phase 1's manifests when asked, and returns
+once the datapath under test holds every ServicePort it serves. Everything is stopped and deleted
+by `close()`, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.conformance import addresses as A
+from tests.conformance.manifests import kube_proxy_configuration, objects, pod_addresses
+from tests.conformance.probe import Attempt, Spec, run
+from tests.netns import Topology, inside, nsexec, sh
+from tests.relay.harness import USPROXY, AgentProc, Manifests
+from tests.conformance.reference import GROUPS, Group
+
+HERE = Path(__file__).parent
+CGROUP2 = Path("/sys/fs/cgroup/unified")
+BPFFS = Path("/sys/fs/bpf")
+NFT_FLAGS = ("--offload", "nftables", "--offload-after", "1", "--min-sync-period", "200ms")
+
+
+class BpfAgent(AgentProc):
+    """`usproxy run --offload bpf` in the node netns via nsenter (ip netns exec would hide the
+    cgroup filesystem and bpffs), on a throwaway cgroup and pin directory; /healthz and /services
+    as AgentProc reads them."""
+
+    def __init__(self, topo: Topology, manifests: Manifests, config: Path, cgroup: Path, pins: Path) -> None:
+        super().__init__(topo, manifests)
+        self.config, self.cgroup, self.pins = config, cgroup, pins
+
+    def _cmd(self, *args: str) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{self.topo.node}", USPROXY, "-v", "run", *args]
+
+    def _env(self) -> dict[str, str]:
+        return dict(os.environ, USPROXY_BPF_PINS=str(self.pins))
+
+    def start(self, timeout: float = 10.0) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self._cmd(
+                "--services", str(self.manifests.dir), "--config", str(self.config), "--offload", "bpf",
+                "--offload-after", "0", "--min-sync-period", "200ms", "--bpf-cgroup", str(self.cgroup),
+                "--healthz-bind-address",
+                "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249"), env=self._env(), stdout=out,
+                stderr=subprocess.STDOUT)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        rc = super().stop(sig, timeout)
+        subprocess.run(self._cmd("--cleanup", "--bpf-cgroup", str(self.cgroup)), env=self._env(),
+                       capture_output=True, timeout=60)
+        return rc
+
+
+class Lab:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.topo = Topology()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pod_ns: dict[str, str] = {}
+        self.ext = ""
+        self.agent: AgentProc | None = None
+        self.state: tuple[str, str, int] | None = None
+        self.manifests: Manifests | None = None
+        token = secrets.token_hex(4)
+        self.cgroup = CGROUP2 / f"usproxy-test-{token}"
+        self.pins = BPFFS / f"usproxy-test-{token}"
+
+    # -- topology --------------------------------------------------------------------------------
+    def build(self) -> None:
+        t = self.topo
+        t.build_node()
+        n = t.node
+        nsexec(n, "ip", "addr", "add", f"{A.EXT_GATEWAY}/24", "dev", "usbr0")
+        for key in ("net.ipv4.icmp_ratelimit=0", "net.ipv4.conf.all.rp_filter=0"):
+            nsexec(n, "sysctl", "-qw", key)
+        self._world()
+        self._external()
+        for ip in _lb_sources():
+            nsexec(n, "ip", "addr", "add", f"{ip}/32", "dev", "lo")
+        for i, (ip, ports) in enumerate(sorted(pod_addresses().items())):
+            ns = t.add_host(f"p{i}", ip)
+            self.pod_ns[ip] = ns
+            p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(HERE / "endpoint_server.py"), ip,
+                                  *map(str, sorted(ports))], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            self.procs.append(p)
+        for p in self.procs:
+            assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+        self.cgroup.mkdir()
+
+    def _world(self) -> None:
+        t, node_side, world_side = self.topo, *A.WORLD_LINK
+        world = t.ns("world")
+        sh("ip", "netns", "add", world)
+        t.namespaces.append(world)
+        dev = f"{t.prefix[-6:]}w"
+        nsexec(t.node, "ip", "link", "add", dev, "type", "veth", "peer", "name", "eth0", "netns", world)
+        nsexec(t.node, "ip", "addr", "add", f"{node_side}/30", "dev", dev)
+        nsexec(t.node, "ip", "link", "set", dev, "up")
+        for net in ("10.96.0.0/16", "198.51.100.0/24"):
+            nsexec(t.node, "ip", "route", "add", net, "via", world_side)
+        nsexec(world, "ip", "link", "set", "lo", "up")
+        nsexec(world, "ip", "addr", "add", f"{world_side}/30", "dev", "eth0")
+        nsexec(world, "ip", "link", "set", "eth0", "up")
+        for net in ("10.244.0.0/16", "192.0.2.0/24", "203.0.113.0/24"):
+            nsexec(world, "ip", "route", "add", net, "via", node_side)
+        nsexec(world, "ip", "route", "add", "unreachable", "default")
+        for key in ("net.ipv4.ip_forward=1", "net.ipv4.icmp_ratelimit=0"):
+            nsexec(world, "sysctl", "-qw", key)
+
+    def _external(self) -> None:
+        t = self.topo
+        self.ext = t.ns("ext")
+        sh("ip", "netns", "add", self.ext)
+        t.namespaces.append(self.ext)
+        dev = f"{t.prefix[-6:]}x"
+        nsexec(t.node, "ip", "link", "add", dev, "type", "veth", "peer", "name", "eth0", "netns", self.ext)
+        nsexec(t.node, "ip", "link", "set", dev, "master", "usbr0", "up")
+        nsexec(self.ext, "ip", "link", "set", "lo", "up")
+        for ip in ("203.0.113.2", "203.0.113.130"):
+            nsexec(self.ext, "ip", "addr", "add", f"{ip}/24", "dev", "eth0")
+        nsexec(self.ext, "ip", "link", "set", "eth0", "up")
+        nsexec(self.ext, "ip", "route", "add", "default", "via", A.EXT_GATEWAY)
+
+    def netns_of(self, source: str) -> str:
+        if source in self.pod_ns:
+            return self.pod_ns[source]
+        if A.is_external_client(source):
+            return self.ext
+        return self.topo.node  # node addresses, and LoadBalancer IPs used as a source
+
+    # -- agents ----------------------------------------------------------------------------------
+    def use(self, datapath: str, group: Group, phase: int) -> None:
+        if self.state is not None and self.state[:2] == (datapath, group.key) and self.state[2] >= phase:
+            return
+        if self.state is None or self.state[:2] != (datapath, group.key):
+            self._stop()
+            self._start(datapath, group)
+        if phase > 0:
+            assert self.manifests is not None and self.agent is not None
+            t_upd = self.manifests.write(*objects(group, phase))
+            self.agent.wait_synced_after(t_upd)
+            self._wait_placed(datapath)
+        self.state = (datapath, group.key, phase)
+
+    def _start(self, datapath: str, group: Group) -> None:
+        d = self.tmp / f"{datapath}-{group.key}"
+        self.manifests = Manifests(d / "services")
+        config = d / "kube-proxy.yaml"
+        config.write_text(yaml.safe_dump(kube_proxy_configuration(group)))
+        self.manifests.write(*objects(group, 0))
+        if datapath == "bpf":
+            self.agent = BpfAgent(self.topo, self.manifests, config, self.cgroup, self.pins)
+            self.agent.start()
+        else:
+            flags = NFT_FLAGS if datapath == "nftables" else ()
+            self.agent = AgentProc(self.topo, self.manifests, "uvloop", "--config", str(config), *flags)
+            self.agent.start()
+        self._wait_placed(datapath)
+
+    def _stop(self) -> None:
+        if self.agent is None:
+            return
+        agent, self.agent, self.state = self.agent, None, None
+        agent.stop()
+        if not isinstance(agent, BpfAgent):  # BpfAgent.stop cleans up (it knows the cgroup)
+            nsexec(self.topo.node, USPROXY, "run", "--cleanup", check=False)
+        left = nsexec(self.topo.node, "nft", "list", "ruleset").stdout
+        assert "usproxy" not in left, left
+
+    def services(self) -> list[dict[str, Any]]:
+        with inside(self.topo.node), urllib.request.urlopen("http://127.0.0.1:10249/services", timeout=5) as r:
+            return list(json.load(r))
+
+    def _wait_placed(self, datapath: str, timeout: float = 20.0) -> None:
+        """Until every ServicePort with endpoints is where the datapath under test puts it."""
+        want = {"relay": "userspace", "nftables": "nftables", "bpf": "bpf"}[datapath]
+        deadline = time.monotonic() + timeout
+        rows: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                rows = self.services()
+                if rows and all(want in r["datapath"] for r in rows if _placeable(r)):
+                    time.sleep(0.3)
+                    return
+            time.sleep(0.1)
+        log = self.agent.log.read_text()[-3000:] if self.agent is not None else ""
+        raise AssertionError(f"not all on {want}: {[(r['servicePortName'], r['datapath'], r['reason']) for r in rows]}"
+                             f"\n{log}")
+
+    # -- traffic ---------------------------------------------------------------------------------
+    def probe(self, datapath: str, spec: Spec) -> list[Attempt]:
+        ns = self.netns_of(spec.src)
+        if datapath != "bpf":
+            with inside(ns):
+                return run(spec)
+        script = (f"echo $$ > {self.cgroup}/cgroup.procs && exec ip netns exec {ns} {sys.executable} "
+                  f"{HERE / 'probe.py'} '{json.dumps(asdict(spec))}'")
+        proc = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return [Attempt(**a) for a in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._stop()
+        for p in self.procs:
+            p.kill()
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+        self.topo.close()
+        with contextlib.suppress(OSError):
+            for pid in (self.cgroup / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), 9)
+        for _ in range(50):
+            try:
+                self.cgroup.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)
+        assert not self.pins.exists(), f"pins left: {self.pins}"
+
+
+def _placeable(row: dict[str, Any]) -> bool:
+    """ServicePorts the datapath under test must hold: those with endpoints (every one here is TCP or
+    UDP with a ClusterIP, so the BPF socket LB takes them all)."""
+    return bool(row.get("endpoints"))
+
+
+def _lb_sources() -> set[str]:
+    """LoadBalancer IPs kube-proxy uses as a flow's source (a node address here)."""
+    from tests.conformance.manifests import scenario_index
+    out = set()
+    for group in GROUPS:
+        for sc in group.scenarios:
+            k = scenario_index(group, sc)
+            for svc in sc.services:
+                out |= {A.addr(ip, k) for ip in svc.lb_ips if any(f.source == ip for f in sc.flows)}
+    return out
