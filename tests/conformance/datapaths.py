@@ -96,7 +96,6 @@ PENDING: tuple[Pending, ...] = (
         ("load-balancer", n) for n in ("blocked external to LB1", "blocked external to LB2",
                                        "pod to LB1 (blocked by LoadBalancerSourceRanges)",
                                        "pod to LB2 (blocked by LoadBalancerSourceRanges)"))),
-    Pending(3, "healthCheckNodePort", _KERNEL, (("healthcheck-nodeport", "firewall accepts HealthCheckNodePort"),)),
     Pending(4, "Service CIDR: unallocated ClusterIPs dropped", DATAPATHS,
             (("clusterip-general", "packet to unallocated cluster ip"),)),
     Pending(5, "nodeport-addresses in nftables", ("nftables",), (("nodeports", "secondary nodeIP ignores NodePorts"),)),
