@@ -12,6 +12,7 @@ from pathlib import Path
 from usproxy.metrics import Metrics
 from usproxy.app.cleanup import remove_kernel_state
 from usproxy.datapath import ServicePortState, SyncRequest
+from usproxy.endpoint import Endpoint
 from usproxy.errors import OffloadError
 from usproxy.offload.fake import FakeKernelDatapath
 from usproxy.offload.manager import OffloadManager, OffloadSettings
@@ -272,12 +273,39 @@ async def test_wakes_the_sync_when_the_window_ends() -> None:
     await mgr.close()
 
 
+async def test_conntrack_cleanup_never_holds_the_sync() -> None:
+    """Control plane behind conntrack cleanup (issue 18 item 4): a cleanup that takes minutes (a
+    dump of 150,000 entries) runs beside the syncs; what is removed meanwhile is merged into the
+    next cleanup."""
+    release = asyncio.Event()
+
+    class SlowCleanup(FakeKernelDatapath):
+        async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
+            await release.wait()
+            self.cleared.append(dict(removed))
+
+    nft = SlowCleanup()
+    mgr, _, _ = make(nft, after=0)
+    await mgr.sync(req(web("10.244.1.1", "10.244.1.2", "10.244.1.3", "10.244.1.4"), full=True))
+    g2, g3, g4 = (frozenset({ep(f"10.244.1.{i}")}) for i in (2, 3, 4))
+    await asyncio.wait_for(mgr.sync(SyncRequest({A: web("10.244.1.1", "10.244.1.3", "10.244.1.4")},
+                                                removed_endpoints={A: g2})), 1)
+    await asyncio.wait_for(mgr.sync(SyncRequest({A: web("10.244.1.1", "10.244.1.4")}, removed_endpoints={A: g3})), 1)
+    await asyncio.wait_for(mgr.sync(SyncRequest({A: web("10.244.1.1")}, removed_endpoints={A: g4})), 1)
+    assert nft.installed[A].cluster_endpoints == (ep("10.244.1.1"),) and nft.cleared == []
+    release.set()
+    await mgr.stale_cleared()
+    assert nft.cleared == [{A: g2}, {A: g3 | g4}]
+    await mgr.close()
+
+
 async def test_removal_and_stale_endpoints_reach_the_kernel() -> None:
     nft = FakeKernelDatapath()
     mgr, _, _ = make(nft, after=0)
     await mgr.sync(req(web("10.244.1.1", "10.244.1.2"), full=True))
     gone = frozenset({ep("10.244.1.2")})
     await mgr.sync(SyncRequest({A: web("10.244.1.1")}, removed_endpoints={A: gone}))
+    await mgr.stale_cleared()
     assert nft.cleared == [{A: gone}]
     await mgr.sync(SyncRequest({A: None}))
     assert nft.installed == {} and mgr.placement(A) is None

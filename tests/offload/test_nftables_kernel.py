@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 from usproxy.app.capabilities import probe_nftables
 from usproxy.datapath import ServicePortState
 from usproxy.errors import OffloadError
+from usproxy.offload import kernel_conntrack
 from usproxy.offload.nftables.client import NftClient
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.rules import port_rules
@@ -111,7 +112,10 @@ async def test_c01_no_endpoints_refused_then_served(topology: Topology, dp: Nfta
         tcp_name(cli, VIP, 80)
 
 
-async def test_c03_udp_one_way_sender_follows_endpoint_changes(topology: Topology, dp: NftablesDatapath, pods: Pods) -> None:
+@pytest.mark.parametrize("filtered_max", [kernel_conntrack.FILTERED_MAX, 0], ids=["kernel-filtered", "full-dump"])
+async def test_c03_udp_one_way_sender_follows_endpoint_changes(topology: Topology, dp: NftablesDatapath, pods: Pods,
+                                                               filtered_max: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel_conntrack, "FILTERED_MAX", filtered_max)  # both ways of finding stale entries
     pods.add("be-a", "10.244.1.7", port=8125, mute=True)
     pods.add("be-b", "10.244.2.8", port=8125, mute=True)
     cli = topology.add_host("cli", "10.244.9.10")

@@ -3,8 +3,12 @@
 Two jobs, as kube-proxy's pkg/proxy/conntrack (CleanStaleEntries): delete UDP entries whose reply
 comes from an endpoint that went away (else a one-way UDP sender keeps its DNAT to a dead endpoint
 forever, field case C03), and delete UDP entries to a frontend that had no endpoints (else a
-sender's earlier "refused" entry outlives the 0 -> N change). pyroute2's Conntrack deletes one
-entry per request. It also lists the DNATed entries of offloaded frontends for /flows.
+sender's earlier "refused" entry outlives the 0 -> N change). For up to FILTERED_MAX IPv4 addresses
+the kernel filters the dump (one CTA_FILTER dump per address, Linux >= 5.8), so a node with
+150,000 UDP entries sends only the matching ones; more addresses, and IPv6 (whose reply-tuple
+filter matched no entry on Linux 6.18 through pyroute2), take one dump of all UDP entries.
+pyroute2's Conntrack deletes one entry per request. The manager runs this beside the syncs, never
+inside one. It also lists the DNATed entries of offloaded frontends for /flows.
 
 pyroute2's synchronous API cannot run inside a running event loop, so every call runs in one
 worker thread (NetnsWorker), which first enters `netns` when one is given.
@@ -28,6 +32,7 @@ PROTO_NAME = {v: k for k, v in PROTO_NUM.items()}
 
 FAMILIES = (socket.AF_INET, socket.AF_INET6)
 FrontendKey = tuple[str, str, int]  # (address or "*" for NodePorts, PROTO, port)
+FILTERED_MAX = 32  # addresses up to which the kernel filters each dump
 
 
 class KernelConntrack:
@@ -48,21 +53,17 @@ class KernelConntrack:
 
     def _delete_udp(self, reply_src: set[tuple[str, int]], orig_dst: set[tuple[str, int]]) -> int:
         from pyroute2 import Conntrack
-        from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
         deleted = 0
         for family in FAMILIES:  # pyroute2 dumps one family per socket (AF_INET by default)
             ct = Conntrack(nfgen_family=family)
             try:
-                udp = NFCTAttrTuple(family=family, proto=socket.IPPROTO_UDP)
-                for e in list(ct.dump_entries(tuple_orig=udp)):
-                    o, r = e.tuple_orig, e.tuple_reply
-                    if (str(r.saddr), r.sport) in reply_src or (str(o.daddr), o.dport) in orig_dst:
-                        try:
-                            ct.entry("del", tuple_orig=o)
-                            deleted += 1
-                        except Exception as err:  # gone meanwhile: fine
-                            log.debug("conntrack delete %s: %s", o, err)
+                for o in _matching(ct, family, reply_src, orig_dst):
+                    try:
+                        ct.entry("del", tuple_orig=o)
+                        deleted += 1
+                    except Exception as err:  # gone meanwhile: fine
+                        log.debug("conntrack delete %s: %s", o, err)
             finally:
                 ct.close()
         return deleted
@@ -107,6 +108,32 @@ class KernelConntrack:
 
     def close(self) -> None:
         self._worker.close()
+
+
+def _matching(ct: Any, family: int, reply_src: set[tuple[str, int]], orig_dst: set[tuple[str, int]]) -> list[Any]:
+    """Original tuples of the UDP entries in `family` whose reply source is in `reply_src` or
+    whose original destination is in `orig_dst`, read before any is deleted."""
+    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+    v6 = family == socket.AF_INET6
+    rs = {(a, p) for a, p in reply_src if (":" in a) == v6}
+    od = {(a, p) for a, p in orig_dst if (":" in a) == v6}
+    udp = socket.IPPROTO_UDP
+    if not v6 and len(rs) + len(od) <= FILTERED_MAX:  # IPv6 reply-tuple filters matched nothing here
+        found = {}
+        for a, p in rs:
+            for e in ct.dump_entries(tuple_reply=NFCTAttrTuple(family=family, proto=udp, saddr=a, sport=p)):
+                found[_key(e.tuple_orig)] = e.tuple_orig
+        for a, p in od:
+            for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=family, proto=udp, daddr=a, dport=p)):
+                found[_key(e.tuple_orig)] = e.tuple_orig
+        return list(found.values())
+    return [e.tuple_orig for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=family, proto=udp))
+            if (str(e.tuple_reply.saddr), e.tuple_reply.sport) in rs or (str(e.tuple_orig.daddr), e.tuple_orig.dport) in od]
+
+
+def _key(t: Any) -> tuple[str, int, str, int]:
+    return (str(t.saddr), t.sport, str(t.daddr), t.dport)
 
 
 ACCT = "/proc/sys/net/netfilter/nf_conntrack_acct"
