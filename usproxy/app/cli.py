@@ -43,6 +43,14 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--conntrack-min", type=int)
     p.add_argument("--udp-idle-timeout", metavar="DURATION")
     p.add_argument("--bpf-cgroup", type=Path)
+    p.add_argument("--cluster-cidr", dest="cluster_cidrs", metavar="CIDR[,CIDR]",
+                   type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
+                   help="pod network: ClusterIP traffic from outside it is masqueraded (kube-proxy's)")
+    p.add_argument("--detect-local-mode", choices=["ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix"])
+    p.add_argument("--pod-bridge-interface", dest="bridge_interface", metavar="NAME")
+    p.add_argument("--pod-interface-name-prefix", dest="interface_name_prefix", metavar="PREFIX")
+    p.add_argument("--masquerade-all", action="store_true", default=None,
+                   help="masquerade all traffic to Service addresses (kube-proxy's --masquerade-all)")
     p.add_argument("--cleanup", action="store_true", default=None,
                    help="remove everything usproxy installed in the kernel, then exit")
 

@@ -63,11 +63,13 @@ def slot_chain(kind: Kind, i: int) -> str:
     return f"s-{i}" if kind == "ip" else f"nps-{i}"
 
 
-GROUP_CHAIN = re.compile(r"^(g|npg)(m?)-(\d+)$")  # kind, masquerade, endpoint count
+# kind, masquerade (m: all, x: what the local-traffic detector says is not from a pod), count
+GROUP_CHAIN = re.compile(r"^(g|npg)(m|x)?-(\d+)$")
 
 
-def group_chain(kind: Kind, n: int, masq: bool) -> str:
-    return f"{'g' if kind == 'ip' else 'npg'}{'m' if masq else ''}-{n}"
+def group_chain(kind: Kind, n: int, masq: bool, nonlocal_only: bool = False) -> str:
+    mark = ("x" if nonlocal_only else "m") if masq else ""
+    return f"{'g' if kind == 'ip' else 'npg'}{mark}-{n}"
 
 
 def affinity_chain(spn: ServicePortName, scope: Scope) -> str:

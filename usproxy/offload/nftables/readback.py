@@ -140,6 +140,8 @@ def _verdicts(lst: _Listing) -> dict[ServicePortName, _Seen]:
         for key, value in lst.maps.get(name, []):
             comment = key.get("elem", {}).get("comment") if isinstance(key, dict) else None
             target = (value.get("goto") or {}).get("target") if isinstance(value, dict) else None
+            if isinstance(value, dict) and "drop" in value:
+                target = "drop"
             if comment is None or target is None:
                 continue
             spn, scope = parse_comment(comment)
@@ -202,11 +204,13 @@ def _port_rules(family: Family, spn: ServicePortName, seen: _Seen, lst: _Listing
 def _backend(fe: Frontend, target: str, lst: _Listing) -> Backend | None:
     if target == "reject-chain":
         return Backend()
+    if target == "drop":
+        return Backend(drop=True)
     m = GROUP_CHAIN.match(target)
     if m:  # a slot missing (flushed or deleted behind our back): not adopted, rebuilt whole
         n = int(m.group(3))
         targets = _slot_targets(lst, fe, n)
-        return Backend(targets, bool(m.group(2))) if len(targets) == n else None
+        return Backend(targets, bool(m.group(2)), nonlocal_only=m.group(2) == "x") if len(targets) == n else None
     if target.startswith("aff-"):
         return _affinity_backend(target, lst)
     if target.startswith("rr-"):
@@ -217,25 +221,25 @@ def _backend(fe: Frontend, target: str, lst: _Listing) -> Backend | None:
 def _rr_backend(chain: str, fe: Frontend, lst: _Listing) -> Backend | None:
     """A round-robin chain: optional masquerade mark, then `numgen inc` over N slot chains (or a
     goto the one slot chain)."""
-    masq, n = False, 0
+    masq, nonlocal_only, n = False, False, 0
     for expr in lst.rules.get(chain, []):
         for stmt in expr:
             if "mangle" in stmt:
-                masq = True
+                masq, nonlocal_only = True, any("match" in s for s in expr)
             elif "vmap" in stmt and "numgen" in stmt["vmap"].get("key", {}):
                 n = len(stmt["vmap"]["data"]["set"])
             elif "goto" in stmt:
                 n = 1
     targets = _slot_targets(lst, fe, n)
-    return Backend(targets, masq, 0, True) if targets and len(targets) == n else None
+    return Backend(targets, masq, 0, True, nonlocal_only) if targets and len(targets) == n else None
 
 
 def _affinity_backend(chain: str, lst: _Listing) -> Backend | None:
-    masq, order, rr = False, [], False
+    masq, nonlocal_only, order, rr = False, False, [], False
     for expr in lst.rules.get(chain, []):
         for stmt in expr:
             if "mangle" in stmt:
-                masq = True
+                masq, nonlocal_only = True, any("match" in s for s in expr)
             elif "vmap" in stmt and "numgen" in stmt["vmap"].get("key", {}):
                 order = [v["goto"]["target"] for _, v in stmt["vmap"]["data"]["set"]]
                 rr = stmt["vmap"]["key"]["numgen"].get("mode") == "inc"
@@ -247,7 +251,7 @@ def _affinity_backend(chain: str, lst: _Listing) -> Backend | None:
         if t is None:
             return None
         targets.append(t)
-    return Backend(tuple(targets), masq, timeout, rr) if targets else None
+    return Backend(tuple(targets), masq, timeout, rr, nonlocal_only) if targets else None
 
 
 def _endpoint_chain(rules: list[list[dict[str, Any]]]) -> tuple[Target | None, int]:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint
+from usproxy.endpoint import Endpoint, usable
 from usproxy.offload.nftables.names import Family, Kind, Scope, affinity_chain, group_chain, rr_chain
 from usproxy.types import IPAddress, ServicePortName, format_hostport
 
@@ -86,6 +86,12 @@ class Backend(NamedTuple):
     masq: bool = False
     affinity: int = 0  # ClientIP timeout in seconds; 0: no affinity
     round_robin: bool = False  # lb-policy roundRobin: `numgen inc` in chains of its own
+    # with masq: mark only what the local-traffic detector says is not from a pod (kube-proxy's
+    # ClusterIP rule with a detector); the match is the table's (TableState.not_local)
+    nonlocal_only: bool = False
+    # no targets here but endpoints elsewhere (a Local policy without local endpoints): the
+    # frontend drops instead of rejecting, as kube-proxy
+    drop: bool = False
 
 
 _EMPTY = Backend()
@@ -119,12 +125,18 @@ def verdict_of(rules: PortRules, fe: Frontend) -> str:
     """The chain a frontend's verdict element jumps to (`goto <chain>`)."""
     be = rules.backend(fe.scope)
     if not be.targets:
-        return "reject-chain"
+        return "drop" if be.drop else "reject-chain"
     if be.affinity:
         return affinity_chain(rules.spn, fe.scope)
     if be.round_robin:
         return rr_chain(rules.spn, fe.scope, fe.kind)
-    return group_chain(fe.kind, len(be.targets), be.masq)
+    return group_chain(fe.kind, len(be.targets), be.masq, be.nonlocal_only)
+
+
+def verdict_text(rules: PortRules, fe: Frontend) -> str:
+    """A frontend's verdict element value: `goto <chain>`, or `drop`."""
+    v = verdict_of(rules, fe)
+    return v if v == "drop" else "goto " + v
 
 
 # -- from the model --------------------------------------------------------------------------------
@@ -166,8 +178,11 @@ def _slots(previous: Sequence[Target], wanted: list[Target]) -> tuple[Target, ..
 _PROTO = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
 
 
+ClusterMasq = Literal["none", "all", "nonlocal"]
+
+
 def port_rules(state: ServicePortState, family: Family, previous: PortRules | None,
-               node_name: str | None = None) -> PortRules | None:
+               node_name: str | None = None, cluster_masq: ClusterMasq = "none") -> PortRules | None:
     """What `state` needs in `family`'s table, keeping `previous` slot positions. None: nothing
     (the ServicePort has no ClusterIP in this family).
 
@@ -175,7 +190,12 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
     ours) get no hairpin element. Their own traffic to the Service is DNATed on their own node, and
     what reaches this node from them as external traffic is masqueraded anyway (as Cilium, which
     handles hairpin for local endpoints only; kube-proxy marks every endpoint). Endpoints without a
-    nodeName, or every endpoint when the agent has no node name, may be local and get one."""
+    nodeName, or every endpoint when the agent has no node name, may be local and get one.
+
+    `cluster_masq` is what ClusterIP traffic has marked for masquerade, as kube-proxy's nftables
+    mode: "all" with masqueradeAll, "nonlocal" with a local-traffic detector for this family (what
+    does not come from a pod), "none" without either. A scope without targets while the
+    ServicePort has endpoints elsewhere (a Local policy, no local endpoint) drops (kube-proxy)."""
     sp = state.service_port
     v4 = family == 4
     cluster_ips = [ip for ip in sp.cluster_ips if isinstance(ip, ipaddress.IPv4Address) is v4]
@@ -191,13 +211,15 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
     affinity = sp.affinity_timeout if sp.session_affinity == "ClientIP" else 0
     rr = sp.lb_policy == "roundRobin"
     hairpin: set[str] = set()
-    cluster = new_tuple(Backend, (_slots(previous.cluster.targets if previous else (),
-                                    _targets(state.cluster_endpoints, v4, node_name, hairpin)), False, affinity, rr))
+    has_any = bool(usable(ep for ep in state.endpoints if isinstance(ep.ip, ipaddress.IPv4Address) is v4))
+    c_targets = _slots(previous.cluster.targets if previous else (), _targets(state.cluster_endpoints, v4, node_name, hairpin))
+    cluster = new_tuple(Backend, (c_targets, cluster_masq != "none", affinity, rr, cluster_masq == "nonlocal",
+                                  has_any and not c_targets))
     external = _EMPTY
     if len(fes) > len(cluster_ips):  # externalIPs, LoadBalancer IPs or a NodePort
         masq = sp.external_traffic_policy == "Cluster"
-        external = Backend(_slots(previous.external.targets if previous else (), _targets(state.external_endpoints, v4, node_name, hairpin)),
-                           masq, affinity, rr)
+        e_targets = _slots(previous.external.targets if previous else (), _targets(state.external_endpoints, v4, node_name, hairpin))
+        external = Backend(e_targets, masq, affinity, rr, False, has_any and not e_targets)
     if len(fes) > 1:
         fes.sort(key=frontend_order)
     return new_tuple(PortRules, (sp.name, family, tuple(fes), cluster, external, frozenset(hairpin)))
