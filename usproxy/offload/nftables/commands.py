@@ -27,10 +27,12 @@ from usproxy.offload.nftables.names import (
     nft_family,
     rr_chain,
     safe_comment,
+    short_circuit_chain,
+    short_circuit_pick,
     slot_chain,
     slot_map,
 )
-from usproxy.offload.nftables.rules import PortRules
+from usproxy.offload.nftables.rules import PortRules, local_verdict
 
 
 class Elem(NamedTuple):
@@ -192,14 +194,41 @@ def rr_rules(rules: PortRules, scope: Scope, not_local: str = "") -> dict[str, l
             for k in kinds}
 
 
-def own_chains(family: Family, rules: PortRules, not_local: str = "") -> dict[str, list[str]]:
-    """The chains that belong to one ServicePort (affinity and round robin), by name.
-    `not_local`: the table's local-traffic detector match (see mark_rules)."""
+def own_chains(family: Family, rules: PortRules, not_local: str = "", if_local: str = "") -> dict[str, list[str]]:
+    """The chains that belong to one ServicePort (affinity, round robin, short-circuit), by
+    name. `not_local` / `if_local`: the table's local-traffic detector matches (mark_rules,
+    short_circuit_rules)."""
     out: dict[str, list[str]] = {}
     for scope in ("cluster", "external"):
         if _has_affinity(rules, scope):
             out.update(affinity_rules(family, rules, scope, not_local))
         out.update(rr_rules(rules, scope, not_local))
+    out.update(short_circuit_rules(family, rules, if_local))
+    return out
+
+
+def short_circuit_rules(family: Family, rules: PortRules, if_local: str) -> dict[str, list[str]]:
+    """externalTrafficPolicy Local, as kube-proxy's external traffic chain: traffic from a pod
+    (`if_local`, when the detector has a match for this family) goes to every endpoint unmarked,
+    traffic from the node itself (`fib saddr type local`) is marked and goes to every endpoint,
+    the rest goes to the local endpoints, or is dropped when there is none. One chain per
+    frontend kind (their local verdicts differ) and one DNAT chain over every endpoint."""
+    be = rules.external
+    if not be.short:
+        return {}
+    pick = short_circuit_pick(rules.spn)
+    ipx, proto = _ipx(family), rules.spn.protocol.lower()
+    body = ", ".join(f"{i} : {t.nft()}" for i, t in enumerate(be.short))
+    # the DNAT chain first: chains are created in this order, and the others go to it
+    out = {pick: [f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(be.short)} map {{ {body} }}"]}
+    for fe in rules.frontends:
+        name = short_circuit_chain(rules.spn, fe.kind)
+        if fe.scope != "external" or name in out:
+            continue
+        local = local_verdict(rules, fe)
+        out[name] = [*([f"{if_local} goto {pick}"] if if_local else []),
+                     f"fib saddr type local {MARK_MASQ}", f"fib saddr type local goto {pick}",
+                     local if local == "drop" else f"goto {local}"]
     return out
 
 

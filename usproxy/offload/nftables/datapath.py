@@ -67,7 +67,11 @@ class NftablesDatapath:
         self.transactions = 0
 
     def _empty_table(self, family: Family) -> TableState:
-        return TableState(family, not_local=self._not_local(family))
+        return TableState(family, not_local=self._not_local(family), if_local=self._if_local(family))
+
+    def _if_local(self, family: Family) -> str:
+        """The detector's "from a pod" match in `family` ("": no detector there)."""
+        return self.node.detector.if_local_nft(family) or ""
 
     def _not_local(self, family: Family) -> str:
         """The detector's "not from a pod" match in `family` ("" without masqueradeAll's
@@ -203,7 +207,7 @@ class NftablesDatapath:
                 log.error("reading back table %s %s: %s", nft_family(f), TABLE, err)
                 continue
             self.tables[f] = read_table(f, items)
-            self.tables[f].not_local = self._not_local(f)
+            self.tables[f].not_local, self.tables[f].if_local = self._not_local(f), self._if_local(f)
 
     async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
         targets = {(str(ep.ip), ep.port) for spn, eps in removed.items() if spn.protocol == "UDP" for ep in eps}
@@ -282,6 +286,8 @@ def _dump_rules(r: PortRules) -> list[str]:
         be = r.backend(fe.scope)
         eps = " ".join(t.hostport() for t in be.targets) or ("drop" if be.drop else "reject")
         extra = (" masq-nonlocal" if be.nonlocal_only else " masq" if be.masq else "") + (f" affinity={be.affinity}s" if be.affinity else "")
+        if be.short:
+            extra += " from pods and node: " + " ".join(t.hostport() for t in be.short)
         out.append(f"{r.spn.key()} {fe.key()} -> {eps}{extra}")
     return out
 

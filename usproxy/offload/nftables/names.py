@@ -82,6 +82,17 @@ def rr_chain(spn: ServicePortName, scope: Scope, kind: Kind) -> str:
     return f"rr-{short_hash(spn.key())}-{scope[0]}{'' if kind == 'ip' else 'n'}"
 
 
+def short_circuit_chain(spn: ServicePortName, kind: Kind) -> str:
+    """The externalTrafficPolicy Local chain of one ServicePort's external frontends of `kind`:
+    pod and node traffic to all endpoints, the rest to the local ones (commands.short_circuit_rules)."""
+    return f"xl-{short_hash(spn.key())}{'' if kind == 'ip' else 'n'}"
+
+
+def short_circuit_pick(spn: ServicePortName) -> str:
+    """The chain that DNATs short-circuited traffic to one of every endpoint (both kinds share it)."""
+    return f"xs-{short_hash(spn.key())}"
+
+
 def affinity_endpoint(spn: ServicePortName, scope: Scope, hostport: str) -> str:
     """Name of the endpoint chain and of its client-address set (they share it); `hostport` is
     the endpoint as Target.hostport() writes it ("ip:port", "[ip6]:port")."""

@@ -81,7 +81,7 @@ def _orphans(lst: _Listing, state: TableState) -> dict[str, set[str]]:
     for rules in state.rules.values():
         for fe in rules.frontends:
             be = rules.backend(fe.scope)
-            owned.add((verdict_map(fe.kind, not be.targets), fe.key()))
+            owned.add((verdict_map(fe.kind, not be.serves()), fe.key()))
             if not be.affinity:
                 owned.update((slot_map(fe.kind, i), fe.key()) for i in range(len(be.targets)))
     present: set[tuple[str, str]] = set()
@@ -215,7 +215,41 @@ def _backend(fe: Frontend, target: str, lst: _Listing) -> Backend | None:
         return _affinity_backend(target, lst)
     if target.startswith("rr-"):
         return _rr_backend(target, fe, lst)
+    if target.startswith("xl-"):
+        return _short_circuit_backend(target, fe, lst)
     return None
+
+
+def _short_circuit_backend(chain: str, fe: Frontend, lst: _Listing) -> Backend | None:
+    """An externalTrafficPolicy Local chain: matched rules go to the DNAT chain over every
+    endpoint; the last, unmatched one to the local verdict (a group chain, ..., or `drop`)."""
+    local, pick = None, None
+    for expr in lst.rules.get(chain, []):
+        matched = any("match" in s for s in expr)
+        for stmt in expr:
+            if "goto" in stmt:
+                if matched:
+                    pick = stmt["goto"]["target"]
+                else:
+                    local = stmt["goto"]["target"]
+            elif "drop" in stmt and not matched:
+                local = "drop"
+    if local is None or pick is None:
+        return None
+    be = _backend(fe, local, lst)
+    short = _pick_targets(lst.rules.get(pick, []))
+    return be._replace(short=short) if be is not None and short else None
+
+
+def _pick_targets(rules: list[list[dict[str, Any]]]) -> tuple[Target, ...]:
+    """The targets of `dnat to numgen random mod N map { i : addr . port, ... }`, by i."""
+    for expr in rules:
+        for stmt in expr:
+            data = stmt.get("dnat", {}).get("addr", {}).get("map", {}).get("data", {}) if "dnat" in stmt else {}
+            if isinstance(data, dict) and "set" in data:
+                pairs = sorted((int(i), v["concat"]) for i, v in data["set"])
+                return tuple(Target(norm_ip(str(v[0])), int(v[1])) for _, v in pairs)
+    return ()
 
 
 def _rr_backend(chain: str, fe: Frontend, lst: _Listing) -> Backend | None:

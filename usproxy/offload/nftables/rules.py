@@ -15,7 +15,15 @@ from typing import Literal, NamedTuple
 
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint, usable
-from usproxy.offload.nftables.names import Family, Kind, Scope, affinity_chain, group_chain, rr_chain
+from usproxy.offload.nftables.names import (
+    Family,
+    Kind,
+    Scope,
+    affinity_chain,
+    group_chain,
+    rr_chain,
+    short_circuit_chain,
+)
 from usproxy.types import IPAddress, ServicePortName, format_hostport
 
 _TEXT: dict[int, str] = {}
@@ -92,6 +100,14 @@ class Backend(NamedTuple):
     # no targets here but endpoints elsewhere (a Local policy without local endpoints): the
     # frontend drops instead of rejecting, as kube-proxy
     drop: bool = False
+    # externalTrafficPolicy Local: every endpoint of the Cluster policy, sorted, where pod and
+    # node traffic to the external frontends goes (kube-proxy's short-circuit); `targets` stay
+    # the local endpoints that other external traffic goes to
+    short: tuple[Target, ...] = ()
+
+    def serves(self) -> bool:
+        """Whether its frontends are in the service maps (else in the no-endpoint maps)."""
+        return bool(self.targets or self.short)
 
 
 _EMPTY = Backend()
@@ -122,7 +138,14 @@ class PortRules(NamedTuple):
 
 
 def verdict_of(rules: PortRules, fe: Frontend) -> str:
-    """The chain a frontend's verdict element jumps to (`goto <chain>`)."""
+    """The chain a frontend's verdict element jumps to (`goto <chain>`), or `drop`."""
+    if rules.backend(fe.scope).short:
+        return short_circuit_chain(rules.spn, fe.kind)
+    return local_verdict(rules, fe)
+
+
+def local_verdict(rules: PortRules, fe: Frontend) -> str:
+    """verdict_of without the short-circuit: what traffic that is not short-circuited gets."""
     be = rules.backend(fe.scope)
     if not be.targets:
         return "drop" if be.drop else "reject-chain"
@@ -195,7 +218,9 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
     `cluster_masq` is what ClusterIP traffic has marked for masquerade, as kube-proxy's nftables
     mode: "all" with masqueradeAll, "nonlocal" with a local-traffic detector for this family (what
     does not come from a pod), "none" without either. A scope without targets while the
-    ServicePort has endpoints elsewhere (a Local policy, no local endpoint) drops (kube-proxy)."""
+    ServicePort has endpoints elsewhere (a Local policy, no local endpoint) drops (kube-proxy).
+    externalTrafficPolicy Local external frontends short-circuit pod and node traffic to every
+    endpoint (`state.short_circuit_endpoints`, Backend.short)."""
     sp = state.service_port
     v4 = family == 4
     cluster_ips = [ip for ip in sp.cluster_ips if isinstance(ip, ipaddress.IPv4Address) is v4]
@@ -214,12 +239,13 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
     has_any = bool(usable(ep for ep in state.endpoints if isinstance(ep.ip, ipaddress.IPv4Address) is v4))
     c_targets = _slots(previous.cluster.targets if previous else (), _targets(state.cluster_endpoints, v4, node_name, hairpin))
     cluster = new_tuple(Backend, (c_targets, cluster_masq != "none", affinity, rr, cluster_masq == "nonlocal",
-                                  has_any and not c_targets))
+                                  has_any and not c_targets, ()))
     external = _EMPTY
     if len(fes) > len(cluster_ips):  # externalIPs, LoadBalancer IPs or a NodePort
         masq = sp.external_traffic_policy == "Cluster"
         e_targets = _slots(previous.external.targets if previous else (), _targets(state.external_endpoints, v4, node_name, hairpin))
-        external = Backend(e_targets, masq, affinity, rr, False, has_any and not e_targets)
+        short = tuple(sorted(set(_targets(state.short_circuit_endpoints, v4, node_name, hairpin))))
+        external = Backend(e_targets, masq, affinity, rr, False, has_any and not e_targets, short)
     if len(fes) > 1:
         fes.sort(key=frontend_order)
     return new_tuple(PortRules, (sp.name, family, tuple(fes), cluster, external, frozenset(hairpin)))

@@ -53,6 +53,8 @@ class TableState:
     # the local-traffic detector's "not from a pod" match in this family ("": none), for the
     # chains that mark only such traffic (gx-N; kube-proxy's IfNotLocalNFT)
     not_local: str = ""
+    # its "from a pod" match ("": none), for the externalTrafficPolicy Local short-circuit
+    if_local: str = ""
 
 
 class Transaction:
@@ -163,14 +165,15 @@ class Transaction:
         spn = (new or prev).spn  # type: ignore[union-attr]
         self.ensure_base()
         self._rules[spn] = new
-        if (prev and _owns_chains(prev)) or (new and _owns_chains(new)):
-            self._own_chains(prev, new)
         if prev is None and new is not None and self.first_install_shortcut:
             self._add_frontends(new)
             self._add_hairpin(new)
         else:
             self._frontends(prev, new)
             self._hairpin_delta(prev, new)
+        # after the frontends: a short-circuit chain goes to the group chains they create
+        if (prev and _owns_chains(prev)) or (new and _owns_chains(new)):
+            self._own_chains(prev, new)
 
     def _add_frontends(self, new: PortRules) -> None:
         """The common cold-start case (nothing installed before), without the diff."""
@@ -180,13 +183,13 @@ class Transaction:
             kind: Kind = "ip" if fe.addr is not None else "np"
             key, n = fe.key(), len(be.targets)
             if n and not be.affinity:
-                verdict = verdict_of(new, fe) if be.round_robin else self._ensure_group(kind, n, be.masq, be.nonlocal_only)
+                if not be.round_robin:
+                    self._ensure_group(kind, n, be.masq, be.nonlocal_only)
                 for i, t in enumerate(be.targets):
                     adds[slot_map(kind, i)].append(new_tuple(Elem, (key, t.nft(), None)))
-            else:
-                verdict = verdict_of(new, fe)
+            verdict = verdict_of(new, fe)
             value = verdict if verdict == "drop" else "goto " + verdict
-            adds[verdict_map(kind, not n)].append(new_tuple(Elem, (key, value, comment_of(new.spn, fe.scope))))
+            adds[verdict_map(kind, not be.serves())].append(new_tuple(Elem, (key, value, comment_of(new.spn, fe.scope))))
 
     def _add_hairpin(self, new: PortRules) -> None:
         """_hairpin_delta's cold-start case: every target is new for this ServicePort."""
@@ -207,14 +210,15 @@ class Transaction:
         n_be = new.backend(fe.scope) if new else None
         p_verdict = verdict_of(prev, fe) if prev else None
         n_verdict = verdict_of(new, fe) if new else None
+        if n_be is not None and n_be.targets and not n_be.affinity and not n_be.round_robin:
+            # also when only the short-circuit chain's local verdict refers to the group
+            self._ensure_group(fe.kind, len(n_be.targets), n_be.masq, n_be.nonlocal_only)
         if p_verdict != n_verdict or (prev and new and prev.spn != new.spn):
             if prev is not None:
-                self._del_elem(verdict_map(fe.kind, not p_be.targets), fe.key())  # type: ignore[union-attr]
+                self._del_elem(verdict_map(fe.kind, not p_be.serves()), fe.key())  # type: ignore[union-attr]
             if new is not None:
                 assert n_be is not None
-                if n_be.targets and not n_be.affinity and not n_be.round_robin:
-                    self._ensure_group(fe.kind, len(n_be.targets), n_be.masq, n_be.nonlocal_only)
-                self._add_elem(verdict_map(fe.kind, not n_be.targets),
+                self._add_elem(verdict_map(fe.kind, not n_be.serves()),
                                Elem(fe.key(), verdict_text(new, fe), comment_of(new.spn, fe.scope)))
         p_slots = p_be.targets if p_be and not p_be.affinity else ()
         n_slots = n_be.targets if n_be and not n_be.affinity else ()
@@ -230,8 +234,8 @@ class Transaction:
 
     def _own_chains(self, prev: PortRules | None, new: PortRules | None) -> None:
         """Create, rewrite or delete the ServicePort's own chains (affinity, round robin)."""
-        old = own_chains(self.family, prev, self.state.not_local) if prev else {}
-        cur = own_chains(self.family, new, self.state.not_local) if new else {}
+        old = own_chains(self.family, prev, self.state.not_local, self.state.if_local) if prev else {}
+        cur = own_chains(self.family, new, self.state.not_local, self.state.if_local) if new else {}
         if old == cur:
             return
         if new is not None:
@@ -288,4 +292,5 @@ class Transaction:
 
 
 def _owns_chains(rules: PortRules) -> bool:
-    return bool(rules.cluster.affinity or rules.external.affinity or rules.cluster.round_robin or rules.external.round_robin)
+    return bool(rules.cluster.affinity or rules.external.affinity or rules.cluster.round_robin
+                or rules.external.round_robin or rules.external.short)
