@@ -180,6 +180,8 @@ class _Walk:
             found = self.t.maps[args[1]].get(pkt.key(args[0]), (None, None))[0]
             if found is None:
                 return False, None
+            if found == "drop":  # a verdict element of its own (kube-proxy's Local policies)
+                return True, Trace("drop")
             verb, target = found.split()
             return self._jump(verb, target, pkt)
         if what == "numgen":
