@@ -58,10 +58,10 @@ def resolve_node(cfg: ProxyConfig, *, kubernetes: bool, environ: Mapping[str, st
         name, origin = hostname().lower(), "hostname"
     if name is not None:
         log.info("node name %s (from %s)", name, origin)
-    return NodeFacts(name, _cidrs(cfg.nodeport_addresses), _detector(cfg), cfg.masquerade_all)
+    return NodeFacts(name, _cidrs(cfg.nodeport_addresses), detector_of(cfg), cfg.masquerade_all)
 
 
-def _detector(cfg: ProxyConfig) -> LocalDetector:
+def detector_of(cfg: ProxyConfig) -> LocalDetector:
     """kube-proxy's local-traffic detector from the configuration. NodeCIDR needs the Node's
     spec.podCIDRs, which usproxy does not wait for (kube-proxy does): refused with the way out.
     Raises ConfigError naming the field."""

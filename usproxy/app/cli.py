@@ -87,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) -> None:
     """Reject settings that cannot work before anything starts."""
     from usproxy.admin.server import split_hostport
+    from usproxy.node import detector_of
 
     if given_services and given_kubeconfig:
         raise ConfigError("give --services or --kubeconfig, not both", obj="usproxy run")
@@ -102,6 +103,7 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
                           ("--udp-idle-timeout", cfg.udp_idle_timeout)):
         if seconds < 0:
             raise ConfigError(f"must not be negative, got {seconds}", obj="usproxy run", field=flag)
+    detector_of(cfg)  # detectLocalMode and its CIDR or interface
 
 
 def cmd_run(args: argparse.Namespace) -> int:
