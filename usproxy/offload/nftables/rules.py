@@ -236,19 +236,24 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
     affinity = sp.affinity_timeout if sp.session_affinity == "ClientIP" else 0
     rr = sp.lb_policy == "roundRobin"
     hairpin: set[str] = set()
-    has_any = bool(usable(ep for ep in state.endpoints if isinstance(ep.ip, ipaddress.IPv4Address) is v4))
     c_targets = _slots(previous.cluster.targets if previous else (), _targets(state.cluster_endpoints, v4, node_name, hairpin))
     cluster = new_tuple(Backend, (c_targets, cluster_masq != "none", affinity, rr, cluster_masq == "nonlocal",
-                                  has_any and not c_targets, ()))
+                                  not c_targets and _has_usable(state, v4), ()))
     external = _EMPTY
     if len(fes) > len(cluster_ips):  # externalIPs, LoadBalancer IPs or a NodePort
         masq = sp.external_traffic_policy == "Cluster"
         e_targets = _slots(previous.external.targets if previous else (), _targets(state.external_endpoints, v4, node_name, hairpin))
         short = tuple(sorted(set(_targets(state.short_circuit_endpoints, v4, node_name, hairpin))))
-        external = Backend(e_targets, masq, affinity, rr, False, has_any and not e_targets, short)
+        external = Backend(e_targets, masq, affinity, rr, False, not e_targets and _has_usable(state, v4), short)
     if len(fes) > 1:
         fes.sort(key=frontend_order)
     return new_tuple(PortRules, (sp.name, family, tuple(fes), cluster, external, frozenset(hairpin)))
+
+
+def _has_usable(state: ServicePortState, v4: bool) -> bool:
+    """Whether the ServicePort has a usable endpoint anywhere in this family (kube-proxy's
+    hasEndpoints, per family proxier): without one a frontend rejects, with one it drops."""
+    return bool(usable(ep for ep in state.endpoints if isinstance(ep.ip, ipaddress.IPv4Address) is v4))
 
 
 def frontend_order(fe: Frontend) -> tuple[int, str, int]:
