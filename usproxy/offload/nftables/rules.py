@@ -130,10 +130,10 @@ class PortRules(NamedTuple):
         return self.cluster if scope == "cluster" else self.external
 
     def targets(self) -> set[Target]:
-        return {*self.cluster.targets, *self.external.targets}
+        return {*self.cluster.targets, *self.external.targets, *self.external.short}
 
     def endpoints(self) -> tuple[Endpoint, ...]:
-        """The endpoints the kernel serves (cluster and external), for read back."""
+        """The endpoints the kernel serves (cluster, external and short-circuit), for read back."""
         return tuple(sorted(Endpoint(ipaddress.ip_address(t.ip), t.port) for t in self.targets()))
 
 
