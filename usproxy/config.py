@@ -48,6 +48,12 @@ class ProxyConfig:
     tcp_close_wait_timeout: float = 3600.0
     bpf_cgroup: Path = Path("/sys/fs/cgroup/unified")
     cleanup: bool = False
+    # local-traffic detection and masquerade, as kube-proxy (usproxy/local_detector.py)
+    detect_local_mode: str = "ClusterCIDR"
+    cluster_cidrs: tuple[str, ...] = ()
+    bridge_interface: str = ""
+    interface_name_prefix: str = ""
+    masquerade_all: bool = False
 
     def conntrack_max(self, cores: int | None = None) -> int:
         """kube-proxy's rule: max(maxPerCore × cores, min); 0 per core means min alone."""
@@ -86,10 +92,18 @@ KNOWN_FIELDS: dict[str, str] = {
     "conntrack.udpTimeout": "udp_idle_timeout",
     "conntrack.tcpEstablishedTimeout": "tcp_established_timeout",
     "conntrack.tcpCloseWaitTimeout": "tcp_close_wait_timeout",
+    "clusterCIDR": "cluster_cidrs",
+    "detectLocal.clusterCIDRs": "cluster_cidrs",
+    "detectLocalMode": "detect_local_mode",
+    "detectLocal.bridgeInterface": "bridge_interface",
+    "detectLocal.interfaceNamePrefix": "interface_name_prefix",
+    "iptables.masqueradeAll": "masquerade_all",
+    "nftables.masqueradeAll": "masquerade_all",
+    "linux.masqueradeAll": "masquerade_all",
 }
 DURATIONS = ("sync_period", "min_sync_period", "udp_idle_timeout", "tcp_established_timeout",
              "tcp_close_wait_timeout")
-IGNORED_QUIETLY = {"apiVersion", "kind", "mode", "bindAddress", "clusterCIDR", "featureGates"}
+IGNORED_QUIETLY = {"apiVersion", "kind", "mode", "bindAddress", "featureGates"}
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -114,6 +128,21 @@ def _convert(name: str, key: str, value: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError("must be a list of CIDRs", field=key)
         return tuple(str(v) for v in value)
+    if name == "cluster_cidrs":  # v1alpha1 clusterCIDR: "a,b"; v1alpha2 detectLocal.clusterCIDRs: a list
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+            raise ConfigError("must be a comma-separated string or a list of CIDRs", field=key)
+        return tuple(v.strip() for v in items if v.strip())
+    if name == "masquerade_all":
+        if not isinstance(value, bool):
+            raise ConfigError(f"must be true or false, got {value!r}", field=key)
+        return value
+    if name in ("detect_local_mode", "bridge_interface", "interface_name_prefix"):
+        if value is None or value == "":
+            return "ClusterCIDR" if name == "detect_local_mode" else ""
+        if not isinstance(value, str):
+            raise ConfigError(f"must be a string, got {value!r}", field=key)
+        return value
     if name == "kubeconfig":
         return Path(value) if value else None
     return str(value) if value is not None else None

@@ -27,12 +27,16 @@ class ServicePortState:
 
     `cluster_endpoints` serve traffic to ClusterIPs; `external_endpoints` serve NodePorts,
     externalIPs and LoadBalancer IPs. Either may be empty: then that traffic must be refused.
+    `short_circuit_endpoints` (externalTrafficPolicy Local only) serve traffic from pods and from
+    the node itself to the external addresses: every endpoint of the Cluster policy, as
+    kube-proxy's "short-circuit" rules (pkg/proxy/nftables/proxier.go, external traffic chain).
     """
 
     service_port: ServicePort
     endpoints: tuple[Endpoint, ...]
     cluster_endpoints: tuple[Endpoint, ...]
     external_endpoints: tuple[Endpoint, ...]
+    short_circuit_endpoints: tuple[Endpoint, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,9 @@ class CategorizedEndpoints:
 
     cluster: tuple[Endpoint, ...]
     external: tuple[Endpoint, ...]
+    # the Cluster policy's endpoints whatever the policies say (kube-proxy's clusterEndpoints):
+    # where pod and node traffic to an externalTrafficPolicy Local Service's external addresses goes
+    cluster_policy: tuple[Endpoint, ...] = ()
 
 
 def categorize(
@@ -102,4 +105,4 @@ def categorize(
     cluster_wide = _topology_filtered(all_usable, sp, zone)
     cluster = local if sp.internal_traffic_policy == "Local" else cluster_wide
     external = local if sp.external_traffic_policy == "Local" else cluster_wide
-    return CategorizedEndpoints(cluster=cluster, external=external)
+    return CategorizedEndpoints(cluster=cluster, external=external, cluster_policy=cluster_wide)

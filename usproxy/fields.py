@@ -11,13 +11,12 @@ a name that is not safe, so the error about it cannot forge a log line either.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from usproxy.errors import ConfigError
-from usproxy.types import IPAddress
+from usproxy.types import IPAddress, parse_ip_sloppy
 
 _LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
 DNS1123_LABEL = re.compile(_LABEL)  # at most 63 characters
@@ -151,7 +150,7 @@ class Fields:
         if not isinstance(text, str):
             raise self.error(key, f"must be an IP address, got {text!r}")
         try:
-            return ipaddress.ip_address(text)
+            return parse_ip_sloppy(text)  # leading zeros as kube-proxy (ParseIPSloppy)
         except ValueError:
             raise self.error(key, f"not a valid IP address: {text!r}") from None
 

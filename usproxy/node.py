@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from usproxy.config import ProxyConfig
 from usproxy.errors import ConfigError
+from usproxy.local_detector import LocalDetector, local_detector
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,15 @@ class NodeFacts:
     `name` is the Node's name (EndpointSlice endpoints with this nodeName are local), or None when
     it is unknown (a static source without --hostname-override or NODE_NAME): then no endpoint is
     known to be local. `nodeport_cidrs` restricts the addresses that serve NodePorts
-    (--nodeport-addresses); empty means every local address but loopback.
+    (--nodeport-addresses); empty means every local address but loopback. `detector` tells pod
+    traffic from the rest and `masquerade_all` masquerades every ClusterIP connection (kube-proxy's
+    detectLocalMode and masqueradeAll: both decide what the kernel datapaths masquerade).
     """
 
     name: str | None = None
     nodeport_cidrs: tuple[IPNetwork, ...] = ()
+    detector: LocalDetector = LocalDetector()
+    masquerade_all: bool = False
 
 
 def resolve_node(cfg: ProxyConfig, *, kubernetes: bool, environ: Mapping[str, str] = os.environ,
@@ -53,7 +58,22 @@ def resolve_node(cfg: ProxyConfig, *, kubernetes: bool, environ: Mapping[str, st
         name, origin = hostname().lower(), "hostname"
     if name is not None:
         log.info("node name %s (from %s)", name, origin)
-    return NodeFacts(name, _cidrs(cfg.nodeport_addresses))
+    return NodeFacts(name, _cidrs(cfg.nodeport_addresses), detector_of(cfg), cfg.masquerade_all)
+
+
+def detector_of(cfg: ProxyConfig) -> LocalDetector:
+    """kube-proxy's local-traffic detector from the configuration. NodeCIDR needs the Node's
+    spec.podCIDRs, which usproxy does not wait for (kube-proxy does): refused with the way out.
+    Raises ConfigError naming the field."""
+    if cfg.detect_local_mode == "NodeCIDR":
+        raise ConfigError("NodeCIDR is not supported: give this node's pod CIDR as --cluster-cidr "
+                          "(clusterCIDR) with detectLocalMode ClusterCIDR, which detects the same traffic",
+                          obj="usproxy run", field="detectLocalMode")
+    det = local_detector(cfg.detect_local_mode, cluster_cidrs=cfg.cluster_cidrs, bridge=cfg.bridge_interface,
+                         prefix=cfg.interface_name_prefix)
+    if cfg.detect_local_mode == "ClusterCIDR" and not det.cidrs and not cfg.masquerade_all:
+        log.info("no --cluster-cidr: ClusterIP traffic is not masqueraded (as kube-proxy without one)")
+    return det
 
 
 def _cidrs(texts: tuple[str, ...]) -> tuple[IPNetwork, ...]:

@@ -253,7 +253,8 @@ class Proxier:
             sp = without_frontends(sp, lost)
         eps = tuple(self._acceptable(spn, self.endpoints_map.get(spn, ())))
         cat = categorize(sp, eps, self.node.name, self.zone)
-        return ServicePortState(sp, eps, cat.cluster, cat.external)
+        short = cat.cluster_policy if sp.external_traffic_policy == "Local" else ()
+        return ServicePortState(sp, eps, cat.cluster, cat.external, short)
 
     def _acceptable(self, spn: ServicePortName, eps: Sequence[Endpoint]) -> list[Endpoint]:
         out = []

@@ -7,6 +7,7 @@ of the key, so TCP 53 and UDP 53 of one Service are two ServicePorts (field case
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Literal, NamedTuple, TypeAlias
 
 Protocol: TypeAlias = Literal["TCP", "UDP", "SCTP"]
@@ -69,6 +70,25 @@ def format_hostport(ip: IPAddress | str, port: int) -> str:
     """"ip:port" for IPv4, "[ip]:port" for IPv6 (field case C23)."""
     text = str(ip)
     return f"[{text}]:{port}" if ":" in text else f"{text}:{port}"
+
+
+_V4_SLOPPY = re.compile(r"^([0-9]+)\.([0-9]+)\.([0-9]+)\.([0-9]+)$")
+
+
+def sloppy_ip_text(text: str) -> str:
+    """`text` with the leading zeros of a dotted-quad IPv4 address dropped ("010.000.000.001" ->
+    "10.0.0.1"), each part read as decimal, as kube-proxy's netutils.ParseIPSloppy (Go's parser
+    before 1.17) does; any other text is returned unchanged for ipaddress to judge."""
+    m = _V4_SLOPPY.match(text)
+    if m is None or any(int(p) > 255 for p in m.groups()):
+        return text
+    return ".".join(str(int(p)) for p in m.groups())
+
+
+def parse_ip_sloppy(text: str) -> IPAddress:
+    """An address as kube-proxy parses Service and EndpointSlice addresses (ParseIPSloppy:
+    IPv4 leading zeros are decimal). Raises ValueError as ipaddress.ip_address."""
+    return ipaddress.ip_address(sloppy_ip_text(text))
 
 
 def refused_address(ip: IPAddress) -> str | None:

@@ -26,7 +26,8 @@ def state(name: ServicePortName, vip: str, port: int, eps: list[Endpoint], **kw:
     sp = ServicePort(name=name, cluster_ips=tuple(ips), port=port, target_port=port,
                      external_ips=ext, **kw)
     cat = categorize(sp, eps, "node")
-    return ServicePortState(sp, tuple(eps), cat.cluster, cat.external)
+    short = cat.cluster_policy if sp.external_traffic_policy == "Local" else ()
+    return ServicePortState(sp, tuple(eps), cat.cluster, cat.external, short)
 
 
 def every_feature() -> dict[ServicePortName, ServicePortState]:

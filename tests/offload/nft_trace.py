@@ -29,6 +29,8 @@ Step = tuple[str, tuple[str, ...]]  # (what, arguments), parsed from the rule te
 # Each pattern matches at the start of what is left of a rule, up to a space or the end.
 _STEPS: list[tuple[str, re.Pattern[str]]] = [(what, re.compile(pattern + r"(?: |$)")) for what, pattern in [
     ("fib-local", r"fib daddr type local"),
+    ("fib-src-local", r"fib saddr type local"),
+    ("saddr-net", r"ip6? saddr (!= )?([0-9a-fA-F:.]+/\d+)"),
     ("daddr-not", r"ip6? daddr != (\S+)"),
     ("l4proto", r"meta l4proto (tcp|udp|sctp)"),
     ("tcp-not-syn", r"tcp flags & \(fin \| syn \| rst \| ack\) != syn"),
@@ -41,6 +43,7 @@ _STEPS: list[tuple[str, re.Pattern[str]]] = [(what, re.compile(pattern + r"(?: |
     ("mark-xor", r"meta mark set meta mark \^ (0x[0-9a-f]+)"),
     ("masquerade", r"masquerade(?: fully-random)?"),
     ("numgen", r"numgen (random|inc) mod (\d+) vmap \{ (.*?) \}"),
+    ("dnat-numgen", r"dnat ip6? to numgen random mod (\d+) map \{ (.*?) \}"),
     ("dnat-map", r"dnat ip6? to (.+?) map @(\S+)"),
     ("dnat", r"dnat ip6? to (?:\[([0-9a-fA-F:.]+)\]|([0-9.]+)):(\d+)"),
     ("vmap", r"(.+?) vmap @(\S+)"),
@@ -113,6 +116,8 @@ def trace(nft: FakeNft, family: Family, src: str, dst: str, proto: str, dport: i
     here = frozenset(local)
     pkt = _Packet(src, dst, proto.lower(), dport, here, syn)
     res = _Walk(t).chain("nat-prerouting", pkt) or Trace("none")
+    if res.verdict == "drop":
+        return res
     if res.verdict != "dnat":
         hook = "filter-input" if dst in here else "filter-forward"
         return _Walk(t).chain(hook, _Packet(src, dst, proto.lower(), dport, here, syn)) or Trace("none")
@@ -175,6 +180,8 @@ class _Walk:
             found = self.t.maps[args[1]].get(pkt.key(args[0]), (None, None))[0]
             if found is None:
                 return False, None
+            if found == "drop":  # a verdict element of its own (kube-proxy's Local policies)
+                return True, Trace("drop")
             verb, target = found.split()
             return self._jump(verb, target, pkt)
         if what == "numgen":
@@ -185,6 +192,12 @@ class _Walk:
                 return False, None
             ip, port = found.split(" . ")
             return True, _dnat(pkt, ip, port)
+        if what == "dnat-numgen":  # every branch, as `numgen random ... vmap`
+            pairs = [entry.split(" : ")[1].split(" . ") for entry in args[1].split(", ")]
+            assert len(pairs) == int(args[0]), f"numgen mod {args[0]} over {pairs}"
+            got = [_dnat(copy.deepcopy(pkt), ip, port) for ip, port in pairs]
+            pkt.dnat = True
+            return True, Trace("dnat", frozenset().union(*(r.targets for r in got)), frozenset().union(*(r.masq for r in got)))
         assert what == "dnat", what
         return True, _dnat(pkt, args[0] or args[1], args[2])
 
@@ -219,8 +232,15 @@ def _not_in(t: FakeTable, pkt: _Packet, args: tuple[str, ...]) -> bool:
     return ipaddress.ip_address(pkt.dst) not in ipaddress.ip_network(args[0])
 
 
+def _saddr_net(t: FakeTable, pkt: _Packet, args: tuple[str, ...]) -> bool:
+    inside = ipaddress.ip_address(pkt.src) in ipaddress.ip_network(args[1])
+    return inside != bool(args[0])
+
+
 _MATCHES: dict[str, Callable[[FakeTable, _Packet, tuple[str, ...]], bool]] = {
     "fib-local": lambda t, pkt, a: pkt.dst in pkt.local,
+    "fib-src-local": lambda t, pkt, a: pkt.src in pkt.local,
+    "saddr-net": _saddr_net,
     "daddr-not": _not_in,
     "l4proto": lambda t, pkt, a: pkt.proto == a[0],
     "tcp-not-syn": lambda t, pkt, a: pkt.proto == "tcp" and not pkt.syn,

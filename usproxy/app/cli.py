@@ -47,6 +47,14 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--conntrack-tcp-timeout-close-wait", dest="tcp_close_wait_timeout", metavar="DURATION",
                    help="a half-closed relayed TCP connection idle this long is reset (default 1h)")
     p.add_argument("--bpf-cgroup", type=Path)
+    p.add_argument("--cluster-cidr", dest="cluster_cidrs", metavar="CIDR[,CIDR]",
+                   type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
+                   help="pod network: ClusterIP traffic from outside it is masqueraded (kube-proxy's)")
+    p.add_argument("--detect-local-mode", choices=["ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix"])
+    p.add_argument("--pod-bridge-interface", dest="bridge_interface", metavar="NAME")
+    p.add_argument("--pod-interface-name-prefix", dest="interface_name_prefix", metavar="PREFIX")
+    p.add_argument("--masquerade-all", action="store_true", default=None,
+                   help="masquerade all traffic to Service addresses (kube-proxy's --masquerade-all)")
     p.add_argument("--cleanup", action="store_true", default=None,
                    help="remove everything usproxy installed in the kernel, then exit")
 
@@ -89,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) -> None:
     """Reject settings that cannot work before anything starts."""
     from usproxy.admin.server import split_hostport
+    from usproxy.node import detector_of
 
     if given_services and given_kubeconfig:
         raise ConfigError("give --services or --kubeconfig, not both", obj="usproxy run")
@@ -106,6 +115,7 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
                           ("--conntrack-tcp-timeout-close-wait", cfg.tcp_close_wait_timeout)):
         if seconds < 0:
             raise ConfigError(f"must not be negative, got {seconds}", obj="usproxy run", field=flag)
+    detector_of(cfg)  # detectLocalMode and its CIDR or interface
 
 
 def cmd_run(args: argparse.Namespace) -> int:

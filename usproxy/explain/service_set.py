@@ -96,8 +96,10 @@ class FamilyPort:
 
     @property
     def uses_cluster_endpoints(self) -> bool:
-        return not self.internal_policy_local or (
-            self.externally_accessible and not self.external_policy_local)
+        """kube-proxy ServicePort.UsesClusterEndpoints: Cluster internal policy, or any external
+        access at all (an externalTrafficPolicy Local Service short-circuits pod and node traffic
+        to the Cluster policy's endpoints, so its cluster chain is needed then too)."""
+        return not self.internal_policy_local or self.externally_accessible
 
     @property
     def uses_local_endpoints(self) -> bool:

@@ -88,7 +88,8 @@ class _Plan:
 
 def usable_key(state: ServicePortState) -> frozenset[tuple[IPAddress, int]]:
     """What the window watches: the addresses of the endpoints traffic can reach."""
-    return frozenset(ep.address for ep in (*state.cluster_endpoints, *state.external_endpoints))
+    return frozenset(ep.address for ep in (*state.cluster_endpoints, *state.external_endpoints,
+                                          *state.short_circuit_endpoints))
 
 
 class OffloadManager:

@@ -29,6 +29,7 @@ from usproxy.metrics import Metrics
 from usproxy.config import ProxyConfig
 from usproxy.conntrack.metrics import FlowTableCollector
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
+from usproxy.endpoint import usable
 from usproxy.node import NodeFacts
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.service_port_relay import Listening, ServicePortRelay
@@ -207,7 +208,8 @@ class Relay:
         if port.errors:
             return Placement("userspace", "; ".join(sorted(set(port.errors.values()))), error=True)
         listening = ", ".join(sorted(f"{format_hostport(a, p)}" for a, p, _ in port.listeners))
-        return Placement("userspace", f"listening on {listening}" if listening else "no usable endpoints: refused by the kernel")
+        reason = f"listening on {listening}" if listening else "no usable endpoints: refused by the kernel"
+        return Placement("userspace", "; ".join([reason, *local_policy_notes(port.state)]))
 
     def dump(self) -> str:
         lines = [f"interface {self.vip.name} ({self.vip.kind}): "
@@ -270,3 +272,27 @@ class Relay:
             self.admission.table.timed_out += len(expired)
             log.info("reset %d relayed TCP flows idle past their timeout", len(expired))
         return len(expired)
+
+
+
+def local_policy_notes(state: ServicePortState) -> list[str]:
+    """Where the relay departs from kube-proxy for Local traffic policies, for /services. A Local
+    policy without a local endpoint (while the Service has endpoints elsewhere): kube-proxy drops
+    such connections, the relay has no listener there, so the kernel refuses them. And the relay
+    sees no difference between pods and outside clients: kube-proxy sends pod and node traffic to
+    an externalTrafficPolicy Local Service's external addresses to every endpoint (its
+    short-circuit), the relay to the local ones."""
+    sp = state.service_port
+    if not usable(state.endpoints):
+        return []
+    notes = []
+    if not state.cluster_endpoints:
+        notes.append("internalTrafficPolicy Local without a local endpoint: ClusterIP connections refused "
+                     "(kube-proxy drops them)")
+    if (sp.node_port or sp.external_ips_all()) and sp.external_traffic_policy == "Local":
+        if not state.external_endpoints:
+            notes.append("externalTrafficPolicy Local without a local endpoint: external connections refused "
+                         "(kube-proxy drops them)")
+        notes.append("externalTrafficPolicy Local: pods and the node get local endpoints only "
+                     "(kube-proxy sends them to every endpoint)")
+    return notes

@@ -32,8 +32,16 @@ what made kube-proxy's layout take 66-75 s for 10,000 Services here (docs/platfo
   ServicePort (`rr-<hash>-<scope>`): `numgen inc mod N vmap { i : goto s-i }`, whose counter is
   that rule's alone. Only annotated ServicePorts pay for a chain; the rest share g-N and pick
   with `numgen random`, as kube-proxy's nftables mode.
+- ClusterIP traffic is marked for masquerade as kube-proxy: by `gx-N` only where the local-traffic
+  detector says it is not from a pod (TableState.not_local), by `gm-N` all of it with
+  masqueradeAll, not at all without either.
+- externalTrafficPolicy Local external frontends go to chains of the ServicePort's own: `xl-<hash>`
+  (`xl-<hash>n` for the NodePort) sends pod traffic (detector) and node traffic (`fib saddr type
+  local`, marked) to `xs-<hash>`, which DNATs to one of every endpoint, and the rest to the local
+  endpoints' group chain, or drops it when there is none (kube-proxy's external chain).
 - frontends without endpoints are in `no-endpoint-services` / `no-endpoint-nodeports`, which the
-  filter hooks turn into `reject` (TCP reset, ICMP port unreachable).
+  filter hooks turn into `reject` (TCP reset, ICMP port unreachable); a Local policy without a
+  local endpoint (the Service has endpoints elsewhere) gets `drop` there instead, as kube-proxy.
 - `hairpin` holds endpoint . endpoint pairs: a connection DNATed back to its own source is
   masqueraded (field case C24). Only endpoints that may be on this node get one (see port_rules).
 - `ct state invalid drop` on forward (C25), as kube-proxy.

@@ -27,10 +27,12 @@ from usproxy.offload.nftables.names import (
     nft_family,
     rr_chain,
     safe_comment,
+    short_circuit_chain,
+    short_circuit_pick,
     slot_chain,
     slot_map,
 )
-from usproxy.offload.nftables.rules import PortRules
+from usproxy.offload.nftables.rules import PortRules, local_verdict
 
 
 class Elem(NamedTuple):
@@ -153,10 +155,20 @@ def slot_commands(family: Family, kind: Kind, i: int) -> list[Command]:
             *chain_commands(family, slot_chain(kind, i), [f"dnat {ipx} to {key} map @{m}"])]
 
 
-def group_rules(kind: Kind, n: int, masq: bool) -> list[str]:
-    """Chain g-N (npg-N): pick one of the N slot chains at random; gm-N marks, then goes to g-N."""
+def mark_rules(masq: bool, nonlocal_only: bool, not_local: str) -> list[str]:
+    """The masquerade mark a chain sets first: none, always, or (`nonlocal_only`) only on
+    traffic matching `not_local`, the table's local-traffic detector match (kube-proxy's
+    `<IfNotLocalNFT> jump mark-for-masquerade` on ClusterIP traffic)."""
+    if not masq:
+        return []
+    return [f"{not_local} {MARK_MASQ}" if nonlocal_only else MARK_MASQ]
+
+
+def group_rules(kind: Kind, n: int, masq: bool, nonlocal_only: bool = False, not_local: str = "") -> list[str]:
+    """Chain g-N (npg-N): pick one of the N slot chains at random; gm-N marks, then goes to g-N;
+    gx-N marks what `not_local` matches (traffic not from a pod), then goes to g-N."""
     if masq:
-        return [MARK_MASQ, f"goto {group_chain(kind, n, False)}"]
+        return [*mark_rules(True, nonlocal_only, not_local), f"goto {group_chain(kind, n, False)}"]
     return pick_rules([slot_chain(kind, i) for i in range(n)], False)
 
 
@@ -170,36 +182,64 @@ def pick_rules(chains: Sequence[str], round_robin: bool) -> list[str]:
     return [f"numgen {mode} mod {len(chains)} vmap {{ {body} }}"]
 
 
-def rr_rules(rules: PortRules, scope: Scope) -> dict[str, list[str]]:
+def rr_rules(rules: PortRules, scope: Scope, not_local: str = "") -> dict[str, list[str]]:
     """lb-policy roundRobin without affinity: per frontend kind of `scope` a chain of this
     ServicePort's own that marks for masquerade when needed and picks a slot chain in turn."""
     be = rules.backend(scope)
     if not be.round_robin or be.affinity or not be.targets:
         return {}
-    head = [MARK_MASQ] if be.masq else []
+    head = mark_rules(be.masq, be.nonlocal_only, not_local)
     kinds = sorted({fe.kind for fe in rules.frontends if fe.scope == scope})
     return {rr_chain(rules.spn, scope, k): head + pick_rules([slot_chain(k, i) for i in range(len(be.targets))], True)
             for k in kinds}
 
 
-def own_chains(family: Family, rules: PortRules) -> dict[str, list[str]]:
-    """The chains that belong to one ServicePort (affinity and round robin), by name."""
+def own_chains(family: Family, rules: PortRules, not_local: str = "", if_local: str = "") -> dict[str, list[str]]:
+    """The chains that belong to one ServicePort (affinity, round robin, short-circuit), by
+    name. `not_local` / `if_local`: the table's local-traffic detector matches (mark_rules,
+    short_circuit_rules)."""
     out: dict[str, list[str]] = {}
     for scope in ("cluster", "external"):
         if _has_affinity(rules, scope):
-            out.update(affinity_rules(family, rules, scope))
-        out.update(rr_rules(rules, scope))
+            out.update(affinity_rules(family, rules, scope, not_local))
+        out.update(rr_rules(rules, scope, not_local))
+    out.update(short_circuit_rules(family, rules, if_local))
     return out
 
 
-def affinity_rules(family: Family, rules: PortRules, scope: Scope) -> dict[str, list[str]]:
+def short_circuit_rules(family: Family, rules: PortRules, if_local: str) -> dict[str, list[str]]:
+    """externalTrafficPolicy Local, as kube-proxy's external traffic chain: traffic from a pod
+    (`if_local`, when the detector has a match for this family) goes to every endpoint unmarked,
+    traffic from the node itself (`fib saddr type local`) is marked and goes to every endpoint,
+    the rest goes to the local endpoints, or is dropped when there is none. One chain per
+    frontend kind (their local verdicts differ) and one DNAT chain over every endpoint."""
+    be = rules.external
+    if not be.short:
+        return {}
+    pick = short_circuit_pick(rules.spn)
+    ipx, proto = _ipx(family), rules.spn.protocol.lower()
+    body = ", ".join(f"{i} : {t.nft()}" for i, t in enumerate(be.short))
+    # the DNAT chain first: chains are created in this order, and the others go to it
+    out = {pick: [f"meta l4proto {proto} dnat {ipx} to numgen random mod {len(be.short)} map {{ {body} }}"]}
+    for fe in rules.frontends:
+        name = short_circuit_chain(rules.spn, fe.kind)
+        if fe.scope != "external" or name in out:
+            continue
+        local = local_verdict(rules, fe)
+        out[name] = [*([f"{if_local} goto {pick}"] if if_local else []),
+                     f"fib saddr type local {MARK_MASQ}", f"fib saddr type local goto {pick}",
+                     local if local == "drop" else f"goto {local}"]
+    return out
+
+
+def affinity_rules(family: Family, rules: PortRules, scope: Scope, not_local: str = "") -> dict[str, list[str]]:
     """kube-proxy's affinity: a set of client addresses per endpoint, checked before the random
     choice; the endpoint chain refreshes it (per-element timeout) and DNATs."""
     ipx = _ipx(family)
     be = rules.backend(scope)
     proto = rules.spn.protocol.lower()
     names = [affinity_endpoint(rules.spn, scope, t.hostport()) for t in be.targets]
-    head = [MARK_MASQ] if be.masq else []
+    head = mark_rules(be.masq, be.nonlocal_only, not_local)
     checks = [f"{ipx} saddr @{n} goto {n}" for n in names]
     out = {affinity_chain(rules.spn, scope): head + checks + pick_rules(names, be.round_robin)}
     for n, t in zip(names, be.targets):

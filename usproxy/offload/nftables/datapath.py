@@ -26,7 +26,7 @@ from usproxy.offload.nftables.commands import Command, render
 from usproxy.offload.nftables.names import FAMILIES, TABLE, Family, affinity_endpoint, nft_family
 from usproxy.offload.nftables.pins import Pin, parse_pins
 from usproxy.offload.nftables.readback import read_table
-from usproxy.offload.nftables.rules import PortRules, ip_text, port_rules
+from usproxy.offload.nftables.rules import ClusterMasq, PortRules, ip_text, port_rules
 from usproxy.offload.nftables.transaction import TableState, Transaction
 from usproxy.types import ServicePortName
 
@@ -63,8 +63,28 @@ class NftablesDatapath:
         self.conntrack = conntrack if conntrack is not None else KernelConntrack(netns)
         self.lb_policy = lb_policy
         self.node = node  # endpoints on other nodes get no hairpin element
-        self.tables: dict[Family, TableState] = {f: TableState(f) for f in FAMILIES}
+        self.tables: dict[Family, TableState] = {f: self._empty_table(f) for f in FAMILIES}
         self.transactions = 0
+
+    def _empty_table(self, family: Family) -> TableState:
+        return TableState(family, not_local=self._not_local(family), if_local=self._if_local(family))
+
+    def _if_local(self, family: Family) -> str:
+        """The detector's "from a pod" match in `family` ("": no detector there)."""
+        return self.node.detector.if_local_nft(family) or ""
+
+    def _not_local(self, family: Family) -> str:
+        """The detector's "not from a pod" match in `family` ("" without masqueradeAll's
+        precedence or a detector for the family: nothing is marked by it)."""
+        return "" if self.node.masquerade_all else self.node.detector.if_not_local_nft(family) or ""
+
+    def _cluster_masq(self, family: Family) -> ClusterMasq:
+        """What ClusterIP traffic has marked for masquerade, as kube-proxy's nftables mode:
+        masqueradeAll marks all of it, else a local-traffic detector marks what is not from a
+        pod, else nothing is marked (syncProxyRules, "Set up internal traffic handling")."""
+        if self.node.masquerade_all:
+            return "all"
+        return "nonlocal" if self._not_local(family) else "none"
 
     # -- KernelDatapath -----------------------------------------------------------------------
     def probe(self) -> Capability:
@@ -119,7 +139,7 @@ class NftablesDatapath:
             tx.ensure_base()
         for spn, st in changes.items():
             prev = table.rules.get(spn)
-            new = port_rules(st, table.family, prev, self.node.name) if st is not None else None
+            new = port_rules(st, table.family, prev, self.node.name, self._cluster_masq(table.family)) if st is not None else None
             tx.update(prev, new)
         return tx
 
@@ -187,6 +207,7 @@ class NftablesDatapath:
                 log.error("reading back table %s %s: %s", nft_family(f), TABLE, err)
                 continue
             self.tables[f] = read_table(f, items)
+            self.tables[f].not_local, self.tables[f].if_local = self._not_local(f), self._if_local(f)
 
     async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
         targets = {(str(ep.ip), ep.port) for spn, eps in removed.items() if spn.protocol == "UDP" for ep in eps}
@@ -218,7 +239,7 @@ class NftablesDatapath:
         for f in FAMILIES:
             cmds += [Command("add", "table", f), Command("delete", "table", f)]
         await self.transport.apply(cmds)
-        self.tables = {f: TableState(f) for f in FAMILIES}
+        self.tables = {f: self._empty_table(f) for f in FAMILIES}
 
     def close(self) -> None:
         """Stop the worker threads; the kernel state stays (field case C20)."""
@@ -263,8 +284,10 @@ def _dump_rules(r: PortRules) -> list[str]:
     out = []
     for fe in r.frontends:
         be = r.backend(fe.scope)
-        eps = " ".join(t.hostport() for t in be.targets) or "reject"
-        extra = (" masq" if be.masq else "") + (f" affinity={be.affinity}s" if be.affinity else "")
+        eps = " ".join(t.hostport() for t in be.targets) or ("drop" if be.drop else "reject")
+        extra = (" masq-nonlocal" if be.nonlocal_only else " masq" if be.masq else "") + (f" affinity={be.affinity}s" if be.affinity else "")
+        if be.short:
+            extra += " from pods and node: " + " ".join(t.hostport() for t in be.short)
         out.append(f"{r.spn.key()} {fe.key()} -> {eps}{extra}")
     return out
 

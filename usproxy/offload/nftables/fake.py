@@ -132,6 +132,8 @@ def _value_json(value: str | None) -> Any:
         return None
     if value.startswith("goto "):
         return {"goto": {"target": value.split()[1]}}
+    if value == "drop":
+        return {"drop": None}
     return {"concat": [_scalar(p) for p in value.split(" . ")]}
 
 
@@ -140,6 +142,9 @@ _CHECK = re.compile(r"^ip6? saddr @(\S+) goto (\S+)$")
 _UPDATE = re.compile(r"^update @(\S+) \{ ip6? saddr timeout (\d+)s \}$")
 _DNAT = re.compile(r"dnat ip6? to (?:\[([0-9a-fA-F:.]+)\]|([0-9.]+)):(\d+)$")
 _GOTO = re.compile(r"^goto (\S+)$")
+_DNAT_PICK = re.compile(r"dnat ip6? to numgen random mod \d+ map \{ (.*) \}$")
+_MATCHED = re.compile(r"^(?P<match>(?:fib saddr type local|ip6? saddr (?:!= )?\S+/\d+|iifname (?:!= )?\"[^\"]*\"))"
+                      r" (?P<rest>.+)$")
 
 
 def _rule_json(rule: str) -> list[dict[str, Any]]:
@@ -147,6 +152,14 @@ def _rule_json(rule: str) -> list[dict[str, Any]]:
     (the rest as "raw")."""
     if rule == MARK_MASQ:
         return [{"mangle": {"key": {"meta": {"key": "mark"}}}}]
+    if rule == "drop":
+        return [{"drop": None}]
+    if m := _MATCHED.match(rule):  # a detector or `fib saddr` match before a mark or a goto
+        return [{"match": {"op": "==", "raw": m.group("match")}}, *_rule_json(m.group("rest"))]
+    if m := _DNAT_PICK.search(rule):
+        pairs = [v.split(" : ")[1].split(" . ") for v in m.group(1).split(", ")]
+        data = [[i, {"concat": [ip, int(port)]}] for i, (ip, port) in enumerate(pairs)]
+        return [{"dnat": {"addr": {"map": {"key": {"numgen": {"mode": "random"}}, "data": {"set": data}}}}}]
     if m := _GOTO.match(rule):
         return [{"goto": {"target": m.group(1)}}]
     if m := _NUMGEN.match(rule):

@@ -63,11 +63,13 @@ def slot_chain(kind: Kind, i: int) -> str:
     return f"s-{i}" if kind == "ip" else f"nps-{i}"
 
 
-GROUP_CHAIN = re.compile(r"^(g|npg)(m?)-(\d+)$")  # kind, masquerade, endpoint count
+# kind, masquerade (m: all, x: what the local-traffic detector says is not from a pod), count
+GROUP_CHAIN = re.compile(r"^(g|npg)(m|x)?-(\d+)$")
 
 
-def group_chain(kind: Kind, n: int, masq: bool) -> str:
-    return f"{'g' if kind == 'ip' else 'npg'}{'m' if masq else ''}-{n}"
+def group_chain(kind: Kind, n: int, masq: bool, nonlocal_only: bool = False) -> str:
+    mark = ("x" if nonlocal_only else "m") if masq else ""
+    return f"{'g' if kind == 'ip' else 'npg'}{mark}-{n}"
 
 
 def affinity_chain(spn: ServicePortName, scope: Scope) -> str:
@@ -78,6 +80,17 @@ def rr_chain(spn: ServicePortName, scope: Scope, kind: Kind) -> str:
     """The round-robin chain of one ServicePort's scope, per frontend kind (ClusterIP/external
     IPs, or NodePort: their slot chains differ)."""
     return f"rr-{short_hash(spn.key())}-{scope[0]}{'' if kind == 'ip' else 'n'}"
+
+
+def short_circuit_chain(spn: ServicePortName, kind: Kind) -> str:
+    """The externalTrafficPolicy Local chain of one ServicePort's external frontends of `kind`:
+    pod and node traffic to all endpoints, the rest to the local ones (commands.short_circuit_rules)."""
+    return f"xl-{short_hash(spn.key())}{'' if kind == 'ip' else 'n'}"
+
+
+def short_circuit_pick(spn: ServicePortName) -> str:
+    """The chain that DNATs short-circuited traffic to one of every endpoint (both kinds share it)."""
+    return f"xs-{short_hash(spn.key())}"
 
 
 def affinity_endpoint(spn: ServicePortName, scope: Scope, hostport: str) -> str:

@@ -81,7 +81,7 @@ def _orphans(lst: _Listing, state: TableState) -> dict[str, set[str]]:
     for rules in state.rules.values():
         for fe in rules.frontends:
             be = rules.backend(fe.scope)
-            owned.add((verdict_map(fe.kind, not be.targets), fe.key()))
+            owned.add((verdict_map(fe.kind, not be.serves()), fe.key()))
             if not be.affinity:
                 owned.update((slot_map(fe.kind, i), fe.key()) for i in range(len(be.targets)))
     present: set[tuple[str, str]] = set()
@@ -140,6 +140,8 @@ def _verdicts(lst: _Listing) -> dict[ServicePortName, _Seen]:
         for key, value in lst.maps.get(name, []):
             comment = key.get("elem", {}).get("comment") if isinstance(key, dict) else None
             target = (value.get("goto") or {}).get("target") if isinstance(value, dict) else None
+            if isinstance(value, dict) and "drop" in value:
+                target = "drop"
             if comment is None or target is None:
                 continue
             spn, scope = parse_comment(comment)
@@ -202,40 +204,76 @@ def _port_rules(family: Family, spn: ServicePortName, seen: _Seen, lst: _Listing
 def _backend(fe: Frontend, target: str, lst: _Listing) -> Backend | None:
     if target == "reject-chain":
         return Backend()
+    if target == "drop":
+        return Backend(drop=True)
     m = GROUP_CHAIN.match(target)
     if m:  # a slot missing (flushed or deleted behind our back): not adopted, rebuilt whole
         n = int(m.group(3))
         targets = _slot_targets(lst, fe, n)
-        return Backend(targets, bool(m.group(2))) if len(targets) == n else None
+        return Backend(targets, bool(m.group(2)), nonlocal_only=m.group(2) == "x") if len(targets) == n else None
     if target.startswith("aff-"):
         return _affinity_backend(target, lst)
     if target.startswith("rr-"):
         return _rr_backend(target, fe, lst)
+    if target.startswith("xl-"):
+        return _short_circuit_backend(target, fe, lst)
     return None
+
+
+def _short_circuit_backend(chain: str, fe: Frontend, lst: _Listing) -> Backend | None:
+    """An externalTrafficPolicy Local chain: matched rules go to the DNAT chain over every
+    endpoint; the last, unmatched one to the local verdict (a group chain, ..., or `drop`)."""
+    local, pick = None, None
+    for expr in lst.rules.get(chain, []):
+        matched = any("match" in s for s in expr)
+        for stmt in expr:
+            if "goto" in stmt:
+                if matched:
+                    pick = stmt["goto"]["target"]
+                else:
+                    local = stmt["goto"]["target"]
+            elif "drop" in stmt and not matched:
+                local = "drop"
+    if local is None or pick is None:
+        return None
+    be = _backend(fe, local, lst)
+    short = _pick_targets(lst.rules.get(pick, []))
+    return be._replace(short=short) if be is not None and short else None
+
+
+def _pick_targets(rules: list[list[dict[str, Any]]]) -> tuple[Target, ...]:
+    """The targets of `dnat to numgen random mod N map { i : addr . port, ... }`, by i."""
+    for expr in rules:
+        for stmt in expr:
+            data = stmt.get("dnat", {}).get("addr", {}).get("map", {}).get("data", {}) if "dnat" in stmt else {}
+            if isinstance(data, dict) and "set" in data:
+                pairs = sorted((int(i), v["concat"]) for i, v in data["set"])
+                return tuple(Target(norm_ip(str(v[0])), int(v[1])) for _, v in pairs)
+    return ()
 
 
 def _rr_backend(chain: str, fe: Frontend, lst: _Listing) -> Backend | None:
     """A round-robin chain: optional masquerade mark, then `numgen inc` over N slot chains (or a
     goto the one slot chain)."""
-    masq, n = False, 0
+    masq, nonlocal_only, n = False, False, 0
     for expr in lst.rules.get(chain, []):
         for stmt in expr:
             if "mangle" in stmt:
-                masq = True
+                masq, nonlocal_only = True, any("match" in s for s in expr)
             elif "vmap" in stmt and "numgen" in stmt["vmap"].get("key", {}):
                 n = len(stmt["vmap"]["data"]["set"])
             elif "goto" in stmt:
                 n = 1
     targets = _slot_targets(lst, fe, n)
-    return Backend(targets, masq, 0, True) if targets and len(targets) == n else None
+    return Backend(targets, masq, 0, True, nonlocal_only) if targets and len(targets) == n else None
 
 
 def _affinity_backend(chain: str, lst: _Listing) -> Backend | None:
-    masq, order, rr = False, [], False
+    masq, nonlocal_only, order, rr = False, False, [], False
     for expr in lst.rules.get(chain, []):
         for stmt in expr:
             if "mangle" in stmt:
-                masq = True
+                masq, nonlocal_only = True, any("match" in s for s in expr)
             elif "vmap" in stmt and "numgen" in stmt["vmap"].get("key", {}):
                 order = [v["goto"]["target"] for _, v in stmt["vmap"]["data"]["set"]]
                 rr = stmt["vmap"]["key"]["numgen"].get("mode") == "inc"
@@ -247,7 +285,7 @@ def _affinity_backend(chain: str, lst: _Listing) -> Backend | None:
         if t is None:
             return None
         targets.append(t)
-    return Backend(tuple(targets), masq, timeout, rr) if targets else None
+    return Backend(tuple(targets), masq, timeout, rr, nonlocal_only) if targets else None
 
 
 def _endpoint_chain(rules: list[list[dict[str, Any]]]) -> tuple[Target | None, int]:

@@ -11,11 +11,19 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint
-from usproxy.offload.nftables.names import Family, Kind, Scope, affinity_chain, group_chain, rr_chain
+from usproxy.endpoint import Endpoint, usable
+from usproxy.offload.nftables.names import (
+    Family,
+    Kind,
+    Scope,
+    affinity_chain,
+    group_chain,
+    rr_chain,
+    short_circuit_chain,
+)
 from usproxy.types import IPAddress, ServicePortName, format_hostport
 
 _TEXT: dict[int, str] = {}
@@ -86,6 +94,20 @@ class Backend(NamedTuple):
     masq: bool = False
     affinity: int = 0  # ClientIP timeout in seconds; 0: no affinity
     round_robin: bool = False  # lb-policy roundRobin: `numgen inc` in chains of its own
+    # with masq: mark only what the local-traffic detector says is not from a pod (kube-proxy's
+    # ClusterIP rule with a detector); the match is the table's (TableState.not_local)
+    nonlocal_only: bool = False
+    # no targets here but endpoints elsewhere (a Local policy without local endpoints): the
+    # frontend drops instead of rejecting, as kube-proxy
+    drop: bool = False
+    # externalTrafficPolicy Local: every endpoint of the Cluster policy, sorted, where pod and
+    # node traffic to the external frontends goes (kube-proxy's short-circuit); `targets` stay
+    # the local endpoints that other external traffic goes to
+    short: tuple[Target, ...] = ()
+
+    def serves(self) -> bool:
+        """Whether its frontends are in the service maps (else in the no-endpoint maps)."""
+        return bool(self.targets or self.short)
 
 
 _EMPTY = Backend()
@@ -108,23 +130,36 @@ class PortRules(NamedTuple):
         return self.cluster if scope == "cluster" else self.external
 
     def targets(self) -> set[Target]:
-        return {*self.cluster.targets, *self.external.targets}
+        return {*self.cluster.targets, *self.external.targets, *self.external.short}
 
     def endpoints(self) -> tuple[Endpoint, ...]:
-        """The endpoints the kernel serves (cluster and external), for read back."""
+        """The endpoints the kernel serves (cluster, external and short-circuit), for read back."""
         return tuple(sorted(Endpoint(ipaddress.ip_address(t.ip), t.port) for t in self.targets()))
 
 
 def verdict_of(rules: PortRules, fe: Frontend) -> str:
-    """The chain a frontend's verdict element jumps to (`goto <chain>`)."""
+    """The chain a frontend's verdict element jumps to (`goto <chain>`), or `drop`."""
+    if rules.backend(fe.scope).short:
+        return short_circuit_chain(rules.spn, fe.kind)
+    return local_verdict(rules, fe)
+
+
+def local_verdict(rules: PortRules, fe: Frontend) -> str:
+    """verdict_of without the short-circuit: what traffic that is not short-circuited gets."""
     be = rules.backend(fe.scope)
     if not be.targets:
-        return "reject-chain"
+        return "drop" if be.drop else "reject-chain"
     if be.affinity:
         return affinity_chain(rules.spn, fe.scope)
     if be.round_robin:
         return rr_chain(rules.spn, fe.scope, fe.kind)
-    return group_chain(fe.kind, len(be.targets), be.masq)
+    return group_chain(fe.kind, len(be.targets), be.masq, be.nonlocal_only)
+
+
+def verdict_text(rules: PortRules, fe: Frontend) -> str:
+    """A frontend's verdict element value: `goto <chain>`, or `drop`."""
+    v = verdict_of(rules, fe)
+    return v if v == "drop" else "goto " + v
 
 
 # -- from the model --------------------------------------------------------------------------------
@@ -166,8 +201,11 @@ def _slots(previous: Sequence[Target], wanted: list[Target]) -> tuple[Target, ..
 _PROTO = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
 
 
+ClusterMasq = Literal["none", "all", "nonlocal"]
+
+
 def port_rules(state: ServicePortState, family: Family, previous: PortRules | None,
-               node_name: str | None = None) -> PortRules | None:
+               node_name: str | None = None, cluster_masq: ClusterMasq = "none") -> PortRules | None:
     """What `state` needs in `family`'s table, keeping `previous` slot positions. None: nothing
     (the ServicePort has no ClusterIP in this family).
 
@@ -175,7 +213,14 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
     ours) get no hairpin element. Their own traffic to the Service is DNATed on their own node, and
     what reaches this node from them as external traffic is masqueraded anyway (as Cilium, which
     handles hairpin for local endpoints only; kube-proxy marks every endpoint). Endpoints without a
-    nodeName, or every endpoint when the agent has no node name, may be local and get one."""
+    nodeName, or every endpoint when the agent has no node name, may be local and get one.
+
+    `cluster_masq` is what ClusterIP traffic has marked for masquerade, as kube-proxy's nftables
+    mode: "all" with masqueradeAll, "nonlocal" with a local-traffic detector for this family (what
+    does not come from a pod), "none" without either. A scope without targets while the
+    ServicePort has endpoints elsewhere (a Local policy, no local endpoint) drops (kube-proxy).
+    externalTrafficPolicy Local external frontends short-circuit pod and node traffic to every
+    endpoint (`state.short_circuit_endpoints`, Backend.short)."""
     sp = state.service_port
     v4 = family == 4
     cluster_ips = [ip for ip in sp.cluster_ips if isinstance(ip, ipaddress.IPv4Address) is v4]
@@ -191,16 +236,24 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
     affinity = sp.affinity_timeout if sp.session_affinity == "ClientIP" else 0
     rr = sp.lb_policy == "roundRobin"
     hairpin: set[str] = set()
-    cluster = new_tuple(Backend, (_slots(previous.cluster.targets if previous else (),
-                                    _targets(state.cluster_endpoints, v4, node_name, hairpin)), False, affinity, rr))
+    c_targets = _slots(previous.cluster.targets if previous else (), _targets(state.cluster_endpoints, v4, node_name, hairpin))
+    cluster = new_tuple(Backend, (c_targets, cluster_masq != "none", affinity, rr, cluster_masq == "nonlocal",
+                                  not c_targets and _has_usable(state, v4), ()))
     external = _EMPTY
     if len(fes) > len(cluster_ips):  # externalIPs, LoadBalancer IPs or a NodePort
         masq = sp.external_traffic_policy == "Cluster"
-        external = Backend(_slots(previous.external.targets if previous else (), _targets(state.external_endpoints, v4, node_name, hairpin)),
-                           masq, affinity, rr)
+        e_targets = _slots(previous.external.targets if previous else (), _targets(state.external_endpoints, v4, node_name, hairpin))
+        short = tuple(sorted(set(_targets(state.short_circuit_endpoints, v4, node_name, hairpin))))
+        external = Backend(e_targets, masq, affinity, rr, False, not e_targets and _has_usable(state, v4), short)
     if len(fes) > 1:
         fes.sort(key=frontend_order)
     return new_tuple(PortRules, (sp.name, family, tuple(fes), cluster, external, frozenset(hairpin)))
+
+
+def _has_usable(state: ServicePortState, v4: bool) -> bool:
+    """Whether the ServicePort has a usable endpoint anywhere in this family (kube-proxy's
+    hasEndpoints, per family proxier): without one a frontend rejects, with one it drops."""
+    return bool(usable(ep for ep in state.endpoints if isinstance(ep.ip, ipaddress.IPv4Address) is v4))
 
 
 def frontend_order(fe: Frontend) -> tuple[int, str, int]:

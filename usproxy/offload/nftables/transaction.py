@@ -35,7 +35,7 @@ from usproxy.offload.nftables.names import (
     verdict_map,
 )
 from usproxy.offload.nftables.pins import Pin, retimed
-from usproxy.offload.nftables.rules import Frontend, PortRules, new_tuple, verdict_of
+from usproxy.offload.nftables.rules import Frontend, PortRules, new_tuple, verdict_of, verdict_text
 from usproxy.types import ServicePortName
 
 
@@ -50,6 +50,11 @@ class TableState:
     hairpin: Counter[str] = field(default_factory=Counter)
     rules: dict[ServicePortName, PortRules] = field(default_factory=dict)
     orphans: dict[str, set[str]] = field(default_factory=dict)  # map/set -> keys to delete (read back)
+    # the local-traffic detector's "not from a pod" match in this family ("": none), for the
+    # chains that mark only such traffic (gx-N; kube-proxy's IfNotLocalNFT)
+    not_local: str = ""
+    # its "from a pod" match ("": none), for the externalTrafficPolicy Local short-circuit
+    if_local: str = ""
 
 
 class Transaction:
@@ -130,7 +135,8 @@ class Transaction:
             m = GROUP_CHAIN.match(name)
             if m:
                 kind: Kind = "ip" if m.group(1) == "g" else "np"
-                cmds += chain_commands(self.family, name, group_rules(kind, int(m.group(3)), bool(m.group(2))))
+                cmds += chain_commands(self.family, name, group_rules(
+                    kind, int(m.group(3)), bool(m.group(2)), m.group(2) == "x", self.state.not_local))
         return cmds
 
     def _ensure_slots(self, kind: Kind, n: int) -> None:
@@ -138,16 +144,17 @@ class Transaction:
             self.creates += slot_commands(self.family, kind, i)
         self._slots[kind] = max(self._slots[kind], n)
 
-    def _ensure_group(self, kind: Kind, n: int, masq: bool) -> str:
-        """Create chain g-N (npg-N, with `m`: masquerade) and the slots it needs; its name."""
-        name = group_chain(kind, n, masq)
+    def _ensure_group(self, kind: Kind, n: int, masq: bool, nonlocal_only: bool = False) -> str:
+        """Create chain g-N (npg-N; `m`: masquerade, `x`: masquerade what is not from a pod) and
+        the slots it needs; its name."""
+        name = group_chain(kind, n, masq, nonlocal_only)
         if name in self.state.groups or name in self._groups:
             return name
         if masq:
             self._ensure_group(kind, n, False)
         self._ensure_slots(kind, n)
         self._groups.add(name)
-        self.creates += chain_commands(self.family, name, group_rules(kind, n, masq))
+        self.creates += chain_commands(self.family, name, group_rules(kind, n, masq, nonlocal_only, self.state.not_local))
         return name
 
     # -- per ServicePort
@@ -158,14 +165,15 @@ class Transaction:
         spn = (new or prev).spn  # type: ignore[union-attr]
         self.ensure_base()
         self._rules[spn] = new
-        if (prev and _owns_chains(prev)) or (new and _owns_chains(new)):
-            self._own_chains(prev, new)
         if prev is None and new is not None and self.first_install_shortcut:
             self._add_frontends(new)
             self._add_hairpin(new)
         else:
             self._frontends(prev, new)
             self._hairpin_delta(prev, new)
+        # after the frontends: a short-circuit chain goes to the group chains they create
+        if (prev and _owns_chains(prev)) or (new and _owns_chains(new)):
+            self._own_chains(prev, new)
 
     def _add_frontends(self, new: PortRules) -> None:
         """The common cold-start case (nothing installed before), without the diff."""
@@ -175,12 +183,13 @@ class Transaction:
             kind: Kind = "ip" if fe.addr is not None else "np"
             key, n = fe.key(), len(be.targets)
             if n and not be.affinity:
-                verdict = verdict_of(new, fe) if be.round_robin else self._ensure_group(kind, n, be.masq)
+                if not be.round_robin:
+                    self._ensure_group(kind, n, be.masq, be.nonlocal_only)
                 for i, t in enumerate(be.targets):
                     adds[slot_map(kind, i)].append(new_tuple(Elem, (key, t.nft(), None)))
-            else:
-                verdict = verdict_of(new, fe)
-            adds[verdict_map(kind, not n)].append(new_tuple(Elem, (key, "goto " + verdict, comment_of(new.spn, fe.scope))))
+            verdict = verdict_of(new, fe)
+            value = verdict if verdict == "drop" else "goto " + verdict
+            adds[verdict_map(kind, not be.serves())].append(new_tuple(Elem, (key, value, comment_of(new.spn, fe.scope))))
 
     def _add_hairpin(self, new: PortRules) -> None:
         """_hairpin_delta's cold-start case: every target is new for this ServicePort."""
@@ -201,15 +210,16 @@ class Transaction:
         n_be = new.backend(fe.scope) if new else None
         p_verdict = verdict_of(prev, fe) if prev else None
         n_verdict = verdict_of(new, fe) if new else None
+        if n_be is not None and n_be.targets and not n_be.affinity and not n_be.round_robin:
+            # also when only the short-circuit chain's local verdict refers to the group
+            self._ensure_group(fe.kind, len(n_be.targets), n_be.masq, n_be.nonlocal_only)
         if p_verdict != n_verdict or (prev and new and prev.spn != new.spn):
             if prev is not None:
-                self._del_elem(verdict_map(fe.kind, not p_be.targets), fe.key())  # type: ignore[union-attr]
+                self._del_elem(verdict_map(fe.kind, not p_be.serves()), fe.key())  # type: ignore[union-attr]
             if new is not None:
                 assert n_be is not None
-                if n_be.targets and not n_be.affinity and not n_be.round_robin:
-                    self._ensure_group(fe.kind, len(n_be.targets), n_be.masq)
-                self._add_elem(verdict_map(fe.kind, not n_be.targets),
-                               Elem(fe.key(), f"goto {n_verdict}", comment_of(new.spn, fe.scope)))
+                self._add_elem(verdict_map(fe.kind, not n_be.serves()),
+                               Elem(fe.key(), verdict_text(new, fe), comment_of(new.spn, fe.scope)))
         p_slots = p_be.targets if p_be and not p_be.affinity else ()
         n_slots = n_be.targets if n_be and not n_be.affinity else ()
         for i in range(max(len(p_slots), len(n_slots))):
@@ -224,8 +234,8 @@ class Transaction:
 
     def _own_chains(self, prev: PortRules | None, new: PortRules | None) -> None:
         """Create, rewrite or delete the ServicePort's own chains (affinity, round robin)."""
-        old = own_chains(self.family, prev) if prev else {}
-        cur = own_chains(self.family, new) if new else {}
+        old = own_chains(self.family, prev, self.state.not_local, self.state.if_local) if prev else {}
+        cur = own_chains(self.family, new, self.state.not_local, self.state.if_local) if new else {}
         if old == cur:
             return
         if new is not None:
@@ -282,4 +292,5 @@ class Transaction:
 
 
 def _owns_chains(rules: PortRules) -> bool:
-    return bool(rules.cluster.affinity or rules.external.affinity or rules.cluster.round_robin or rules.external.round_robin)
+    return bool(rules.cluster.affinity or rules.external.affinity or rules.cluster.round_robin
+                or rules.external.round_robin or rules.external.short)
