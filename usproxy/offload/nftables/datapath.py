@@ -76,12 +76,12 @@ class NftablesDatapath:
             not node.nodeport_match_all(f), tuple(str(n) for n in service_cidrs if n.version == f)) for f in FAMILIES}
         self.clusterip_interface = clusterip_interface
         self._addr_worker: NetnsWorker | None = None
-        if addresses is None:
+        if addresses is None and any(h.nodeport_ips for h in self.hooks.values()):
             worker = self._addr_worker = NetnsWorker("nft-addresses", netns)
 
             async def addresses() -> LocalAddresses:
                 return await worker.run(read_local_addresses)
-        self._addresses = addresses
+        self._addresses = addresses or _no_addresses
         self.tables: dict[Family, TableState] = {f: TableState(f) for f in FAMILIES}
         self.transactions = 0
 
@@ -258,6 +258,10 @@ class NftablesDatapath:
         self.conntrack.close()
         if self._addr_worker is not None:
             self._addr_worker.close()
+
+
+async def _no_addresses() -> LocalAddresses:
+    return []  # every family serves NodePorts on every local address: nothing to read
 
 
 def probe_capability(transport: NftTransport) -> Capability:
