@@ -96,6 +96,28 @@ def resolve_node(cfg: ProxyConfig, *, kubernetes: bool, environ: Mapping[str, st
     return NodeFacts(name, cidrs)
 
 
+async def watch_nodeport_addresses(node: NodeFacts, clusterip_interface: str, on_change: Callable[[], None], *,
+                                   interval: float = 1.0,
+                                   read: Callable[[], LocalAddresses] | None = None) -> None:
+    """Call `on_change()` whenever the NodePort addresses (node.nodeport_ips over the local
+    addresses `read` returns, polled every `interval` seconds in a worker thread) differ from
+    the last ones seen: the agent then hands every datapath a full sync, so the relay's
+    listeners and nftables' set nodeport-ips follow addresses as they come and go. A failed
+    read is logged and retried; runs until cancelled."""
+    last: tuple[IPAddress, ...] | None = None
+    while True:
+        try:
+            ips = node.nodeport_ips(await asyncio.to_thread(read or read_local_addresses), clusterip_interface)
+        except Exception as err:  # netlink trouble must not stop the agent: the next poll retries
+            log.warning("reading local addresses: %s", err)
+        else:
+            if last is not None and ips != last:
+                log.info("NodePort addresses now: %s", ", ".join(str(ip) for ip in ips) or "none")
+                on_change()
+            last = ips
+        await asyncio.sleep(interval)
+
+
 def _primary_cidrs(ips: Iterable[IPAddress]) -> tuple[IPNetwork, ...]:
     """One /32 or /128 per family (kube-proxy server.go for "primary"); a family without a
     primary address serves NodePorts on every local address, as in kube-proxy."""

@@ -5,13 +5,14 @@ family as kube-proxy's NodePortAddresses (pkg/proxy/util/nodeport_addresses.go).
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 
 import pytest
 
 from usproxy.config import ProxyConfig
 from usproxy.errors import ConfigError
-from usproxy.node import NodeFacts, resolve_node
+from usproxy.node import LocalAddresses, NodeFacts, resolve_node, watch_nodeport_addresses
 from usproxy.types import IPAddress
 
 
@@ -75,3 +76,27 @@ def test_nodeport_ips_cidrs_apply_per_family() -> None:
     assert picked(loop) == ["2001:db8::10"]  # never loopback nor the ClusterIP interface
     zero = NodeFacts(nodeport_cidrs=(ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("2001:db8::/32")))
     assert zero.nodeport_match_all(4) and not zero.nodeport_match_all(6)
+
+
+async def test_watch_calls_back_once_per_change_of_the_nodeport_addresses() -> None:
+    facts = NodeFacts(nodeport_cidrs=(ipaddress.ip_network("192.0.2.0/24"),))
+    a, c = [("eth0", ip("192.0.2.10"))], [("eth0", ip("192.0.2.11"))]
+    outside = [*a, ("eth1", ip("198.51.100.7"))]  # not admitted: no change
+    outcomes: list[LocalAddresses | Exception] = [a, outside, c, OSError("netlink went away"), c]
+    calls: list[int] = []
+    done = asyncio.Event()
+
+    def read() -> LocalAddresses:
+        if not outcomes:
+            done.set()
+            return c
+        item = outcomes.pop(0)
+        if isinstance(item, Exception):
+            raise item  # logged, retried: the watch goes on
+        return item
+
+    task = asyncio.create_task(watch_nodeport_addresses(facts, "usproxy0", lambda: calls.append(1), interval=0.01, read=read))
+    await asyncio.wait_for(done.wait(), 5)
+    assert not task.done()
+    task.cancel()
+    assert calls == [1]  # 192.0.2.10 -> 192.0.2.11, once

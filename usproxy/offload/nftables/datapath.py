@@ -133,8 +133,9 @@ class NftablesDatapath:
 
     async def _nodeport_ips(self, txs: Sequence[Transaction]) -> None:
         """Bring set nodeport-ips up to date in each family that restricts NodePorts, read from
-        the addresses interfaces hold now: every sync that writes the table, so at the latest at
-        the next full sync (--sync-period), as kube-proxy refills it on each full sync."""
+        the addresses interfaces hold now, at every table write (as kube-proxy refills it when
+        it rewrites its table); the agent's watch of the addresses makes a change a full sync,
+        which writes the table (node.watch_nodeport_addresses)."""
         txs = [tx for tx in txs if tx.based and self.hooks[tx.family].nodeport_ips]
         if not txs:
             return
