@@ -101,6 +101,25 @@ def test_an_address_added_while_running_serves_nodeports(datapath: str, topology
         assert "198.51.100.7" not in nft_list(topology.node)
 
 
+@pytest.mark.parametrize("datapath", ["relay", "nftables"])
+def test_primary_is_the_default_route_address(datapath: str, topology: Topology, tmp_path: Path, pods: Pods,
+                                              agents: Callable[..., AgentProc]) -> None:
+    """`--nodeport-addresses primary`: the node's default route leaves by 192.0.2.0/24, so
+    192.0.2.10 (that subnet's first address) serves NodePorts, 192.0.2.11 and 10.244.0.1 not."""
+    pods.add("be-a", "10.244.1.5")
+    cli = topology.add_host("cli", "10.244.9.10")
+    nsexec(topology.node, "ip", "route", "add", "default", "via", "192.0.2.1", "dev", "usbr0")
+    m = Manifests(tmp_path / "m")
+    m.write(*web(["10.244.1.5"], **NP))
+    agent = agents(m, "--nodeport-addresses", "primary", *DATAPATH_FLAGS[datapath])
+    agent.start()
+    serving(agent, datapath)
+    assert tcp_name(cli, "192.0.2.10", 30080) == "be-a"
+    for other in ("192.0.2.11", "10.244.0.1"):
+        with pytest.raises(ConnectionRefusedError):
+            tcp_name(cli, other, 30080)
+
+
 def _answers(ns: str, addr: str) -> bool:
     try:
         return tcp_name(ns, addr, 30080, timeout=1) == "be-a"
