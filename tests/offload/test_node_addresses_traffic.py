@@ -11,13 +11,16 @@ no such verdict (documented: the address is routed on).
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.netns import Topology, nsexec
+from usproxy.node import read_local_addresses
+
+from tests.netns import Topology, inside, nsexec
 from tests.offload.harness import OFFLOAD, Pods, conntrack, nft_list, tcp_name, wait_listening
 from tests.offload.test_agent_offload import placement, wait_for, web
 from tests.relay.harness import AgentProc, Manifests
@@ -171,3 +174,22 @@ def test_unallocated_service_address_is_dropped(datapath: str, topology: Topolog
     if datapath == "nftables":
         assert "ip daddr 10.96.0.0/16 drop" in nft_list(topology.node)  # nft lists a one-element set bare
 
+
+
+def test_read_local_addresses_is_ip_addr_without_the_clusterip_interface(topology: Topology) -> None:
+    """The struct-parsed netlink dump agrees with `ip addr`, and skips the ClusterIP interface's
+    addresses (one per Service) by its index."""
+    node = topology.node
+    nsexec(node, "ip", "link", "add", "usproxy0", "type", "bridge")
+    for addr in ("10.96.0.1/32", "10.96.0.2/32", "2001:db8:96::1/128"):
+        nsexec(node, "ip", "addr", "add", addr, "dev", "usproxy0")
+    nsexec(node, "ip", "addr", "add", "2001:db8::10/64", "dev", "usbr0", "nodad")
+    listed = set()
+    for line in nsexec(node, "ip", "-o", "addr", "show").stdout.splitlines():
+        fields = line.split()
+        listed.add((fields[1], ipaddress.ip_address(fields[3].split("/")[0])))
+    with inside(node):
+        every, skipped = read_local_addresses(), read_local_addresses("usproxy0")
+    assert set(every) == listed and len(every) == len(listed)
+    assert set(skipped) == {(n, a) for n, a in listed if n != "usproxy0"}
+    assert ("usbr0", ipaddress.ip_address("192.0.2.11")) in skipped and len(skipped) == len(listed) - 3

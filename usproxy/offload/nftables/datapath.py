@@ -80,7 +80,7 @@ class NftablesDatapath:
             worker = self._addr_worker = NetnsWorker("nft-addresses", netns)
 
             async def addresses() -> LocalAddresses:
-                return await worker.run(read_local_addresses)
+                return await worker.run(read_local_addresses, clusterip_interface)
         self._addresses = addresses or _no_addresses
         self.tables: dict[Family, TableState] = {f: TableState(f) for f in FAMILIES}
         self.transactions = 0
