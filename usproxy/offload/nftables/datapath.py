@@ -12,13 +12,12 @@ the table is read back, so the next diff starts from what the kernel really hold
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from usproxy.config import IPNetwork
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
-from usproxy.config import IPNetwork
 from usproxy.errors import OffloadError
 from usproxy.gc_pause import LARGE, gc_paused
 from usproxy.node import LocalAddresses, NodeFacts, read_local_addresses
