@@ -7,6 +7,7 @@ the command line override the file. Durations use Go's form ("30s", "1m0s", "250
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -35,7 +36,8 @@ class ProxyConfig:
     healthz_bind_address: str = "0.0.0.0:10256"
     metrics_bind_address: str = "127.0.0.1:10249"
     hostname_override: str | None = None
-    nodeport_addresses: tuple[str, ...] = ()
+    nodeport_addresses: tuple[str, ...] = ()  # CIDRs, or ("primary",): see parse_nodeport_addresses
+    service_cidrs: tuple[str, ...] = ()  # the cluster's Service CIDRs (--service-cidr)
     vip_interface: str = "usproxy0"
     lb_policy: LBPolicy = "roundRobin"
     sync_period: float = 30.0
@@ -72,6 +74,37 @@ def parse_duration(text: object, where: str) -> float:
     if not isinstance(text, str) or not text or _DURATION.sub("", text):
         raise ConfigError(f"not a duration: {text!r}", field=where)
     return sum(float(n) * _UNIT[u] for n, u in _DURATION.findall(text))
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+PRIMARY = "primary"  # kube-proxy's special --nodeport-addresses value (NodePortAddressesPrimary)
+
+
+def parse_cidrs(texts: tuple[str, ...], where: str) -> tuple[IPNetwork, ...]:
+    """CIDR texts -> networks (host bits allowed, as kube-proxy's ParseCIDRSloppy; a bare
+    address is refused as kube-proxy's validation does: "must be a valid CIDR"). Raises
+    ConfigError naming `where` and the bad entry."""
+    out = []
+    for text in texts:
+        try:
+            if "/" not in text:
+                raise ValueError("must be a CIDR (address/prefix length)")
+            out.append(ipaddress.ip_network(text.strip(), strict=False))
+        except ValueError as err:
+            raise ConfigError(f"{text!r}: {err}", field=where) from None
+    return tuple(out)
+
+
+def parse_nodeport_addresses(texts: tuple[str, ...], where: str = "--nodeport-addresses") -> tuple[IPNetwork, ...] | None:
+    """--nodeport-addresses: CIDRs, or None for the single value "primary" (the node's primary
+    addresses, resolved by usproxy.node). As kube-proxy (pkg/proxy/apis/config/validation
+    validateNodePortAddresses): "primary" only alone, every other entry a CIDR. Raises
+    ConfigError naming `where`."""
+    if PRIMARY in texts:
+        if len(texts) != 1:
+            raise ConfigError(f"{PRIMARY!r} must be the only value, got {','.join(texts)}", field=where)
+        return None
+    return parse_cidrs(texts, where)
 
 
 # KubeProxyConfiguration path -> (ProxyConfig field, converter)
@@ -127,7 +160,9 @@ def _convert(name: str, key: str, value: Any) -> Any:
     if name == "nodeport_addresses":
         if not isinstance(value, list):
             raise ConfigError("must be a list of CIDRs", field=key)
-        return tuple(str(v) for v in value)
+        texts = tuple(str(v) for v in value)
+        parse_nodeport_addresses(texts, key)
+        return texts
     if name == "cluster_cidrs":  # v1alpha1 clusterCIDR: "a,b"; v1alpha2 detectLocal.clusterCIDRs: a list
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(v, str) for v in items):

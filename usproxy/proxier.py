@@ -114,6 +114,12 @@ class Proxier:
         it starts no network-programming measurement and is not counted as queued."""
         self.runner.retry_after(0.0)
 
+    def request_full_sync(self) -> None:
+        """A fact every datapath derives from changed (this node's NodePort addresses): every
+        ServicePort goes to every datapath at the next sync."""
+        self._need_full = True
+        self.runner.run()
+
     def set_zone(self, zone: str | None) -> None:
         """This node's topology zone changed: every ServicePort is re-filtered at the next sync."""
         if zone != self.zone:

@@ -66,3 +66,19 @@ def test_bad_value_names_file_and_field(tmp_path: Path) -> None:
     f.write_text("kind: KubeProxyConfiguration\nconntrack:\n  udpTimeout: soon\n")
     with pytest.raises(ConfigError, match=r"KubeProxyConfiguration .*kp.yaml: conntrack.udpTimeout: not a duration"):
         load_kube_proxy_configuration(f)
+
+
+def test_nodeport_addresses_and_service_cidrs_name_the_flag_or_field(tmp_path: Path) -> None:
+    parse = build_parser().parse_args
+    cfg = config_from_args(parse(["run", "--nodeport-addresses", "primary", "--service-cidr", "10.96.0.0/16,fd00:96::/112"]))
+    assert cfg.nodeport_addresses == ("primary",) and cfg.service_cidrs == ("10.96.0.0/16", "fd00:96::/112")
+    for flag, value in (("--nodeport-addresses", "primary,192.0.2.0/24"), ("--nodeport-addresses", "192.0.2.10"),
+                        ("--service-cidr", "10.96.0.0/16,nope"), ("--service-cidr", "10.96.0.1")):
+        with pytest.raises(ConfigError, match=f"usproxy run: {flag}: "):
+            config_from_args(parse(["run", flag, value]))
+    f = tmp_path / "kp.yaml"
+    f.write_text("kind: KubeProxyConfiguration\nnodePortAddresses: [primary]\n")
+    assert load_kube_proxy_configuration(f).nodeport_addresses == ("primary",)
+    f.write_text("kind: KubeProxyConfiguration\nnodePortAddresses: [192.0.2.0/24, 300.1.2.3/8]\n")
+    with pytest.raises(ConfigError, match=r"kp.yaml: nodePortAddresses: '300.1.2.3/8'"):
+        load_kube_proxy_configuration(f)

@@ -35,6 +35,8 @@ _STEPS: list[tuple[str, re.Pattern[str]]] = [(what, re.compile(pattern + r"(?: |
     ("l4proto", r"meta l4proto (tcp|udp|sctp)"),
     ("tcp-not-syn", r"tcp flags & \(fin \| syn \| rst \| ack\) != syn"),
     ("pair-in-set", r"ip6? saddr \. ip6? daddr @(\S+)"),
+    ("daddr-in-set", r"ip6? daddr @(\S+)"),
+    ("daddr-in", r"ip6? daddr \{ (.*?) \}"),
     ("saddr-in-set", r"ip6? saddr @(\S+)"),
     ("ct-state", r"ct state (\S+)"),
     ("ct-status", r"ct status (\S+)"),
@@ -245,6 +247,8 @@ _MATCHES: dict[str, Callable[[FakeTable, _Packet, tuple[str, ...]], bool]] = {
     "l4proto": lambda t, pkt, a: pkt.proto == a[0],
     "tcp-not-syn": lambda t, pkt, a: pkt.proto == "tcp" and not pkt.syn,
     "pair-in-set": lambda t, pkt, a: f"{pkt.src} . {pkt.dst}" in t.sets[a[0]],
+    "daddr-in-set": lambda t, pkt, a: pkt.dst in t.sets[a[0]],
+    "daddr-in": lambda t, pkt, a: any(ipaddress.ip_address(pkt.dst) in ipaddress.ip_network(n) for n in a[0].split(", ")),
     "saddr-in-set": lambda t, pkt, a: pkt.src in t.sets[a[0]],
     "ct-state": lambda t, pkt, a: a[0] == "new",  # every traced packet opens a connection
     "ct-status": lambda t, pkt, a: a[0] == "dnat" and pkt.dnat,

@@ -3,8 +3,10 @@
 Life: this node's facts are resolved once (NodeFacts: the same node name for the Proxier, every
 datapath and the source), each datapath gets its own settings from the ProxyConfig, the source
 lists (a manifest that cannot be parsed at start raises ConfigError: exit 2), the admin server
-binds, the service health server (healthCheckNodePorts) is handed to the Proxier, the SyncRunner and the source's watch run as guarded tasks, and SIGTERM or
-SIGINT stops everything in reverse order, releasing what the datapaths installed.
+binds, the service health server (healthCheckNodePorts) is handed to the Proxier, the
+SyncRunner, the source's watch and the watch of the NodePort addresses (a change makes the next
+sync a full one) run as guarded tasks, and SIGTERM or SIGINT stops everything in reverse order,
+releasing what the datapaths installed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from usproxy.config import ProxyConfig
 from usproxy.datapath import Datapath, FlowsView, ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.errors import AlreadyRunning, ConfigError
-from usproxy.node import NodeFacts, resolve_node
+from usproxy.node import NodeFacts, resolve_node, watch_nodeport_addresses
 from usproxy.proxier import Proxier
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.sources import NodeEligibility, Source
@@ -211,6 +213,9 @@ class Agent:
             log.info("serving %s on %s", role, format_hostport(addr[0], addr[1]))
         self._guard("sync-runner", self.proxier.runner.loop())
         self._guard("source", source.run())
+        if self._locks:  # real datapaths: they follow this node's NodePort addresses
+            self._guard("nodeport-addresses", watch_nodeport_addresses(
+                self.node, self.cfg.vip_interface, self.proxier.request_full_sync))
 
     def _make_source(self) -> Source:
         if self.cfg.services is not None:

@@ -17,7 +17,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from usproxy.config import ProxyConfig, load_kube_proxy_configuration, parse_duration, with_overrides
+from usproxy.config import (
+    ProxyConfig,
+    load_kube_proxy_configuration,
+    parse_cidrs,
+    parse_duration,
+    parse_nodeport_addresses,
+    with_overrides,
+)
 from usproxy.errors import AlreadyRunning, ConfigError, SourceError
 
 log = logging.getLogger("usproxy")
@@ -33,8 +40,10 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--healthz-bind-address", metavar="HOST:PORT")
     p.add_argument("--metrics-bind-address", metavar="HOST:PORT")
     p.add_argument("--hostname-override", metavar="NAME")
-    p.add_argument("--nodeport-addresses", metavar="CIDR,...",
-                   type=lambda s: tuple(x for x in s.split(",") if x))
+    p.add_argument("--nodeport-addresses", metavar="CIDR,...|primary", type=_comma_list,
+                   help="addresses that serve NodePorts: local addresses in these CIDRs, or 'primary'")
+    p.add_argument("--service-cidr", dest="service_cidrs", metavar="CIDR,...", type=_comma_list,
+                   help="the cluster's Service CIDRs: traffic to an unallocated address in them is dropped")
     p.add_argument("--vip-interface", metavar="NAME")
     p.add_argument("--lb-policy", choices=["roundRobin", "random", "leastConnections"])
     p.add_argument("--sync-period", metavar="DURATION")
@@ -57,6 +66,10 @@ def _run_parser(sub: Any) -> None:
                    help="masquerade all traffic to Service addresses (kube-proxy's --masquerade-all)")
     p.add_argument("--cleanup", action="store_true", default=None,
                    help="remove everything usproxy installed in the kernel, then exit")
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +129,11 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
         if seconds < 0:
             raise ConfigError(f"must not be negative, got {seconds}", obj="usproxy run", field=flag)
     detector_of(cfg)  # detectLocalMode and its CIDR or interface
+    try:
+        parse_nodeport_addresses(cfg.nodeport_addresses)
+        parse_cidrs(cfg.service_cidrs, "--service-cidr")
+    except ConfigError as err:
+        raise ConfigError(str(err), obj="usproxy run") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from typing import Any
 
 from usproxy.admin.events import EventHub
 from usproxy.metrics import Metrics
-from usproxy.config import OffloadMode, ProxyConfig
+from usproxy.config import IPNetwork, OffloadMode, ProxyConfig, parse_cidrs
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.endpoint import Endpoint
 from usproxy.errors import OffloadError
@@ -60,10 +60,13 @@ class OffloadSettings:
     offload_after: float
     lb_policy: LBPolicy
     bpf_cgroup: Path
+    service_cidrs: tuple[IPNetwork, ...] = ()  # --service-cidr
+    vip_interface: str = "usproxy0"  # its addresses never serve NodePorts
 
     @classmethod
     def from_config(cls, cfg: ProxyConfig) -> OffloadSettings:
-        return cls(cfg.offload, cfg.offload_after, cfg.lb_policy, cfg.bpf_cgroup)
+        return cls(cfg.offload, cfg.offload_after, cfg.lb_policy, cfg.bpf_cgroup,
+                   parse_cidrs(cfg.service_cidrs, "--service-cidr"), cfg.vip_interface)
 
 
 @dataclass
@@ -437,5 +440,6 @@ def kernel_datapaths(settings: OffloadSettings, node: NodeFacts, netns: str | No
     if settings.mode in ("auto", "nftables"):
         from usproxy.offload.nftables.datapath import NftablesDatapath
 
-        out.append(NftablesDatapath(netns=netns, lb_policy=settings.lb_policy, node=node))
+        out.append(NftablesDatapath(netns=netns, lb_policy=settings.lb_policy, node=node,
+                                    service_cidrs=settings.service_cidrs, clusterip_interface=settings.vip_interface))
     return out

@@ -1,8 +1,8 @@
 """Relay: the userspace datapath (kube-proxy 1.0's userspace mode, done right).
 
 On its first sync it sets up the ClusterIP interface (VipInterface) and finds the node addresses
-for NodePorts (`--nodeport-addresses` CIDRs, default every local non-loopback address outside the
-ClusterIP interface). Each sync applies only the changed ServicePorts, one ServicePortRelay each;
+for NodePorts (NodeFacts.nodeport_ips, as nftables: --nodeport-addresses, default every non-loopback
+address outside the ClusterIP interface). Each sync applies only the changed ServicePorts, one ServicePortRelay each;
 an error in one is logged and reported in its placement and never stops the others. Addresses
 follow the Services: an address stays while any ServicePort uses it, and for RELEASE_AFTER seconds
 more (at most MAX_RELEASED such addresses, oldest dropped first), without listeners, so that
@@ -186,20 +186,11 @@ class Relay:
             await self.vip.remove(ip)
 
     async def _node_addresses(self) -> list[str]:
-        """NodePort addresses; also refreshes `host_ips`, the addresses other interfaces hold."""
-        nets = self.node.nodeport_cidrs
-        out = []
+        """NodePort addresses (NodeFacts.nodeport_ips, the rule the nftables datapath follows
+        too); also refreshes `host_ips`, the addresses other interfaces hold."""
         local = await self.vip.local_addresses()
         self.host_ips = {ip for ifname, ip in local if ifname != self.vip.name}
-        for ifname, ip in local:
-            if ifname == self.vip.name or ip.is_link_local:
-                continue
-            if nets and not any(ip in n for n in nets):
-                continue
-            if not nets and ip.is_loopback:
-                continue
-            out.append(str(ip))
-        return sorted(set(out))
+        return sorted(str(ip) for ip in self.node.nodeport_ips(local, self.vip.name))
 
     def placement(self, spn: ServicePortName) -> Placement | None:
         port = self.ports.get(spn)

@@ -45,6 +45,10 @@ what made kube-proxy's layout take 66-75 s for 10,000 Services here (docs/platfo
 - `hairpin` holds endpoint . endpoint pairs: a connection DNATed back to its own source is
   masqueraded (field case C24). Only endpoints that may be on this node get one (see port_rules).
 - `ct state invalid drop` on forward (C25), as kube-proxy.
+- NodePorts match `fib daddr type local` when every local address serves them, else
+  `ip daddr @nodeport-ips` (--nodeport-addresses; the datapath keeps the set's elements), and
+  with --service-cidr chain `cluster-ips-check` drops new connections to an address of the Service
+  CIDRs that is not local (unallocated), as kube-proxy (commands.HookSettings).
 
 Every verdict element carries the ServicePortName as its comment, so `read back` (readback.py)
 can attribute kernel state to ServicePorts after a restart.

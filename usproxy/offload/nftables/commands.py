@@ -4,7 +4,7 @@ Pure (no I/O). A `Command` renders as one line of nft's own syntax (`add element
 slot-0 { ... }`); `render()` joins a transaction for libnftables (nftables/client.py), and the
 same Commands drive FakeNft (nftables/fake.py) in unit tests. `base_commands()` writes the table,
 its verdict maps and hooked chains, as kube-proxy's nftables mode (pkg/proxy/nftables/proxier.go
-setupNFTables); the other builders write the shared slot and group chains and the chains of one
+setupNFTables), after the agent's HookSettings (NodePort addresses, Service CIDRs); the other builders write the shared slot and group chains and the chains of one
 ServicePort's own (ClientIP affinity, lb-policy roundRobin).
 """
 
@@ -102,18 +102,40 @@ def _not_localhost(family: Family) -> str:
 ONLY_NEW_TCP = "meta l4proto tcp tcp flags & (fin | syn | rst | ack) != syn return"
 
 
-def base_commands(family: Family) -> list[Command]:
-    """Table, verdict maps, hairpin set and the hooked chains; flushed and rewritten as a whole so
-    a restart after an upgrade converges. Maps are only added (idempotent), never emptied."""
+@dataclass(frozen=True, slots=True)
+class HookSettings:
+    """What the hooked chains of one family's table depend on besides the family.
+
+    `nodeport_ips`: NodePorts are served only on the addresses in set `nodeport-ips` (the
+    datapath keeps its elements, NodeFacts.nodeport_ips); False: on every local address but
+    loopback (`fib daddr type local`), as kube-proxy when nodePortAddresses match all.
+    `service_cidrs`: this family's Service CIDRs (nft text); a new connection to an address in
+    them that is not local is dropped (chain `cluster-ips-check`)."""
+
+    nodeport_ips: bool = False
+    service_cidrs: tuple[str, ...] = ()
+
+
+NODEPORT_IPS = "nodeport-ips"
+
+
+def base_commands(family: Family, hooks: HookSettings = HookSettings()) -> list[Command]:
+    """Table, verdict maps, hairpin and nodeport-ips sets and the hooked chains; flushed and
+    rewritten as a whole so a restart after an upgrade converges. Maps and sets are only added
+    (idempotent), never emptied."""
     ipx, at = _ipx(family), addr_type(family)
     key3 = f"{ipx} daddr . meta l4proto . th dport"
-    np_key = f"fib daddr type local {_not_localhost(family)} meta l4proto . th dport"
+    if hooks.nodeport_ips:  # kube-proxy: `ip daddr @nodeport-ips` when nodePortAddresses are given
+        np_key = f"{ipx} daddr @{NODEPORT_IPS} meta l4proto . th dport"
+    else:
+        np_key = f"fib daddr type local {_not_localhost(family)} meta l4proto . th dport"
     cmds = [Command("add", "table", family)]
     for name in ("service-ips", "no-endpoint-services"):
         cmds.append(Command("add", "map", family, name, f"type {at} . inet_proto . inet_service : verdict;"))
     for name in ("service-nodeports", "no-endpoint-nodeports"):
         cmds.append(Command("add", "map", family, name, "type inet_proto . inet_service : verdict;"))
     cmds.append(Command("add", "set", family, "hairpin", f"type {at} . {at};"))
+    cmds.append(Command("add", "set", family, NODEPORT_IPS, f"type {at};"))
     chains: list[tuple[str, str, list[str]]] = [
         ("reject-chain", "", ["meta l4proto tcp reject with tcp reset", "reject"]),
         ("services", "", [ONLY_NEW_TCP, f"{key3} vmap @service-ips", f"{np_key} vmap @service-nodeports"]),
@@ -129,9 +151,25 @@ def base_commands(family: Family) -> list[Command]:
             "ct state invalid drop", "ct state new jump endpoints-check"]),
         ("filter-output", "type filter hook output priority -110; policy accept;", ["ct state new jump endpoints-check"]),
     ]
+    if hooks.service_cidrs:
+        chains.insert(0, ("cluster-ips-check", "", cluster_ips_check(family, hooks.service_cidrs)))
+        for name, _, rules in chains:
+            if name in ("filter-forward", "filter-output"):
+                rules.append("ct state new jump cluster-ips-check")
     for name, hook, rules in chains:
         cmds += chain_commands(family, name, rules, hook=hook)
     return cmds
+
+
+def cluster_ips_check(family: Family, cidrs: Sequence[str]) -> list[str]:
+    """Drop new connections to an unallocated address of the Service CIDRs instead of routing
+    them on, as kube-proxy's nftables mode ("Drop traffic to unallocated ClusterIPs",
+    pkg/proxy/nftables/proxier.go setupNFTables; DROP, not REJECT). kube-proxy tells allocated
+    ClusterIPs by its `cluster-ips` set; here every allocated ClusterIP is a local address (the
+    relay holds it on the ClusterIP interface, also for the ServicePorts only the relay serves,
+    and the kernel refuses their undefined ports as kube-proxy's `cluster-ips` reject does), so
+    what is local returns."""
+    return ["fib daddr type local return", f"{_ipx(family)} daddr {{ {', '.join(cidrs)} }} drop"]
 
 
 def chain_commands(family: Family, name: str, rules: Sequence[str], *, hook: str = "") -> list[Command]:

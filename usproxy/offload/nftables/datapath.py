@@ -12,17 +12,19 @@ the table is read back, so the next diff starts from what the kernel really hold
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from usproxy.config import IPNetwork
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.errors import OffloadError
 from usproxy.gc_pause import LARGE, gc_paused
-from usproxy.node import NodeFacts
+from usproxy.node import LocalAddresses, NodeFacts, read_local_addresses
 from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
-from usproxy.offload.nftables.commands import Command, render
+from usproxy.offload.netns_worker import NetnsWorker
+from usproxy.offload.nftables.commands import Command, HookSettings, render
 from usproxy.offload.nftables.names import FAMILIES, TABLE, Family, affinity_endpoint, nft_family
 from usproxy.offload.nftables.pins import Pin, parse_pins
 from usproxy.offload.nftables.readback import read_table
@@ -54,7 +56,13 @@ class NftablesDatapath:
     traffic: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
 
     def __init__(self, transport: NftTransport | None = None, conntrack: KernelConntrack | None = None,
-                 *, netns: str | None = None, lb_policy: str = "roundRobin", node: NodeFacts = NodeFacts()) -> None:
+                 *, netns: str | None = None, lb_policy: str = "roundRobin", node: NodeFacts = NodeFacts(),
+                 service_cidrs: tuple[IPNetwork, ...] = (), clusterip_interface: str = "usproxy0",
+                 addresses: Callable[[], Awaitable[LocalAddresses]] | None = None) -> None:
+        """`node` gives the NodePort addresses (NodeFacts.nodeport_ips over the local addresses
+        but those of `clusterip_interface`, read by `addresses`, default netlink in `netns`)
+        and which endpoints may hairpin; `service_cidrs` the Service CIDRs whose unallocated
+        addresses are dropped (commands.cluster_ips_check)."""
         if transport is None:
             from usproxy.offload.nftables.client import NftClient
 
@@ -63,6 +71,16 @@ class NftablesDatapath:
         self.conntrack = conntrack if conntrack is not None else KernelConntrack(netns)
         self.lb_policy = lb_policy
         self.node = node  # endpoints on other nodes get no hairpin element
+        self.hooks: dict[Family, HookSettings] = {f: HookSettings(
+            not node.nodeport_match_all(f), tuple(str(n) for n in service_cidrs if n.version == f)) for f in FAMILIES}
+        self.clusterip_interface = clusterip_interface
+        self._addr_worker: NetnsWorker | None = None
+        if addresses is None and any(h.nodeport_ips for h in self.hooks.values()):
+            worker = self._addr_worker = NetnsWorker("nft-addresses", netns)
+
+            async def addresses() -> LocalAddresses:
+                return await worker.run(read_local_addresses, clusterip_interface)
+        self._addresses = addresses or _no_addresses
         self.tables: dict[Family, TableState] = {f: self._empty_table(f) for f in FAMILIES}
         self.transactions = 0
 
@@ -116,6 +134,8 @@ class NftablesDatapath:
             txs = [self._transaction(self.tables[f], changes) for f in FAMILIES]
             for tx in txs:
                 tx.retime(retimed.get(tx.family, {}))
+        await self._nodeport_ips(txs)
+        with gc_paused(len(changes) > LARGE):
             commands = [c for tx in txs for c in tx.commands()]
         zero_to_n = self._udp_zero_to_n(changes)
         if commands:
@@ -130,8 +150,20 @@ class NftablesDatapath:
         if zero_to_n:
             await self.conntrack.delete_udp(orig_dst=zero_to_n)
 
+    async def _nodeport_ips(self, txs: Sequence[Transaction]) -> None:
+        """Bring set nodeport-ips up to date in each family that restricts NodePorts, read from
+        the addresses interfaces hold now, at every table write (as kube-proxy refills it when
+        it rewrites its table); the agent's watch of the addresses makes a change a full sync,
+        which writes the table (node.watch_nodeport_addresses)."""
+        txs = [tx for tx in txs if tx.based and self.hooks[tx.family].nodeport_ips]
+        if not txs:
+            return
+        ips = self.node.nodeport_ips(await self._addresses(), self.clusterip_interface)
+        for tx in txs:
+            tx.set_nodeport_ips(frozenset(ip_text(ip) for ip in ips if ip.version == tx.family))
+
     def _transaction(self, table: TableState, changes: Mapping[ServicePortName, ServicePortState | None]) -> Transaction:
-        tx = Transaction(table)
+        tx = Transaction(table, self.hooks[table.family])
         if table.rules and not table.base:
             # read back (start, full sync, failed transaction) does not check the hooked chains:
             # rewrite them once, so a rule flushed or changed behind our back (say `ct state
@@ -190,7 +222,7 @@ class NftablesDatapath:
         for table in self.tables.values():
             if table.base:
                 continue
-            tx = Transaction(table)
+            tx = Transaction(table, self.hooks[table.family])
             tx.ensure_base()
             try:  # per family: a node without IPv6 still tracks IPv4
                 await self.transport.apply(tx.commands())
@@ -245,6 +277,12 @@ class NftablesDatapath:
         """Stop the worker threads; the kernel state stays (field case C20)."""
         self.transport.close()
         self.conntrack.close()
+        if self._addr_worker is not None:
+            self._addr_worker.close()
+
+
+async def _no_addresses() -> LocalAddresses:
+    return []  # every family serves NodePorts on every local address: nothing to read
 
 
 def probe_capability(transport: NftTransport) -> Capability:

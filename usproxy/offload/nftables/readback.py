@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from usproxy.offload.nftables.commands import NODEPORT_IPS
 from usproxy.offload.nftables.names import GROUP_CHAIN, Family, Kind, Scope, parse_comment, slot_chain, slot_map, verdict_map
 from usproxy.offload.nftables.rules import Backend, Frontend, PortRules, Target, frontend_order, norm_ip
 from usproxy.offload.nftables.transaction import TableState
@@ -57,6 +58,7 @@ def read_table(family: Family, items: list[dict[str, Any]] | None) -> TableState
         rules = state.rules[spn] = _with_hairpin(rules, hairpin)
         for ip in rules.hairpin:
             state.hairpin[ip] += 1
+    state.nodeport_ips = frozenset(norm_ip(str(_concat(e)[0])) for e in lst.sets.get(NODEPORT_IPS, []))
     state.orphans = _orphans(lst, state)
     return state
 

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from usproxy.offload.nftables.commands import (
+    NODEPORT_IPS,
     Command,
     Elem,
+    HookSettings,
     base_commands,
     chain_commands,
     group_rules,
@@ -48,6 +50,7 @@ class TableState:
     slots: dict[Kind, int] = field(default_factory=lambda: {"ip": 0, "np": 0})
     groups: set[str] = field(default_factory=set)
     hairpin: Counter[str] = field(default_factory=Counter)
+    nodeport_ips: frozenset[str] = frozenset()  # elements of set nodeport-ips
     rules: dict[ServicePortName, PortRules] = field(default_factory=dict)
     orphans: dict[str, set[str]] = field(default_factory=dict)  # map/set -> keys to delete (read back)
     # the local-traffic detector's "not from a pod" match in this family ("": none), for the
@@ -67,8 +70,10 @@ class Transaction:
     # both paths build the same table from empty.
     first_install_shortcut: ClassVar[bool] = True
 
-    def __init__(self, state: TableState) -> None:
+    def __init__(self, state: TableState, hooks: HookSettings = HookSettings()) -> None:
         self.state = state
+        self.hooks = hooks
+        self._nodeport_ips = state.nodeport_ips
         self.flushes: list[Command] = []
         self.drops: list[Command] = []
         self.creates: list[Command] = []
@@ -125,8 +130,22 @@ class Transaction:
         """Write the table, maps and hooked chains, and rewrite the shared slot and group chains
         the table already has (after a read back: whatever was flushed behind our back)."""
         if not self._base:
-            self.creates[:0] = base_commands(self.family) + self._shared_chains()
+            self.creates[:0] = base_commands(self.family, self.hooks) + self._shared_chains()
             self._base = True
+
+    @property
+    def based(self) -> bool:
+        """Whether the table's fixed part exists once this transaction is applied."""
+        return self._base
+
+    def set_nodeport_ips(self, wanted: frozenset[str]) -> None:
+        """Make set nodeport-ips hold exactly `wanted` (addresses as nft prints them); the table's
+        fixed part must exist (`based`)."""
+        for ip in sorted(self._nodeport_ips - wanted):
+            self._del_elem(NODEPORT_IPS, ip)
+        for ip in sorted(wanted - self._nodeport_ips):
+            self._add_elem(NODEPORT_IPS, Elem(ip))
+        self._nodeport_ips = wanted
 
     def _shared_chains(self) -> list[Command]:
         cmds = [c for kind in ("ip", "np") for i in range(self.state.slots[kind])
@@ -278,6 +297,7 @@ class Transaction:
         s = self.state
         s.orphans = {}
         s.base = self._base
+        s.nodeport_ips = self._nodeport_ips
         s.slots = self._slots
         s.groups |= self._groups
         for ip, d in self._hairpin.items():
