@@ -21,8 +21,10 @@ from usproxy.offload.nftables.names import (
     Kind,
     Scope,
     addr_type,
+    FIREWALL_MAP,
     affinity_chain,
     affinity_endpoint,
+    firewall_chain,
     group_chain,
     nft_family,
     rr_chain,
@@ -112,8 +114,10 @@ def base_commands(family: Family) -> list[Command]:
     for name in ("service-nodeports", "no-endpoint-nodeports"):
         cmds.append(Command("add", "map", family, name, "type inet_proto . inet_service : verdict;"))
     cmds.append(Command("add", "set", family, "hairpin", f"type {at} . {at};"))
+    cmds.append(Command("add", "map", family, FIREWALL_MAP, f"type {at} . inet_proto . inet_service : verdict;"))
     chains: list[tuple[str, str, list[str]]] = [
         ("reject-chain", "", ["meta l4proto tcp reject with tcp reset", "reject"]),
+        *firewall_base_chains(family),
         ("services", "", [ONLY_NEW_TCP, f"{key3} vmap @service-ips", f"{np_key} vmap @service-nodeports"]),
         ("endpoints-check", "", [ONLY_NEW_TCP, f"{key3} vmap @no-endpoint-services",
                                  f"{np_key} vmap @no-endpoint-nodeports"]),
@@ -130,6 +134,28 @@ def base_commands(family: Family) -> list[Command]:
     for name, hook, rules in chains:
         cmds += chain_commands(family, name, rules, hook=hook)
     return cmds
+
+
+def firewall_base_chains(family: Family) -> list[tuple[str, str, list[str]]]:
+    """loadBalancerSourceRanges, as kube-proxy's nftables mode: new connections are checked before
+    DNAT (priority -110: they still carry the LB IP) in prerouting and output, against the
+    `firewall-ips` verdict map, whose elements go to a ServicePort's firewall chain."""
+    key3 = f"{_ipx(family)} daddr . meta l4proto . th dport"
+    return [
+        ("firewall-check", "", [f"{key3} vmap @{FIREWALL_MAP}"]),
+        ("filter-prerouting-pre-dnat", "type filter hook prerouting priority -110; policy accept;",
+         ["ct state new jump firewall-check"]),
+        ("filter-output-pre-dnat", "type filter hook output priority -110; policy accept;",
+         ["ct state new jump firewall-check"]),
+    ]
+
+
+def firewall_rules(family: Family, rules: PortRules) -> dict[str, list[str]]:
+    """The ServicePort's firewall chain: drop a source outside the allowed ones (kube-proxy's
+    `ip saddr != { ranges } drop`); none when nothing is filtered."""
+    if not rules.fw_sources or not rules.fw_keys:
+        return {}
+    return {firewall_chain(rules.spn): [f"{_ipx(family)} saddr != {{ {', '.join(rules.fw_sources)} }} drop"]}
 
 
 def chain_commands(family: Family, name: str, rules: Sequence[str], *, hook: str = "") -> list[Command]:
@@ -183,8 +209,8 @@ def rr_rules(rules: PortRules, scope: Scope) -> dict[str, list[str]]:
 
 
 def own_chains(family: Family, rules: PortRules) -> dict[str, list[str]]:
-    """The chains that belong to one ServicePort (affinity and round robin), by name."""
-    out: dict[str, list[str]] = {}
+    """The chains that belong to one ServicePort (affinity, round robin, firewall), by name."""
+    out: dict[str, list[str]] = firewall_rules(family, rules)
     for scope in ("cluster", "external"):
         if _has_affinity(rules, scope):
             out.update(affinity_rules(family, rules, scope))

@@ -28,7 +28,7 @@ from usproxy.offload.nftables.pins import Pin, parse_pins
 from usproxy.offload.nftables.readback import read_table
 from usproxy.offload.nftables.rules import PortRules, ip_text, port_rules
 from usproxy.offload.nftables.transaction import TableState, Transaction
-from usproxy.types import ServicePortName
+from usproxy.types import IPAddress, ServicePortName
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class NftablesDatapath:
     traffic: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
 
     def __init__(self, transport: NftTransport | None = None, conntrack: KernelConntrack | None = None,
-                 *, netns: str | None = None, lb_policy: str = "roundRobin", node: NodeFacts = NodeFacts()) -> None:
+                 *, netns: str | None = None, lb_policy: str = "roundRobin", node: NodeFacts = NodeFacts(),
+                 node_ips: Sequence[IPAddress] = ()) -> None:
         if transport is None:
             from usproxy.offload.nftables.client import NftClient
 
@@ -63,6 +64,9 @@ class NftablesDatapath:
         self.conntrack = conntrack if conntrack is not None else KernelConntrack(netns)
         self.lb_policy = lb_policy
         self.node = node  # endpoints on other nodes get no hairpin element
+        # this node's addresses (kube-proxy's nodeIP): a loadBalancerSourceRanges range holding
+        # one allows the LB IPs as sources too (source_ranges.allowed_sources)
+        self.node_ips = tuple(node_ips)
         self.tables: dict[Family, TableState] = {f: TableState(f) for f in FAMILIES}
         self.transactions = 0
 
@@ -119,7 +123,7 @@ class NftablesDatapath:
             tx.ensure_base()
         for spn, st in changes.items():
             prev = table.rules.get(spn)
-            new = port_rules(st, table.family, prev, self.node.name) if st is not None else None
+            new = port_rules(st, table.family, prev, self.node.name, self.node_ips) if st is not None else None
             tx.update(prev, new)
         return tx
 
