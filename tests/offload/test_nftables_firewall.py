@@ -18,11 +18,13 @@ from usproxy.datapath import ServicePortState
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
 from usproxy.offload.nftables.names import firewall_chain
+from usproxy.offload.nftables.transaction import TableState, Transaction
 from usproxy.source_ranges import parse_source_ranges
 
 from tests.offload.helpers import ep, spn, state
 from tests.offload.nft_trace import trace
 from tests.offload.test_nftables_layout import NoConntrack
+from tests.offload.test_nftables_transaction import UpdatePathOnly, install
 
 SVC = spn("svc1", "p80", ns="ns1")
 LB1, LB2 = "198.51.100.1", "198.51.100.2"
@@ -157,3 +159,29 @@ async def test_elements_of_no_service_port_are_deleted_after_read_back(fake: Fak
     await again.apply({SVC: None})  # the Service went away while the agent was down
     assert fake.tables[4].maps["firewall-ips"] == {}
     assert trace(fake, 4, BLOCKED, LB1, "tcp", 80, local=LOCAL).verdict == "none"
+
+
+def test_first_install_and_update_path_build_the_same_firewall() -> None:
+    fast, slow = FakeNft(), FakeNft()
+    fast_tables: dict[int, TableState] = {}
+    slow_tables: dict[int, TableState] = {}
+    install(Transaction, {SVC: lb(KUBE_PROXY_RANGES)}, fast, fast_tables)
+    install(UpdatePathOnly, {SVC: lb(KUBE_PROXY_RANGES)}, slow, slow_tables)
+    assert fast.tables[4].maps["firewall-ips"] and fast.dump() == slow.dump()
+    assert fast_tables == slow_tables
+
+
+async def test_ipv6_ranges_filter_the_ipv6_lb_ip_only(fake: FakeNft, dp: NftablesDatapath) -> None:
+    """Dual-stack: each family's LB IP is filtered by that family's ranges only; an IPv4 LB IP with
+    only IPv6 ranges is not filtered (kube-proxy's per-family proxiers)."""
+    ips = (ipaddress.ip_address("10.96.0.9"), ipaddress.ip_address("2001:db8:96::9"))
+    st = state(SVC, "10.96.0.9", 80, [ep("10.244.1.1", 80), ep("2001:db8:244::1", 80)], cluster_ips=ips,
+               service_type="LoadBalancer", node_port=3001,
+               load_balancer_ips=(ipaddress.ip_address(LB1), ipaddress.ip_address("2001:db8:51::1")),
+               source_ranges=(ipaddress.ip_network("2001:db8:113::/64"),))
+    await dp.apply({SVC: st})
+    assert trace(fake, 6, "2001:db8:113::7", "2001:db8:51::1", "tcp", 80).targets == {"[2001:db8:244::1]:80"}
+    assert trace(fake, 6, "2001:db8:114::7", "2001:db8:51::1", "tcp", 80).verdict == "drop"
+    assert fake.tables[6].chains[firewall_chain(SVC)] == ["ip6 saddr != { 2001:db8:113::/64 } drop"]
+    assert trace(fake, 4, BLOCKED, LB1, "tcp", 80).targets == {"10.244.1.1:80"}
+    assert fake.tables[4].maps["firewall-ips"] == {}
