@@ -56,7 +56,7 @@ def fake() -> FakeNft:
 
 @pytest.fixture
 def dp(fake: FakeNft) -> NftablesDatapath:
-    return NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_ips=[ipaddress.ip_address(NODE_IP)])
+    return NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_ips=lambda: [ipaddress.ip_address(NODE_IP)])
 
 
 # (name, source, destination, port, expected: "DROP" or (endpoint, masqueraded))
@@ -135,7 +135,7 @@ async def test_read_back_adopts_the_firewall_and_repairs_drift(fake: FakeNft, dp
     states = {SVC: lb(KUBE_PROXY_RANGES)}
     await dp.apply(states)
     intact = copy.deepcopy(v4(fake))
-    again = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_ips=[ipaddress.ip_address(NODE_IP)])
+    again = NftablesDatapath(FakeNftClient(fake), NoConntrack(), node_ips=lambda: [ipaddress.ip_address(NODE_IP)])
     await again.read_back()
     assert again.tables[4].rules == dp.tables[4].rules
     await again.apply(states)

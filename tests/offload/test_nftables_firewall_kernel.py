@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,8 @@ from usproxy.types import ServicePortName
 from tests.netns import Topology, nsexec
 from tests.offload.harness import Pods, tcp_name, udp_socket, wait_listening
 from tests.offload.helpers import ep, spn, state
+from tests.offload.test_agent_offload import placement, wait_for
+from tests.relay.harness import AgentProc, Manifests, slice_, svc
 
 pytestmark = pytest.mark.netns
 
@@ -89,3 +92,24 @@ def udp_answer(ns: str, addr: str, port: int, src: str) -> bytes:
         return b""
     finally:
         s.close()
+
+
+def test_agent_offloads_the_firewall_and_the_node_reaches_its_lb_ip_when_in_range(
+        topology: Topology, tmp_path: Path, client: str, agent_factory: Callable[[Manifests], AgentProc]) -> None:
+    """The agent in nftables mode: the relay holds the LB IP on its interface, so the node's own
+    connection to it leaves with the LB IP as source; a range holding a node address (192.0.2.10)
+    allows that source too, as kube-proxy's allowFromNode ("same node to LB, SNATted to LB")."""
+    ports = [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP", "nodePort": 30080}]
+    web = svc("web", "10.96.10.10", ports, type="LoadBalancer",
+              loadBalancerSourceRanges=["203.0.113.0/25", "192.0.2.0/24"])
+    web["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
+    m = Manifests(tmp_path / "m")
+    m.write(web, slice_("web", [{"ip": "10.244.1.5", "ready": True}], [{"name": "http", "port": 8080, "protocol": "TCP"}]))
+    agent = agent_factory(m)
+    agent.start()
+    wait_for(lambda: placement(agent)[0] == "nftables", what="offload")
+    assert f"{LB_IP} . tcp . 80" in nsexec(topology.node, "nft", "list", "map", "ip", "usproxy", "firewall-ips").stdout
+    assert connect_outcome(client, LB_IP, 80, ALLOWED) == "be-a"
+    assert connect_outcome(client, LB_IP, 80, BLOCKED) == "timeout"
+    assert connect_outcome(client, NODE_IP, 30080, BLOCKED) == "be-a"
+    assert tcp_name(topology.node, LB_IP, 80, timeout=1.5) == "be-a"  # source: the LB IP itself

@@ -12,7 +12,7 @@ the table is read back, so the next diff starts from what the kernel really hold
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from usproxy.datapath import ServicePortState
@@ -55,7 +55,7 @@ class NftablesDatapath:
 
     def __init__(self, transport: NftTransport | None = None, conntrack: KernelConntrack | None = None,
                  *, netns: str | None = None, lb_policy: str = "roundRobin", node: NodeFacts = NodeFacts(),
-                 node_ips: Sequence[IPAddress] = ()) -> None:
+                 node_ips: Callable[[], Collection[IPAddress]] = tuple) -> None:
         if transport is None:
             from usproxy.offload.nftables.client import NftClient
 
@@ -64,9 +64,10 @@ class NftablesDatapath:
         self.conntrack = conntrack if conntrack is not None else KernelConntrack(netns)
         self.lb_policy = lb_policy
         self.node = node  # endpoints on other nodes get no hairpin element
-        # this node's addresses (kube-proxy's nodeIP): a loadBalancerSourceRanges range holding
-        # one allows the LB IPs as sources too (source_ranges.allowed_sources)
-        self.node_ips = tuple(node_ips)
+        # this node's addresses now (kube-proxy's nodeIP; the agent gives the relay's): a
+        # loadBalancerSourceRanges range holding one allows the LB IPs as sources too
+        # (source_ranges.allowed_sources), read once per transaction
+        self.node_ips = node_ips
         self.tables: dict[Family, TableState] = {f: TableState(f) for f in FAMILIES}
         self.transactions = 0
 
@@ -121,9 +122,10 @@ class NftablesDatapath:
             # rewrite them once, so a rule flushed or changed behind our back (say `ct state
             # invalid drop`) comes back at the next full sync, atomically with this transaction
             tx.ensure_base()
+        node_ips = tuple(self.node_ips())
         for spn, st in changes.items():
             prev = table.rules.get(spn)
-            new = port_rules(st, table.family, prev, self.node.name, self.node_ips) if st is not None else None
+            new = port_rules(st, table.family, prev, self.node.name, node_ips) if st is not None else None
             tx.update(prev, new)
         return tx
 
