@@ -113,3 +113,21 @@ def test_agent_offloads_the_firewall_and_the_node_reaches_its_lb_ip_when_in_rang
     assert connect_outcome(client, LB_IP, 80, BLOCKED) == "timeout"
     assert connect_outcome(client, NODE_IP, 30080, BLOCKED) == "be-a"
     assert tcp_name(topology.node, LB_IP, 80, timeout=1.5) == "be-a"  # source: the LB IP itself
+
+
+@pytest.mark.parametrize("ranges", [("203.0.113.0/25",), ("203.0.113.0/25", "192.0.2.0/24")])
+async def test_the_kernels_listing_reads_back_to_the_same_firewall(topology: Topology, ranges: tuple[str, ...]) -> None:
+    """nft lists a one-element set, prefixes and host addresses in its own JSON forms: read back
+    after a restart adopts exactly what was written, so the next sync changes nothing."""
+    node = [ipaddress.ip_address(NODE_IP)]
+    dp = NftablesDatapath(netns=topology.node, node_ips=lambda: node)
+    again = NftablesDatapath(netns=topology.node, node_ips=lambda: node)
+    try:
+        await dp.apply({WEB: lb(WEB, "10.96.10.10", 80, 30080, ranges)})
+        # the second case allows the LB IP as a source (a range holds the node's address)
+        assert (LB_IP in dp.tables[4].rules[WEB].fw_sources) == ("192.0.2.0/24" in ranges)
+        await again.read_back()
+        assert again.tables[4].rules == dp.tables[4].rules
+    finally:
+        dp.close()
+        again.close()

@@ -9,6 +9,11 @@ C03); a connection accepted just before its listener closed is reset, never left
 (TcpListener). `apply()` diffs listeners by (address, port, protocol) and touches nothing that did
 not change (C21); after it, no UDP flow points at an endpoint outside its kind's usable set.
 
+A LoadBalancer IP with loadBalancerSourceRanges gets a socket filter on its listener
+(source_filter.py: a blocked client's SYN or datagram is dropped by the kernel, as nftables'
+firewall drops it), and `new_flow` refuses such a client should one get through; no other
+listener is filtered, NodePorts included (as kube-proxy).
+
 What it shares with the other ServicePorts comes through its constructor: the FlowAdmission
 (flows are admitted there), the UdpRelay (its UDP listeners' flows), and the set of every
 listening (address, port, protocol) of the relay, which it keeps up to date for its own listeners

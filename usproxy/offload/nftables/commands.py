@@ -5,7 +5,7 @@ slot-0 { ... }`); `render()` joins a transaction for libnftables (nftables/clien
 same Commands drive FakeNft (nftables/fake.py) in unit tests. `base_commands()` writes the table,
 its verdict maps and hooked chains, as kube-proxy's nftables mode (pkg/proxy/nftables/proxier.go
 setupNFTables); the other builders write the shared slot and group chains and the chains of one
-ServicePort's own (ClientIP affinity, lb-policy roundRobin).
+ServicePort's own (ClientIP affinity, lb-policy roundRobin, loadBalancerSourceRanges firewall).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ kube-proxy's nftables mode rebuilds its whole table on the first sync; usproxy m
 case C20: offloaded traffic must not notice a restart), so it reads the table back and the first
 sync applies only the difference. Verdict elements carry the ServicePortName (and " external" for
 external frontends) as their comment; slot maps give each frontend's endpoints by slot; affinity
-ServicePorts are read from their endpoint chains' `dnat` and `update ... timeout` statements.
+ServicePorts are read from their endpoint chains' `dnat` and `update ... timeout` statements, and
+loadBalancerSourceRanges from `firewall-ips` (comment: the ServicePortName) and the `fw-<hash>`
+chain's `saddr != { ... }` set.
 Anything that cannot be attributed is left to the next full sync, which replaces what differs.
 """
 
