@@ -30,6 +30,7 @@ from usproxy.service_port import (
     SessionAffinity,
     TrafficPolicy,
 )
+from usproxy.source_ranges import parse_source_ranges
 from usproxy.types import PROTOCOLS, IPAddress, NamespacedName, Protocol, ServicePortName, refused_address
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,17 @@ def _same_family(
     return tuple(out)
 
 
+def _vip_ingress(top: Fields) -> list[str]:
+    """status.loadBalancer.ingress IPs the proxy programs: those with ipMode VIP (or unset).
+    An ingress with ipMode Proxy is a load balancer that proxies to the nodes itself, so its IP
+    is not served here, as kube-proxy (pkg/proxy/serviceport.go, proxyutil.IsVIPMode)."""
+    out = []
+    for ing in top.child("status").child("loadBalancer").items("ingress"):
+        if ing.data.get("ip") and ing.opt_str("ipMode") in (None, "VIP"):
+            out.append(ing.data["ip"])
+    return out
+
+
 def _affinity(spec: Fields) -> tuple[SessionAffinity, int]:
     affinity = cast(SessionAffinity, spec.choice("sessionAffinity", ("None", "ClientIP"), "None"))
     cfg = spec.child("sessionAffinityConfig").child("clientIP")
@@ -143,7 +155,7 @@ def parse_service(raw: Mapping[str, Any]) -> Service:
     stype = cast(ServiceType, spec.choice("type", ("ClusterIP", "NodePort", "LoadBalancer"), "ClusterIP"))
     cluster_ips = _cluster_ips(spec)
     families = {ip.version for ip in cluster_ips}
-    ingress = [i.data["ip"] for i in top.child("status").child("loadBalancer").items("ingress") if i.data.get("ip")]
+    ingress = _vip_ingress(top)
     affinity, timeout = _affinity(spec)
     annotations = meta.str_map("annotations")
     common: dict[str, Any] = dict(
@@ -155,6 +167,9 @@ def parse_service(raw: Mapping[str, Any]) -> Service:
         internal_traffic_policy=cast(TrafficPolicy, spec.choice("internalTrafficPolicy", ("Cluster", "Local"), "Cluster")),
         external_ips=_same_family(spec, "externalIPs", spec.str_list("externalIPs"), families),
         load_balancer_ips=_same_family(top, "status.loadBalancer.ingress", ingress, families)
+        if stype == "LoadBalancer" else (),
+        source_ranges=parse_source_ranges(spec.obj, "spec.loadBalancerSourceRanges",
+                                          spec.str_list("loadBalancerSourceRanges"))
         if stype == "LoadBalancer" else (),
         traffic_distribution=spec.opt_str("trafficDistribution"),
         lb_policy=cast(LBPolicy | None, _annotation(meta, annotations, LB_POLICY_ANNOTATION, LB_POLICIES)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
+from usproxy.source_ranges import IPNetwork
 from usproxy.types import IPAddress, Protocol, ServicePortName, format_hostport
 
 SessionAffinity: TypeAlias = Literal["None", "ClientIP"]
@@ -28,7 +29,9 @@ class ServicePort:
     `cluster_ips` holds one address per IP family (primary first). `node_port` is 0 when the
     Service has none. `affinity_timeout` is in seconds and only meaningful with ClientIP.
     `lb_policy` and `datapath` come from the annotations usproxy.io/lb-policy and
-    usproxy.io/datapath (None: use the agent's default). `health_check_node_port` is the
+    usproxy.io/datapath (None: use the agent's default). `load_balancer_ips` are the ingress IPs
+    of status.loadBalancer with ipMode VIP (or none); `source_ranges` the valid CIDRs of
+    spec.loadBalancerSourceRanges, both families (usproxy.source_ranges says how they filter). `health_check_node_port` is the
     Service's spec.healthCheckNodePort, non-zero only for a LoadBalancer with
     externalTrafficPolicy Local (as kube-proxy pkg/proxy/service.go, apiservice.NeedsHealthCheck).
     """
@@ -45,6 +48,7 @@ class ServicePort:
     internal_traffic_policy: TrafficPolicy = "Cluster"
     external_ips: tuple[IPAddress, ...] = ()
     load_balancer_ips: tuple[IPAddress, ...] = ()
+    source_ranges: tuple[IPNetwork, ...] = ()
     traffic_distribution: str | None = None
     lb_policy: LBPolicy | None = None
     datapath: DatapathName | None = None

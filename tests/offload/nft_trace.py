@@ -2,7 +2,8 @@
 
 As kube-proxy's nftables tests (pkg/proxy/nftables/helpers_test.go, runPacketFlowTests): every
 rule is parsed from its nft text into matches and statements, and a new connection is walked
-from the hooked chains: `nat-prerouting` (DNAT), then `nat-postrouting` per target (masquerade),
+from the hooked chains: `filter-prerouting-pre-dnat` (loadBalancerSourceRanges: a `drop` there is
+the verdict), `nat-prerouting` (DNAT), then `nat-postrouting` per target (masquerade),
 or, when nothing DNATed it, `filter-input`/`filter-forward` (reject). Text the tracer cannot read
 fails the test (`steps()` raises), so the layout cannot write a rule the tests silently skip.
 
@@ -37,6 +38,7 @@ _STEPS: list[tuple[str, re.Pattern[str]]] = [(what, re.compile(pattern + r"(?: |
     ("pair-in-set", r"ip6? saddr \. ip6? daddr @(\S+)"),
     ("daddr-in-set", r"ip6? daddr @(\S+)"),
     ("daddr-in", r"ip6? daddr \{ (.*?) \}"),
+    ("saddr-not-in", r"ip6? saddr != \{ (.*?) \}"),
     ("saddr-in-set", r"ip6? saddr @(\S+)"),
     ("ct-state", r"ct state (\S+)"),
     ("ct-status", r"ct status (\S+)"),
@@ -117,6 +119,9 @@ def trace(nft: FakeNft, family: Family, src: str, dst: str, proto: str, dport: i
         return Trace("none")
     here = frozenset(local)
     pkt = _Packet(src, dst, proto.lower(), dport, here, syn)
+    pre = _Walk(t).chain("filter-prerouting-pre-dnat", pkt)  # priority -110: before DNAT
+    if pre is not None and pre.verdict == "drop":
+        return pre
     res = _Walk(t).chain("nat-prerouting", pkt) or Trace("none")
     if res.verdict == "drop":
         return res
@@ -239,6 +244,11 @@ def _saddr_net(t: FakeTable, pkt: _Packet, args: tuple[str, ...]) -> bool:
     return inside != bool(args[0])
 
 
+def _saddr_not_in(t: FakeTable, pkt: _Packet, args: tuple[str, ...]) -> bool:
+    src = ipaddress.ip_address(pkt.src)
+    return not any(src in ipaddress.ip_network(x.strip()) for x in args[0].split(","))
+
+
 _MATCHES: dict[str, Callable[[FakeTable, _Packet, tuple[str, ...]], bool]] = {
     "fib-local": lambda t, pkt, a: pkt.dst in pkt.local,
     "fib-src-local": lambda t, pkt, a: pkt.src in pkt.local,
@@ -246,6 +256,7 @@ _MATCHES: dict[str, Callable[[FakeTable, _Packet, tuple[str, ...]], bool]] = {
     "daddr-not": _not_in,
     "l4proto": lambda t, pkt, a: pkt.proto == a[0],
     "tcp-not-syn": lambda t, pkt, a: pkt.proto == "tcp" and not pkt.syn,
+    "saddr-not-in": _saddr_not_in,
     "pair-in-set": lambda t, pkt, a: f"{pkt.src} . {pkt.dst}" in t.sets[a[0]],
     "daddr-in-set": lambda t, pkt, a: pkt.dst in t.sets[a[0]],
     "daddr-in": lambda t, pkt, a: any(ipaddress.ip_address(pkt.dst) in ipaddress.ip_network(n) for n in a[0].split(", ")),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import fcntl
+import ipaddress
 import logging
 import os
 import signal
@@ -61,9 +62,14 @@ def build_datapaths(cfg: ProxyConfig, node: NodeFacts, metrics: Metrics,
         return [relay]
     from usproxy.offload.manager import OffloadManager, OffloadSettings, kernel_datapaths
 
+    from usproxy.offload.nftables.datapath import NftablesDatapath
+
     settings = OffloadSettings.from_config(cfg)
-    return [relay, OffloadManager(settings, kernel_datapaths(settings, node), request_sync=request_sync,
-                                  metrics=metrics, events=events)]
+    kernels = kernel_datapaths(settings, node)
+    for k in kernels:  # the node's addresses, for loadBalancerSourceRanges (synced after the relay)
+        if isinstance(k, NftablesDatapath):
+            k.node_ips = lambda: [ipaddress.ip_address(a) for a in relay.node_ips]
+    return [relay, OffloadManager(settings, kernels, request_sync=request_sync, metrics=metrics, events=events)]
 
 
 def uses_api_server(cfg: ProxyConfig) -> bool:

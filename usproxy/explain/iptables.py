@@ -11,8 +11,8 @@ evaluate, so the text shown and the path traced can never disagree. Output order
 order kube-proxy's own tests compare in (proxier_test.go sortIPTablesRules): tables by name;
 KUBE-NODEPORTS, KUBE-SERVICES, then the other chains alphabetically; KUBE-SERVICES and
 KUBE-NODEPORTS rules by Service name with the NodePort tail rule last. (kube-proxy itself writes
-Services in Go map order.) LoadBalancerSourceRanges and health-check NodePorts are not in the
-ServicePort model and so are not rendered.
+Services in Go map order.) LoadBalancerSourceRanges (ServicePort.source_ranges, enforced by the
+datapaths) and health-check NodePorts are not rendered here yet.
 """
 
 from __future__ import annotations

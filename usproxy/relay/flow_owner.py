@@ -21,6 +21,11 @@ from usproxy.types import ServicePortName
 TrafficKind: TypeAlias = Literal["cluster", "external"]
 
 
+class SourceRefused(Exception):
+    """The client is outside the loadBalancerSourceRanges of the LB IP it came to: it never
+    reaches an endpoint (TCP: reset without a dial; UDP: the datagram is dropped, no flow)."""
+
+
 class FlowOwner(Protocol):
     """The ServicePort side of a flow: endpoint choice and flow admission."""
 
@@ -47,7 +52,8 @@ class FlowOwner(Protocol):
         ...
 
     def new_flow(self, protocol: str, client: HostPort, frontend: HostPort) -> Flow:
-        """Admit a flow into the flow table; raises FlowTableFull when it may not start."""
+        """Admit a flow into the flow table; raises FlowTableFull when it may not start, and
+        SourceRefused when the client may not reach `frontend` (loadBalancerSourceRanges)."""
         ...
 
     def end_flow(self, flow: Flow) -> None:

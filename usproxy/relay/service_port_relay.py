@@ -9,6 +9,11 @@ C03); a connection accepted just before its listener closed is reset, never left
 (TcpListener). `apply()` diffs listeners by (address, port, protocol) and touches nothing that did
 not change (C21); after it, no UDP flow points at an endpoint outside its kind's usable set.
 
+A LoadBalancer IP with loadBalancerSourceRanges gets a socket filter on its listener
+(source_filter.py: a blocked client's SYN or datagram is dropped by the kernel, as nftables'
+firewall drops it), and `new_flow` refuses such a client should one get through; no other
+listener is filtered, NodePorts included (as kube-proxy).
+
 What it shares with the other ServicePorts comes through its constructor: the FlowAdmission
 (flows are admitted there), the UdpRelay (its UDP listeners' flows), and the set of every
 listening (address, port, protocol) of the relay, which it keeps up to date for its own listeners
@@ -18,6 +23,7 @@ and reads to refuse an endpoint that is one of them.
 from __future__ import annotations
 
 import logging
+import ipaddress
 from collections.abc import Collection
 from typing import Union
 
@@ -27,11 +33,13 @@ from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.relay.endpoint_selector import EndpointSelector
 from usproxy.relay.flow_admission import FlowAdmission
-from usproxy.relay.flow_owner import TrafficKind
+from usproxy.relay.flow_owner import SourceRefused, TrafficKind
+from usproxy.relay.source_filter import allows, attach
 from usproxy.relay.tcp import ClientSide
 from usproxy.relay.tcp_listener import TcpListener
 from usproxy.relay.udp import UdpListener, UdpRelay
-from usproxy.service_port import LBPolicy
+from usproxy.service_port import LBPolicy, ServicePort
+from usproxy.source_ranges import IPNetwork, allowed_sources
 from usproxy.types import ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,10 @@ class ServicePortRelay:
             "cluster": EndpointSelector(), "external": EndpointSelector()}
         self.listeners: dict[ListenerKey, Listener] = {}
         self.errors: dict[ListenerKey, str] = {}
+        # loadBalancerSourceRanges: allowed sources by filtered LB IP (empty for most Services, so
+        # `new_flow` costs them one falsy test), and the filter each listener socket carries
+        self.firewall: dict[str, tuple[IPNetwork, ...]] = {}
+        self.filtered: dict[ListenerKey, tuple[IPNetwork, ...]] = {}
 
     # -- configuration -------------------------------------------------------------------------
     def desired(self, state: ServicePortState, node_ips: Collection[str]) -> set[ListenerKey]:
@@ -80,11 +92,35 @@ class ServicePortRelay:
         for kind, eps in self._endpoints(state).items():
             self.selectors[kind].update(eps, policy, sp.session_affinity, float(sp.affinity_timeout))
         self._close_stale_flows(state)
+        self.firewall = firewall(sp, node_ips)
         want = self.desired(state, node_ips)
         for key in [k for k in self.listeners if k not in want]:
             await self._close_listener(key)
         for key in sorted(want - self.listeners.keys()):
             await self._open_listener(key)
+        for key in list(self.listeners):
+            self._filter(key)
+
+    def _filter(self, key: ListenerKey) -> None:
+        """Give the listener's socket the filter of its address (none for all but LB IPs with
+        loadBalancerSourceRanges). A socket that refuses it is closed: its frontend is then
+        failing (shown in /services, retried) rather than open to every source."""
+        sources = self.firewall.get(key[0], ()) if key[2] == "external" else ()
+        if self.filtered.get(key, ()) == sources:
+            return
+        listener = self.listeners[key]
+        try:
+            attach(listener.sock, sources)
+        except (OSError, ValueError) as err:
+            self.listeners.pop(key).close()
+            self.listening.discard((key[0], key[1], self.spn.protocol))
+            self.filtered.pop(key, None)
+            self.errors[key] = f"loadBalancerSourceRanges filter on {format_hostport(key[0], key[1])}: {err}"
+            log.error("%s: %s", self.spn, self.errors[key])
+            return
+        self.filtered[key] = sources
+        if isinstance(listener, UdpListener):
+            listener.sources = sources
 
     async def _open_listener(self, key: ListenerKey) -> None:
         addr, port, kind = key
@@ -105,6 +141,7 @@ class ServicePortRelay:
             return
         self.errors.pop(key, None)
         self.listening.add((addr, port, self.spn.protocol))
+        self._filter(key)
         log.debug("%s: listening on %s/%s", self.spn, format_hostport(addr, port), self.spn.protocol)
 
     async def _close_listener(self, key: ListenerKey) -> None:
@@ -112,6 +149,7 @@ class ServicePortRelay:
         self.listeners.pop(key).close()
         self.listening.discard((key[0], key[1], self.spn.protocol))
         self.errors.pop(key, None)
+        self.filtered.pop(key, None)
 
     async def retry_failed(self) -> None:
         for key in list(self.errors):
@@ -165,8 +203,26 @@ class ServicePortRelay:
         self.selectors[kind].closed(ep)
 
     def new_flow(self, protocol: str, client: HostPort, frontend: HostPort) -> Flow:
-        """Admit a flow (FlowAdmission: may evict an idle UDP flow; raises FlowTableFull)."""
+        """Admit a flow (FlowAdmission: may evict an idle UDP flow; raises FlowTableFull), unless
+        the client is outside the LB IP's loadBalancerSourceRanges (raises SourceRefused)."""
+        if self.firewall and not allows(self.firewall.get(frontend[0], ()), client[0]):
+            raise SourceRefused(f"{client[0]} is outside loadBalancerSourceRanges of {frontend[0]}")
         return self.admission.admit(protocol, self.spn, client, frontend)
 
     def end_flow(self, flow: Flow) -> None:
         self.admission.release(flow)
+
+
+def firewall(sp: ServicePort, node_ips: Collection[str]) -> dict[str, tuple[IPNetwork, ...]]:
+    """Allowed sources by LoadBalancer IP (text) of the IPs that are filtered, as nftables
+    (usproxy.source_ranges.allowed_sources; `node_ips` stand for kube-proxy's node IP)."""
+    if not sp.source_ranges or not sp.load_balancer_ips:
+        return {}
+    nodes = [ipaddress.ip_address(ip) for ip in node_ips]
+    out = {}
+    for ip in sp.load_balancer_ips:
+        same = [x for x in sp.load_balancer_ips if x.version == ip.version]
+        sources = allowed_sources(sp.source_ranges, ip.version, same, nodes)
+        if sources:
+            out[str(ip)] = sources
+    return out

@@ -33,7 +33,7 @@ from typing import cast
 from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
-from usproxy.relay.flow_owner import FlowOwner, TrafficKind
+from usproxy.relay.flow_owner import FlowOwner, SourceRefused, TrafficKind
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
@@ -116,6 +116,9 @@ class ClientSide(asyncio.Protocol):
             self.flow = self.owner.new_flow("TCP", (client[0], client[1]), self.frontend)
         except FlowTableFull:
             limited.warning("flow table full: refusing %s", self.owner.spn)
+            reset(self.transport)
+            return
+        except SourceRefused:  # its SYN passed before the socket filter was in place: no dial
             reset(self.transport)
             return
         self.flow.state = "SYN_SENT"

@@ -26,7 +26,9 @@ from collections.abc import Callable, Collection
 from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
-from usproxy.relay.flow_owner import FlowOwner, TrafficKind
+from usproxy.relay.flow_owner import FlowOwner, SourceRefused, TrafficKind
+from usproxy.relay.source_filter import allows
+from usproxy.source_ranges import IPNetwork
 from usproxy.types import format_hostport
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,8 @@ class UdpRelay:
 
     def _open(self, listener: UdpListener, key: FlowKey) -> UdpFlow | None:
         owner = listener.owner
+        if listener.sources and not allows(listener.sources, key[1][0]):
+            return None  # loadBalancerSourceRanges (before the socket filter was in place): dropped
         ep = owner.pick(listener.kind, key[1][0], ())
         if ep is None:
             return None
@@ -87,6 +91,8 @@ class UdpRelay:
             flow = owner.new_flow("UDP", key[1], key[0])  # may evict the longest-idle flow
         except FlowTableFull:
             limited.warning("flow table full: dropping UDP for %s", owner.spn)
+            return None
+        except SourceRefused:  # outside loadBalancerSourceRanges: dropped, no flow
             return None
         sock = self._socket(ep)
         if sock is None:
@@ -182,6 +188,7 @@ class UdpListener:
         self.frontend = frontend
         self.kind = kind
         self.flows: dict[FlowKey, UdpFlow] = {}  # this listener's share of relay.flows
+        self.sources: tuple[IPNetwork, ...] = ()  # loadBalancerSourceRanges of an LB IP (empty: all)
         family = socket.AF_INET6 if ":" in frontend[0] else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         try:

@@ -74,3 +74,16 @@ def test_is_a_kernel_datapath_and_takes_the_agents_lb_policy() -> None:
     assert kd.name == "bpf"
     assert BpfDatapath(selection="maglev").selection == "maglev"
     assert BpfDatapath(selection="leastConnections").selection == "random"
+
+
+def test_load_balancer_ips_are_never_socket_lb_frontends() -> None:
+    """loadBalancerSourceRanges cannot be bypassed through the socket LB: it translates ClusterIPs
+    only, so a local process's connect() to an LB IP goes on to nftables or the relay, which
+    enforce the ranges; a ServicePort with ranges needs no refusal here."""
+    lb = state(spn("lb"), "10.96.0.4", 80, [ep("10.244.1.1")], service_type="LoadBalancer", node_port=30080,
+               load_balancer_ips=(ipaddress.ip_address("198.51.100.1"),), external_ips=(ipaddress.ip_address("192.0.2.50"),),
+               source_ranges=(ipaddress.ip_network("203.0.113.0/25"),))
+    dp = BpfDatapath()
+    assert dp.unsupported(lb) is None
+    wants = dp._wants(lb.service_port.name, lb)
+    assert {k.ip for w in wants.values() for k in w.frontends} == {ipaddress.ip_address("10.96.0.4")}

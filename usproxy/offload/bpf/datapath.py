@@ -159,7 +159,9 @@ class BpfDatapath:
             have[family] = g.id
 
     def _wants(self, spn: ServicePortName, state: ServicePortState) -> dict[int, Want]:
-        """One Want per IP family of the ServicePort's ClusterIPs."""
+        """One Want per IP family of the ServicePort's ClusterIPs. Only ClusterIPs: LoadBalancer IPs
+        and externalIPs are never socket LB frontends, so a local connect() to an LB IP reaches
+        nftables or the relay, which enforce loadBalancerSourceRanges (nothing bypasses them)."""
         sp = state.service_port
         proto = PROTO_NUMBERS[sp.protocol]
         out: dict[int, Want] = {}

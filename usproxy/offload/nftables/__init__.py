@@ -42,6 +42,12 @@ what made kube-proxy's layout take 66-75 s for 10,000 Services here (docs/platfo
 - frontends without endpoints are in `no-endpoint-services` / `no-endpoint-nodeports`, which the
   filter hooks turn into `reject` (TCP reset, ICMP port unreachable); a Local policy without a
   local endpoint (the Service has endpoints elsewhere) gets `drop` there instead, as kube-proxy.
+- loadBalancerSourceRanges as kube-proxy: `filter-prerouting-pre-dnat` and
+  `filter-output-pre-dnat` (priority -110, before DNAT) send new connections to `firewall-check`,
+  whose `firewall-ips` map sends each filtered LB IP . proto . port to the ServicePort's chain
+  `fw-<hash>`: `ip saddr != { allowed sources } drop`. Only LB IPs are keys: NodePorts, ClusterIPs
+  and externalIPs are not filtered. A change of ranges rewrites that one chain; of LB IPs, their
+  elements.
 - `hairpin` holds endpoint . endpoint pairs: a connection DNATed back to its own source is
   masqueraded (field case C24). Only endpoints that may be on this node get one (see port_rules).
 - `ct state invalid drop` on forward (C25), as kube-proxy.

@@ -4,8 +4,10 @@ Pure (no I/O). A `Command` renders as one line of nft's own syntax (`add element
 slot-0 { ... }`); `render()` joins a transaction for libnftables (nftables/client.py), and the
 same Commands drive FakeNft (nftables/fake.py) in unit tests. `base_commands()` writes the table,
 its verdict maps and hooked chains, as kube-proxy's nftables mode (pkg/proxy/nftables/proxier.go
-setupNFTables), after the agent's HookSettings (NodePort addresses, Service CIDRs); the other builders write the shared slot and group chains and the chains of one
-ServicePort's own (ClientIP affinity, lb-policy roundRobin).
+setupNFTables), after the agent's HookSettings (NodePort addresses, Service CIDRs); the other
+builders write the shared slot and group chains and the chains of one ServicePort's own (ClientIP
+affinity, lb-policy roundRobin, externalTrafficPolicy Local short-circuit, loadBalancerSourceRanges
+firewall).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from usproxy.offload.nftables.names import (
     Kind,
     Scope,
     addr_type,
+    FIREWALL_MAP,
     affinity_chain,
     affinity_endpoint,
+    firewall_chain,
     group_chain,
     nft_family,
     rr_chain,
@@ -136,8 +140,10 @@ def base_commands(family: Family, hooks: HookSettings = HookSettings()) -> list[
         cmds.append(Command("add", "map", family, name, "type inet_proto . inet_service : verdict;"))
     cmds.append(Command("add", "set", family, "hairpin", f"type {at} . {at};"))
     cmds.append(Command("add", "set", family, NODEPORT_IPS, f"type {at};"))
+    cmds.append(Command("add", "map", family, FIREWALL_MAP, f"type {at} . inet_proto . inet_service : verdict;"))
     chains: list[tuple[str, str, list[str]]] = [
         ("reject-chain", "", ["meta l4proto tcp reject with tcp reset", "reject"]),
+        *firewall_base_chains(family),
         ("services", "", [ONLY_NEW_TCP, f"{key3} vmap @service-ips", f"{np_key} vmap @service-nodeports"]),
         ("endpoints-check", "", [ONLY_NEW_TCP, f"{key3} vmap @no-endpoint-services",
                                  f"{np_key} vmap @no-endpoint-nodeports"]),
@@ -170,6 +176,28 @@ def cluster_ips_check(family: Family, cidrs: Sequence[str]) -> list[str]:
     and the kernel refuses their undefined ports as kube-proxy's `cluster-ips` reject does), so
     what is local returns."""
     return ["fib daddr type local return", f"{_ipx(family)} daddr {{ {', '.join(cidrs)} }} drop"]
+
+
+def firewall_base_chains(family: Family) -> list[tuple[str, str, list[str]]]:
+    """loadBalancerSourceRanges, as kube-proxy's nftables mode: new connections are checked before
+    DNAT (priority -110: they still carry the LB IP) in prerouting and output, against the
+    `firewall-ips` verdict map, whose elements go to a ServicePort's firewall chain."""
+    key3 = f"{_ipx(family)} daddr . meta l4proto . th dport"
+    return [
+        ("firewall-check", "", [f"{key3} vmap @{FIREWALL_MAP}"]),
+        ("filter-prerouting-pre-dnat", "type filter hook prerouting priority -110; policy accept;",
+         ["ct state new jump firewall-check"]),
+        ("filter-output-pre-dnat", "type filter hook output priority -110; policy accept;",
+         ["ct state new jump firewall-check"]),
+    ]
+
+
+def firewall_rules(family: Family, rules: PortRules) -> dict[str, list[str]]:
+    """The ServicePort's firewall chain: drop a source outside the allowed ones (kube-proxy's
+    `ip saddr != { ranges } drop`); none when nothing is filtered."""
+    if not rules.fw_sources or not rules.fw_keys:
+        return {}
+    return {firewall_chain(rules.spn): [f"{_ipx(family)} saddr != {{ {', '.join(rules.fw_sources)} }} drop"]}
 
 
 def chain_commands(family: Family, name: str, rules: Sequence[str], *, hook: str = "") -> list[Command]:
@@ -233,10 +261,10 @@ def rr_rules(rules: PortRules, scope: Scope, not_local: str = "") -> dict[str, l
 
 
 def own_chains(family: Family, rules: PortRules, not_local: str = "", if_local: str = "") -> dict[str, list[str]]:
-    """The chains that belong to one ServicePort (affinity, round robin, short-circuit), by
+    """The chains that belong to one ServicePort (affinity, round robin, short-circuit, firewall), by
     name. `not_local` / `if_local`: the table's local-traffic detector matches (mark_rules,
     short_circuit_rules)."""
-    out: dict[str, list[str]] = {}
+    out: dict[str, list[str]] = firewall_rules(family, rules)
     for scope in ("cluster", "external"):
         if _has_affinity(rules, scope):
             out.update(affinity_rules(family, rules, scope, not_local))

@@ -12,7 +12,7 @@ the table is read back, so the next diff starts from what the kernel really hold
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from usproxy.config import IPNetwork
@@ -30,7 +30,7 @@ from usproxy.offload.nftables.pins import Pin, parse_pins
 from usproxy.offload.nftables.readback import read_table
 from usproxy.offload.nftables.rules import ClusterMasq, PortRules, ip_text, port_rules
 from usproxy.offload.nftables.transaction import TableState, Transaction
-from usproxy.types import ServicePortName
+from usproxy.types import IPAddress, ServicePortName
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,13 @@ class NftablesDatapath:
     def __init__(self, transport: NftTransport | None = None, conntrack: KernelConntrack | None = None,
                  *, netns: str | None = None, lb_policy: str = "roundRobin", node: NodeFacts = NodeFacts(),
                  service_cidrs: tuple[IPNetwork, ...] = (), clusterip_interface: str = "usproxy0",
-                 addresses: Callable[[], Awaitable[LocalAddresses]] | None = None) -> None:
+                 addresses: Callable[[], Awaitable[LocalAddresses]] | None = None,
+                 node_ips: Callable[[], Collection[IPAddress]] = tuple) -> None:
         """`node` gives the NodePort addresses (NodeFacts.nodeport_ips over the local addresses
         but those of `clusterip_interface`, read by `addresses`, default netlink in `netns`)
         and which endpoints may hairpin; `service_cidrs` the Service CIDRs whose unallocated
-        addresses are dropped (commands.cluster_ips_check)."""
+        addresses are dropped (commands.cluster_ips_check); `node_ips` this node's addresses now,
+        for loadBalancerSourceRanges."""
         if transport is None:
             from usproxy.offload.nftables.client import NftClient
 
@@ -81,6 +83,10 @@ class NftablesDatapath:
             async def addresses() -> LocalAddresses:
                 return await worker.run(read_local_addresses, clusterip_interface)
         self._addresses = addresses or _no_addresses
+        # this node's addresses now (kube-proxy's nodeIP; the agent gives the relay's): a
+        # loadBalancerSourceRanges range holding one allows the LB IPs as sources too
+        # (source_ranges.allowed_sources), read once per transaction
+        self.node_ips = node_ips
         self.tables: dict[Family, TableState] = {f: self._empty_table(f) for f in FAMILIES}
         self.transactions = 0
 
@@ -169,9 +175,10 @@ class NftablesDatapath:
             # rewrite them once, so a rule flushed or changed behind our back (say `ct state
             # invalid drop`) comes back at the next full sync, atomically with this transaction
             tx.ensure_base()
+        node_ips = tuple(self.node_ips())
         for spn, st in changes.items():
             prev = table.rules.get(spn)
-            new = port_rules(st, table.family, prev, self.node.name, self._cluster_masq(table.family)) if st is not None else None
+            new = port_rules(st, table.family, prev, self.node.name, self._cluster_masq(table.family), node_ips) if st is not None else None
             tx.update(prev, new)
         return tx
 

@@ -145,6 +145,7 @@ _GOTO = re.compile(r"^goto (\S+)$")
 _DNAT_PICK = re.compile(r"dnat ip6? to numgen random mod \d+ map \{ (.*) \}$")
 _MATCHED = re.compile(r"^(?P<match>(?:fib saddr type local|ip6? saddr (?:!= )?\S+/\d+|iifname (?:!= )?\"[^\"]*\"))"
                       r" (?P<rest>.+)$")
+_FIREWALL = re.compile(r"^ip6? saddr != \{ (.*) \} drop$")
 
 
 def _rule_json(rule: str) -> list[dict[str, Any]]:
@@ -170,9 +171,20 @@ def _rule_json(rule: str) -> list[dict[str, Any]]:
         return [{"match": {"op": "==", "right": "@" + m.group(1)}}, {"goto": {"target": m.group(2)}}]
     if m := _UPDATE.match(rule):
         return [{"set": {"op": "update", "elem": {"elem": {"timeout": int(m.group(2))}}, "set": "@" + m.group(1)}}]
+    if m := _FIREWALL.match(rule):
+        return [{"match": {"op": "!=", "left": {"payload": {"field": "saddr"}},
+                           "right": {"set": [_source_json(x) for x in m.group(1).split(", ")]}}}, {"drop": None}]
     if m := _DNAT.search(rule):
         return [{"dnat": {"addr": m.group(1) or m.group(2), "port": int(m.group(3))}}]
     return [{"raw": rule}]
+
+
+def _source_json(text: str) -> Any:
+    """A set element as `nft -j` lists it: an address, or a prefix object."""
+    if "/" not in text:
+        return text
+    addr, length = text.split("/")
+    return {"prefix": {"addr": addr, "len": int(length)}}
 
 
 # -- applying commands ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Names in usproxy's nftables tables: the table, its maps and chains, and element comments.
 
 Pure functions of their arguments. Shared structures have fixed names (`service-ips`, `slot-<i>`,
-`g-<n>`, ...); chains of one ServicePort's own (affinity, round robin) are named from a hash of its
+`g-<n>`, ...); chains of one ServicePort's own (affinity, round robin, firewall) are named from a hash of its
 ServicePortName, as kube-proxy's nftables mode names its per-service chains
 (pkg/proxy/nftables/proxier.go hashAndTruncate). A verdict element's comment is the
 ServicePortName key, which is how read back attributes kernel state to ServicePorts.
@@ -91,6 +91,15 @@ def short_circuit_chain(spn: ServicePortName, kind: Kind) -> str:
 def short_circuit_pick(spn: ServicePortName) -> str:
     """The chain that DNATs short-circuited traffic to one of every endpoint (both kinds share it)."""
     return f"xs-{short_hash(spn.key())}"
+
+
+FIREWALL_MAP = "firewall-ips"  # LB IP . proto . port : goto fw-<hash> (kube-proxy's firewall-ips)
+
+
+def firewall_chain(spn: ServicePortName) -> str:
+    """The loadBalancerSourceRanges chain of one ServicePort (kube-proxy's firewall-<hash>-...):
+    it drops a new connection from a source outside the ranges."""
+    return f"fw-{short_hash(spn.key())}"
 
 
 def affinity_endpoint(spn: ServicePortName, scope: Scope, hostport: str) -> str:

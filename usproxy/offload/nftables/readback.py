@@ -4,19 +4,33 @@ kube-proxy's nftables mode rebuilds its whole table on the first sync; usproxy m
 case C20: offloaded traffic must not notice a restart), so it reads the table back and the first
 sync applies only the difference. Verdict elements carry the ServicePortName (and " external" for
 external frontends) as their comment; slot maps give each frontend's endpoints by slot; affinity
-ServicePorts are read from their endpoint chains' `dnat` and `update ... timeout` statements.
+ServicePorts are read from their endpoint chains' `dnat` and `update ... timeout` statements, and
+loadBalancerSourceRanges from `firewall-ips` (comment: the ServicePortName) and the `fw-<hash>`
+chain's `saddr != { ... }` set.
 Anything that cannot be attributed is left to the next full sync, which replaces what differs.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from usproxy.offload.nftables.commands import NODEPORT_IPS
-from usproxy.offload.nftables.names import GROUP_CHAIN, Family, Kind, Scope, parse_comment, slot_chain, slot_map, verdict_map
-from usproxy.offload.nftables.rules import Backend, Frontend, PortRules, Target, frontend_order, norm_ip
+from usproxy.offload.nftables.names import (
+    FIREWALL_MAP,
+    GROUP_CHAIN,
+    Family,
+    Kind,
+    Scope,
+    firewall_chain,
+    parse_comment,
+    slot_chain,
+    slot_map,
+    verdict_map,
+)
+from usproxy.offload.nftables.rules import Backend, Frontend, PortRules, Target, frontend_order, norm_ip, source_text
 from usproxy.offload.nftables.transaction import TableState
 from usproxy.types import ServicePortName
 
@@ -54,8 +68,9 @@ def read_table(family: Family, items: list[dict[str, Any]] | None) -> TableState
         if rules is not None:
             state.rules[spn] = rules
     hairpin = _hairpin_ips(lst)
+    firewalls = _firewalls(lst)
     for spn, rules in state.rules.items():
-        rules = state.rules[spn] = _with_hairpin(rules, hairpin)
+        rules = state.rules[spn] = _with_firewall(_with_hairpin(rules, hairpin), firewalls.get(spn, []), lst)
         for ip in rules.hairpin:
             state.hairpin[ip] += 1
     state.nodeport_ips = frozenset(norm_ip(str(_concat(e)[0])) for e in lst.sets.get(NODEPORT_IPS, []))
@@ -86,7 +101,8 @@ def _orphans(lst: _Listing, state: TableState) -> dict[str, set[str]]:
             owned.add((verdict_map(fe.kind, not be.serves()), fe.key()))
             if not be.affinity:
                 owned.update((slot_map(fe.kind, i), fe.key()) for i in range(len(be.targets)))
-    present: set[tuple[str, str]] = set()
+        owned.update((FIREWALL_MAP, key) for key in rules.fw_keys)
+    present: set[tuple[str, str]] = {(FIREWALL_MAP, _key_text("ip", _concat(k))) for k, _ in lst.maps.get(FIREWALL_MAP, [])}
     for name, kind in _VERDICT_MAPS.items():
         present.update((name, _key_text(kind, _concat(k))) for k, _ in lst.maps.get(name, []))
     present.update((name, key) for name, index in lst.slots.items() for key in index)
@@ -95,6 +111,51 @@ def _orphans(lst: _Listing, state: TableState) -> dict[str, set[str]]:
     for name, key in present - owned:
         out.setdefault(name, set()).add(key)
     return out
+
+
+def _firewalls(lst: _Listing) -> dict[ServicePortName, list[tuple[str, str]]]:
+    """`firewall-ips` elements by the ServicePort their comment names: (key, chain)."""
+    out: dict[ServicePortName, list[tuple[str, str]]] = {}
+    for key, value in lst.maps.get(FIREWALL_MAP, []):
+        comment = key.get("elem", {}).get("comment") if isinstance(key, dict) else None
+        target = (value.get("goto") or {}).get("target") if isinstance(value, dict) else None
+        spn = parse_comment(comment)[0] if comment else None
+        if spn is not None and target is not None:
+            out.setdefault(spn, []).append((_key_text("ip", _concat(key)), target))
+    return out
+
+
+def _with_firewall(rules: PortRules, elems: list[tuple[str, str]], lst: _Listing) -> PortRules:
+    """The ServicePort's guarded LB frontends and allowed sources as the kernel holds them: its
+    `firewall-ips` elements that go to its own firewall chain, and that chain's `saddr !=` set.
+    Anything else is left out (orphans, or rewritten by the next diff)."""
+    chain = firewall_chain(rules.spn)
+    keys = tuple(sorted(k for k, target in elems if target == chain))
+    sources = _fw_sources(lst.rules.get(chain, []))
+    if not keys or not sources:
+        return rules._replace(fw_keys=keys) if keys else rules
+    return rules._replace(fw_sources=sources, fw_keys=keys)
+
+
+def _fw_sources(rules: list[list[dict[str, Any]]]) -> tuple[str, ...]:
+    """The sources of a firewall chain's `ip saddr != { ... } drop` (nft lists a one-element set
+    as its element, a host route as a bare address)."""
+    for expr in rules:
+        for stmt in expr:
+            match = stmt.get("match") if isinstance(stmt, dict) else None
+            if isinstance(match, dict) and match.get("op") == "!=":
+                right = match.get("right")
+                items = right["set"] if isinstance(right, dict) and "set" in right else [right]
+                return tuple(_source(i) for i in items)
+    return ()
+
+
+def _source(item: Any) -> str:
+    if isinstance(item, dict) and "prefix" in item:
+        net = ipaddress.ip_network(f"{item['prefix']['addr']}/{item['prefix']['len']}", strict=False)
+    else:
+        net = ipaddress.ip_network(str(item))
+    return source_text(net)
 
 
 def _hairpin_ips(lst: _Listing) -> set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Literal, NamedTuple
 
 from usproxy.datapath import ServicePortState
@@ -24,6 +24,8 @@ from usproxy.offload.nftables.names import (
     rr_chain,
     short_circuit_chain,
 )
+from usproxy.service_port import ServicePort
+from usproxy.source_ranges import allowed_sources
 from usproxy.types import IPAddress, ServicePortName, format_hostport
 
 _TEXT: dict[int, str] = {}
@@ -125,6 +127,10 @@ class PortRules(NamedTuple):
     # kept beside the targets, not in them, so a read back that can only guess it per address
     # never makes slot elements look changed
     hairpin: frozenset[str] = frozenset()
+    # loadBalancerSourceRanges: the allowed sources as nft writes them (collapsed, sorted), and the
+    # keys of the LoadBalancer frontends they guard; both empty when nothing is filtered
+    fw_sources: tuple[str, ...] = ()
+    fw_keys: tuple[str, ...] = ()
 
     def backend(self, scope: Scope) -> Backend:
         return self.cluster if scope == "cluster" else self.external
@@ -205,7 +211,8 @@ ClusterMasq = Literal["none", "all", "nonlocal"]
 
 
 def port_rules(state: ServicePortState, family: Family, previous: PortRules | None,
-               node_name: str | None = None, cluster_masq: ClusterMasq = "none") -> PortRules | None:
+               node_name: str | None = None, cluster_masq: ClusterMasq = "none",
+               node_ips: Collection[IPAddress] = ()) -> PortRules | None:
     """What `state` needs in `family`'s table, keeping `previous` slot positions. None: nothing
     (the ServicePort has no ClusterIP in this family).
 
@@ -220,7 +227,10 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
     does not come from a pod), "none" without either. A scope without targets while the
     ServicePort has endpoints elsewhere (a Local policy, no local endpoint) drops (kube-proxy).
     externalTrafficPolicy Local external frontends short-circuit pod and node traffic to every
-    endpoint (`state.short_circuit_endpoints`, Backend.short)."""
+    endpoint (`state.short_circuit_endpoints`, Backend.short).
+
+    `node_ips` are this node's addresses: a source range holding one also allows the LB IPs as
+    sources (usproxy.source_ranges.allowed_sources)."""
     sp = state.service_port
     v4 = family == 4
     cluster_ips = [ip for ip in sp.cluster_ips if isinstance(ip, ipaddress.IPv4Address) is v4]
@@ -247,7 +257,30 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
         external = Backend(e_targets, masq, affinity, rr, False, not e_targets and _has_usable(state, v4), short)
     if len(fes) > 1:
         fes.sort(key=frontend_order)
-    return new_tuple(PortRules, (sp.name, family, tuple(fes), cluster, external, frozenset(hairpin)))
+    fw_sources, fw_keys = _firewall(sp, family, proto, node_ips)
+    return new_tuple(PortRules, (sp.name, family, tuple(fes), cluster, external, frozenset(hairpin),
+                                 fw_sources, fw_keys))
+
+
+def _firewall(sp: ServicePort, family: Family, proto: str,
+              node_ips: Collection[IPAddress]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(allowed sources, guarded LB frontend keys) of one family, as kube-proxy's firewall chain
+    (pkg/proxy/nftables/proxier.go: usesFWChain when the Service has LB IPs and ranges)."""
+    if not sp.source_ranges or not sp.load_balancer_ips:
+        return (), ()
+    lb_ips = [ip for ip in sp.load_balancer_ips if ip.version == family]
+    sources = allowed_sources(sp.source_ranges, family, lb_ips, node_ips)
+    if not sources or not lb_ips:
+        return (), ()
+    keys = tuple(sorted(f"{ip_text(ip)} . {proto} . {sp.port}" for ip in lb_ips))
+    # one family only (allowed_sources), so collapse_addresses cannot mix versions
+    return tuple(source_text(n) for n in ipaddress.collapse_addresses(sources)), keys  # type: ignore[type-var]
+
+
+def source_text(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> str:
+    """A source range as nft lists it: a host route as its bare address, else address/length.
+    Ranges are collapsed first: an anonymous interval set refuses overlapping elements."""
+    return str(net.network_address) if net.prefixlen == net.max_prefixlen else str(net)
 
 
 def _has_usable(state: ServicePortState, v4: bool) -> bool:

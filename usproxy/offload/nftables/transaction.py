@@ -25,6 +25,7 @@ from usproxy.offload.nftables.commands import (
     slot_commands,
 )
 from usproxy.offload.nftables.names import (
+    FIREWALL_MAP,
     GROUP_CHAIN,
     Family,
     Kind,
@@ -32,6 +33,7 @@ from usproxy.offload.nftables.names import (
     addr_type,
     affinity_endpoint,
     comment_of,
+    firewall_chain,
     group_chain,
     slot_map,
     verdict_map,
@@ -193,6 +195,20 @@ class Transaction:
         # after the frontends: a short-circuit chain goes to the group chains they create
         if (prev and _owns_chains(prev)) or (new and _owns_chains(new)):
             self._own_chains(prev, new)
+        if (prev and prev.fw_keys) or (new and new.fw_keys):
+            self._firewall(prev, new)
+
+    def _firewall(self, prev: PortRules | None, new: PortRules | None) -> None:
+        """The ServicePort's `firewall-ips` elements: each guarded LB frontend goes to its firewall
+        chain (which _own_chains writes; element deletes run before, adds after, chain changes)."""
+        old = set(prev.fw_keys) if prev else set()
+        cur = set(new.fw_keys) if new else set()
+        for key in sorted(old - cur):
+            self._del_elem(FIREWALL_MAP, key)
+        if new is not None:
+            verdict = f"goto {firewall_chain(new.spn)}"
+            for key in sorted(cur - old):
+                self._add_elem(FIREWALL_MAP, Elem(key, verdict, comment_of(new.spn, "cluster")))
 
     def _add_frontends(self, new: PortRules) -> None:
         """The common cold-start case (nothing installed before), without the diff."""
@@ -313,4 +329,4 @@ class Transaction:
 
 def _owns_chains(rules: PortRules) -> bool:
     return bool(rules.cluster.affinity or rules.external.affinity or rules.cluster.round_robin
-                or rules.external.round_robin or rules.external.short)
+                or rules.external.round_robin or rules.external.short or rules.fw_keys)
