@@ -34,7 +34,8 @@ from tests.sources.fake_apiserver import FakeApiServer, kubeconfig_text
 
 pytestmark = pytest.mark.netns
 
-AGENT_FLAGS = ("--offload", "nftables", "--offload-after", "0.5", "--min-sync-period", "200ms")
+AGENT_FLAGS = ("--offload", "nftables", "--offload-after", "0.5", "--min-sync-period", "200ms",
+               "--cluster-cidr", "10.244.0.0/16")  # pods are told from outside clients by their network
 WEB_NP, LOCAL_NP, HC_PORT = 30080, 30081, 32000
 
 

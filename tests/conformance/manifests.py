@@ -89,7 +89,7 @@ def kube_proxy_configuration(group: Group) -> dict[str, Any]:
     cfg: dict[str, Any] = {"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
                            "hostnameOverride": NODE,
                            "nodePortAddresses": sorted({A.cidr(c) for c in group.nodeport_addresses}),
-                           "masqueradeAll": group.masquerade_all}
+                           "iptables": {"masqueradeAll": group.masquerade_all}}
     if group.local_detector:
         cfg |= {"detectLocalMode": "ClusterCIDR", "clusterCIDR": POD_CIDR}
     return cfg

@@ -388,7 +388,11 @@ def _iem(case: str, *overrides: dict[str, tuple[str | None, bool | None]]) -> Sc
 IEM_BASE = _iem("base")
 IEM_NO_DETECTOR = _iem("no LocalTrafficDetector", _NO_DETECTOR)
 IEM_MASQ_ALL = _iem("masqueradeAll", _MASQ_ALL)
-IEM_MASQ_ALL_NO_DETECTOR = _iem("masqueradeAll, no LocalTrafficDetector", _NO_DETECTOR, _MASQ_ALL)
+# masqueradeAll marks every ClusterIP connection, detector or not: of "no LocalTrafficDetector" only
+# its eTP:Local outputs apply here (its node/external "not masqueraded" flows are what masqueradeAll
+# changes back)
+IEM_MASQ_ALL_NO_DETECTOR = _iem("masqueradeAll, no LocalTrafficDetector",
+                                {k: v for k, v in _NO_DETECTOR.items() if v[1] is None}, _MASQ_ALL)
 
 
 # -- iptables TestHealthCheckNodePort, TestOnlyLocalNodePorts(NoClusterCIDR) -----------------------
