@@ -56,10 +56,11 @@ def annotated(objs: list[dict[str, Any]], datapath: str) -> list[dict[str, Any]]
 
 
 def pinned() -> list[dict[str, Any]]:
-    """A TCP Service the relay keeps (annotation usproxy.io/datapath=userspace)."""
+    """A TCP and a UDP port of a Service the relay keeps (annotation usproxy.io/datapath=userspace)."""
     eps = [{"ip": e, "ready": True} for e in EPS]
-    return annotated([svc("pinned", PINNED_VIP, [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]),
-                      slice_("pinned", eps, [{"name": "http", "port": 8080, "protocol": "TCP"}])], "userspace")
+    ports = [{"name": "http", "port": 80, "protocol": "TCP"}, {"name": "dns", "port": 53, "protocol": "UDP"}]
+    return annotated([svc("pinned", PINNED_VIP, [{**p, "targetPort": 8080} for p in ports]),
+                      slice_("pinned", eps, [{**p, "port": 8080} for p in ports])], "userspace")
 
 
 def offloaded(agent: AgentProc, *names: str) -> bool:
@@ -222,13 +223,16 @@ def test_agent_restart_keeps_kernel_flows(topology: Topology, tmp_path: Path, po
                                           sig: signal.Signals) -> None:
     """Kernel flows keep talking while the agent is down and after it has read the table back;
     the relay's connections end with its process (SIGTERM closes them, kill -9 too: the kernel
-    closes a dead process's sockets)."""
+    closes a dead process's sockets); a relayed UDP session is answered again once it is back."""
     cli = start_pods(topology, pods)
     m = Manifests(tmp_path / "m")
     agent = start_agent(topology, m, node, *pinned())
     try:
         k_tcp, k_udp = talk(cli, 6, 3)
         r_tcp, _ = talk(cli, 3, 0, addr=(PINNED_VIP, 80))
+        r_udp = [UdpSession(cli, addr=(PINNED_VIP, 53)) for _ in range(2)]
+        for s in r_udp:
+            s.start()
         time.sleep(0.5)
         t_down, before = time.monotonic(), counts(k_tcp)
         agent.stop(sig)
@@ -237,15 +241,18 @@ def test_agent_restart_keeps_kernel_flows(topology: Topology, tmp_path: Path, po
         assert all(t.errors for t in r_tcp), [t.errors for t in r_tcp]
         agent.start()
         wait_for(lambda: offloaded(agent, WEB, DNS), 10, "read back")
+        t_up = time.monotonic()
         since_restart = agent.log.read_text().split("kernel datapath nftables")[-1]
         assert f"read back {3 if node == 'warm' else 2} ServicePorts from nftables" in since_restart
         before = counts(k_tcp)
         time.sleep(1)
         assert tcp_name(cli, PINNED_VIP, 80) in {"be-0", "be-1", "be-2"}  # the relay serves again
         rows = Counter((f["service"], f["state"]) for f in agent.flows() if f["datapath"] == "nftables")
-        finish(k_tcp + r_tcp, k_udp)
+        finish(k_tcp + r_tcp, k_udp + r_udp)
         kept(k_tcp, before, 3)
         one_endpoint(k_udp, t_down, 20)
+        # a relayed UDP session's socket is served again by the new relay, as a new flow
+        assert all(len([a for a in s.answers if a[0] > t_up]) >= 5 for s in r_udp), [s.answers[-3:] for s in r_udp]
         # the restarted agent lists the flows the kernel carried through its absence
         assert rows[("default/web:http/TCP", "ESTABLISHED")] == 6 and rows[("default/dns:dns/UDP", "ASSURED")] == 3, rows
     finally:
