@@ -265,7 +265,7 @@ def test_cleanup_with_kernel_flows_open(topology: Topology, tmp_path: Path, pods
     entries, but a network namespace tracks connections only while a rule there uses conntrack,
     and applies an entry's NAT only while it has nat chains. When the usproxy tables were the
     only ones, neither holds any more: the next segment goes to the ClusterIP untranslated and
-    is reset, a UDP session's next datagram is lost. With another nat table using conntrack (on
+    is reset (or lost, once usproxy0 is gone too), a UDP session's next datagram is lost. With another nat table using conntrack (on
     a real node the CNI's masquerade, or iptables-nft's nat table) every flow runs on, on its
     endpoint. (A table with only a filter `ct` rule is not enough: tried, the flows time out.)"""
     cli = start_pods(topology, pods)
@@ -288,7 +288,9 @@ def test_cleanup_with_kernel_flows_open(topology: Topology, tmp_path: Path, pods
             kept(k_tcp, before, 4)
             one_endpoint(k_udp, t_clean, 10)
         else:
-            assert all("ConnectionResetError" in "".join(t.errors) for t in k_tcp), [t.errors for t in k_tcp]
+            # reset by the node while the ClusterIP is still local, lost once usproxy0 is gone
+            assert all(t.errors and t.round_trips <= before[i] + 2 for i, t in enumerate(k_tcp)), \
+                (before, [t.errors for t in k_tcp])
             assert all(not [a for a in s.answers if a[0] > t_clean + 0.5] for s in k_udp), [s.answers[-3:] for s in k_udp]
     finally:
         agent.stop()
