@@ -42,16 +42,17 @@ def services(*, other: bool = False) -> list[dict[str, Any]]:
 
 
 class TcpTalker(threading.Thread):
-    """One TCP connection to VIP:80 that sends a numbered line every `period` s and expects it echoed."""
+    """One TCP connection to `addr` (VIP:80) that sends a numbered line every `period` s and
+    expects it echoed; `endpoint` is the name the endpoint greeted it with."""
 
-    def __init__(self, ns: str, period: float = 0.25) -> None:
+    def __init__(self, ns: str, period: float = 0.25, addr: tuple[str, int] = (VIP, 80)) -> None:
         super().__init__(daemon=True)
         self.ns, self.period = ns, period
         self.errors: list[str] = []
         self.round_trips = 0
         self.stop = threading.Event()
         with inside(ns):
-            self.sock = socket.create_connection((VIP, 80), timeout=3)
+            self.sock = socket.create_connection(addr, timeout=3)
         self.endpoint = self._line().split()[0]
 
     def _line(self) -> str:
@@ -82,9 +83,10 @@ class TcpTalker(threading.Thread):
 
 
 class UdpSession(threading.Thread):
-    """One UDP socket querying UDP_VIP:53 every `period` s; records which endpoint answered."""
+    """One UDP socket connected to `addr` (UDP_VIP:53) querying every `period` s; records which
+    endpoint answered (monotonic time, name)."""
 
-    def __init__(self, ns: str, period: float = 0.1) -> None:
+    def __init__(self, ns: str, period: float = 0.1, addr: tuple[str, int] = (UDP_VIP, 53)) -> None:
         super().__init__(daemon=True)
         self.period = period
         self.answers: list[tuple[float, str]] = []
@@ -92,7 +94,7 @@ class UdpSession(threading.Thread):
         self.stop = threading.Event()
         with inside(ns):
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.connect((UDP_VIP, 53))
+        self.sock.connect(addr)
         self.sock.settimeout(0.5)
 
     def run(self) -> None:

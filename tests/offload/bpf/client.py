@@ -7,6 +7,8 @@
   client.py hold HOST PORT UHOST UPORT   one long-lived TCP echo connection and one UDP socket;
                                      a round trip on each every 50 ms, "tick" lines on stdout,
                                      until stdin closes; then the summary
+  client.py session HOST PORT        one connected UDP socket, a query every 50 ms, "tick" lines
+                                     on stdout, until stdin closes; then the names that answered
 """
 
 from __future__ import annotations
@@ -114,6 +116,22 @@ def hold(host: str, port: int, uhost: str, uport: int) -> dict[str, object]:
             "udp_names": udp_names, "udp_sources": udp_sources}
 
 
+def session(host: str, port: int) -> dict[str, object]:
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.connect((host, port))
+    u.settimeout(2)
+    fails = 0
+    names: Counter[str] = Counter()
+    while not select.select([sys.stdin], [], [], 0.05)[0]:
+        try:
+            u.send(b"session")
+            names[u.recv(65536).split(b"|", 1)[0].decode()] += 1
+        except OSError:
+            fails += 1
+        print("tick", flush=True)
+    return {"names": names, "fails": fails}
+
+
 def main() -> None:
     mode, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "tcp":
@@ -122,6 +140,8 @@ def main() -> None:
         out = udp(host, port, int(sys.argv[4]), connected=mode == "udpconn")
     elif mode == "udpsend":
         out = udpsend(host, port, int(sys.argv[4]))
+    elif mode == "session":
+        out = session(host, port)
     else:
         out = hold(host, port, sys.argv[4], int(sys.argv[5]))
     print(json.dumps(out), flush=True)

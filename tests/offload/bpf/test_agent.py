@@ -42,6 +42,8 @@ def _manifests(path: Path) -> None:
 
 
 class Agent:
+    offload_after = "0"  # seconds, as --offload-after
+
     def __init__(self, env: Env, manifests: Path, log: Path) -> None:
         self.env, self.manifests, self.log = env, manifests, log
         self.proc: subprocess.Popen[bytes] | None = None
@@ -55,7 +57,7 @@ class Agent:
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self._cmd(
-                "--services", str(self.manifests), "--offload", "bpf", "--offload-after", "0",
+                "--services", str(self.manifests), "--offload", "bpf", "--offload-after", self.offload_after,
                 "--bpf-cgroup", str(self.env.cgroup), "--healthz-bind-address", "127.0.0.1:10256",
                 "--metrics-bind-address", "127.0.0.1:10249"), env=self._environ(), stdout=out, stderr=out)
         self.env.procs.append(self.proc)  # type: ignore[arg-type]

@@ -12,7 +12,8 @@ the table is read back, so the next diff starts from what the kernel really hold
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from usproxy.config import IPNetwork
@@ -33,6 +34,8 @@ from usproxy.offload.nftables.transaction import TableState, Transaction
 from usproxy.types import IPAddress, ServicePortName
 
 log = logging.getLogger(__name__)
+
+FORMER_MAX = 4096  # removed frontends remembered for /flows (their entries outlive the rules)
 
 
 class NftTransport(Protocol):
@@ -89,6 +92,10 @@ class NftablesDatapath:
         self.node_ips = node_ips
         self.tables: dict[Family, TableState] = {f: self._empty_table(f) for f in FAMILIES}
         self.transactions = 0
+        # frontends of ServicePorts taken out of the table whose kernel flows may still run on
+        # their conntrack entries (a demotion): listed in /flows until none is left
+        self._former: dict[FrontendKey, str] = {}
+        self._former_lock = threading.Lock()  # flows_view prunes it from a worker thread
 
     def _empty_table(self, family: Family) -> TableState:
         return TableState(family, not_local=self._not_local(family), if_local=self._if_local(family))
@@ -151,8 +158,13 @@ class NftablesDatapath:
                 await self._resync()
                 raise
             self.transactions += 1
+        removed = self._frontends(spn for spn, st in changes.items() if st is None)
         for tx in txs:  # also a change with nothing to send: a read back's hairpin count corrected
             tx.fold_into_state()
+        if removed:
+            with self._former_lock:
+                former = {**self._former, **removed}
+                self._former = dict(list(former.items())[-FORMER_MAX:])
         if zero_to_n:
             await self.conntrack.delete_udp(orig_dst=zero_to_n)
 
@@ -255,15 +267,29 @@ class NftablesDatapath:
             log.debug("deleted %d kernel conntrack entries of removed UDP endpoints", n)
 
     def frontends(self) -> dict[FrontendKey, str]:
+        """(address or "*", PROTO, port) -> ServicePortName text, of what the tables hold."""
+        return self._frontends({spn for table in self.tables.values() for spn in table.rules})
+
+    def _frontends(self, spns: Iterable[ServicePortName]) -> dict[FrontendKey, str]:
         out: dict[FrontendKey, str] = {}
-        for table in self.tables.values():
-            for spn, rules in table.rules.items():
-                for fe in rules.frontends:
+        for spn in spns:
+            for table in self.tables.values():
+                rules = table.rules.get(spn)
+                for fe in rules.frontends if rules is not None else ():
                     out[(fe.addr if fe.addr is not None else "*", spn.protocol, fe.port)] = spn.key()
         return out
 
     def flows_view(self) -> list[dict[str, Any]]:
-        return self.conntrack.flows(self.frontends(), self.name)
+        """DNATed conntrack entries of the frontends the tables hold, and of frontends taken out
+        while their entries live on (a demoted ServicePort's kernel flows run on: README "Live
+        flows at the handover"); a former frontend with no entry left is forgotten."""
+        current, former = self.frontends(), dict(self._former)
+        rows = self.conntrack.flows({**former, **current}, self.name)
+        seen = {r["service"] for r in rows}
+        gone = {k for k, v in former.items() if k in current or v not in seen}
+        with self._former_lock:
+            self._former = {k: v for k, v in self._former.items() if k not in gone}
+        return rows
 
     def dump(self) -> str:
         lines = []
