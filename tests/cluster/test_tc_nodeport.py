@@ -36,7 +36,7 @@ from tests.cluster.test_three_nodes import ask, service, slice_of
 from tests.netns import inside, nsexec
 from tests.relay.harness import USPROXY
 from usproxy.offload.bpf import libbpf as bpf
-from usproxy.offload.bpf import loader, nodeport
+from usproxy.offload.bpf import loader, nodeport, view
 from usproxy.offload.bpf.layout import CT_ORIGINAL, CtEntry
 
 pytestmark = pytest.mark.netns
@@ -198,6 +198,8 @@ async def test_cluster_policy_nodeport_is_dnated_and_snated_at_tc(bpf_cluster: t
     assert str(WEB_NP) not in ruleset, ruleset
     rows = await asyncio.to_thread(c.admin, 1, "/flows")
     assert any(r.get("datapath") == "bpf-tc" and r["original"]["src"].startswith(EXT) for r in rows), rows
+    text = view.render_pinned(agents.dirs[1][0]) or ""  # what `usproxy explain --live` prints
+    assert "link usp_tc_ingress@" in text and f"tcp {EXT}:" in text and f"-> {N1}:{WEB_NP} =>" in text, text
 
 
 async def test_connections_and_udp_flows_keep_their_backend(bpf_cluster: tuple[Cluster, Agents]) -> None:
