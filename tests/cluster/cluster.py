@@ -96,14 +96,18 @@ class Cluster:
         return pod
 
     # -- agents ----------------------------------------------------------------------------------
-    def start_agent(self, i: int, kubeconfig: Path, *flags: str) -> None:
-        """`usproxy run` on node i, named node-i, against `kubeconfig`; returns once it synced."""
+    def start_agent(self, i: int, kubeconfig: Path, *flags: str, use_nsenter: bool = False,
+                    env: dict[str, str] | None = None) -> None:
+        """`usproxy run` on node i, named node-i, against `kubeconfig`; returns once it synced.
+        `use_nsenter` enters only the node's network namespace (BPF agents: `ip netns exec`
+        remounts /sys, hiding bpffs and cgroup2); `env` is added to the agent's environment."""
         log = (self.tmp / f"agent-n{i}.log").open("ab")
+        enter = ["nsenter", f"--net=/run/netns/{self.node(i)}"] if use_nsenter else ["ip", "netns", "exec", self.node(i)]
         self.agents[i] = subprocess.Popen(
-            ["ip", "netns", "exec", self.node(i), USPROXY, "-v", "run", "--kubeconfig", str(kubeconfig),
+            [*enter, USPROXY, "-v", "run", "--kubeconfig", str(kubeconfig),
              "--hostname-override", f"node-{i}", "--healthz-bind-address", "127.0.0.1:10256",
              "--metrics-bind-address", "127.0.0.1:10249", *flags],
-            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         log.close()
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:

@@ -434,7 +434,9 @@ def kernel_datapaths(settings: OffloadSettings, node: NodeFacts, netns: str | No
         try:
             from usproxy.offload.bpf.datapath import BpfDatapath
 
-            out.append(BpfDatapath(settings.bpf_cgroup, selection=settings.lb_policy))
+            # tc NodePorts only when BPF is asked for by name: `auto` keeps them with nftables
+            nodeport = node.nodeport_cidrs if settings.mode == "bpf" else None
+            out.append(BpfDatapath(settings.bpf_cgroup, selection=settings.lb_policy, nodeport_cidrs=nodeport))
         except Exception as err:
             log.warning("bpf datapath not loaded: %s", err)
     if settings.mode in ("auto", "nftables"):

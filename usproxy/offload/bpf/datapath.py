@@ -5,7 +5,17 @@ and of unconnected UDP sendmsg() from a ClusterIP to an endpoint, and rewrite it
 and getpeername() (Cilium bpf/bpf_sock.c: sock4_connect, sock4_sendmsg, sock4_recvmsg,
 sock4_getpeername). So it serves only `local` traffic: sockets of processes in that cgroup subtree
 (every process on the node for the cgroup v2 root, pods included). Packets arriving from elsewhere
-(NodePort, externalIPs) never pass these hooks and stay with nftables or the relay.
+never pass these hooks.
+
+With `nodeport_cidrs` given (`--offload bpf`: the agent passes --nodeport-addresses), the same
+object's tc programs serve NodePorts for IPv4 TCP/UDP packets arriving at the node's interfaces
+(nodeport.py chooses them; sock_lb.c's tc section says how): each ServicePort with a NodePort gets
+a second group whose frontend is NODEPORT_ANY:nodePort, holding the IPv4 external endpoints
+(externalTrafficPolicy Local: the local ones, flagged F_LOCAL_ONLY, never SNATed). The datapath
+then claims "forwarded" traffic. When the tc programs cannot be loaded (probe) or attached (open),
+it serves "local" only, says why in its capability, and NodePorts stay with the relay, whose
+listeners stay up under the tc hooks in every case: whatever tc passes (IPv6, sessionAffinity
+ClientIP NodePorts, externalIPs, LoadBalancer IPs) is served there.
 
 Invariants: `apply` writes per changed element and is all-or-nothing (a journal restores every
 element on failure); maps, programs and links are pinned, so an agent that exits leaves traffic
@@ -25,10 +35,22 @@ from typing import Any, Literal
 
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
-from usproxy.offload.bpf import loader, view
+from usproxy.node import IPNetwork
+from usproxy.offload.bpf import loader, nodeport, view
 from usproxy.offload.bpf.build import object_path
 from usproxy.offload.bpf import libbpf as bpf
-from usproxy.offload.bpf.layout import F_AFFINITY, F_MAGLEV, F_ROUND_ROBIN, PROTO_NUMBERS, FlowVal, SvcKey
+from usproxy.offload.bpf.layout import (
+    CT_ORIGINAL,
+    F_AFFINITY,
+    F_LOCAL_ONLY,
+    F_MAGLEV,
+    F_ROUND_ROBIN,
+    NODEPORT_ANY,
+    PROTO_NUMBERS,
+    CtEntry,
+    FlowVal,
+    SvcKey,
+)
 from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want, address_family
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.types import ServicePortName, format_hostport
@@ -37,6 +59,9 @@ log = logging.getLogger(__name__)
 
 Selection = Literal["random", "roundRobin", "maglev"]
 FLOW_ROWS_MAX = 10000
+NODEPORT_GROUP = 0  # the "family" key of a ServicePort's NodePort group (4 and 6: ClusterIPs)
+LOCAL_ONLY: frozenset[TrafficKind] = frozenset({"local"})
+ALL_TRAFFIC: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
 
 
 class BpfDatapath:
@@ -49,13 +74,16 @@ class BpfDatapath:
     """
 
     name = "bpf"
-    traffic: frozenset[TrafficKind] = frozenset({"local"})
 
     def __init__(self, cgroup: Path = Path("/sys/fs/cgroup/unified"), pin_root: Path | None = None,
-                 *, selection: str = "random") -> None:
+                 *, selection: str = "random", nodeport_cidrs: tuple[IPNetwork, ...] | None = None) -> None:
         self.cgroup = cgroup
         self.pins = loader.PinLayout(pin_root or loader.default_pin_root())
         self.selection: Selection = _selection(selection)
+        self.nodeport_cidrs = nodeport_cidrs  # None: no tc programs
+        self.traffic: frozenset[TrafficKind] = LOCAL_ONLY
+        self.hooked: list[nodeport.HookedInterface] = []  # where the tc programs run (after probe)
+        self.tc_detail = "tc NodePort programs not asked for (--offload bpf asks)"
         self._lb: loader.SockLB | None = None
         self._tables: Tables | None = None
         self._groups: dict[int, Group] = {}  # service id -> group
@@ -71,7 +99,33 @@ class BpfDatapath:
             return Capability("bpf", False, f"{type(err).__name__}: {err}")
         if detail is not None:
             return Capability("bpf", False, detail)
-        return Capability("bpf", True, f"socket LB at connect() for cgroup {self.cgroup}; pins in {self.pins.base}")
+        if self.nodeport_cidrs is not None:
+            self._probe_tc()
+        return Capability("bpf", True, f"socket LB at connect() for cgroup {self.cgroup}; pins in "
+                                       f"{self.pins.base}; {self.tc_detail}")
+
+    def _probe_tc(self) -> None:
+        """Whether the tc NodePort programs load (the verifier accepts them) and have interfaces
+        to run on; sets `traffic`, `hooked` and `tc_detail`. Never raises."""
+        try:
+            hooked = nodeport.interfaces(self.nodeport_cidrs or ())
+            if not hooked:
+                raise bpf.BpfError("no interface holds a NodePort address", 0)
+            obj = bpf.BpfObject(str(object_path()))
+            try:
+                obj.load()
+            finally:
+                obj.close()
+        except Exception as err:  # noqa: BLE001 - a probe reports, it never raises
+            self._tc_unavailable(f"{type(err).__name__}: {err}")
+            return
+        self.hooked, self.traffic = hooked, ALL_TRAFFIC
+        self.tc_detail = "NodePorts at tc (tcx) on " + ", ".join(h.name for h in hooked)
+
+    def _tc_unavailable(self, why: str) -> None:
+        self.hooked, self.traffic = [], LOCAL_ONLY
+        self.tc_detail = f"NodePorts stay with the relay: tc programs unavailable ({why})"
+        log.warning("bpf: %s", self.tc_detail)
 
     def _probe(self) -> str | None:
         if not self.cgroup.is_dir() or loader.mount_type(self.cgroup) != "cgroup2":
@@ -99,8 +153,7 @@ class BpfDatapath:
     # -- KernelDatapath ---------------------------------------------------------------------
     def _open(self) -> Tables:
         if self._tables is None:
-            lb = loader.SockLB(self.pins, self.cgroup)
-            lb.open()
+            lb = self._open_lb()
             self._lb, self._tables = lb, Tables(lb.maps)
             self._groups = self._tables.read_groups()
             self._drop_orphans(self._tables)
@@ -108,6 +161,22 @@ class BpfDatapath:
             log.info("bpf socket LB attached to %s (%s, %d service groups)", self.cgroup,
                      "maps read back from pins" if lb.reused else "new maps", len(self._groups))
         return self._tables
+
+    def _open_lb(self) -> loader.SockLB:
+        """The socket LB, with the tc programs on `hooked` when probed usable; a tc attach that
+        fails leaves the socket LB alone (NodePorts go back to the relay, with the reason)."""
+        if self.hooked:
+            lb = loader.SockLB(self.pins, self.cgroup, tuple(h.ifindex for h in self.hooked))
+            try:
+                lb.open()
+                nodeport.write_maps(lb.maps, self.hooked)
+                return lb
+            except bpf.BpfError as err:
+                lb.close()
+                self._tc_unavailable(f"attach: {err}")
+        lb = loader.SockLB(self.pins, self.cgroup)
+        lb.open()
+        return lb
 
     def _drop_orphans(self, tables: Tables) -> None:
         """Groups without a frontend or a readable name (an agent that died mid-write) go."""
@@ -125,8 +194,7 @@ class BpfDatapath:
         for sid, g in self._groups.items():
             spn = ServicePortName.from_key(g.name)
             if spn is not None and g.frontends:
-                family = address_family(min(g.frontends).ip)
-                self._by_spn.setdefault(spn, {})[family] = sid
+                self._by_spn.setdefault(spn, {})[_group_key(g)] = sid
 
     async def apply(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> None:
         """Install or remove ServicePorts in one transaction. Raises OffloadError."""
@@ -170,7 +238,18 @@ class BpfDatapath:
             eps = sorted({ep.address for ep in state.cluster_endpoints if address_family(ep.ip) == family})
             out[family] = Want(spn.key(), frozenset({SvcKey(ip, sp.port, proto)}), tuple(eps),
                                sp.affinity_timeout, self._flags(state))
+        if self.traffic == ALL_TRAFFIC and sp.node_port and sp.session_affinity != "ClientIP":
+            out[NODEPORT_GROUP] = self._nodeport_want(spn, state, proto)
         return out
+
+    def _nodeport_want(self, spn: ServicePortName, state: ServicePortState, proto: int) -> Want:
+        """The tc programs' group: NODEPORT_ANY:nodePort -> the IPv4 external endpoints. ClientIP
+        affinity has no tc form yet: those NodePorts get no group and stay with the relay."""
+        sp = state.service_port
+        eps = sorted({ep.address for ep in state.external_endpoints if address_family(ep.ip) == 4})
+        flags = self._flags(state) | (F_LOCAL_ONLY if sp.external_traffic_policy == "Local" else 0)
+        return Want(spn.key(), frozenset({SvcKey(NODEPORT_ANY, sp.node_port, proto)}), tuple(eps),
+                    sp.affinity_timeout, flags)
 
     def _flags(self, state: ServicePortState) -> int:
         sp = state.service_port
@@ -185,7 +264,10 @@ class BpfDatapath:
         self._open()
         out: dict[ServicePortName, list[Endpoint]] = {}
         for spn, families in self._by_spn.items():
-            for sid in families.values():
+            for key, sid in families.items():
+                if key == NODEPORT_GROUP:  # the same endpoints, or a subset (eTP Local)
+                    out.setdefault(spn, [])
+                    continue
                 g = self._groups[sid]
                 out.setdefault(spn, []).extend(Endpoint(g.backends[b][0], g.backends[b][1]) for b in g.slots)
         return {spn: tuple(sorted(eps)) for spn, eps in out.items()}
@@ -208,11 +290,24 @@ class BpfDatapath:
         return [FlowVal.unpack(v) for _, v in items[:FLOW_ROWS_MAX]]
 
     def flows_view(self) -> list[dict[str, Any]]:
-        """Sockets the programs steered and that are still open, in the /flows row format."""
+        """Sockets the programs steered and that are still open, then the NodePort flows the tc
+        programs NAT, in the /flows row format."""
         if self._tables is None:
             return []
         now = time.monotonic_ns()
-        return [view.flow_row(f, self._groups, now) for f in self._flows()]
+        rows = [view.flow_row(f, self._groups, now) for f in self._flows()]
+        return rows + [nodeport.ct_row(e, self._service_text(e.svc_id), now) for e in self.ct_entries()
+                       if e.direction == CT_ORIGINAL]
+
+    def ct_entries(self) -> list[CtEntry]:
+        """The tc programs' connection tracking entries (both directions)."""
+        if self._tables is None:
+            return []
+        return nodeport.ct_entries(self._tables.fds["usp_ct"], FLOW_ROWS_MAX)
+
+    def _service_text(self, svc_id: int) -> str:
+        g = self._groups.get(svc_id)
+        return view.spn_text(g.name) if g else f"<service {svc_id}>"
 
     def dump(self, *, counters: bool = False) -> str:
         """Stable text of the installed maps; `counters` adds per-endpoint selection counts."""
@@ -220,6 +315,8 @@ class BpfDatapath:
             return ""
         selected = {b: v.selected for b, v in self._tables.backends().items()} if counters else {}
         head = f"bpf cgroup={self.cgroup} pins={self.pins.base}"
+        if self.hooked:
+            head += " tc=" + ",".join(h.name for h in self.hooked)
         return "\n".join([head, *view.group_lines(self._groups, selected)])
 
     def selected(self, spn: ServicePortName) -> dict[str, int]:
@@ -245,6 +342,12 @@ class BpfDatapath:
         if self._lb is not None:
             self._lb.close()
         self._lb, self._tables = None, None
+
+
+def _group_key(g: Group) -> int:
+    """The key of a group under its ServicePort: NODEPORT_GROUP or the ClusterIPs' family."""
+    ip = min(g.frontends).ip
+    return NODEPORT_GROUP if ip == NODEPORT_ANY else address_family(ip)
 
 
 def _selection(policy: str) -> Selection:

@@ -16,6 +16,12 @@ slots, backends by id, affinity by client netns, reverse entries by socket cooki
   usp_flows     socket cookie                 -> the socket's steering (for `usproxy flows`) [LRU]
   usp_maglev    service id                    -> inner array of MAGLEV_M backend ids
   usp_names     service id                    -> ServicePortName key text (for read-back)
+  usp_ct        packet tuple + direction      -> NAT of a NodePort flow at tc           [LRU]
+  usp_tc_addrs  IPv4 address                  -> ifindex: addresses that serve NodePorts
+  usp_tc_ifaces ifindex                       -> IPv4 address: hooked interfaces (SNAT source)
+
+A NodePort is a usp_services entry at NODEPORT_ANY (0.0.0.0): the tc programs look it up by
+port and protocol for packets to any usp_tc_addrs address.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ NAME_SIZE = 256
 F_AFFINITY = 1 << 0
 F_MAGLEV = 1 << 1
 F_ROUND_ROBIN = 1 << 2
+F_LOCAL_ONLY = 1 << 3  # NodePort, externalTrafficPolicy Local: the tc program never SNATs
+NODEPORT_ANY = ipaddress.IPv4Address("0.0.0.0")
+CT_ORIGINAL, CT_REPLY = 0, 1
 
 PROTO_NUMBERS: dict[str, int] = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
 PROTO_NAMES: dict[int, Protocol] = {socket.IPPROTO_TCP: "TCP", socket.IPPROTO_UDP: "UDP"}
@@ -202,3 +211,41 @@ def pack_name(text: str) -> bytes:
 
 def unpack_name(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
+@dataclass(frozen=True, slots=True)
+class CtEntry:
+    """struct ct_key + struct ct_val (16 + 48 bytes): one direction of a NodePort flow at tc.
+
+    ORIGINAL: the client's packet (client -> node:NodePort) becomes (snat or client) -> backend;
+    REPLY: the backend's packet becomes node:NodePort -> client. `nat_*` are the rewritten
+    fields (an ORIGINAL entry's nat_saddr is 0.0.0.0 when the flow is not SNATed)."""
+
+    saddr: ipaddress.IPv4Address
+    daddr: ipaddress.IPv4Address
+    sport: int
+    dport: int
+    proto: int
+    direction: int
+    nat_saddr: ipaddress.IPv4Address
+    nat_daddr: ipaddress.IPv4Address
+    nat_sport: int
+    nat_dport: int
+    svc_id: int
+    backend_id: int
+    flags: int
+    created: int
+    last: int
+    packets: int
+
+    KEY_SIZE = 16
+    VAL_SIZE = 48
+
+    @classmethod
+    def unpack(cls, key: bytes, val: bytes) -> CtEntry:
+        s, d, sp, dp, proto, direction = struct.unpack("!4s4sHHBB", key[:14])
+        ns, nd, nsp, ndp = struct.unpack("!4s4sHH", val[:12])
+        sid, bid, flags, created, last, packets = struct.unpack("<IIIQQQ", val[12:48])
+        v4 = ipaddress.IPv4Address
+        return cls(v4(s), v4(d), sp, dp, proto, direction, v4(ns), v4(nd), nsp, ndp, sid, bid, flags,
+                   created, last, packets)

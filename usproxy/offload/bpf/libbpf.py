@@ -40,6 +40,8 @@ BPF_CGROUP_UDP6_RECVMSG = 20
 BPF_CGROUP_INET4_GETPEERNAME = 29
 BPF_CGROUP_INET6_GETPEERNAME = 30
 BPF_CGROUP_INET_SOCK_RELEASE = 34
+BPF_TCX_INGRESS = 46  # kernel 6.6+; newer than this machine's uapi headers
+BPF_TCX_EGRESS = 47
 
 BPF_ANY = 0
 BPF_NOEXIST = 1
@@ -75,6 +77,7 @@ def _declare(so: ctypes.CDLL) -> None:
         "bpf_map__fd": (i, [p]),
         "bpf_map__reuse_fd": (i, [p, i]),
         "bpf_program__fd": (i, [p]),
+        "bpf_program__set_autoload": (i, [p, ctypes.c_bool]),
         "bpf_map_create": (i, [i, s, u32, u32, u32, p]),
         "bpf_map_update_elem": (i, [i, p, p, u64]),
         "bpf_map_lookup_elem": (i, [i, p, p]),
@@ -206,9 +209,10 @@ def obj_get(path: str) -> int:
     return _check(lib().bpf_obj_get(path.encode()), f"bpf_obj_get {path}")
 
 
-def link_create(prog_fd: int, cgroup_fd: int, attach_type: int) -> int:
-    """A BPF link attaching `prog_fd` to a cgroup (multi-attach: others' programs stay)."""
-    return _check(lib().bpf_link_create(prog_fd, cgroup_fd, attach_type, None), "bpf_link_create")
+def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
+    """A BPF link attaching `prog_fd` to a cgroup fd (multi-attach: others' programs stay) or,
+    for BPF_TCX_*, to an interface by ifindex (appended after programs already there)."""
+    return _check(lib().bpf_link_create(prog_fd, target_fd, attach_type, None), "bpf_link_create")
 
 
 def link_update(link_fd: int, prog_fd: int) -> None:
@@ -268,6 +272,12 @@ class BpfObject:
         if ret < 0:
             raise BpfError(f"bpf_object__load {self.path}: {os.strerror(-ret)}; libbpf said: "
                            f"{recent_log()}", -ret)
+
+    def set_autoload(self, name: str, load: bool) -> None:
+        """Before load: whether program `name` is loaded at all (its maps are created anyway)."""
+        prog = _null(lib().bpf_object__find_program_by_name(self._ptr(), name.encode()),
+                     f"no program {name}")
+        _check(lib().bpf_program__set_autoload(prog, load), f"bpf_program__set_autoload {name}")
 
     def map_fd(self, name: str) -> int:
         return _check(lib().bpf_map__fd(self._maps()[name]), f"bpf_map__fd {name}")

@@ -8,6 +8,13 @@ each pinned link to its new program with BPF_LINK_UPDATE, so there is no moment 
 
 Links are attached with BPF_LINK_CREATE in multi-attach mode: programs of others on the same cgroup
 stay, as Cilium's socket LB coexists with other cgroup programs (bpf/bpf_sock.c hooks).
+
+The tc NodePort programs (TC_PROGRAMS) come from the same object and share its maps. When asked for
+(a tuple of interface indexes), each is attached with tcx (BPF_TCX_INGRESS/EGRESS links, kernel
+6.6+) to every interface and pinned as `links/<program>@<ifindex>`, swapped on restart like the
+cgroup links; links of interfaces no longer asked for are detached. When not asked for, the tc
+programs are not even loaded (a verifier that refuses them cannot cost the socket LB) and any tc
+link a previous agent left is detached.
 """
 
 from __future__ import annotations
@@ -42,7 +49,11 @@ PROGRAMS: dict[str, int] = {
     "usp_getpeername6": bpf.BPF_CGROUP_INET6_GETPEERNAME,
     "usp_sock_release": bpf.BPF_CGROUP_INET_SOCK_RELEASE,
 }
-MAPS = ("usp_services", "usp_slots", "usp_backends", "usp_affinity", "usp_revnat", "usp_flows",
+TC_PROGRAMS: dict[str, int] = {
+    "usp_tc_ingress": bpf.BPF_TCX_INGRESS,
+    "usp_tc_egress": bpf.BPF_TCX_EGRESS,
+}
+MAPS = ("usp_ct", "usp_tc_addrs", "usp_tc_ifaces", "usp_services", "usp_slots", "usp_backends", "usp_affinity", "usp_revnat", "usp_flows",
         "usp_maglev", "usp_names")
 
 
@@ -130,9 +141,10 @@ def _fd(path: Path) -> Iterator[int | None]:
 class SockLB:
     """The loaded socket LB of one pin layout: map fds by name; programs live in pinned links."""
 
-    def __init__(self, pins: PinLayout, cgroup: Path) -> None:
+    def __init__(self, pins: PinLayout, cgroup: Path, tc_ifindexes: tuple[int, ...] | None = None) -> None:
         self.pins = pins
         self.cgroup = cgroup
+        self.tc_ifindexes = tc_ifindexes
         self.maps: dict[str, int] = {}
         self.reused = False  # maps came from pins (an agent restart), not created empty
 
@@ -146,9 +158,12 @@ class SockLB:
         obj = bpf.BpfObject(str(object_path()))
         try:
             self.reused = self._reuse_maps(obj)
+            for prog in TC_PROGRAMS:
+                obj.set_autoload(prog, self.tc_ifindexes is not None)
             obj.load()
             self._pin_new_maps(obj)
             self._attach_all(obj)
+            self._attach_tc(obj)
         finally:
             obj.close()
         self.maps = {name: bpf.obj_get(str(self.pins.maps / name)) for name in MAPS}
@@ -191,6 +206,29 @@ class SockLB:
             finally:
                 os.close(new)
 
+    def _attach_tc(self, obj: bpf.BpfObject) -> None:
+        wanted = set(self.tc_ifindexes or ())
+        for path in sorted(self.pins.links.glob("*@*")):
+            if int(path.name.rpartition("@")[2]) not in wanted:
+                _remove_links_at([path])
+        for prog, attach_type in TC_PROGRAMS.items():
+            for ifindex in sorted(wanted):
+                self._attach_tc_one(obj.prog_fd(prog), prog, attach_type, ifindex)
+
+    def _attach_tc_one(self, prog_fd: int, prog: str, attach_type: int, ifindex: int) -> None:
+        path = self.pins.links / f"{prog}@{ifindex}"
+        with _fd(path) as old:
+            if old is not None and int(bpf.fdinfo(old).get("ifindex", "0")) == ifindex:
+                bpf.link_update(old, prog_fd)
+                return
+            if old is not None:  # defunct (its interface went away): replace it
+                path.unlink()
+            new = bpf.link_create(prog_fd, ifindex, attach_type)
+            try:
+                bpf.obj_pin(new, str(path))
+            finally:
+                os.close(new)
+
     def close(self) -> None:
         """Close this process's fds; pins keep programs attached and maps filled."""
         for fd in self.maps.values():
@@ -223,15 +261,19 @@ def remove(pins: PinLayout) -> list[str]:
 
 
 def _remove_links(links: Path) -> list[str]:
+    return _remove_links_at(sorted(links.iterdir())) if links.is_dir() else []
+
+
+def _remove_links_at(paths: list[Path]) -> list[str]:
+    """Detach the links pinned at `paths` and unpin them."""
     removed = []
-    if links.is_dir():
-        for path in sorted(links.iterdir()):
-            with _fd(path) as fd:
-                if fd is not None:
-                    with contextlib.suppress(bpf.BpfError):
-                        bpf.link_detach(fd)
-            path.unlink()
-            removed.append(f"link {path.name}")
+    for path in paths:
+        with _fd(path) as fd:
+            if fd is not None:
+                with contextlib.suppress(bpf.BpfError):
+                    bpf.link_detach(fd)
+        path.unlink()
+        removed.append(f"link {path.name}")
     return removed
 
 

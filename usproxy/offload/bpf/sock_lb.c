@@ -11,10 +11,16 @@
  * one services map serves connect4, connect6 and v4-mapped addresses on IPv6 sockets alike.
  * Ports are in network order in the low 16 bits, as in struct bpf_sock_addr.
  *
+ * The tc programs at the end (usp_tc_ingress, usp_tc_egress) serve NodePorts for packets from
+ * outside the node; their own section below says how.
+ *
  * Build: clang -target bpf -O2 -g -mcpu=v3 -I/usr/include/x86_64-linux-gnu -c sock_lb.c
  */
 #include <linux/bpf.h>
 #include <linux/in.h>
+#include <linux/if_ether.h>
+#include <linux/ip.h>
+#include <linux/pkt_cls.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
@@ -25,6 +31,7 @@
 #define F_AFFINITY	(1U << 0)	/* sessionAffinity: ClientIP (per client netns, as Cilium) */
 #define F_MAGLEV	(1U << 1)	/* select through the Maglev table, not the slots */
 #define F_ROUND_ROBIN	(1U << 2)	/* TCP connect: a shared counter instead of a random draw */
+#define F_LOCAL_ONLY	(1U << 3)	/* NodePort with externalTrafficPolicy Local: never SNAT */
 
 #define MAGLEV_M	16381		/* Maglev table size (prime), Cilium's default */
 
@@ -536,6 +543,403 @@ int usp_sock_release(struct bpf_sock *sk)
 	bpf_map_delete_elem(&usp_revnat, &rk);
 	bpf_map_delete_elem(&usp_flows, &cookie);
 	return SYS_PROCEED;
+}
+
+/*
+ * NodePort at tc, for packets from outside the node (the shape of Cilium's bpf_host.c with
+ * lib/nodeport.h nodeport_lb4 and its SNAT; the code is usproxy's). IPv4, TCP and UDP only.
+ *
+ * A NodePort is a usp_services entry whose address is ::ffff:0.0.0.0 (any node address); the
+ * addresses that serve NodePorts (--nodeport-addresses) are in usp_tc_addrs, and usp_tc_ifaces
+ * maps every hooked interface to its address (the SNAT source when a backend is reached through
+ * it). usp_tc_ingress, on every hooked interface:
+ *   1. a reply of a known flow (usp_ct, REPLY key) gets its source back to node:NodePort and its
+ *      destination back to the client, and is redirected towards the client;
+ *   2. a packet of a known flow (ORIGINAL key) goes to the backend the flow already has;
+ *   3. a new packet to a NodePort picks a backend (random, round robin or Maglev as the socket
+ *      LB), is DNATed to it, SNATed to the egress interface's address when that interface is
+ *      hooked too (externalTrafficPolicy Cluster: the reply must come back through a hook) and
+ *      not with F_LOCAL_ONLY, and both usp_ct entries are written.
+ * Packets leave with bpf_fib_lookup (the egress interface) and bpf_redirect_neigh (the kernel
+ * resolves the next hop): a rewritten packet may carry a node address as its source, which the
+ * stack's forwarding path would drop as a martian. usp_tc_egress only reverse-NATs replies that
+ * leave through a hooked interface without having entered through one (a local backend without
+ * SNAT answering the client through the node's routing).
+ * A NodePort without endpoints (count 0) drops, as kube-proxy does for eTP=Local without local
+ * endpoints. Everything else passes unchanged (TC_ACT_OK) to the stack: nftables or the relay.
+ */
+
+#define CT_ORIGINAL	0
+#define CT_REPLY	1
+#define CT_CLOSING	(1U << 0)
+
+#define CT_LIFETIME_TCP		21600ULL	/* s, Cilium's CT_CONNECTION_LIFETIME_TCP */
+#define CT_LIFETIME_NONTCP	60ULL		/* s, Cilium's CT_CONNECTION_LIFETIME_NONTCP */
+#define CT_LIFETIME_CLOSING	10ULL		/* s, Cilium's CT_CLOSE_TIMEOUT */
+#define NSEC			1000000000ULL
+
+#define SNAT_PORT_MIN	32768
+#define SNAT_PORT_SPAN	28232		/* 32768 .. 60999, the default ip_local_port_range */
+#define SNAT_TRIES	8
+
+#define IP_OFF		ETH_HLEN
+#define IP_CSUM_OFF	(ETH_HLEN + 10)
+#define IP_SRC_OFF	(ETH_HLEN + 12)
+#define IP_DST_OFF	(ETH_HLEN + 16)
+#define TCP_FLAGS_OFF	13
+#define TCP_CSUM_OFF	16
+#define UDP_CSUM_OFF	6
+#define TCP_FIN		0x01
+#define TCP_RST		0x04
+#define IP_FRAG_MASK	0x3fff
+#define AF_INET_	2
+
+struct ct_key {
+	__u32 saddr;			/* network order, as in the packet */
+	__u32 daddr;
+	__u16 sport;
+	__u16 dport;
+	__u8 proto;
+	__u8 dir;			/* CT_ORIGINAL or CT_REPLY */
+	__u16 pad;
+};
+
+struct ct_val {
+	__u32 nat_saddr;		/* ORIGINAL: SNAT address (0: none); REPLY: node address */
+	__u32 nat_daddr;		/* ORIGINAL: backend; REPLY: client */
+	__u16 nat_sport;		/* ORIGINAL: SNAT port; REPLY: NodePort */
+	__u16 nat_dport;		/* ORIGINAL: backend port; REPLY: client port */
+	__u32 svc_id;
+	__u32 backend_id;
+	__u32 flags;			/* CT_CLOSING once a FIN or RST passed */
+	__u64 created;			/* CLOCK_MONOTONIC ns */
+	__u64 last;
+	__u64 packets;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 262144);
+	__type(key, struct ct_key);
+	__type(value, struct ct_val);
+} usp_ct SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);		/* IPv4 address, network order */
+	__type(value, __u32);		/* ifindex it belongs to */
+} usp_tc_addrs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);		/* ifindex of a hooked interface */
+	__type(value, __u32);		/* its IPv4 address (the SNAT source), network order */
+} usp_tc_ifaces SEC(".maps");
+
+struct pkt {
+	struct ct_key t;		/* the packet's tuple, dir CT_ORIGINAL */
+	__u32 l4_off;
+	__u32 csum_off;			/* 0: no L4 checksum (UDP with checksum 0) */
+	__u8 tcp_flags;
+};
+
+static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
+{
+	struct iphdr ip;
+	__u16 ports[2];
+	__u16 csum = 0;
+
+	if (skb->protocol != bpf_htons(ETH_P_IP))
+		return -1;
+	if (bpf_skb_load_bytes(skb, IP_OFF, &ip, sizeof(ip)) < 0 || ip.version != 4 || ip.ihl < 5)
+		return -1;
+	if (ip.frag_off & bpf_htons(IP_FRAG_MASK))
+		return -1;		/* fragments: the stack reassembles, nftables or the relay serve */
+	if (ip.protocol != IPPROTO_TCP && ip.protocol != IPPROTO_UDP)
+		return -1;
+	p->l4_off = IP_OFF + ip.ihl * 4;
+	if (bpf_skb_load_bytes(skb, p->l4_off, ports, sizeof(ports)) < 0)
+		return -1;
+	p->t.saddr = ip.saddr;
+	p->t.daddr = ip.daddr;
+	p->t.sport = ports[0];
+	p->t.dport = ports[1];
+	p->t.proto = ip.protocol;
+	p->t.dir = CT_ORIGINAL;
+	p->tcp_flags = 0;
+	if (ip.protocol == IPPROTO_TCP) {
+		p->csum_off = p->l4_off + TCP_CSUM_OFF;
+		if (bpf_skb_load_bytes(skb, p->l4_off + TCP_FLAGS_OFF, &p->tcp_flags, 1) < 0)
+			return -1;
+		return 0;
+	}
+	if (bpf_skb_load_bytes(skb, p->l4_off + UDP_CSUM_OFF, &csum, sizeof(csum)) < 0)
+		return -1;
+	p->csum_off = csum ? p->l4_off + UDP_CSUM_OFF : 0;
+	return 0;
+}
+
+static __always_inline __u64 ct_lifetime(const struct ct_val *v, __u8 proto)
+{
+	if (v->flags & CT_CLOSING)
+		return CT_LIFETIME_CLOSING * NSEC;
+	return (proto == IPPROTO_TCP ? CT_LIFETIME_TCP : CT_LIFETIME_NONTCP) * NSEC;
+}
+
+/* A live entry for `k`, refreshed; an expired one is deleted (timeouts; the LRU evicts the rest). */
+static __always_inline struct ct_val *ct_get(struct ct_key *k, struct pkt *p, __u64 now)
+{
+	struct ct_val *v = bpf_map_lookup_elem(&usp_ct, k);
+
+	if (!v)
+		return NULL;
+	if (v->last + ct_lifetime(v, k->proto) <= now) {
+		bpf_map_delete_elem(&usp_ct, k);
+		return NULL;
+	}
+	v->last = now;
+	__sync_fetch_and_add(&v->packets, 1);
+	if (p->tcp_flags & (TCP_FIN | TCP_RST))
+		v->flags |= CT_CLOSING;
+	return v;
+}
+
+static __always_inline int set_addr(struct __sk_buff *skb, struct pkt *p, __u32 off, __u32 old, __u32 new)
+{
+	__u64 l4 = BPF_F_PSEUDO_HDR | sizeof(new) | (p->t.proto == IPPROTO_UDP ? BPF_F_MARK_MANGLED_0 : 0);
+
+	if (old == new)
+		return 0;
+	if (p->csum_off && bpf_l4_csum_replace(skb, p->csum_off, old, new, l4) < 0)
+		return -1;
+	if (bpf_l3_csum_replace(skb, IP_CSUM_OFF, old, new, sizeof(new)) < 0)
+		return -1;
+	return bpf_skb_store_bytes(skb, off, &new, sizeof(new), 0);
+}
+
+static __always_inline int set_port(struct __sk_buff *skb, struct pkt *p, __u32 off, __u16 old, __u16 new)
+{
+	__u64 l4 = sizeof(new) | (p->t.proto == IPPROTO_UDP ? BPF_F_MARK_MANGLED_0 : 0);
+
+	if (old == new)
+		return 0;
+	if (p->csum_off && bpf_l4_csum_replace(skb, p->csum_off, old, new, l4) < 0)
+		return -1;
+	return bpf_skb_store_bytes(skb, off, &new, sizeof(new), 0);
+}
+
+/* Rewrite the packet's tuple to (saddr:sport -> daddr:dport), checksums included. */
+static __always_inline int rewrite(struct __sk_buff *skb, struct pkt *p, __u32 saddr, __u16 sport,
+				   __u32 daddr, __u16 dport)
+{
+	if (set_addr(skb, p, IP_SRC_OFF, p->t.saddr, saddr) < 0 ||
+	    set_addr(skb, p, IP_DST_OFF, p->t.daddr, daddr) < 0 ||
+	    set_port(skb, p, p->l4_off, p->t.sport, sport) < 0 ||
+	    set_port(skb, p, p->l4_off + 2, p->t.dport, dport) < 0)
+		return -1;
+	return 0;
+}
+
+/* The interface the route to `daddr` leaves through, or 0. */
+static __always_inline __u32 route_ifindex(struct __sk_buff *skb, __u32 saddr, __u32 daddr)
+{
+	struct bpf_fib_lookup fib = {};
+	long rc;
+
+	fib.family = AF_INET_;
+	fib.ipv4_src = saddr;
+	fib.ipv4_dst = daddr;
+	fib.ifindex = skb->ifindex;
+	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_SKIP_NEIGH);
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
+		return 0;
+	return fib.ifindex;
+}
+
+/* Send a rewritten packet towards its new destination; the kernel resolves the next hop. */
+static __always_inline int send(struct __sk_buff *skb, __u32 saddr, __u32 daddr)
+{
+	__u32 ifindex = route_ifindex(skb, saddr, daddr);
+
+	if (!ifindex)
+		return TC_ACT_SHOT;
+	return bpf_redirect_neigh(ifindex, NULL, 0, 0);
+}
+
+static __always_inline int reply_nat(struct __sk_buff *skb, struct pkt *p, __u64 now, int ingress)
+{
+	struct ct_key k = p->t;
+	struct ct_val *v;
+
+	k.dir = CT_REPLY;
+	v = ct_get(&k, p, now);
+	if (!v)
+		return -1;
+	if (rewrite(skb, p, v->nat_saddr, v->nat_sport, v->nat_daddr, v->nat_dport) < 0)
+		return TC_ACT_SHOT;
+	return ingress ? send(skb, v->nat_saddr, v->nat_daddr) : TC_ACT_OK;
+}
+
+static __always_inline __u32 tc_pick(struct pkt *p, struct svc_val *svc)
+{
+	struct slot_key sk = { .svc_id = svc->id };
+	__u32 *id;
+	__u64 h;
+
+	if (svc->flags & F_MAGLEV) {
+		/* the flow's tuple, so every node sends one flow to one backend */
+		h = mix64(((__u64)p->t.saddr << 32 | p->t.daddr) ^
+			  ((__u64)p->t.sport << 24 | (__u64)p->t.dport << 8 | p->t.proto));
+		__u32 mid = pick_maglev(svc, h);
+
+		if (mid)
+			return mid;
+	} else if (svc->flags & F_ROUND_ROBIN) {
+		h = __sync_fetch_and_add(&svc->rr, 1);
+	} else {
+		h = bpf_get_prandom_u32();
+	}
+	if (!svc->count)
+		return 0;
+	sk.slot = (__u32)(h % svc->count) + 1;
+	id = bpf_map_lookup_elem(&usp_slots, &sk);
+	return id ? *id : 0;
+}
+
+/* A source port for the SNATed flow no other flow to this backend uses: the client's own, else a
+ * hashed one (a handful of tries; a clash past them reuses the last and the older flow loses). */
+static __always_inline __u16 snat_port(struct pkt *p, __u32 snat, __u32 be_addr, __u16 be_port)
+{
+	struct ct_key rk = { .saddr = be_addr, .daddr = snat, .sport = be_port, .proto = p->t.proto,
+			     .dir = CT_REPLY };
+	__u32 h = (__u32)mix64((__u64)p->t.saddr << 16 | p->t.sport);
+	__u16 port = p->t.sport;
+	struct ct_val *old;
+	int i;
+
+	for (i = 0; i < SNAT_TRIES; i++) {
+		rk.dport = port;
+		old = bpf_map_lookup_elem(&usp_ct, &rk);
+		if (!old || (old->nat_daddr == p->t.saddr && old->nat_dport == p->t.sport))
+			return port;
+		port = bpf_htons(SNAT_PORT_MIN + (h + i * 7919) % SNAT_PORT_SPAN);
+	}
+	return port;
+}
+
+static __always_inline int ct_create(struct pkt *p, struct svc_val *svc, __u32 be_id,
+				     struct backend_val *be, __u32 snat, __u16 sport, __u64 now)
+{
+	struct ct_key rk = { .saddr = be->addr[3], .sport = (__u16)be->port, .proto = p->t.proto,
+			     .dir = CT_REPLY };
+	struct ct_val fv = { .nat_saddr = snat, .nat_daddr = be->addr[3], .nat_sport = sport,
+			     .nat_dport = (__u16)be->port, .svc_id = svc->id, .backend_id = be_id,
+			     .created = now, .last = now, .packets = 1 };
+	struct ct_val rv = fv;
+
+	rk.daddr = snat ? snat : p->t.saddr;
+	rk.dport = snat ? sport : p->t.sport;
+	rv.nat_saddr = p->t.daddr;
+	rv.nat_sport = p->t.dport;
+	rv.nat_daddr = p->t.saddr;
+	rv.nat_dport = p->t.sport;
+	rv.packets = 0;
+	if (bpf_map_update_elem(&usp_ct, &rk, &rv, BPF_ANY) < 0)
+		return -1;
+	return bpf_map_update_elem(&usp_ct, &p->t, &fv, BPF_ANY);
+}
+
+/* A new flow to a NodePort: TC_ACT_OK when it is none of ours. */
+static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p, __u64 now)
+{
+	struct svc_key key = {};
+	struct backend_val *be;
+	struct svc_val *svc;
+	__u32 id, ifindex, snat = 0, *ifaddr;
+	__u16 sport = p->t.sport;
+
+	if (!bpf_map_lookup_elem(&usp_tc_addrs, &p->t.daddr))
+		return TC_ACT_OK;
+	key_from_v4(&key, 0, p->t.dport, p->t.proto);
+	svc = bpf_map_lookup_elem(&usp_services, &key);
+	if (!svc)
+		return TC_ACT_OK;
+	if (!svc->count)
+		return TC_ACT_SHOT;
+	id = tc_pick(p, svc);
+	be = backend_of(svc, id);
+	if (!be || !is_v4_mapped(be->addr))
+		return TC_ACT_SHOT;
+	ifindex = route_ifindex(skb, p->t.saddr, be->addr[3]);
+	if (!ifindex)
+		return TC_ACT_SHOT;
+	ifaddr = bpf_map_lookup_elem(&usp_tc_ifaces, &ifindex);
+	if (ifaddr && !(svc->flags & F_LOCAL_ONLY)) {
+		snat = *ifaddr;
+		sport = snat_port(p, snat, be->addr[3], (__u16)be->port);
+	}
+	__sync_fetch_and_add(&be->selected, 1);
+	if (ct_create(p, svc, id, be, snat, sport, now) < 0)
+		return TC_ACT_SHOT;
+	if (rewrite(skb, p, snat ? snat : p->t.saddr, sport, be->addr[3], (__u16)be->port) < 0)
+		return TC_ACT_SHOT;
+	return send(skb, snat ? snat : p->t.saddr, be->addr[3]);
+}
+
+/* A packet of a known flow goes where its first one went, while that backend is still the
+ * Service's; otherwise -1 (a new selection). */
+static __always_inline int nodeport_known(struct __sk_buff *skb, struct pkt *p, __u64 now)
+{
+	struct ct_val *v = ct_get(&p->t, p, now);
+	struct backend_val *be;
+	__u32 saddr;
+	__u16 sport;
+
+	if (!v)
+		return -1;
+	be = bpf_map_lookup_elem(&usp_backends, &v->backend_id);
+	if (!be || be->addr[3] != v->nat_daddr || (__u16)be->port != v->nat_dport) {
+		bpf_map_delete_elem(&usp_ct, &p->t);
+		return -1;
+	}
+	saddr = v->nat_saddr ? v->nat_saddr : p->t.saddr;
+	sport = v->nat_saddr ? v->nat_sport : p->t.sport;
+	if (rewrite(skb, p, saddr, sport, v->nat_daddr, v->nat_dport) < 0)
+		return TC_ACT_SHOT;
+	return send(skb, saddr, v->nat_daddr);
+}
+
+SEC("tc")
+int usp_tc_ingress(struct __sk_buff *skb)
+{
+	__u64 now = bpf_ktime_get_ns();
+	struct pkt p = {};
+	int ret;
+
+	if (parse(skb, &p) < 0)
+		return TC_ACT_OK;
+	ret = reply_nat(skb, &p, now, 1);
+	if (ret >= 0)
+		return ret;
+	ret = nodeport_known(skb, &p, now);
+	if (ret >= 0)
+		return ret;
+	return nodeport_new(skb, &p, now);
+}
+
+SEC("tc")
+int usp_tc_egress(struct __sk_buff *skb)
+{
+	__u64 now = bpf_ktime_get_ns();
+	struct pkt p = {};
+	int ret;
+
+	if (parse(skb, &p) < 0)
+		return TC_ACT_OK;
+	ret = reply_nat(skb, &p, now, 0);
+	return ret >= 0 ? ret : TC_ACT_OK;
 }
 
 char LICENSE[] SEC("license") = "GPL";

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from usproxy.offload.bpf import libbpf as bpf
-from usproxy.offload.bpf import loader
+from usproxy.offload.bpf import loader, nodeport
 from usproxy.offload.bpf.layout import (
+    CT_ORIGINAL,
     F_AFFINITY,
     F_MAGLEV,
     F_ROUND_ROBIN,
@@ -104,7 +105,8 @@ def _render(pins: loader.PinLayout, tables: Tables) -> str:
     now = time.monotonic_ns()
     out = [f"# bpf socket LB pinned at {pins.base}"]
     for prog, info in loader.attached_links(pins).items():
-        out.append(f"link {prog}: prog_id={info.get('prog_id')} cgroup_id={info.get('cgroup_id')}")
+        where = f"ifindex={info['ifindex']}" if "ifindex" in info else f"cgroup_id={info.get('cgroup_id')}"
+        out.append(f"link {prog}: prog_id={info.get('prog_id')} {where}")
     out += group_lines(groups, selected)
     for e in tables.affinity():
         r = affinity_row(e, groups, now)
@@ -115,4 +117,15 @@ def _render(pins: loader.PinLayout, tables: Tables) -> str:
         r = flow_row(FlowVal.unpack(raw), groups, now)
         out.append(f"  {r['protocol'].lower()} {r['original']['src']} {r['original']['dst']} -> "
                    f"{r['reply']['src']} age={r['age']:.1f}s [{r['service']}]")
-    return "\n".join(out)
+    return "\n".join(out + _ct_lines(tables, groups, now))
+
+
+def _ct_lines(tables: Tables, groups: Mapping[int, Group], now: int) -> list[str]:
+    """The tc NodePort flows (ORIGINAL conntrack entries), as `cilium-dbg bpf ct list` lists."""
+    entries = [e for e in nodeport.ct_entries(tables.fds["usp_ct"]) if e.direction == CT_ORIGINAL]
+    out = [f"tc NodePort flows: {len(entries)}"]
+    for e in entries[:50]:
+        r = nodeport.ct_row(e, spn_text(groups[e.svc_id].name) if e.svc_id in groups else str(e.svc_id), now)
+        out.append(f"  {r['protocol'].lower()} {r['original']['src']} -> {r['original']['dst']} => "
+                   f"{r['reply']['dst']} -> {r['reply']['src']} idle={r['idle']:.1f}s [{r['service']}]")
+    return out
