@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from usproxy.types import IPNetwork
 from usproxy.errors import ConfigError
 from usproxy.service_port import LBPolicy
 
@@ -76,7 +77,6 @@ def parse_duration(text: object, where: str) -> float:
     return sum(float(n) * _UNIT[u] for n, u in _DURATION.findall(text))
 
 
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 PRIMARY = "primary"  # kube-proxy's special --nodeport-addresses value (NodePortAddressesPrimary)
 
 

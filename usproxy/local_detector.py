@@ -18,11 +18,11 @@ import re
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
+from usproxy.types import IPNetwork
 from usproxy.errors import ConfigError
 
 DetectLocalMode: TypeAlias = Literal["ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix"]
 MODES: tuple[DetectLocalMode, ...] = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 # Linux interface names: at most 15 bytes, no '/', whitespace or quote (IFNAMSIZ and dev_valid_name);
 # the name goes into nft rule text, so it is kept to characters that cannot end the quoted string.
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@+-]{1,15}$")

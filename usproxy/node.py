@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from usproxy.config import IPNetwork, ProxyConfig, parse_nodeport_addresses
+from usproxy.config import ProxyConfig, parse_nodeport_addresses
+from usproxy.types import IPNetwork
 from usproxy.errors import ConfigError
 from usproxy.local_detector import LocalDetector, local_detector
 from usproxy.types import IPAddress

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
-from usproxy.source_ranges import IPNetwork
+from usproxy.types import IPNetwork
 from usproxy.types import IPAddress, Protocol, ServicePortName, format_hostport
 
 SessionAffinity: TypeAlias = Literal["None", "ClientIP"]

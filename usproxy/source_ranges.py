@@ -22,11 +22,11 @@ import ipaddress
 import logging
 from collections.abc import Collection, Iterable
 
+from usproxy.types import IPNetwork
 from usproxy.types import IPAddress
 
 log = logging.getLogger(__name__)
 
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 def parse_source_ranges(obj: str, field: str, texts: Iterable[str]) -> tuple[IPNetwork, ...]:

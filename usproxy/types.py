@@ -14,6 +14,7 @@ Protocol: TypeAlias = Literal["TCP", "UDP", "SCTP"]
 PROTOCOLS: tuple[Protocol, ...] = ("TCP", "UDP", "SCTP")
 _PROTOCOL: dict[str, Protocol] = {p: p for p in PROTOCOLS}
 IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class NamespacedName(NamedTuple):

@@ -16,7 +16,8 @@ from pathlib import Path
 from usproxy.errors import ConfigError
 from usproxy.explain import bpf, cost, iptables, ipvs, nftables, trace, userspace
 from usproxy.explain.live import read_live
-from usproxy.explain.service_set import IPNetwork, Node, ServiceSet, load_manifests, service_set
+from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+from usproxy.types import IPNetwork
 from usproxy.manifest import Manifests, objects_from
 from usproxy.types import IPAddress
 

@@ -24,7 +24,8 @@ from typing import Literal
 
 from usproxy.endpoint import Endpoint
 from usproxy.explain import chain_names as names
-from usproxy.explain.service_set import Family, FamilyPort, IPNetwork, Node, ServiceSet
+from usproxy.explain.service_set import Family, FamilyPort, Node, ServiceSet
+from usproxy.types import IPNetwork
 
 Table = Literal["filter", "nat"]
 MARK_MASQ = "KUBE-MARK-MASQ"

@@ -10,12 +10,12 @@ computed with `usproxy.endpoint.categorize`. Invariant: values only, nothing her
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, TypeAlias
 
+from usproxy.types import IPNetwork
 from usproxy.endpoint import Endpoint, categorize, usable
 from usproxy.errors import ConfigError
 from usproxy.manifest import Manifests, load_file, manifest_files
@@ -23,7 +23,6 @@ from usproxy.service_port import ServicePort
 from usproxy.types import IPAddress, ServicePortName
 
 Family: TypeAlias = Literal[4, 6]
-IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
 FAMILIES: tuple[Family, ...] = (4, 6)
 
 

@@ -34,7 +34,8 @@ from typing import Any
 
 from usproxy.admin.events import EventHub
 from usproxy.metrics import Metrics
-from usproxy.config import IPNetwork, OffloadMode, ProxyConfig, parse_cidrs
+from usproxy.config import OffloadMode, ProxyConfig, parse_cidrs
+from usproxy.types import IPNetwork
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.endpoint import Endpoint
 from usproxy.errors import OffloadError

@@ -39,7 +39,8 @@ from usproxy.relay.tcp import ClientSide
 from usproxy.relay.tcp_listener import TcpListener
 from usproxy.relay.udp import UdpListener, UdpRelay
 from usproxy.service_port import LBPolicy, ServicePort
-from usproxy.source_ranges import IPNetwork, allowed_sources
+from usproxy.source_ranges import allowed_sources
+from usproxy.types import IPNetwork
 from usproxy.types import ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)

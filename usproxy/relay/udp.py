@@ -28,7 +28,7 @@ from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.relay.flow_owner import FlowOwner, SourceRefused, TrafficKind
 from usproxy.relay.source_filter import allows
-from usproxy.source_ranges import IPNetwork
+from usproxy.types import IPNetwork
 from usproxy.types import format_hostport
 
 log = logging.getLogger(__name__)

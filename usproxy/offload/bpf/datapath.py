@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
-from usproxy.node import IPNetwork
+from usproxy.types import IPNetwork
 from usproxy.offload.bpf import loader, nodeport, view
 from usproxy.offload.bpf.build import object_path
 from usproxy.offload.bpf import libbpf as bpf

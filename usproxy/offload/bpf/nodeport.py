@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from usproxy.node import IPNetwork
+from usproxy.types import IPNetwork
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf.layout import CtEntry, pack_u32, unpack_u32
 from usproxy.types import format_hostport

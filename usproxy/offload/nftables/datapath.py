@@ -16,7 +16,7 @@ import threading
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from usproxy.config import IPNetwork
+from usproxy.types import IPNetwork
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.errors import OffloadError
