@@ -41,6 +41,11 @@ def ext_chain(spn: ServicePortName) -> str:
     return "KUBE-EXT-" + port_proto_hash(spn)
 
 
+def fw_chain(spn: ServicePortName) -> str:
+    """KUBE-FW-*: loadBalancerSourceRanges of the LoadBalancer IPs."""
+    return "KUBE-FW-" + port_proto_hash(spn)
+
+
 def sep_chain(spn: ServicePortName, ep: Endpoint) -> str:
     """KUBE-SEP-*: one endpoint of one ServicePort."""
     return "KUBE-SEP-" + name_hash(str(spn) + spn.protocol.lower() + str(ep), 16)

@@ -11,8 +11,9 @@ evaluate, so the text shown and the path traced can never disagree. Output order
 order kube-proxy's own tests compare in (proxier_test.go sortIPTablesRules): tables by name;
 KUBE-NODEPORTS, KUBE-SERVICES, then the other chains alphabetically; KUBE-SERVICES and
 KUBE-NODEPORTS rules by Service name with the NodePort tail rule last. (kube-proxy itself writes
-Services in Go map order.) LoadBalancerSourceRanges (ServicePort.source_ranges, enforced by the
-datapaths) and health-check NodePorts are not rendered here yet.
+Services in Go map order.) loadBalancerSourceRanges: LB IP traffic goes through KUBE-FW-* (each
+allowed source jumps on to KUBE-EXT-*), and what falls out of it without DNAT is dropped by the filter
+table's KUBE-PROXY-FIREWALL; a healthCheckNodePort is accepted in the filter table's KUBE-NODEPORTS.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ MARK_MASQ = "KUBE-MARK-MASQ"
 SERVICES = "KUBE-SERVICES"
 NODEPORTS = "KUBE-NODEPORTS"
 EXTERNAL_SERVICES = "KUBE-EXTERNAL-SERVICES"
+PROXY_FIREWALL = "KUBE-PROXY-FIREWALL"
 POSTROUTING = "KUBE-POSTROUTING"
 NODEPORTS_TAIL = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
 LARGE_CLUSTER_ENDPOINTS = 1000  # largeClusterEndpointsThreshold: above it, SEP comments go
@@ -194,7 +196,7 @@ def build(ss: ServiceSet, family: Family, opts: Options = Options()) -> Ruleset:
 
 
 def _top_level(rs: Ruleset, ctx: _Ctx) -> None:
-    for chain in (SERVICES, EXTERNAL_SERVICES, "KUBE-FORWARD", NODEPORTS, "KUBE-PROXY-FIREWALL"):
+    for chain in (SERVICES, EXTERNAL_SERVICES, "KUBE-FORWARD", NODEPORTS, PROXY_FIREWALL):
         rs.chain("filter", chain)
     for chain in (SERVICES, NODEPORTS, POSTROUTING, MARK_MASQ):
         rs.chain("nat", chain)
@@ -225,6 +227,7 @@ class Plan:
     uses_cluster_chain: bool
     uses_local_chain: bool
     uses_ext_chain: bool
+    uses_fw_chain: bool
     internal_filter: tuple[str, str] | None  # (target, comment) when internal traffic is refused
     external_filter: tuple[str, str] | None
 
@@ -244,6 +247,7 @@ def plan(fp: FamilyPort) -> Plan:
         uses_cluster_chain=bool(fp.cluster) and fp.uses_cluster_endpoints,
         uses_local_chain=bool(fp.local) and fp.uses_local_endpoints,
         uses_ext_chain=fp.has_endpoints and fp.externally_accessible,
+        uses_fw_chain=fp.has_endpoints and fp.firewalled,
         internal_filter=None if has_internal else (none if not fp.has_endpoints else no_local),
         external_filter=None if has_external else (none if not fp.has_endpoints else no_local),
     )
@@ -254,6 +258,8 @@ def _service_port(rs: Ruleset, ctx: _Ctx, fp: FamilyPort) -> None:
     _capture(rs, ctx, fp, p)
     _internal(rs, ctx, fp, p)
     _external(rs, ctx, fp, p)
+    if p.uses_fw_chain:
+        _firewall(rs, ctx, fp)
     spn = fp.name
     if p.uses_cluster_chain:
         rs.chain("nat", names.svc_chain(spn))
@@ -274,16 +280,25 @@ def _capture(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
     elif p.internal_filter:
         rs.add(_Builder("filter", SERVICES).comment(p.internal_filter[1]).proto(fp.proto)
                .dst(str(fp.cluster_ip)).dport(port).jump(p.internal_filter[0]))
-    for kind, ips in (("external IP", fp.external_ips), ("loadbalancer IP", fp.lb_ips)):
+    lb_chain = names.fw_chain(spn) if p.uses_fw_chain else ext
+    for kind, ips, to in (("external IP", fp.external_ips, ext), ("loadbalancer IP", fp.lb_ips, lb_chain)):
         for ip in ips:
             if fp.has_endpoints:
                 rs.add(_Builder("nat", SERVICES).comment(f"{spn} {kind}").proto(fp.proto)
-                       .dst(str(ip)).dport(port).jump(ext))
+                       .dst(str(ip)).dport(port).jump(to))
+            if p.uses_fw_chain and kind == "loadbalancer IP":
+                rs.add(_Builder("filter", PROXY_FIREWALL)
+                       .comment(f"{spn} traffic not accepted by {names.fw_chain(spn)}")
+                       .proto(fp.proto).dst(str(ip)).dport(port).jump("DROP"))
             if p.external_filter:
                 rs.add(_Builder("filter", EXTERNAL_SERVICES).comment(p.external_filter[1])
                        .proto(fp.proto).dst(str(ip)).dport(port).jump(p.external_filter[0]))
     if fp.sp.node_port:
         _nodeport(rs, ctx, fp, p)
+    if fp.sp.health_check_node_port:
+        # Accepted whether or not this node has local endpoints (the health server answers 503).
+        rs.add(_Builder("filter", NODEPORTS).comment(f"{spn} health check node port").proto("tcp")
+               .dport(fp.sp.health_check_node_port).jump("ACCEPT"))
 
 
 def _nodeport(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
@@ -326,6 +341,18 @@ def _external(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
                .addrtype("src").jump(svc))
     if p.has_external:
         rs.add(_Builder("nat", ext).jump(p.external_policy_chain))
+
+
+def _firewall(rs: Ruleset, ctx: _Ctx, fp: FamilyPort) -> None:
+    """KUBE-FW-*: allowed sources go on to KUBE-EXT-*; the rest fall out of the chain without DNAT,
+    and KUBE-PROXY-FIREWALL (filter) drops them. NodePorts never come here (as kube-proxy)."""
+    spn, fw = fp.name, names.fw_chain(fp.name)
+    rs.chain("nat", fw)
+    for source in fp.firewall_sources(ctx.node):
+        rs.add(_Builder("nat", fw).comment(f"{spn} loadbalancer IP").src(source)
+               .jump(names.ext_chain(spn)))
+    rs.add(_Builder("nat", fw).comment(f"other traffic to {spn} will be dropped by {PROXY_FIREWALL}")
+           .jump(""))
 
 
 def _to_endpoints(ctx: _Ctx, fp: FamilyPort, chain: str, eps: Sequence[Endpoint]) -> list[Rule]:

@@ -7,7 +7,10 @@ filter-forward, filter-input, filter-output, nat-*; dispatch through the service
 service-nodeports verdict maps; per-ServicePort service-*/local-*/external-* chains with a
 `numgen random mod N vmap`; endpoint-* chains that mark hairpin traffic and dnat; services without
 endpoints land in no-endpoint-services / no-endpoint-nodeports (goto reject-chain, or drop when only
-local endpoints are missing); ClientIP affinity with per-endpoint dynamic timeout sets.
+local endpoints are missing); ClientIP affinity with per-endpoint dynamic timeout sets;
+loadBalancerSourceRanges as a firewall-ips element per LB IP going to a per-ServicePort
+firewall-* chain that drops other sources before DNAT (filter-*-pre-dnat). Services with a
+healthCheckNodePort get no rule here: kube-proxy's nftables mode opens none for it.
 
 `Table` is the structured result; `dump` writes it as kube-proxy's transaction (knftables
 `add ...` lines, what its tests compare), `listing` as `nft list table` prints it back (nft
@@ -214,6 +217,10 @@ def _service_port(t: Table, ss: ServiceSet, fp: FamilyPort) -> None:
     if p.uses_ext_chain:
         _external_chain(t, ss, fp, external, service,
                         local if fp.external_policy_local else service, p.has_external)
+    if fp.firewalled:
+        sources = " , ".join(fp.firewall_sources(ss.node))
+        t.chain(f"firewall-{base}")
+        t.rule(f"firewall-{base}", f"{t.ipx} saddr != {{ {sources} }} drop", verdict="drop")
     for ep in fp.reachable:
         _endpoint_chain(t, fp, ep)
 
@@ -230,6 +237,9 @@ def _elements(t: Table, fp: FamilyPort, p: Plan, internal_chain: str, external: 
     for ip in (*fp.external_ips, *fp.lb_ips):
         if fp.has_endpoints:
             t.element("service-ips", str(ip), proto, port, value=f"goto {external}")
+        if fp.firewalled and ip in fp.lb_ips:  # with or without endpoints, unlike iptables
+            t.element("firewall-ips", str(ip), proto, port,
+                      value=f"goto firewall-{names.nft_base(fp.name)}")
         if p.external_filter:
             t.element("no-endpoint-services", str(ip), proto, port,
                       value=verdict[p.external_filter[0]], comment=spn)

@@ -20,6 +20,7 @@ from usproxy.endpoint import Endpoint, categorize, usable
 from usproxy.errors import ConfigError
 from usproxy.manifest import Manifests, load_file, manifest_files
 from usproxy.service_port import ServicePort
+from usproxy.source_ranges import family_ranges
 from usproxy.types import IPAddress, ServicePortName
 
 Family: TypeAlias = Literal[4, 6]
@@ -58,7 +59,8 @@ class FamilyPort:
 
     `cluster` are the endpoints for "Cluster" policy, `local` for "Local" policy (this node's),
     `reachable` the union of the two that are in use; `has_endpoints` is true when the Service has
-    a usable endpoint anywhere (kube-proxy's hasAnyEndpoints).
+    a usable endpoint anywhere (kube-proxy's hasAnyEndpoints). `source_ranges` are this family's
+    loadBalancerSourceRanges (empty: LB IPs take any source; usproxy.source_ranges.family_ranges).
     """
 
     sp: ServicePort
@@ -70,6 +72,7 @@ class FamilyPort:
     cluster: tuple[Endpoint, ...]
     local: tuple[Endpoint, ...]
     has_endpoints: bool
+    source_ranges: tuple[IPNetwork, ...] = ()
 
     @property
     def name(self) -> ServicePortName:
@@ -99,6 +102,20 @@ class FamilyPort:
         access at all (an externalTrafficPolicy Local Service short-circuits pod and node traffic
         to the Cluster policy's endpoints, so its cluster chain is needed then too)."""
         return not self.internal_policy_local or self.externally_accessible
+
+    @property
+    def firewalled(self) -> bool:
+        """LoadBalancer IPs filtered by source (kube-proxy nftables' usesFWChain; iptables also
+        needs endpoints, see iptables.plan)."""
+        return bool(self.source_ranges and self.lb_ips)
+
+    def firewall_sources(self, node: Node) -> tuple[str, ...]:
+        """The sources a firewalled LB IP accepts, as kube-proxy writes them: each range, then
+        each LB IP when a range holds one of the node's addresses (a node reaching a VIP-style LB
+        IP is looped back with the LB IP as its source). The same set as
+        usproxy.source_ranges.allowed_sources, which the datapaths enforce."""
+        from_node = any(ip in r for r in self.source_ranges for ip in node.ips_of(self.family))
+        return (*map(str, self.source_ranges), *(map(str, self.lb_ips) if from_node else ()))
 
     @property
     def uses_local_endpoints(self) -> bool:
@@ -163,7 +180,7 @@ def family_port(sp: ServicePort, endpoints: Sequence[Endpoint], family: Family,
         sp=sp, family=family, cluster_ip=cluster_ips[0],
         external_ips=_of(family, sp.external_ips), lb_ips=_of(family, sp.load_balancer_ips),
         endpoints=eps, cluster=both.cluster, local=both.external,
-        has_endpoints=bool(usable(eps)),
+        has_endpoints=bool(usable(eps)), source_ranges=family_ranges(sp.source_ranges, family),
     )
 
 
