@@ -178,6 +178,7 @@ def _steps_of(w: Walker) -> list[tuple[str, Callable[[re.Match[str], Path], obje
         (r"^ip6? saddr @(\S+)", lambda m, p: lookup(m[1], ("new client",), p) is not None),
         (r"^ip6? daddr (!= )?\{ ([^}]*) \}", lambda m, p: _addr_in(pkt.dst, m[2]) != bool(m[1])),
         (r"^ip6? daddr (!= )?([0-9a-f.:/]+)", lambda m, p: _addr_in(pkt.dst, m[2]) != bool(m[1])),
+        (r"^ip6? saddr (!= )?\{ ([^}]*) \}", lambda m, p: _addr_in(pkt.src, m[2]) != bool(m[1])),
         (r"^ip6? saddr (!= )?([0-9a-f.:/]+)", lambda m, p: _addr_in(pkt.src, m[2]) != bool(m[1])),
         (r"^fib daddr type local", lambda m, p: pkt.dst_local),
         (r"^fib saddr type local", lambda m, p: pkt.src_local),

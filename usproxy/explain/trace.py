@@ -26,8 +26,9 @@ from usproxy.explain.ipvs_trace import trace_ipvs
 from usproxy.explain.nftables_trace import Walker as NftWalker
 from usproxy.explain.nftables_trace import parse_dump
 from usproxy.explain.packet import Packet, Path, parse_packet
-from usproxy.explain.service_set import ServiceSet
+from usproxy.explain.service_set import FamilyPort, ServiceSet
 from usproxy.explain.userspace import proxy_port
+from usproxy.source_ranges import allowed_sources, allows
 from usproxy.types import format_hostport
 
 __all__ = ["Packet", "Path", "TRACERS", "parse_packet", "render", "trace_bpf", "trace_iptables",
@@ -40,12 +41,18 @@ def _refused(pkt: Packet) -> str:
 
 # --- iptables, nftables --------------------------------------------------------------------
 
+IPTABLES_FILTER_CHAINS = (iptables.SERVICES, iptables.EXTERNAL_SERVICES, iptables.NODEPORTS,
+                          iptables.PROXY_FIREWALL)
+
+
 def trace_iptables(ss: ServiceSet, pkt: Packet) -> list[Path]:
-    """nat KUBE-SERVICES, then (not DNATed) filter KUBE-SERVICES and KUBE-EXTERNAL-SERVICES."""
+    """nat KUBE-SERVICES, then (not DNATed) the filter table's KUBE-SERVICES,
+    KUBE-EXTERNAL-SERVICES, KUBE-NODEPORTS and KUBE-PROXY-FIREWALL, in the order kube-proxy's
+    iptablesTracer runs them (a DNATed packet no longer has the Service address they match)."""
     w = Walker(parse_restore(iptables.render_ruleset(iptables.build(ss, pkt.dst.version))), pkt)
     out = []
     for p in w.walk("nat", iptables.SERVICES, Path()):
-        for chain in (iptables.SERVICES, iptables.EXTERNAL_SERVICES):  # ctstate NEW, no DNAT
+        for chain in IPTABLES_FILTER_CHAINS:  # ctstate NEW, no DNAT
             if not p.result:
                 p = w.walk("filter", chain, p)[0]  # filter rules carry no probability: one path
         p.result = p.result or "no Service rule matched: routed as addressed"
@@ -192,6 +199,12 @@ def _relay(ss: ServiceSet, pkt: Packet, p: Path) -> list[Path]:
         where = "a local address on usproxy0" if internal else "a local address of this node"
         eps = [str(e) for e in (fp.internal if internal else fp.external)]
         hostport = format_hostport(pkt.dst, pkt.dport)
+        if _relay_blocks(ss, fp, pkt):
+            p.note(f"usproxy: {hostport} is a LoadBalancer IP whose listener carries a socket filter "
+                   f"of loadBalancerSourceRanges; {pkt.src} is outside them (kube-proxy 1.0 had "
+                   "no such filter)")
+            p.result, p.lands = "dropped by the kernel before the handshake: no answer", "DROP"
+            return [p]
         if not eps:
             p.note(f"usproxy: {hostport} is {where}, but the relay does not listen while "
                           "the ServicePort has no usable endpoint")
@@ -209,6 +222,15 @@ def _relay(ss: ServiceSet, pkt: Packet, p: Path) -> list[Path]:
     else:
         p.result = "no listener: routed as addressed"
     return [p]
+
+
+def _relay_blocks(ss: ServiceSet, fp: FamilyPort, pkt: Packet) -> bool:
+    """Whether the relay's socket filter drops `pkt` (usproxy/relay/source_filter.py), with the
+    sources usproxy.source_ranges.allowed_sources gives the relay."""
+    if not fp.firewalled or pkt.dst not in fp.lb_ips or pkt.dport != fp.sp.port:
+        return False
+    sources = allowed_sources(fp.source_ranges, fp.family, fp.lb_ips, ss.node.ips)
+    return not allows(sources, pkt.src)
 
 
 def _split_relay(eps: list[str], p: Path, hop: str) -> list[Path]:
