@@ -173,7 +173,8 @@ class Walker:
         return simple[c.kind]()
 
     def in_set(self, spec: str, p: Path) -> bool:
-        """`--match-set NAME DIRS` against `ipset save`'s members (hash:ip[,port[,ip]], bitmap:port).
+        """`--match-set NAME DIRS` against `ipset save`'s members (hash:ip[,port[,ip|,net]],
+        bitmap:port).
 
         One ipset lookup is counted on `p`; a set `ipset save` does not list is empty."""
         name, dirs = spec.split()
@@ -185,6 +186,11 @@ class Walker:
         addr = {"src": str(pkt.src), "dst": str(pkt.dst)}
         port = {"dst": f"{pkt.p}:{pkt.dport}", "src": ""}
         d = dirs.split(",")
+        if typ == "hash:ip,port,net":  # members hold a CIDR: a match is containment, not equality
+            head = f"{addr[d[0]]},{port[d[1]]},"
+            ip = pkt.src if d[2] == "src" else pkt.dst
+            return any(m.startswith(head) and ip in ipaddress.ip_network(m[len(head):], strict=False)
+                       for m in members)
         shapes = {"hash:ip": lambda: addr[d[0]], "bitmap:port": lambda: str(pkt.dport),
                   "hash:ip,port": lambda: f"{addr[d[0]]},{port[d[1]]}",
                   "hash:ip,port,ip": lambda: f"{addr[d[0]]},{port[d[1]]},{addr[d[2]]}"}

@@ -4,7 +4,10 @@ Follows kube-proxy pkg/proxy/ipvs/proxier.go: one virtual server (scheduler rr, 
 <timeout>` for ClientIP affinity) per ClusterIP, externalIP, LoadBalancer IP and node address:NodePort,
 with Masq real servers of weight 1 (Local policy: this node's endpoints, falling back to the
 cluster-wide ones as syncEndpoint does); every virtual address bound to the kube-ipvs0 dummy device;
-the ipsets of ipset.go (IPv6 names use the KUBE-6- prefix); and writeIptablesRules' helper rules.
+the ipsets of ipset.go (IPv6 names use the KUBE-6- prefix); and writeIptablesRules' helper rules:
+the nat table's, and, when a LoadBalancer IP has loadBalancerSourceRanges, the filter table's
+KUBE-PROXY-FIREWALL / KUBE-SOURCE-RANGES-FIREWALL rules that drop other sources (the per-LB-IP
+KUBE-IPVS-OUT-FILTER rules that keep the node itself out when no range holds it are not shown).
 Listing formats: `ipvsadm -Ln` (services sorted by protocol, address, port), `ip addr show
 kube-ipvs0`, `ipset save`, iptables-restore.
 """
@@ -15,10 +18,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from usproxy.endpoint import Endpoint
-from usproxy.explain.service_set import Family, FamilyPort, ServiceSet
+from usproxy.explain.service_set import Family, FamilyPort, Node, ServiceSet
 from usproxy.types import IPAddress, format_hostport
 
 DUMMY = "kube-ipvs0"
+PROXY_FIREWALL = "KUBE-PROXY-FIREWALL"
+SOURCE_RANGES_FIREWALL = "KUBE-SOURCE-RANGES-FIREWALL"
 SET_COMMENTS = {
     "KUBE-LOOP-BACK": "Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose",
     "KUBE-CLUSTER-IP": "Kubernetes service cluster ip + port for masquerade purpose",
@@ -26,13 +31,20 @@ SET_COMMENTS = {
     "KUBE-EXTERNAL-IP-LOCAL": "Kubernetes service external ip + port with externalTrafficPolicy=local",
     "KUBE-LOAD-BALANCER": "Kubernetes service lb portal",
     "KUBE-LOAD-BALANCER-LOCAL": "Kubernetes service load balancer ip + port with externalTrafficPolicy=local",
+    "KUBE-LOAD-BALANCER-FW": "Kubernetes service load balancer ip + port for load balancer with sourceRange",
+    "KUBE-LOAD-BALANCER-SOURCE-IP":
+        "Kubernetes service load balancer ip + port + source IP for packet filter purpose",
+    "KUBE-LOAD-BALANCER-SOURCE-CIDR":
+        "Kubernetes service load balancer ip + port + source cidr for packet filter purpose",
     "KUBE-NODE-PORT-TCP": "Kubernetes nodeport TCP port for masquerade purpose",
     "KUBE-NODE-PORT-LOCAL-TCP": "Kubernetes nodeport TCP port with externalTrafficPolicy=local",
     "KUBE-NODE-PORT-UDP": "Kubernetes nodeport UDP port for masquerade purpose",
     "KUBE-NODE-PORT-LOCAL-UDP": "Kubernetes nodeport UDP port with externalTrafficPolicy=local",
     "KUBE-IPVS-IPS": "Addresses on the ipvs interface",
 }
-SET_TYPES = {"KUBE-LOOP-BACK": "hash:ip,port,ip", "KUBE-IPVS-IPS": "hash:ip"}
+SET_TYPES = {"KUBE-LOOP-BACK": "hash:ip,port,ip", "KUBE-IPVS-IPS": "hash:ip",
+             "KUBE-LOAD-BALANCER-SOURCE-IP": "hash:ip,port,ip",
+             "KUBE-LOAD-BALANCER-SOURCE-CIDR": "hash:ip,port,net"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +133,8 @@ def _set_entries(ss: ServiceSet, family: Family) -> dict[str, list[str]]:
         sets["KUBE-LOAD-BALANCER"] += [_entry(ip, p, port) for ip in fp.lb_ips]
         if fp.external_policy_local:
             sets["KUBE-LOAD-BALANCER-LOCAL"] += [_entry(ip, p, port) for ip in fp.lb_ips]
+        if fp.firewalled:
+            _firewall_entries(sets, fp, ss.node)
         if fp.sp.node_port and fp.sp.protocol in ("TCP", "UDP"):
             sets[f"KUBE-NODE-PORT-{fp.sp.protocol}"].append(str(fp.sp.node_port))
             if fp.external_policy_local:
@@ -129,6 +143,18 @@ def _set_entries(ss: ServiceSet, family: Family) -> dict[str, list[str]]:
                                    if ss.node.name and ep.node_name == ss.node.name]
     sets["KUBE-IPVS-IPS"] = [str(ip) for ip in dummy_addresses(ss, family)]
     return {k: sorted(set(v)) for k, v in sets.items()}
+
+
+def _firewall_entries(sets: dict[str, list[str]], fp: FamilyPort, node: Node) -> None:
+    """loadBalancerSourceRanges: each LB IP, each (LB IP, range), and (LB IP, LB IP) when a range
+    holds the node's address (kube-proxy's allowFromNode)."""
+    p, port = fp.proto, fp.sp.port
+    for ip in fp.lb_ips:
+        sets["KUBE-LOAD-BALANCER-FW"].append(_entry(ip, p, port))
+        sets["KUBE-LOAD-BALANCER-SOURCE-CIDR"] += [f"{_entry(ip, p, port)},{net}"
+                                                   for net in fp.source_ranges]
+        if fp.allows_from_node(node):
+            sets["KUBE-LOAD-BALANCER-SOURCE-IP"].append(f"{_entry(ip, p, port)},{ip}")
 
 
 def set_name(name: str, family: Family) -> str:
@@ -199,10 +225,33 @@ def _iptables(ss: ServiceSet, family: Family) -> Iterator[str]:
     yield f"-A KUBE-MARK-MASQ -j MARK --or-mark {mark}"
 
 
+def _firewall(ss: ServiceSet, family: Family) -> list[str]:
+    """The filter table's source-range rules (writeIptablesRules), when some LB IP has ranges."""
+    sets = _set_entries(ss, family)
+    if not sets["KUBE-LOAD-BALANCER-FW"]:
+        return []
+
+    def rule(chain: str, name: str, match: str, target: str) -> str:
+        return (f'-A {chain} -m comment --comment "{SET_COMMENTS[name]}" '
+                f"-m set --match-set {set_name(name, family)} {match} -j {target}")
+
+    lines = ["*filter", f":{PROXY_FIREWALL} - [0:0]", f":{SOURCE_RANGES_FIREWALL} - [0:0]",
+             rule(PROXY_FIREWALL, "KUBE-LOAD-BALANCER-FW", "dst,dst", SOURCE_RANGES_FIREWALL)]
+    lines += [rule(SOURCE_RANGES_FIREWALL, name, "dst,dst,src", "RETURN")
+              for name in ("KUBE-LOAD-BALANCER-SOURCE-CIDR", "KUBE-LOAD-BALANCER-SOURCE-IP") if sets[name]]
+    return [*lines, f"-A {SOURCE_RANGES_FIREWALL} -j DROP", "COMMIT"]
+
+
 def iptables_helpers(ss: ServiceSet, family: Family) -> str:
+    """iptables-restore input: the nat helpers, then the filter source-range rules if any."""
     chains = ("KUBE-SERVICES", "KUBE-POSTROUTING", "KUBE-NODE-PORT", "KUBE-LOAD-BALANCER", "KUBE-MARK-MASQ")
-    lines = ["*nat", *(f":{ch} - [0:0]" for ch in chains), *_iptables(ss, family), "COMMIT"]
+    lines = ["*nat", *(f":{ch} - [0:0]" for ch in chains), *_iptables(ss, family), "COMMIT",
+             *_firewall(ss, family)]
     return "\n".join(lines) + "\n"
+
+
+def _helpers_title(ss: ServiceSet, family: Family) -> str:
+    return "nat helpers and the source-range filter" if _firewall(ss, family) else "nat helpers"
 
 
 def render(ss: ServiceSet) -> str:
@@ -215,6 +264,6 @@ def render(ss: ServiceSet) -> str:
             f"# ipvsadm -Ln   (IPv{family})\n{note}{ipvsadm(vss)}\n"
             f"# ip addr show {DUMMY}\n{ip_addr(dummy_addresses(ss, family))}\n"
             f"# ipset save\n{ipset_save(ss, family)}\n"
-            f"# iptables-restore input (nat helpers kube-proxy's IPVS mode still needs)\n"
+            f"# iptables-restore input ({_helpers_title(ss, family)} kube-proxy's IPVS mode still needs)\n"
             f"{iptables_helpers(ss, family)}")
     return "\n".join(parts) if parts else "# no Services with a ClusterIP\n"

@@ -73,6 +73,13 @@ def trace_ipvs(ss: ServiceSet, pkt: Packet) -> list[Path]:
     sets = parse_ipsets(ipvs.ipset_save(ss, fam))
     p = Walker(rules, pkt, sets).walk("nat", "KUBE-SERVICES", Path())[0]  # no probabilities
     p.result = ""
+    if ("filter", ipvs.PROXY_FIREWALL) in rules:
+        # filter INPUT (priority 0) runs before IPVS's LOCAL_IN hook: a blocked source never
+        # reaches the service table.
+        p = Walker(rules, pkt, sets).walk("filter", ipvs.PROXY_FIREWALL, p)[0]
+        if p.lands == "DROP":
+            return [p]
+        p.result = ""
     services = parse_ipvsadm(ipvs.ipvsadm(ipvs.virtual_servers(ss, fam)))
     p.lookups += 1
     vs = services.get((pkt.proto, format_hostport(pkt.dst, pkt.dport)))

@@ -114,8 +114,13 @@ class FamilyPort:
         each LB IP when a range holds one of the node's addresses (a node reaching a VIP-style LB
         IP is looped back with the LB IP as its source). The same set as
         usproxy.source_ranges.allowed_sources, which the datapaths enforce."""
-        from_node = any(ip in r for r in self.source_ranges for ip in node.ips_of(self.family))
-        return (*map(str, self.source_ranges), *(map(str, self.lb_ips) if from_node else ()))
+        lb_ips = self.lb_ips if self.allows_from_node(node) else ()
+        return (*map(str, self.source_ranges), *map(str, lb_ips))
+
+    def allows_from_node(self, node: Node) -> bool:
+        """A range holds one of the node's addresses, so the LB IPs are allowed as sources too
+        (kube-proxy's allowFromNode)."""
+        return any(ip in r for r in self.source_ranges for ip in node.ips_of(self.family))
 
     @property
     def uses_local_endpoints(self) -> bool:
