@@ -24,6 +24,9 @@ def lines(mode: str, ss: ServiceSet, pkt: Packet, p: Path) -> list[str]:
     """What happens after the first packet of `p`, one sentence a line."""
     if p.lands in ("REJECT", "DROP", ""):
         return _no_connection(mode, pkt, p)
+    if p.lands == "ACCEPT":
+        return [f"nothing was translated: the connection is this node's own, to whatever listens on "
+                f"{_orig(pkt)} (the service health server), and its replies come from there"]
     if mode == "bpf" and p.result.startswith("nftables fallback"):
         return ["(usproxy's nftables fallback, as nftables mode:)", *_conntrack(ss, pkt, p, "nftables")]
     if mode in ("iptables", "nftables"):

@@ -55,6 +55,9 @@ def trace_iptables(ss: ServiceSet, pkt: Packet) -> list[Path]:
         for chain in IPTABLES_FILTER_CHAINS:  # ctstate NEW, no DNAT
             if not p.result:
                 p = w.walk("filter", chain, p)[0]  # filter rules carry no probability: one path
+        if p.result == "ACCEPT" and not p.lands:  # a filter ACCEPT, as kube-proxy's tracer reports it
+            p.result = "ACCEPT: delivered to the local listener (the health check server)"
+            p.lands = "ACCEPT"
         p.result = p.result or "no Service rule matched: routed as addressed"
         out.append(p)
     return out
