@@ -1,7 +1,8 @@
 """Every mode's trace against kube-proxy's packet-flow tests (tests/explain/flows/flows.yaml).
 
-Each flow of kube-proxy's nftables tests (runPacketFlowTests) is traced in all five modes over the
-Services of that test; the endpoints reached (or REJECT / DROP / "" for not handled) and the
+Each flow of kube-proxy's nftables tests (runPacketFlowTests; TestLoadBalancer's included), and
+the one of the iptables TestHealthCheckNodePort, is traced in all five modes over the Services of
+that test; the endpoints reached (or REJECT / DROP / ACCEPT / "" for not handled) and the
 masquerade mark must be kube-proxy's, or the per-mode difference the data names with its reason.
 A second set of tests holds each tracer to the text its mode renders: every rule counted is a rule
 printed, and the trace lists it (as matched, or in a run of rules that did not match).

@@ -4,7 +4,10 @@ The iptables and nftables renderers were checked line for line against kube-prox
 output (pkg/proxy/iptables/proxier_test.go TestOverallIPTablesRules and
 pkg/proxy/nftables/proxier_test.go TestOverallNFTablesRules); these goldens pin that behaviour for
 our Service sets (1, 3 and 0 endpoints, NodePort, externalTrafficPolicy Local, ClientIP affinity,
-UDP, dual-stack). Regenerate after an intended change with UPDATE_GOLDENS=1 and review the diff.
+UDP, dual-stack, and kube_proxy_overall: the Services of those two kube-proxy tests, with
+loadBalancerSourceRanges and a healthCheckNodePort, here rendered for our node; the comparison with
+kube-proxy's own expected text is test_kube_proxy_golden.py). Regenerate after an intended change
+with UPDATE_GOLDENS=1 and review the diff.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ class Node:
     """The node the rendering is for: what kube-proxy learns from flags and the Node object.
 
     `name` decides which endpoints are local (EndpointSlice nodeName); `ips` are the node
-    addresses (NodePort addresses, kube-proxy's --nodeport-addresses=primary); `cluster_cidrs`
+    addresses (NodePort addresses, kube-proxy's --nodeport-addresses=primary; also the node IP a
+    loadBalancerSourceRanges entry may hold, kube-proxy's allowFromNode); `cluster_cidrs`
     enable the local-traffic detector (kube-proxy --cluster-cidr, detect-local-mode ClusterCIDR);
     `service_cidrs` enable nftables' "drop traffic to unallocated ClusterIPs" rule.
     """
