@@ -55,6 +55,16 @@ def test_a_client_at_its_fair_share_is_refused_others_are_not() -> None:
     assert adm.table.per_client["10.0.0.66"] == 301
 
 
+def test_udp_is_never_refused_for_fair_share() -> None:
+    """A UDP flood from one client is bounded by eviction of the longest-idle UDP flow (C08), and
+    its UDP flows do not count against the same client's TCP share."""
+    adm = admission(800)
+    for port in range(1, 790):
+        adm.admit("UDP", A, ("10.0.0.66", port), FRONTEND)
+    assert adm.admit("TCP", B, ("10.0.0.66", 1), FRONTEND) is not None
+    assert adm.table.refused_fair_share == 0 and adm.table.per_client == {"10.0.0.66": 1}
+
+
 def test_no_client_is_limited_without_pressure() -> None:
     adm = admission(800)
     flows = [adm.admit("TCP", A, ("10.0.0.66", port), FRONTEND) for port in range(1, 700)]

@@ -6,8 +6,8 @@ or one datagram), state (a FlowState, named as the kernel's conntrack names them
 activity (monotonic seconds). The table is bounded by
 `max_flows` (kube-proxy's conntrack max rule; see ProxyConfig.conntrack_max): `add` raises
 FlowTableFull instead of growing, so callers can refuse a new connection cleanly. Insert, lookup
-and delete are O(1). The table also counts live flows per client address (`per_client`), which
-FlowAdmission reads for its fair share. A flow's owner may set `closer`, which ends the flow
+and delete are O(1). The table also counts live TCP flows per client address (`per_client`),
+which FlowAdmission reads for its fair share. A flow's owner may set `closer`, which ends the flow
 (both legs reset) when the relay times it out.
 """
 
@@ -99,7 +99,7 @@ class FlowTable:
         # Prometheus): flows opened and live per protocol, bytes of flows that ended.
         self.opened: dict[str, int] = {}
         self.live: dict[str, int] = {}
-        self.per_client: dict[str, int] = {}  # client address -> live flows
+        self.per_client: dict[str, int] = {}  # client address -> live TCP flows
         self.bytes_done = [0, 0]  # original (client -> endpoint), reply
 
     def add(self, flow: Flow) -> Flow:
@@ -111,19 +111,21 @@ class FlowTable:
         p = flow.protocol
         self.opened[p] = self.opened.get(p, 0) + 1
         self.live[p] = self.live.get(p, 0) + 1
-        c = flow.client[0]
-        self.per_client[c] = self.per_client.get(c, 0) + 1
+        if p == "TCP":
+            c = flow.client[0]
+            self.per_client[c] = self.per_client.get(c, 0) + 1
         return flow
 
     def remove(self, flow: Flow) -> None:
         if self._flows.pop(flow.id, None) is None:
             return
         self.live[flow.protocol] -= 1
-        c = flow.client[0]
-        if self.per_client[c] <= 1:
-            del self.per_client[c]
-        else:
-            self.per_client[c] -= 1
+        if flow.protocol == "TCP":
+            c = flow.client[0]
+            if self.per_client[c] <= 1:
+                del self.per_client[c]
+            else:
+                self.per_client[c] -= 1
         self.bytes_done[0] += flow.bytes_in
         self.bytes_done[1] += flow.bytes_out
 

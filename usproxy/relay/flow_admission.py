@@ -23,9 +23,10 @@ the table full is refused with FlowTableFull.
 
 Fair share (issue 18: one client's 9,872 idle connections to one Service got every other client of
 every Service reset): while the table or the descriptor budget is under pressure (7/8 of its bound
-or more), a client address that holds its fair share of the pressure mark (the mark divided by the
-number of client addresses with live flows) or more is refused; clients below their share are
-still admitted up to the bound. No client is limited while there is no pressure (an ingress
+or more), a new TCP connection from a client address that holds its fair share of the pressure mark
+(the mark divided by the number of client addresses with live TCP flows) or more is refused; clients
+below their share are still admitted up to the bound. UDP flows are not limited this way: the
+longest-idle one is evicted to make room (above), so they cannot lock anyone out (C08). No client is limited while there is no pressure (an ingress
 controller or a NATed network is one address with many legitimate connections).
 """
 
@@ -92,7 +93,7 @@ class FlowAdmission:
         if self._over_budget(need) and not (self.evict_idle() and not self._over_budget(need)):
             self.table.refused += 1
             raise FlowTableFull(f"descriptor budget of {self.descriptors} reached")
-        if self._over_fair_share(client[0], need):
+        if protocol == "TCP" and self._over_fair_share(client[0], need):
             self.table.refused += 1
             self.table.refused_fair_share += 1
             raise FlowTableFull(f"client {client[0]} holds its fair share of the flow table")
