@@ -16,12 +16,13 @@ from pathlib import Path
 from usproxy.errors import ConfigError
 from usproxy.explain import bpf, cost, iptables, ipvs, nftables, trace, userspace
 from usproxy.explain.live import read_live
+from usproxy.explain.packet import Packet
 from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
 from usproxy.types import IPNetwork
 from usproxy.manifest import Manifests, objects_from
 from usproxy.types import IPAddress
 
-MODES = ("userspace", "iptables", "ipvs", "nftables", "bpf")
+MODES = cost.ALL_MODES
 TITLES = {
     "userspace": "1. userspace: kube-proxy 1.0 portals and proxy, then usproxy's relay",
     "iptables": "2. iptables: kube-proxy's iptables mode",
@@ -123,7 +124,7 @@ def render_mode(ss: ServiceSet, mode: str, nft_format: str = "list") -> str:
 
 def render_all(ss: ServiceSet, modes: tuple[str, ...], nft_format: str = "list") -> str:
     parts = [render_mode(ss, m, nft_format) for m in modes]
-    parts.append("==== 6. why, in numbers ====\n\n" + cost.render(ss))
+    parts.append("==== 6. why, in numbers ====\n\n" + cost.render(ss, modes))
     if ss.skipped:
         parts.append("# skipped, as kube-proxy skips them:\n" + "\n".join(f"#   {s}" for s in ss.skipped) + "\n")
     return "\n".join(parts)
@@ -133,12 +134,31 @@ def _modes(mode: str) -> tuple[str, ...]:
     return MODES if mode == "all" else (mode,)
 
 
+def _service_addresses(ss: ServiceSet) -> set[IPAddress]:
+    return {ip for sp, _ in ss.ports for ip in (*sp.cluster_ips, *sp.external_ips, *sp.load_balancer_ips)}
+
+
+def nodeport_hint(ss: ServiceSet, pkt: Packet) -> str:
+    """A note when DST:PORT looks like a NodePort but DST is not a node address (--node-ip), so
+    every mode would route it as addressed; "" otherwise. NodePorts answer only on the node's
+    addresses (kube-proxy --nodeport-addresses), which explain learns from --node-ip alone."""
+    if pkt.dst_local or pkt.dst in _service_addresses(ss):
+        return ""
+    names = [str(sp.name) for sp, _ in ss.ports if sp.node_port == pkt.dport and sp.protocol == pkt.proto]
+    if not names:
+        return ""
+    known = ", ".join(map(str, ss.node.ips)) or "none given"
+    return (f"# note: port {pkt.dport}/{pkt.proto} is the NodePort of {', '.join(names)}, but {pkt.dst} is "
+            f"not one of this node's addresses (--node-ip: {known}); to trace it as a NodePort, "
+            f"pass --node-ip {pkt.dst}\n\n")
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["trace"]:
         targs = build_trace_parser().parse_args(argv[1:])
         ss = load(targs)
         pkt = trace.parse_packet(targs.src, targs.dst, ss)
-        print(trace.render(ss, pkt, _modes(targs.mode)), end="")
+        print(nodeport_hint(ss, pkt) + trace.render(ss, pkt, _modes(targs.mode)), end="")
         return 0
     args = build_parser().parse_args(argv)
     if args.html is not None:

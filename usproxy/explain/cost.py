@@ -94,28 +94,42 @@ def _nftables_change(ss: ServiceSet) -> int:
     return worst
 
 
-def render(ss: ServiceSet) -> str:
-    ipt_mean, ipt_worst, _ = _first_packet(ss, trace_iptables)
-    nft_mean, nft_worst, nft_lookups = _first_packet(ss, trace_nftables)
-    ipt_lines, ipt_full = _iptables_change(ss)
-    n_ports = sum(len(ss.family_ports(f)) for f in ss.families())
-    rows = [
-        ["userspace (1.0)", f"~{(n_ports + 1) / 2:.1f} portal rules, then a copy through userspace",
-         "0 (in-memory list)"],
-        ["usproxy relay", "1 socket lookup (ClusterIP is a local address), then a copy",
-         "0 kernel writes"],
-        ["iptables", f"{ipt_mean:.1f} rules (worst {ipt_worst}), linear in Services",
-         f"{ipt_lines} lines of iptables-restore (full sync: {ipt_full})"],
-        ["ipvs", "2 iptables rules + 2 ipset lookups + 1 IPVS hash lookup", "1 real server (+1 ipset entry if local)"],
-        ["nftables", f"{nft_mean:.1f} rules (worst {nft_worst}), {nft_lookups:.1f} map lookups",
-         f"{_nftables_change(ss)} commands in one transaction"],
-        ["bpf", "0 rules, 3 map lookups at connect()", "3 map elements (backend, slot, slot-0 count)"],
-    ]
+ALL_MODES = ("userspace", "iptables", "ipvs", "nftables", "bpf")
+
+
+def render(ss: ServiceSet, modes: tuple[str, ...] = ALL_MODES) -> str:
+    """The numbers table, one or two rows per mode of `modes` (userspace: kube-proxy 1.0 and
+    usproxy's relay), then the iptables probability ladders when iptables is among them."""
+    rows = [row for mode in ALL_MODES if mode in modes for row in _rows(ss, mode)]
     out = ["# Why, in numbers (a pod opening a new connection to each ClusterIP; one endpoint added)",
-           render_table(["MODE", "FIRST PACKET OF A NEW CONNECTION", "ONE ENDPOINT CHANGE WRITES"], rows),
-           "", "# iptables: each rule's probability and the share of new connections it really gets"]
-    out += _ladders(ss)
+           render_table(["MODE", "FIRST PACKET OF A NEW CONNECTION", "ONE ENDPOINT CHANGE WRITES"], rows)]
+    if "iptables" in modes:
+        out += ["", "# iptables: each rule's probability and the share of new connections it really gets"]
+        out += _ladders(ss)
     return "\n".join(out) + "\n"
+
+
+def _rows(ss: ServiceSet, mode: str) -> list[list[str]]:
+    """The table rows of one mode; only that mode's renderer and tracer run."""
+    if mode == "userspace":
+        n_ports = sum(len(ss.family_ports(f)) for f in ss.families())
+        return [["userspace (1.0)", f"~{(n_ports + 1) / 2:.1f} portal rules, then a copy through userspace",
+                 "0 (in-memory list)"],
+                ["usproxy relay", "1 socket lookup (ClusterIP is a local address), then a copy",
+                 "0 kernel writes"]]
+    if mode == "iptables":
+        ipt_mean, ipt_worst, _ = _first_packet(ss, trace_iptables)
+        ipt_lines, ipt_full = _iptables_change(ss)
+        return [["iptables", f"{ipt_mean:.1f} rules (worst {ipt_worst}), linear in Services",
+                 f"{ipt_lines} lines of iptables-restore (full sync: {ipt_full})"]]
+    if mode == "ipvs":
+        return [["ipvs", "2 iptables rules + 2 ipset lookups + 1 IPVS hash lookup",
+                 "1 real server (+1 ipset entry if local)"]]
+    if mode == "nftables":
+        nft_mean, nft_worst, nft_lookups = _first_packet(ss, trace_nftables)
+        return [["nftables", f"{nft_mean:.1f} rules (worst {nft_worst}), {nft_lookups:.1f} map lookups",
+                 f"{_nftables_change(ss)} commands in one transaction"]]
+    return [["bpf", "0 rules, 3 map lookups at connect()", "3 map elements (backend, slot, slot-0 count)"]]
 
 
 def _ladders(ss: ServiceSet) -> list[str]:
