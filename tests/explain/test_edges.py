@@ -47,3 +47,31 @@ def test_nodeport_trace_without_node_ip_says_what_to_pass(capsys: pytest.Capture
     assert rc == 0 and "NodePort of web/front:http" in out and "pass --node-ip 192.168.0.2" in out
     rc, out, _ = run([*argv, "--node-ip", "192.168.0.2"], capsys)
     assert rc == 0 and "--node-ip" not in out and "=> DNAT to" in out
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "apiVersion: v1\nkind: List\nitems: []\n"])
+def test_empty_input_says_there_is_nothing_to_show(text: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    rc, out, err = run(["--services", str(path)], capsys)
+    assert rc == 1 and out == "" and f"no Service with a ClusterIP in {path}: nothing to show" in err
+    rc, out, err = run(["trace", "10.0.0.1", "10.96.0.1:80/TCP", "--services", str(path)], capsys)
+    assert rc == 1 and out == "" and "nothing to show" in err
+
+
+@pytest.mark.parametrize("name, text, where", [
+    ("bad.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: a\n  x: [\n", "line 4, column 4"),
+    ("tab.yaml", "kind: Service\n\tmetadata: {}\n", "line 2, column 1"),
+    ("bad.json", '{"apiVersion": "v1",\n "kind": "Service",, }\n', "line 2, column 20"),
+])
+def test_parse_errors_name_file_line_and_column(name: str, text: str, where: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from usproxy.app import cli as top
+
+    path = tmp_path / name
+    path.write_text(text)
+    rc = top.main(["explain", "--services", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{path}: cannot parse at {where}: " in err
+    assert "<unicode string>" not in err

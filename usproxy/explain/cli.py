@@ -2,7 +2,7 @@
 
 `main(argv)` gets everything after `explain`. Bad input raises ConfigError (usproxy/app/cli.py turns
 it into exit 2 with the object and field named); argparse usage errors exit 2 as well; `--live`
-with nothing readable exits 1.
+with nothing readable exits 1, and so does an input with no Service to render (nothing to show).
 """
 
 from __future__ import annotations
@@ -153,13 +153,31 @@ def nodeport_hint(ss: ServiceSet, pkt: Packet) -> str:
             f"pass --node-ip {pkt.dst}\n\n")
 
 
+def empty(ss: ServiceSet, args: argparse.Namespace) -> bool:
+    """True (and says so on stderr) when the input holds no ServicePort any mode would render."""
+    if ss.ports:
+        return False
+    source = args.services if args.kubeconfig is None else "the API server"
+    print(f"usproxy explain: no Service with a ClusterIP in {source}: nothing to show", file=sys.stderr)
+    for s in ss.skipped:
+        print(f"usproxy explain: skipped, as kube-proxy skips it: {s}", file=sys.stderr)
+    return True
+
+
+def _trace(argv: list[str]) -> int:
+    args = build_trace_parser().parse_args(argv)
+    ss = load(args)
+    pkt = trace.parse_packet(args.src, args.dst, ss)
+    if empty(ss, args):
+        return 1
+    print(nodeport_hint(ss, pkt) + trace.render(ss, pkt, _modes(args.mode)), end="")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    """Exit 0; 1 when there is nothing to show (no Service in the input, or --live found nothing)."""
     if argv[:1] == ["trace"]:
-        targs = build_trace_parser().parse_args(argv[1:])
-        ss = load(targs)
-        pkt = trace.parse_packet(targs.src, targs.dst, ss)
-        print(nodeport_hint(ss, pkt) + trace.render(ss, pkt, _modes(targs.mode)), end="")
-        return 0
+        return _trace(argv[1:])
     args = build_parser().parse_args(argv)
     if args.html is not None:
         from usproxy.admin import standalone_page
@@ -168,7 +186,11 @@ def main(argv: list[str]) -> int:
         print(f"usproxy explain: wrote {args.html}")
         return 0
     if args.services is not None or not args.live:
-        print(render_all(load(args), _modes(args.mode), args.nft_format), end="")
+        ss = load(args)
+        if empty(ss, args) and not args.live:
+            return 1
+        if ss.ports:
+            print(render_all(ss, _modes(args.mode), args.nft_format), end="")
     if args.live:
         live = read_live(args.metrics_bind_address)
         if live is None:
