@@ -75,3 +75,45 @@ def test_parse_errors_name_file_line_and_column(name: str, text: str, where: str
     err = capsys.readouterr().err
     assert rc == 2 and f"{path}: cannot parse at {where}: " in err
     assert "<unicode string>" not in err
+
+
+@pytest.fixture
+def stub_pins(monkeypatch: pytest.MonkeyPatch, own_pin_root: Path, tmp_path: Path) -> Path:
+    """Pins "left" under the test's own pin root (the reader is replaced: it answers only for that
+    root), no nftables table, and the agent's lock directory moved under tmp_path."""
+    from usproxy.app import agent
+    from usproxy.explain import live
+    from usproxy.offload.bpf import view
+
+    def render_pinned(pin_root: Path | None = None) -> str | None:
+        return f"# bpf socket LB pinned at {own_pin_root}/v1" if pin_root in (None, own_pin_root) else None
+
+    monkeypatch.setattr(view, "render_pinned", render_pinned)
+    monkeypatch.setattr(live, "_nft_tables", lambda: [])
+    monkeypatch.setattr(agent, "LOCK_DIR", tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_live_marks_pins_no_running_agent_owns_as_orphaned(stub_pins: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.explain.test_cli import dead_address
+
+    rc, out, _ = run(["--live", "--metrics-bind-address", dead_address()], capsys)
+    assert rc == 0 and "# live kernel state (bpf pins): ORPHANED: no running usproxy agent" in out
+    assert out.index("ORPHANED") < out.index("# bpf socket LB pinned at")
+
+
+def test_live_marks_pins_of_the_agent_holding_the_offload_lock_as_owned(
+        stub_pins: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    from tests.explain.test_cli import dead_address
+    from usproxy.app.agent import NetnsLock
+
+    lock = NetnsLock("offload")  # what a running offloading agent holds
+    lock.acquire()
+    try:
+        rc, out, _ = run(["--live", "--metrics-bind-address", dead_address()], capsys)
+    finally:
+        lock.release()
+    assert rc == 0 and f"owned by the running agent, pid {os.getpid()}" in out and "ORPHANED" not in out
