@@ -117,3 +117,23 @@ def test_live_marks_pins_of_the_agent_holding_the_offload_lock_as_owned(
     finally:
         lock.release()
     assert rc == 0 and f"owned by the running agent, pid {os.getpid()}" in out and "ORPHANED" not in out
+
+
+NAT_ENTRY = ['-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES',
+             '-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES',
+             '-A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING']
+
+
+def test_iptables_view_and_trace_show_the_entry_jumps(capsys: pytest.CaptureFixture[str]) -> None:
+    clusterip = str(FIXTURES / "clusterip.yaml")
+    rc, out, _ = run(["--services", clusterip, "--mode", "iptables"], capsys)
+    nat = out[out.index("# entry jumps"):].split("*nat\n")[1].split("\nCOMMIT")[0].splitlines()
+    assert rc == 0 and nat == NAT_ENTRY  # as kube-proxy's iptables-save shows them, in that order
+    assert ('-A FORWARD -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" '
+            "-j KUBE-SERVICES") in out
+    for src, first in (("10.244.9.9", "nat PREROUTING rule 1"), ("192.168.0.2", "nat OUTPUT rule 1")):
+        rc, out, _ = run(["trace", src, "10.96.1.1:80/TCP", "--services", clusterip, "--mode", "iptables",
+                          "--node-ip", "192.168.0.2"], capsys)
+        hops = [line.strip() for line in out.splitlines() if line.startswith("    ")]
+        assert rc == 0 and hops[0].startswith(first), src
+        assert f"nat POSTROUTING rule 1: {NAT_ENTRY[2]}" in hops
