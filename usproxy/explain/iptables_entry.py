@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import Literal
+
+Table = Literal["filter", "nat"]
 
 
 @dataclass(frozen=True, slots=True)
 class Jump:
     """One entry jump: `-A <base> ... -j <target>` in `table`."""
 
-    table: str
+    table: Table
     base: str
     target: str
     comment: str
@@ -55,20 +58,20 @@ JUMPS: tuple[Jump, ...] = (
     Jump("filter", "INPUT", "KUBE-FIREWALL", "", False),
     Jump("filter", "OUTPUT", "KUBE-FIREWALL", "", False),
 )
-BUILTIN = {"filter": ("INPUT", "FORWARD", "OUTPUT"), "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING")}
+BUILTIN: dict[Table, tuple[str, ...]] = {"filter": ("INPUT", "FORWARD", "OUTPUT"), "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING")}
 
 
-def listed(declared: Mapping[str, Collection[str]]) -> list[Jump]:
+def listed(declared: Mapping[Table, Collection[str]]) -> list[Jump]:
     """The jumps to chains `declared` (table -> chain names), in iptables-save order."""
     present = [j for j in JUMPS if j.target in declared.get(j.table, ())]
-    out = []
+    out: list[Jump] = []
     for table, bases in BUILTIN.items():
         for base in bases:
             out += reversed([j for j in present if j.table == table and j.base == base])
     return out
 
 
-def render(declared: Mapping[str, Collection[str]]) -> str:
+def render(declared: Mapping[Table, Collection[str]]) -> str:
     """The jumps as an iptables-save excerpt (one block per table), or "" when there are none."""
     jumps = listed(declared)
     lines = []
