@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from usproxy.errors import ConfigError
-from usproxy.explain import bpf, cost, iptables, ipvs, nftables, trace, userspace
+from usproxy.explain import bpf, cost, diff, iptables, ipvs, nftables, trace, userspace
 from usproxy.explain.live import read_live
 from usproxy.explain.packet import Packet
 from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="usproxy explain",
                                 description="render Services as each kube-proxy mode holds them",
                                 epilog="usproxy explain trace SRC DST:PORT/PROTO --services PATH: the path one "
-                                       "new connection takes through each mode (see `usproxy explain trace -h`)")
+                                       "new connection takes through each mode (see `usproxy explain trace -h`); "
+                                       "usproxy explain diff OLD NEW: what one change does to each mode's rules")
     _common(p)
     p.add_argument("--live", action="store_true", help="also show this node's running agent")
     p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT")
@@ -174,10 +175,33 @@ def _trace(argv: list[str]) -> int:
     return 0
 
 
+def build_diff_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="usproxy explain diff",
+                                description="what one change of the Services changes in each mode's rules")
+    p.add_argument("old", type=Path, metavar="OLD", help="manifests before the change (file or directory)")
+    p.add_argument("new", type=Path, metavar="NEW", help="manifests after the change")
+    _common(p)
+    return p
+
+
+def _diff(argv: list[str]) -> int:
+    args = build_diff_parser().parse_args(argv)
+    node = node_from(args)
+    old, new = (service_set(load_manifests(path), node) for path in (args.old, args.new))
+
+    def view(ss: ServiceSet, mode: str) -> str:
+        return render_mode(ss, mode, "dump") if ss.ports else "# no Services with a ClusterIP\n"
+
+    print(diff.render(old, new, _modes(args.mode), view, TITLES), end="")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Exit 0; 1 when there is nothing to show (no Service in the input, or --live found nothing)."""
     if argv[:1] == ["trace"]:
         return _trace(argv[1:])
+    if argv[:1] == ["diff"]:
+        return _diff(argv[1:])
     args = build_parser().parse_args(argv)
     if args.html is not None:
         from usproxy.admin import standalone_page

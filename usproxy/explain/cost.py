@@ -16,6 +16,7 @@ new connections its endpoint really gets: rule i of n matches with 1/(n-i) of wh
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from fractions import Fraction
 
 from usproxy.explain import iptables, nftables
@@ -65,18 +66,21 @@ def _first_packet(ss: ServiceSet, tracer: object) -> tuple[float, int, float]:
 PER_SERVICE_CHAINS = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-")
 
 
-def iptables_partial_lines(rs: iptables.Ruleset, fp: FamilyPort) -> int:
-    """iptables-restore lines of the partial sync that rewrites `fp`'s chains, as kube-proxy
+def iptables_partial_lines(rs: iptables.Ruleset, fps: Iterable[FamilyPort], deleted: int = 0) -> int:
+    """iptables-restore lines of the partial sync that rewrites the chains of `fps`, as kube-proxy
     writes it (pkg/proxy/iptables/proxier.go syncProxyRules with tryPartialSync): the filter table
-    in full, the nat table's top-level chains in full, and only `fp`'s own KUBE-SVC/SVL/EXT/SEP
-    chains; each table as `*table`, its chain lines, its rules and COMMIT. On kube-proxy's
+    in full, the nat table's top-level chains in full, and only the KUBE-SVC/SVL/EXT/SEP chains of
+    `fps`; each table as `*table`, its chain lines, its rules and COMMIT; plus a chain line and an
+    `-X` line for each of `deleted` chains no longer used. On kube-proxy's
     TestSyncProxyRulesRepeated states this is its golden's line count (32 after svc3 is added)."""
-    own = {names.svc_chain(fp.name), names.svl_chain(fp.name), names.ext_chain(fp.name),
-           *(names.sep_chain(fp.name, ep) for ep in fp.reachable)}
+    own: set[str] = set()
+    for fp in fps:
+        own |= {names.svc_chain(fp.name), names.svl_chain(fp.name), names.ext_chain(fp.name),
+                *(names.sep_chain(fp.name, ep) for ep in fp.reachable)}
     nat = [c for c in rs.chains["nat"] if c in own or not c.startswith(PER_SERVICE_CHAINS)]
     filter_lines = 2 + len(rs.chains["filter"]) + sum(1 for r in rs.rules if r.table == "filter")
     nat_rules = sum(len(rs.in_chain("nat", c)) for c in nat)
-    return filter_lines + 2 + len(nat) + nat_rules
+    return filter_lines + 2 + len(nat) + nat_rules + 2 * deleted
 
 
 def _iptables_change(ss: ServiceSet) -> tuple[int, int]:
@@ -86,7 +90,7 @@ def _iptables_change(ss: ServiceSet) -> tuple[int, int]:
     for family in ss.families():
         rs = iptables.build(ss, family)
         full += len(iptables.render_ruleset(rs).splitlines())
-        worst += max((iptables_partial_lines(rs, fp) for fp in ss.family_ports(family)), default=0)
+        worst += max((iptables_partial_lines(rs, (fp,)) for fp in ss.family_ports(family)), default=0)
     return worst, full
 
 
