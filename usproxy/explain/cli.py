@@ -1,4 +1,4 @@
-"""`usproxy explain` and `usproxy explain trace`: argument parsing and the order of the views.
+"""`usproxy explain`, `explain trace` and `explain diff`: argument parsing and the order of the views.
 
 `main(argv)` gets everything after `explain`. Bad input raises ConfigError (usproxy/app/cli.py turns
 it into exit 2 with the object and field named); argparse usage errors exit 2 as well; `--live`
@@ -32,9 +32,12 @@ TITLES = {
 }
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--services", type=Path, metavar="PATH", help="Kubernetes manifests (file or directory)")
-    p.add_argument("--kubeconfig", type=Path, help="list the Services of a live API server instead of --services")
+def _common(p: argparse.ArgumentParser, inputs: bool = True) -> None:
+    """The options every view takes; `inputs`: also where the Services come from (diff takes
+    two paths instead, and always shows nftables as its transaction lines)."""
+    if inputs:
+        p.add_argument("--services", type=Path, metavar="PATH", help="Kubernetes manifests (file or directory)")
+        p.add_argument("--kubeconfig", type=Path, help="list the Services of a live API server instead of --services")
     p.add_argument("--mode", default="all", choices=[*MODES, "all"])
     p.add_argument("--node-ip", action="append", default=[], metavar="IP",
                    help="this node's address (repeat or comma-separate); NodePort addresses")
@@ -42,8 +45,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-cidr", action="append", default=[], metavar="CIDR",
                    help="pod CIDR: enables kube-proxy's local-traffic masquerade rules")
     p.add_argument("--service-cidr", action="append", default=[], metavar="CIDR")
-    p.add_argument("--nft-format", choices=["list", "dump"], default="list",
-                   help="`nft list table` text, or kube-proxy's transaction lines")
+    if inputs:
+        p.add_argument("--nft-format", choices=["list", "dump"], default="list",
+                       help="`nft list table` text, or kube-proxy's transaction lines")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +184,7 @@ def build_diff_parser() -> argparse.ArgumentParser:
                                 description="what one change of the Services changes in each mode's rules")
     p.add_argument("old", type=Path, metavar="OLD", help="manifests before the change (file or directory)")
     p.add_argument("new", type=Path, metavar="NEW", help="manifests after the change")
-    _common(p)
+    _common(p, inputs=False)
     return p
 
 
