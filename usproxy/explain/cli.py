@@ -1,4 +1,4 @@
-"""`usproxy explain`, `explain trace` and `explain diff`: argument parsing and the order of the views.
+"""`usproxy explain`, `explain trace`, `explain diff`: arguments and the order of the views.
 
 `main(argv)` gets everything after `explain`. Bad input raises ConfigError (usproxy/app/cli.py turns
 it into exit 2 with the object and field named); argparse usage errors exit 2 as well; `--live`
