@@ -74,8 +74,8 @@ items:
 
 def test_udp_endpoint_changes_list_the_conntrack_entries_kube_proxy_deletes(tmp_path: Path) -> None:
     files = {}
-    for name, eps in (("two", "{addresses: [10.0.1.1]}, {addresses: [10.0.1.2]}"), ("one", "{addresses: [10.0.1.2]}"),
-                      ("none", "")):
+    for name, eps in (("two", "{addresses: [10.0.1.1]}, {addresses: [10.0.1.2]}"),
+                      ("one", "{addresses: [10.0.1.2]}"), ("none", "")):
         files[name] = tmp_path / f"{name}.yaml"
         files[name].write_text(UDP % eps)
     two, one, none = (service_set(load_manifests(files[n]), NODE) for n in ("two", "one", "none"))

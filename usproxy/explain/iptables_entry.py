@@ -58,7 +58,10 @@ JUMPS: tuple[Jump, ...] = (
     Jump("filter", "INPUT", "KUBE-FIREWALL", "", False),
     Jump("filter", "OUTPUT", "KUBE-FIREWALL", "", False),
 )
-BUILTIN: dict[Table, tuple[str, ...]] = {"filter": ("INPUT", "FORWARD", "OUTPUT"), "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING")}
+BUILTIN: dict[Table, tuple[str, ...]] = {  # the built-in chains, in the order iptables-save lists them
+    "filter": ("INPUT", "FORWARD", "OUTPUT"),
+    "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
+}
 
 
 def listed(declared: Mapping[Table, Collection[str]]) -> list[Jump]:
