@@ -116,7 +116,7 @@ def parse_documents(text: str, source: str = "<input>") -> list[Mapping[str, Any
     try:
         docs = _parse(text)
     except (yaml.YAMLError, json.JSONDecodeError, RecursionError, ValueError) as err:
-        raise ConfigError(f"cannot parse: {_first_line(err)}", obj=source) from None
+        raise ConfigError(f"cannot parse{_position(err)}: {_problem(err)}", obj=source) from None
     out: list[Mapping[str, Any]] = []
     for i, doc in enumerate(docs):
         out.extend(_flatten(doc, f"{source}: document {i}"))
@@ -134,6 +134,29 @@ def _parse(text: str) -> list[Any]:
 
 def _first_line(err: BaseException) -> str:
     return " ".join(str(err).split())[:300]
+
+
+def _position(err: BaseException) -> str:
+    """" at line L, column C" (1-based) of a YAML or JSON parse error, or "" when it has none."""
+    if isinstance(err, json.JSONDecodeError):
+        return f" at line {err.lineno}, column {err.colno}"
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    if mark is None:
+        return ""
+    return f" at line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _problem(err: BaseException) -> str:
+    """The parser's complaint without PyYAML's `in "<unicode string>"` marks (the file is named
+    by the caller, the position by _position)."""
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem:
+        started = err.context_mark
+        at = f" started at line {started.line + 1}, column {started.column + 1}" if started else ""
+        context = f" ({err.context}{at})" if err.context else ""
+        return _first_line(ValueError(f"{err.problem}{context}"))
+    if isinstance(err, json.JSONDecodeError):
+        return err.msg
+    return _first_line(err)
 
 
 def _flatten(doc: Any, where: str) -> Iterator[Mapping[str, Any]]:

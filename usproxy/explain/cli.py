@@ -1,8 +1,8 @@
-"""`usproxy explain` and `usproxy explain trace`: argument parsing and the order of the views.
+"""`usproxy explain`, `explain trace`, `explain diff`: arguments and the order of the views.
 
 `main(argv)` gets everything after `explain`. Bad input raises ConfigError (usproxy/app/cli.py turns
 it into exit 2 with the object and field named); argparse usage errors exit 2 as well; `--live`
-with nothing readable exits 1.
+with nothing readable exits 1, and so does an input with no Service to render (nothing to show).
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from usproxy.errors import ConfigError
-from usproxy.explain import bpf, cost, iptables, ipvs, nftables, trace, userspace
+from usproxy.explain import bpf, cost, diff, iptables, ipvs, nftables, trace, userspace
 from usproxy.explain.live import read_live
+from usproxy.explain.packet import Packet
 from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
 from usproxy.types import IPNetwork
 from usproxy.manifest import Manifests, objects_from
 from usproxy.types import IPAddress
 
-MODES = ("userspace", "iptables", "ipvs", "nftables", "bpf")
+MODES = cost.ALL_MODES
 TITLES = {
     "userspace": "1. userspace: kube-proxy 1.0 portals and proxy, then usproxy's relay",
     "iptables": "2. iptables: kube-proxy's iptables mode",
@@ -31,9 +32,12 @@ TITLES = {
 }
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--services", type=Path, metavar="PATH", help="Kubernetes manifests (file or directory)")
-    p.add_argument("--kubeconfig", type=Path, help="list the Services of a live API server instead of --services")
+def _common(p: argparse.ArgumentParser, inputs: bool = True) -> None:
+    """The options every view takes; `inputs`: also where the Services come from (diff takes
+    two paths instead, and always shows nftables as its transaction lines)."""
+    if inputs:
+        p.add_argument("--services", type=Path, metavar="PATH", help="Kubernetes manifests (file or directory)")
+        p.add_argument("--kubeconfig", type=Path, help="list the Services of a live API server instead of --services")
     p.add_argument("--mode", default="all", choices=[*MODES, "all"])
     p.add_argument("--node-ip", action="append", default=[], metavar="IP",
                    help="this node's address (repeat or comma-separate); NodePort addresses")
@@ -41,15 +45,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-cidr", action="append", default=[], metavar="CIDR",
                    help="pod CIDR: enables kube-proxy's local-traffic masquerade rules")
     p.add_argument("--service-cidr", action="append", default=[], metavar="CIDR")
-    p.add_argument("--nft-format", choices=["list", "dump"], default="list",
-                   help="`nft list table` text, or kube-proxy's transaction lines")
+    if inputs:
+        p.add_argument("--nft-format", choices=["list", "dump"], default="list",
+                       help="`nft list table` text, or kube-proxy's transaction lines")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="usproxy explain",
                                 description="render Services as each kube-proxy mode holds them",
                                 epilog="usproxy explain trace SRC DST:PORT/PROTO --services PATH: the path one "
-                                       "new connection takes through each mode (see `usproxy explain trace -h`)")
+                                       "new connection takes through each mode (see `usproxy explain trace -h`); "
+                                       "usproxy explain diff OLD NEW: what one change does to each mode's rules")
     _common(p)
     p.add_argument("--live", action="store_true", help="also show this node's running agent")
     p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT")
@@ -123,7 +129,7 @@ def render_mode(ss: ServiceSet, mode: str, nft_format: str = "list") -> str:
 
 def render_all(ss: ServiceSet, modes: tuple[str, ...], nft_format: str = "list") -> str:
     parts = [render_mode(ss, m, nft_format) for m in modes]
-    parts.append("==== 6. why, in numbers ====\n\n" + cost.render(ss))
+    parts.append("==== 6. why, in numbers ====\n\n" + cost.render(ss, modes))
     if ss.skipped:
         parts.append("# skipped, as kube-proxy skips them:\n" + "\n".join(f"#   {s}" for s in ss.skipped) + "\n")
     return "\n".join(parts)
@@ -133,13 +139,73 @@ def _modes(mode: str) -> tuple[str, ...]:
     return MODES if mode == "all" else (mode,)
 
 
+def _service_addresses(ss: ServiceSet) -> set[IPAddress]:
+    return {ip for sp, _ in ss.ports for ip in (*sp.cluster_ips, *sp.external_ips, *sp.load_balancer_ips)}
+
+
+def nodeport_hint(ss: ServiceSet, pkt: Packet) -> str:
+    """A note when DST:PORT looks like a NodePort but DST is not a node address (--node-ip), so
+    every mode would route it as addressed; "" otherwise. NodePorts answer only on the node's
+    addresses (kube-proxy --nodeport-addresses), which explain learns from --node-ip alone."""
+    if pkt.dst_local or pkt.dst in _service_addresses(ss):
+        return ""
+    names = [str(sp.name) for sp, _ in ss.ports if sp.node_port == pkt.dport and sp.protocol == pkt.proto]
+    if not names:
+        return ""
+    known = ", ".join(map(str, ss.node.ips)) or "none given"
+    return (f"# note: port {pkt.dport}/{pkt.proto} is the NodePort of {', '.join(names)}, but {pkt.dst} is "
+            f"not one of this node's addresses (--node-ip: {known}); to trace it as a NodePort, "
+            f"pass --node-ip {pkt.dst}\n\n")
+
+
+def empty(ss: ServiceSet, args: argparse.Namespace) -> bool:
+    """True (and says so on stderr) when the input holds no ServicePort any mode would render."""
+    if ss.ports:
+        return False
+    source = args.services if args.kubeconfig is None else "the API server"
+    print(f"usproxy explain: no Service with a ClusterIP in {source}: nothing to show", file=sys.stderr)
+    for s in ss.skipped:
+        print(f"usproxy explain: skipped, as kube-proxy skips it: {s}", file=sys.stderr)
+    return True
+
+
+def _trace(argv: list[str]) -> int:
+    args = build_trace_parser().parse_args(argv)
+    ss = load(args)
+    pkt = trace.parse_packet(args.src, args.dst, ss)
+    if empty(ss, args):
+        return 1
+    print(nodeport_hint(ss, pkt) + trace.render(ss, pkt, _modes(args.mode)), end="")
+    return 0
+
+
+def build_diff_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="usproxy explain diff",
+                                description="what one change of the Services changes in each mode's rules")
+    p.add_argument("old", type=Path, metavar="OLD", help="manifests before the change (file or directory)")
+    p.add_argument("new", type=Path, metavar="NEW", help="manifests after the change")
+    _common(p, inputs=False)
+    return p
+
+
+def _diff(argv: list[str]) -> int:
+    args = build_diff_parser().parse_args(argv)
+    node = node_from(args)
+    old, new = (service_set(load_manifests(path), node) for path in (args.old, args.new))
+
+    def view(ss: ServiceSet, mode: str) -> str:
+        return render_mode(ss, mode, "dump") if ss.ports else "# no Services with a ClusterIP\n"
+
+    print(diff.render(old, new, _modes(args.mode), view, TITLES), end="")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    """Exit 0; 1 when there is nothing to show (no Service in the input, or --live found nothing)."""
     if argv[:1] == ["trace"]:
-        targs = build_trace_parser().parse_args(argv[1:])
-        ss = load(targs)
-        pkt = trace.parse_packet(targs.src, targs.dst, ss)
-        print(trace.render(ss, pkt, _modes(targs.mode)), end="")
-        return 0
+        return _trace(argv[1:])
+    if argv[:1] == ["diff"]:
+        return _diff(argv[1:])
     args = build_parser().parse_args(argv)
     if args.html is not None:
         from usproxy.admin import standalone_page
@@ -148,7 +214,11 @@ def main(argv: list[str]) -> int:
         print(f"usproxy explain: wrote {args.html}")
         return 0
     if args.services is not None or not args.live:
-        print(render_all(load(args), _modes(args.mode), args.nft_format), end="")
+        ss = load(args)
+        if empty(ss, args) and not args.live:
+            return 1
+        if ss.ports:
+            print(render_all(ss, _modes(args.mode), args.nft_format), end="")
     if args.live:
         live = read_live(args.metrics_bind_address)
         if live is None:

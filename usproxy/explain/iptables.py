@@ -25,6 +25,7 @@ from typing import Literal
 
 from usproxy.endpoint import Endpoint
 from usproxy.explain import chain_names as names
+from usproxy.explain import iptables_entry
 from usproxy.explain.service_set import Family, FamilyPort, Node, ServiceSet
 from usproxy.types import IPNetwork
 
@@ -450,10 +451,12 @@ def render_ruleset(rs: Ruleset) -> str:
 
 
 def render(ss: ServiceSet, opts: Options = Options()) -> str:
-    """The whole iptables view: one iptables-restore input per IP family."""
+    """The whole iptables view: one iptables-restore input per IP family, each followed by the
+    entry jumps from the built-in chains (usproxy/explain/iptables_entry.py)."""
     parts = []
     for family in ss.families():
-        tool = "iptables-restore" if family == 4 else "ip6tables-restore"
-        parts.append(f"# {tool} input kube-proxy (iptables mode) writes, IPv{family}\n"
-                     + render_ruleset(build(ss, family, opts)))
+        tool = "iptables" if family == 4 else "ip6tables"
+        rs = build(ss, family, opts)
+        parts.append(f"# {tool}-restore input kube-proxy (iptables mode) writes, IPv{family}\n"
+                     + render_ruleset(rs) + "\n" + iptables_entry.header(tool) + iptables_entry.render(rs.chains))
     return "\n".join(parts) if parts else "# no Services with a ClusterIP\n"

@@ -5,11 +5,17 @@ usproxy nftables table that exists (`nft list table ip usproxy`, then `ip6`: the
 table per IP family, usproxy/offload/nftables) and the pinned BPF maps. Best effort: each source
 that cannot be read is reported as such; `read_live` returns None only when nothing at all could
 be read, so the command can exit 1 with a clear message.
+
+Kernel state (the nftables tables, the BPF pins) outlives its agent on purpose (an agent restart
+adopts it, field case C20), so it is marked with its owner: the pid holding this network
+namespace's offload lock (usproxy/app/agent.py NetnsLock, found in /proc/locks without taking it,
+so an agent starting meanwhile is never refused), or "orphaned" when no running agent holds it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import urllib.error
@@ -45,6 +51,34 @@ def _nft_tables() -> list[tuple[str, str]]:
     return out
 
 
+def offload_owner(proc_locks: Path = Path("/proc/locks")) -> int | None:
+    """The pid of the agent holding this network namespace's offload lock, or None (no lock
+    file, or nobody holds it). `/proc/locks` lines read "1: FLOCK ADVISORY WRITE <pid>
+    <major>:<minor>:<inode> 0 EOF" (device numbers in hex, as the kernel's fs/locks.c prints)."""
+    from usproxy.app.agent import NetnsLock
+
+    try:
+        st = os.stat(NetnsLock("offload").path)
+        lines = proc_locks.read_text().splitlines()
+    except OSError:
+        return None
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        if "->" not in fields and "FLOCK" in fields and fields[-3] == inode:
+            return int(fields[-4])
+    return None
+
+
+def ownership(owner: int | None) -> str:
+    """How kernel state is marked: its agent, or orphaned with what to do about it."""
+    if owner is not None:
+        return f"owned by the running agent, pid {owner}"
+    return ("ORPHANED: no running usproxy agent holds this network namespace's offload lock; left by "
+            "an earlier run, still in effect (BPF pins keep their programs attached); the next agent adopts it, "
+            "`usproxy run --cleanup` removes it")
+
+
 def read_live(addr: str, pin_root: Path | None = None) -> str | None:
     """The live view, or None when neither the agent nor the kernel table could be read.
     `pin_root`: where BPF pins are read (None: USPROXY_BPF_PINS, else /sys/fs/bpf/usproxy)."""
@@ -56,6 +90,7 @@ def read_live(addr: str, pin_root: Path | None = None) -> str | None:
             got = True
         except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as err:
             parts.append(f"# live {path}: not available from http://{addr} ({err})\n")
+    kernel_at = len(parts)  # the ownership line goes before the kernel state it marks
     tables = _nft_tables()
     for family, text in tables:
         parts.append(f"# live: nft list table {family} {TABLE}\n{text}")
@@ -73,4 +108,7 @@ def read_live(addr: str, pin_root: Path | None = None) -> str | None:
     if pinned is not None:
         parts.append(pinned + "\n")
         got = True
+    kernel = [f"nft table {family} {TABLE}" for family, _ in tables] + (["bpf pins"] if pinned else [])
+    if kernel:
+        parts.insert(kernel_at, f"# live kernel state ({', '.join(kernel)}): {ownership(offload_owner())}\n")
     return "\n".join(parts) if got else None

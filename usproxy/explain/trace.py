@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from usproxy.explain import bpf, iptables, nftables, reply, userspace
+from usproxy.explain import bpf, iptables, iptables_entry, nftables, reply, userspace
 from usproxy.explain.iptables_trace import Walker, parse_restore
 from usproxy.explain.ipvs_trace import trace_ipvs
 from usproxy.explain.nftables_trace import Walker as NftWalker
@@ -41,30 +41,40 @@ def _refused(pkt: Packet) -> str:
 
 # --- iptables, nftables --------------------------------------------------------------------
 
-IPTABLES_FILTER_CHAINS = (iptables.SERVICES, iptables.EXTERNAL_SERVICES, iptables.NODEPORTS,
-                          iptables.PROXY_FIREWALL)
-
-
 def trace_iptables(ss: ServiceSet, pkt: Packet) -> list[Path]:
-    """nat KUBE-SERVICES, then (not DNATed) the filter table's KUBE-SERVICES,
-    KUBE-EXTERNAL-SERVICES, KUBE-NODEPORTS and KUBE-PROXY-FIREWALL, in the order kube-proxy's
-    iptablesTracer runs them (a DNATed packet no longer has the Service address they match)."""
-    w = Walker(parse_restore(iptables.render_ruleset(iptables.build(ss, pkt.dst.version))), pkt)
+    """From the built-in chains the view's entry jumps leave (iptables_entry): nat PREROUTING (or
+    OUTPUT from this node), then, for a packet nat left untranslated, filter FORWARD (or INPUT to
+    this node, OUTPUT from it), then nat POSTROUTING where KUBE-POSTROUTING masquerades; the
+    kernel's own order, as kube-proxy's iptablesTracer (pkg/proxy/iptables/proxier_test.go)."""
+    rs = iptables.build(ss, pkt.dst.version)
+    w = Walker(parse_restore(iptables.render_ruleset(rs) + iptables_entry.render(rs.chains)), pkt)
     out = []
-    for p in w.walk("nat", iptables.SERVICES, Path()):
-        for chain in IPTABLES_FILTER_CHAINS:  # ctstate NEW, no DNAT
+    for p in w.walk("nat", "OUTPUT" if pkt.src_local else "PREROUTING", Path()):
+        for chain in _filter_chains(pkt):  # a DNATed packet is not walked here (see the docstring)
             if not p.result:
                 p = w.walk("filter", chain, p)[0]  # filter rules carry no probability: one path
         if p.result == "ACCEPT" and not p.lands:  # a filter ACCEPT, as kube-proxy's tracer reports it
             p.result = "ACCEPT: delivered to the local listener (the health check server)"
             p.lands = "ACCEPT"
         p.result = p.result or "no Service rule matched: routed as addressed"
+        if p.lands not in ("REJECT", "DROP", "ERROR"):
+            masquerade = p.masquerade  # KUBE-POSTROUTING clears the mark it acts on; the flow stays masqueraded
+            p = w.walk("nat", "POSTROUTING", p)[0]
+            p.masquerade = masquerade
         out.append(p)
     return out
 
 
+def _filter_chains(pkt: Packet) -> tuple[str, ...]:
+    """The filter table's built-in chains a packet that keeps its destination crosses."""
+    if pkt.src_local:
+        return ("OUTPUT", "INPUT") if pkt.dst_local else ("OUTPUT",)
+    return ("INPUT",) if pkt.dst_local else ("FORWARD",)
+
+
 def trace_nftables(ss: ServiceSet, pkt: Packet) -> list[Path]:
-    """The hooked base chains in priority order: filter pre-dnat, nat, then filter (not DNATed)."""
+    """The hooked base chains in priority order: filter pre-dnat, nat, then filter (not DNATed),
+    then nat postrouting."""
     w = NftWalker(parse_dump(nftables.dump(nftables.build(ss, pkt.dst.version))), pkt)
     hook = "output" if pkt.src_local else "prerouting"
     after = "filter-output" if pkt.src_local else (
@@ -83,7 +93,18 @@ def trace_nftables(ss: ServiceSet, pkt: Packet) -> list[Path]:
             break
     for p in paths:
         p.result = p.result or "no Service element matched: routed as addressed"
-    return paths
+    return [_nft_postrouting(w, p) for p in paths]
+
+
+def _nft_postrouting(w: NftWalker, p: Path) -> Path:
+    """The nat postrouting base chain, where `masquerading` acts on the mark, as in iptables."""
+    if p.lands in ("REJECT", "DROP", "ERROR") or "nat-postrouting" not in w.dump.chains:
+        return p
+    masquerade = p.masquerade  # the chain clears the mark it acts on; the flow stays masqueraded
+    ended, through = w.walk("nat-postrouting", p)
+    (out,) = ended + through
+    out.masquerade = masquerade
+    return out
 
 
 # --- bpf -----------------------------------------------------------------------------------
