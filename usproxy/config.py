@@ -7,7 +7,6 @@ the command line override the file. Durations use Go's form ("30s", "1m0s", "250
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import re
@@ -17,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from usproxy.types import IPNetwork
+from usproxy.types import IPNetwork, parse_cidr_sloppy
 from usproxy.errors import ConfigError
 from usproxy.service_port import LBPolicy
 
@@ -89,7 +88,7 @@ def parse_cidrs(texts: tuple[str, ...], where: str) -> tuple[IPNetwork, ...]:
         try:
             if "/" not in text:
                 raise ValueError("must be a CIDR (address/prefix length)")
-            out.append(ipaddress.ip_network(text.strip(), strict=False))
+            out.append(parse_cidr_sloppy(text))
         except ValueError as err:
             raise ConfigError(f"{text!r}: {err}", field=where) from None
     return tuple(out)
@@ -154,7 +153,7 @@ def _convert(name: str, key: str, value: Any) -> Any:
     if name in DURATIONS:
         return parse_duration(value, key)
     if name in ("conntrack_max_per_core", "conntrack_min"):
-        if not isinstance(value, int) or value < 0:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"must be a non-negative integer, got {value!r}", field=key)
         return value
     if name == "nodeport_addresses":
@@ -179,6 +178,8 @@ def _convert(name: str, key: str, value: Any) -> Any:
             raise ConfigError(f"must be a string, got {value!r}", field=key)
         return value
     if name == "kubeconfig":
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"must be a path, got {value!r}", field=key)
         return Path(value) if value else None
     return str(value) if value is not None else None
 

@@ -13,12 +13,11 @@ no-op detector, nothing is masqueraded by it and nothing is short-circuited.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-from usproxy.types import IPNetwork
+from usproxy.types import IPNetwork, parse_cidr_sloppy
 from usproxy.errors import ConfigError
 
 DetectLocalMode: TypeAlias = Literal["ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix"]
@@ -84,10 +83,7 @@ def local_detector(mode: str, *, cluster_cidrs: tuple[str, ...] = (), node_cidrs
 
 
 def _cidr(text: str, name: str, where: str) -> IPNetwork:
-    from usproxy.types import sloppy_ip_text
-
-    addr, _, bits = text.strip().partition("/")
     try:
-        return ipaddress.ip_network(f"{sloppy_ip_text(addr)}/{bits}" if bits else sloppy_ip_text(addr), strict=False)
+        return parse_cidr_sloppy(text)
     except ValueError as err:
         raise ConfigError(f"not a CIDR: {err}", obj=where, field=name) from None

@@ -22,8 +22,7 @@ import ipaddress
 import logging
 from collections.abc import Collection, Iterable
 
-from usproxy.types import IPNetwork
-from usproxy.types import IPAddress
+from usproxy.types import IPAddress, IPNetwork, parse_cidr_sloppy
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ def parse_source_ranges(obj: str, field: str, texts: Iterable[str]) -> tuple[IPN
     for i, raw in enumerate(texts):
         text = raw.strip()
         try:
-            net = ipaddress.ip_network(text, strict=False)
+            net = parse_cidr_sloppy(text)  # leading zeros as kube-proxy (ParseCIDRSloppy)
         except ValueError:
             if text:
                 log.warning("%s: %s[%d]: not a valid CIDR: %r, ignored", obj, field, i, raw)

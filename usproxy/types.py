@@ -92,6 +92,14 @@ def parse_ip_sloppy(text: str) -> IPAddress:
     return ipaddress.ip_address(sloppy_ip_text(text))
 
 
+def parse_cidr_sloppy(text: str) -> IPNetwork:
+    """A CIDR as kube-proxy parses them (netutils.ParseCIDRSloppy): IPv4 leading zeros are
+    decimal, host bits are allowed ("010.244.000.005/16" -> 10.244.0.0/16); a bare address is a
+    host route. Raises ValueError as ipaddress.ip_network."""
+    addr, slash, bits = text.strip().partition("/")
+    return ipaddress.ip_network(f"{sloppy_ip_text(addr)}{slash}{bits}", strict=False)
+
+
 def refused_address(ip: IPAddress) -> str | None:
     """Why an address can be neither a Service frontend nor an Endpoint (loopback, link-local,
     multicast, unspecified: serving or relaying to it would open a path to node-local services

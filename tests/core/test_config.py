@@ -3,13 +3,14 @@ warning, durations parse Go's form, flags override the file, bad values name the
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from pathlib import Path
 
 import pytest
 
 from usproxy.app.cli import build_parser, config_from_args
-from usproxy.config import load_kube_proxy_configuration, parse_duration
+from usproxy.config import load_kube_proxy_configuration, parse_cidrs, parse_duration
 from usproxy.errors import ConfigError
 
 CONFIG = """\
@@ -82,3 +83,29 @@ def test_nodeport_addresses_and_service_cidrs_name_the_flag_or_field(tmp_path: P
     f.write_text("kind: KubeProxyConfiguration\nnodePortAddresses: [192.0.2.0/24, 300.1.2.3/8]\n")
     with pytest.raises(ConfigError, match=r"kp.yaml: nodePortAddresses: '300.1.2.3/8'"):
         load_kube_proxy_configuration(f)
+
+
+@pytest.mark.parametrize("text, field", [
+    ("clientConnection:\n  kubeconfig: 5\n", "clientConnection.kubeconfig"),
+    ("conntrack:\n  maxPerCore: true\n", "conntrack.maxPerCore"),
+])
+def test_wrong_types_name_the_field_not_a_traceback(tmp_path: Path, text: str, field: str) -> None:
+    f = tmp_path / "kp.yaml"
+    f.write_text("kind: KubeProxyConfiguration\n" + text)
+    with pytest.raises(ConfigError, match=field):
+        load_kube_proxy_configuration(f)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--offload-after", "nan"], "--offload-after"), (["--offload-after", "inf"], "--offload-after"),
+    (["--sync-period", "0s"], "--sync-period"), (["--conntrack-min", "-1"], "--conntrack-min"),
+    (["--conntrack-max-per-core", "-5"], "--conntrack-max-per-core"),
+])
+def test_flags_out_of_range_exit_2_naming_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        config_from_args(build_parser().parse_args(["run", *argv]))
+
+
+def test_service_cidr_with_leading_zeros_as_kube_proxy() -> None:
+    cfg = config_from_args(build_parser().parse_args(["run", "--service-cidr", "010.096.000.000/16"]))
+    assert parse_cidrs(cfg.service_cidrs, "--service-cidr") == (ipaddress.ip_network("10.96.0.0/16"),)

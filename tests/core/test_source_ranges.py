@@ -33,6 +33,13 @@ def test_ranges_are_trimmed_and_host_bits_allowed() -> None:
     assert [str(n) for n in sp.source_ranges] == ["203.0.113.0/25", "192.168.0.0/24", "2001:db8::/64"]
 
 
+def test_leading_zeros_are_read_as_kube_proxy_reads_them() -> None:
+    """ParseCIDRSloppy: "192.000.002.002/32" is 192.0.2.2/32, not an invalid range (which would be
+    ignored, and with it the whole filter: everyone allowed)."""
+    sp = only_port(lb(["192.000.002.002/32"]))
+    assert [str(n) for n in sp.source_ranges] == ["192.0.2.2/32"]
+
+
 def test_an_invalid_range_is_ignored_with_a_warning_naming_service_and_field(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         sp = only_port(lb(["203.0.113.0/25", "203.0.113.0/33", "bogus", ""]))

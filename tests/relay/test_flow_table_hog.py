@@ -65,6 +65,28 @@ def test_udp_is_never_refused_for_fair_share() -> None:
     assert adm.table.refused_fair_share == 0 and adm.table.per_client == {"10.0.0.66": 1}
 
 
+def test_a_refused_client_evicts_nobody() -> None:
+    """A client over its fair share is refused before any idle UDP flow of another client is
+    evicted to make room for it."""
+    evicted: list[str] = []
+    adm = FlowAdmission.within(800, 1_000_000, lambda: bool(evicted.append("udp")))
+    for port in range(1, 701):
+        adm.admit("TCP", A, ("10.0.0.66", port), FRONTEND)
+    for port in range(1, 101):
+        adm.admit("UDP", B, ("10.0.1.1", port), FRONTEND)  # the table is full: 800 of 800
+    with pytest.raises(FlowTableFull, match="fair share"):
+        adm.admit("TCP", A, ("10.0.0.66", 9999), FRONTEND)
+    assert evicted == []
+
+
+def test_conntrack_max_of_0_leaves_only_the_descriptor_bound() -> None:
+    """kube-proxy's rule giving 0 (--conntrack-max-per-core 0 --conntrack-min 0) means no limit of
+    its own, not a table of 0 flows that resets every connection."""
+    adm = FlowAdmission.within(0, 4096, lambda: False)
+    assert adm.descriptors is not None and adm.table.max_flows == adm.descriptors // 2 > 1000
+    assert adm.admit("TCP", A, ("10.0.0.1", 1), FRONTEND) is not None
+
+
 def test_no_client_is_limited_without_pressure() -> None:
     adm = admission(800)
     flows = [adm.admit("TCP", A, ("10.0.0.66", port), FRONTEND) for port in range(1, 700)]

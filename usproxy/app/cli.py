@@ -126,8 +126,14 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
                           ("--udp-idle-timeout", cfg.udp_idle_timeout),
                           ("--conntrack-tcp-timeout-established", cfg.tcp_established_timeout),
                           ("--conntrack-tcp-timeout-close-wait", cfg.tcp_close_wait_timeout)):
-        if seconds < 0:
-            raise ConfigError(f"must not be negative, got {seconds}", obj="usproxy run", field=flag)
+        if not seconds >= 0 or seconds == float("inf"):  # also NaN
+            raise ConfigError(f"must be a finite number of seconds, not negative, got {seconds}",
+                              obj="usproxy run", field=flag)
+    if cfg.sync_period <= 0:
+        raise ConfigError(f"must be greater than 0, got {cfg.sync_period}", obj="usproxy run", field="--sync-period")
+    for flag, n in (("--conntrack-max-per-core", cfg.conntrack_max_per_core), ("--conntrack-min", cfg.conntrack_min)):
+        if n < 0:
+            raise ConfigError(f"must not be negative, got {n}", obj="usproxy run", field=flag)
     detector_of(cfg)  # detectLocalMode and its CIDR or interface
     try:
         parse_nodeport_addresses(cfg.nodeport_addresses)

@@ -60,9 +60,11 @@ class FlowAdmission:
     @classmethod
     def within(cls, conntrack_max: int, nofile: int, evict_idle: Callable[[], bool],
                listeners: Sized = ()) -> FlowAdmission:
-        """Bounds for a process allowed `nofile` descriptors and a conntrack max of `conntrack_max`."""
+        """Bounds for a process allowed `nofile` descriptors and a conntrack max of `conntrack_max`
+        (0: none of its own, as kube-proxy leaves the kernel's limit alone when its rule gives 0;
+        the descriptor budget still bounds the table)."""
         budget = max(MIN_FLOWS, nofile - min(FD_RESERVE, nofile // 4))
-        table = FlowTable(min(conntrack_max, budget // 2))
+        table = FlowTable(min(conntrack_max, budget // 2) if conntrack_max > 0 else budget // 2)
         return cls(table, max(MIN_FLOWS, min(table.max_flows, budget)), evict_idle,
                    descriptors=budget, listeners=listeners)
 
@@ -84,19 +86,20 @@ class FlowAdmission:
 
     def admit(self, protocol: str, service: ServicePortName, client: HostPort, frontend: HostPort) -> Flow:
         """A new flow in the table, after making room by the policy; raises FlowTableFull (and
-        counts a refusal) when there is still none."""
-        if protocol == "UDP" and self.table.live.get("UDP", 0) >= self.max_udp:
-            self.evict_idle()
-        if len(self.table) >= self.table.max_flows:
-            self.evict_idle()
+        counts a refusal) when there is still none. A client over its fair share is refused
+        before anything is evicted for it."""
         need = 2 if protocol == "TCP" else 1
-        if self._over_budget(need) and not (self.evict_idle() and not self._over_budget(need)):
-            self.table.refused += 1
-            raise FlowTableFull(f"descriptor budget of {self.descriptors} reached")
         if protocol == "TCP" and self._over_fair_share(client[0], need):
             self.table.refused += 1
             self.table.refused_fair_share += 1
             raise FlowTableFull(f"client {client[0]} holds its fair share of the flow table")
+        if protocol == "UDP" and self.table.live.get("UDP", 0) >= self.max_udp:
+            self.evict_idle()
+        if len(self.table) >= self.table.max_flows:
+            self.evict_idle()
+        if self._over_budget(need) and not (self.evict_idle() and not self._over_budget(need)):
+            self.table.refused += 1
+            raise FlowTableFull(f"descriptor budget of {self.descriptors} reached")
         return self.table.add(Flow(protocol, service, client, frontend))
 
     def _over_fair_share(self, client_ip: str, need: int) -> bool:
