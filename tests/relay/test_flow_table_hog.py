@@ -23,6 +23,7 @@ from tests.relay.tcp_clients import attempt, start_server
 from usproxy.conntrack.flow_table import Flow, FlowTableFull
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.relay import Relay, RelaySettings
+from usproxy.relay.tcp import ack_age
 from usproxy.types import ServicePortName
 
 A = ServicePortName("default", "a", "http", "TCP")
@@ -116,11 +117,45 @@ def test_idle_and_half_closed_flows_are_reset_after_their_timeouts() -> None:
     flow("half-idle", "FIN_WAIT", 11.0)
     flow("dialing", "SYN_SENT", 500.0)  # the dial's own timeouts end it
     flow("udp", "ASSURED", 500.0, "UDP")  # UDP has its own idle timeout
+    kept = flow("kept-alive", "ESTABLISHED", 500.0)  # keepalive probes answered 3 s ago
+    kept.liveness = lambda: 3.0
     assert relay.expire_tcp(now=1000.0) == 2
     assert sorted(closed) == ["half-idle", "idle"] and relay.admission.table.timed_out == 2
+    assert kept.last_seen == 997.0  # its activity moved up to the last ACK
     relay.settings = settings(0.0, 0.0)  # 0 turns a timeout off
     closed.clear()
     assert relay.expire_tcp(now=10_000.0) == 0 and closed == []
+
+
+def test_ack_age_sees_keepalive_answers_on_an_idle_connection() -> None:
+    """TCP_INFO's last ACK received moves with keepalive probes while no payload flows: what keeps
+    a kernel conntrack entry alive keeps a relayed flow alive too (loopback, keepalive every 0.5 s)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    cli = socket.create_connection(srv.getsockname())
+    peer, _ = srv.accept()
+    try:
+        idle = socket.create_connection(srv.getsockname())
+        idle_peer, _ = srv.accept()
+        cli.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+        cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        time.sleep(2.6)
+
+        class T:
+            def __init__(self, s: socket.socket) -> None:
+                self.s = s
+
+            def get_extra_info(self, name: str) -> object:
+                return self.s
+
+        alive, silent = ack_age(T(cli)), ack_age(T(idle))  # type: ignore[arg-type]
+        assert alive is not None and silent is not None
+        assert alive < 1.5 <= 2.4 <= silent, (alive, silent)
+        idle.close()
+        idle_peer.close()
+    finally:
+        for s in (cli, peer, srv):
+            s.close()
 
 
 VIP_A, VIP_B, VIP_C, BE = "10.96.70.1", "10.96.70.2", "10.96.70.3", "10.244.1.70"

@@ -45,6 +45,7 @@ class Flow:
     local: HostPort | None = None
     local_of: Any = None  # a transport whose sockname is `local`, read only when shown
     closer: Callable[[], None] | None = None  # ends the flow (idle and half-close timeouts)
+    liveness: Callable[[], float | None] | None = None  # seconds since either leg last got an ACK
     datapath: str = "userspace"
     state: FlowState = "NEW"
     started: float = field(default_factory=time.monotonic)

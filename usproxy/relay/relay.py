@@ -27,6 +27,7 @@ from typing import Any
 
 from usproxy.metrics import Metrics
 from usproxy.config import ProxyConfig
+from usproxy.conntrack.flow_table import Flow
 from usproxy.conntrack.metrics import FlowTableCollector
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.endpoint import usable
@@ -73,6 +74,16 @@ class RelaySettings:
     def from_config(cls, cfg: ProxyConfig) -> RelaySettings:
         return cls(cfg.vip_interface, cfg.lb_policy, cfg.conntrack_max(), cfg.udp_idle_timeout,
                    cfg.tcp_established_timeout, cfg.tcp_close_wait_timeout)
+
+
+def _kept_alive(flow: Flow, now: float, timeout: float) -> bool:
+    """Whether a flow idle in payload was kept alive by ACKs (TCP keepalive probes answered), as
+    they keep a kernel conntrack entry alive: then its activity is moved up to the last ACK."""
+    age = flow.liveness() if flow.liveness is not None else None
+    if age is None or age >= timeout:
+        return False
+    flow.last_seen = max(flow.last_seen, now - age)
+    return True
 
 
 def tcp_sweep_period(settings: RelaySettings) -> float:
@@ -256,6 +267,7 @@ class Relay:
         expired = [f for f in self.admission.table if f.protocol == "TCP" and f.closer is not None and (
             (f.state == "FIN_WAIT" and half and now - f.last_seen > half)
             or (f.state == "ESTABLISHED" and est and now - f.last_seen > est))]
+        expired = [f for f in expired if not _kept_alive(f, now, half if f.state == "FIN_WAIT" else est)]
         for f in expired:
             assert f.closer is not None
             f.closer()

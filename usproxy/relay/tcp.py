@@ -43,6 +43,7 @@ DIAL_BUFFER = 256 * 1024
 HIGH_WATER = 64 * 1024  # per leg, as HAProxy's 16 KiB buffers: the kernel's socket buffers (bounded by tcp_mem) hold the rest
 LOW_WATER = 16 * 1024
 LINGER_ZERO = struct.pack("ii", 1, 0)  # SO_LINGER on with 0 s: close() sends RST
+TCPI_LAST_ACK_RECV = 56  # offset of tcpi_last_ack_recv (u32, ms) in Linux's struct tcp_info
 
 
 def tune(transport: asyncio.BaseTransport) -> None:
@@ -61,6 +62,21 @@ def keepalive(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         except OSError:
             pass
+
+
+def ack_age(transport: asyncio.BaseTransport | None) -> float | None:
+    """Seconds since the connection last received an ACK (keepalive answers count, as they keep a
+    kernel conntrack entry alive), from TCP_INFO; None when the kernel does not say."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except OSError:
+        return None
+    if len(info) < TCPI_LAST_ACK_RECV + 4:
+        return None
+    return float(struct.unpack_from("I", info, TCPI_LAST_ACK_RECV)[0]) / 1000
 
 
 def reset(transport: asyncio.WriteTransport) -> None:
@@ -123,6 +139,7 @@ class ClientSide(asyncio.Protocol):
             return
         self.flow.state = "SYN_SENT"
         self.flow.closer = self.expire
+        self.flow.liveness = self.ack_age
         self.dial = asyncio.get_running_loop().create_task(self._dial(client[0]))
 
     def data_received(self, data: bytes) -> None:
@@ -154,6 +171,12 @@ class ClientSide(asyncio.Protocol):
         self._release()
         if up is None or up.lost:
             self.upstream = None  # break the ClientSide <-> EndpointSide cycle: no GC needed
+
+    def ack_age(self) -> float | None:
+        """Seconds since either leg last received an ACK (None: unknown)."""
+        ages = [a for a in (ack_age(self.transport), ack_age(self.upstream.transport if self.upstream else None))
+                if a is not None]
+        return min(ages) if ages else None
 
     def expire(self) -> None:
         """The flow idled past its timeout: reset both legs (each then sees connection_lost)."""
