@@ -8,6 +8,9 @@ listens only while its kind has a usable endpoint, so the kernel refuses at once
 C03); a connection accepted just before its listener closed is reset, never left hanging
 (TcpListener). `apply()` diffs listeners by (address, port, protocol) and touches nothing that did
 not change (C21); after it, no UDP flow points at an endpoint outside its kind's usable set.
+A frontend that cannot be bound (its port held by another local socket, e.g. a node daemon on
+0.0.0.0:P: see port_holder.py for why the relay cannot take it) is reported in `errors` naming
+the holder, logged once per change of cause, and retried until it binds or is no longer wanted.
 
 A LoadBalancer IP with loadBalancerSourceRanges gets a socket filter on its listener
 (source_filter.py: a blocked client's SYN or datagram is dropped by the kernel, as nftables'
@@ -22,8 +25,10 @@ and reads to refuse an endpoint that is one of them.
 
 from __future__ import annotations
 
-import logging
+import asyncio
+import errno
 import ipaddress
+import logging
 from collections.abc import Collection
 from typing import Union
 
@@ -34,6 +39,7 @@ from usproxy.ratelimit import RateLimitedLog
 from usproxy.relay.endpoint_selector import EndpointSelector
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.flow_owner import SourceRefused, TrafficKind
+from usproxy.relay.port_holder import describe_holder
 from usproxy.relay.source_filter import allows, attach
 from usproxy.relay.tcp import ClientSide
 from usproxy.relay.tcp_listener import TcpListener
@@ -66,6 +72,7 @@ class ServicePortRelay:
             "cluster": EndpointSelector(), "external": EndpointSelector()}
         self.listeners: dict[ListenerKey, Listener] = {}
         self.errors: dict[ListenerKey, str] = {}
+        self.failures: dict[ListenerKey, str] = {}  # last logged bind failure, without its holder
         # loadBalancerSourceRanges: allowed sources by filtered LB IP (empty for most Services, so
         # `new_flow` costs them one falsy test), and the filter each listener socket carries
         self.firewall: dict[str, tuple[IPNetwork, ...]] = {}
@@ -97,6 +104,9 @@ class ServicePortRelay:
         want = self.desired(state, node_ips)
         for key in [k for k in self.listeners if k not in want]:
             await self._close_listener(key)
+        for key in [k for k in self.errors if k not in want and k not in self.listeners]:
+            del self.errors[key]  # a frontend no longer wanted is not retried
+            self.failures.pop(key, None)
         for key in sorted(want - self.listeners.keys()):
             await self._open_listener(key)
         for key in list(self.listeners):
@@ -137,13 +147,29 @@ class ServicePortRelay:
                 self.errors[key] = f"{self.spn.protocol} is not relayed in userspace"
                 return
         except OSError as err:
-            self.errors[key] = f"listen {format_hostport(addr, port)}: {err.strerror or err}"
-            log.error("%s: %s", self.spn, self.errors[key])
+            await self._listen_failed(key, err)
             return
-        self.errors.pop(key, None)
+        if self.errors.pop(key, None) is not None:
+            log.info("%s: listening on %s/%s after all", self.spn, format_hostport(addr, port), self.spn.protocol)
+        self.failures.pop(key, None)
         self.listening.add((addr, port, self.spn.protocol))
         self._filter(key)
         log.debug("%s: listening on %s/%s", self.spn, format_hostport(addr, port), self.spn.protocol)
+
+    async def _listen_failed(self, key: ListenerKey, err: OSError) -> None:
+        """Record a failed bind for /services, logged once per change of cause, not once per retry
+        (a held port is retried every sweep). A port in use names its holder (port_holder.py),
+        looked up off the loop and only when the cause changes."""
+        addr, port, _ = key
+        cause = f"listen {format_hostport(addr, port)}: {err.strerror or err}"
+        if self.failures.get(key) == cause:
+            return
+        self.failures[key] = self.errors[key] = cause
+        if err.errno == errno.EADDRINUSE:
+            holder = await asyncio.to_thread(describe_holder, addr, port, self.spn.protocol)
+            if holder and self.errors.get(key) == cause:  # not opened nor dropped meanwhile
+                self.errors[key] = f"{cause} ({holder}; its traffic goes there)"
+        log.error("%s: %s", self.spn, self.errors.get(key, cause))
 
     async def _close_listener(self, key: ListenerKey) -> None:
         # Established connections keep running (as kube-proxy); only accepting stops.
