@@ -213,6 +213,18 @@ async def test_restart_adopts_installed_service_ports_without_a_window() -> None
     assert nft.applies == [{B: None, A: web("10.244.1.1", "10.244.1.2")}]
 
 
+async def test_a_periodic_read_back_keeps_the_established_age() -> None:
+    """Every full sync reads the kernel back (drift repair); a ServicePort it finds where it was
+    keeps its age in /services (it was reset every 5 minutes, at each periodic full sync)."""
+    nft = FakeKernelDatapath()
+    mgr, clock, _ = make(nft, after=0)
+    await mgr.sync(req(web("10.244.1.1"), full=True))
+    clock.now += 300
+    await mgr.sync(req(web("10.244.1.1"), full=True))
+    p = mgr.placement(A)
+    assert p is not None and p.datapath == "nftables" and p.reason.startswith("established 300.0s ago"), p
+
+
 async def test_nothing_touches_the_kernel_before_the_first_sync_and_close_keeps_it() -> None:
     nft = FakeKernelDatapath()
     nft.installed = {A: web("10.244.1.1")}

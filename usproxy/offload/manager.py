@@ -235,8 +235,9 @@ class OffloadManager:
         if port is not None and port.reason.phase is not Phase.REMOVED:
             port.since = min(port.since, now - self.offload_after)
             if kname in self.choose(port, now)[0]:
+                if kname not in port.kernels:  # adopted at start; a later read back keeps the age
+                    port.established_at = now
                 port.kernels = tuple(sorted({*port.kernels, kname}))
-                port.established_at = now
                 port.dirty = True
                 self._waiting.add(spn)
                 return
