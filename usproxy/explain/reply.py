@@ -46,7 +46,9 @@ def _no_connection(mode: str, pkt: Packet, p: Path) -> list[str]:
                 f"whatever answers {_orig(pkt)}"]
     if mode == "bpf" and "connect()" in p.result:
         return ["no packet leaves: connect() itself fails with ECONNREFUSED"]
-    answer = "ICMP port unreachable" if mode == "ipvs" or pkt.proto != "TCP" else "a TCP RST"
+    # iptables `-j REJECT` and nft `reject` answer with ICMP port unreachable (their default), as
+    # IPVS with no real server; only a closed port with no listener (the relay's) gets a TCP RST
+    answer = "a TCP RST" if mode == "userspace" and pkt.proto == "TCP" else "ICMP port unreachable"
     return [f"no connection: this node answers the first packet with {answer}, from "
             f"{_orig(pkt)}, so the client fails at once instead of timing out"]
 
