@@ -201,8 +201,12 @@ class Demo:
                                            pass_fds=(fd,)))
         listener.close()
         print(f"web view: http://127.0.0.1:{port}/view  (in the node namespace: http://127.0.0.1:10249/view)")
+        print(f"the agent from this machine: usproxy status --metrics-bind-address 127.0.0.1:{port} "
+              f"(also flows, explain --live)")
         if sys.stdin.isatty():
             input("open it in a browser on this machine; press Enter to end the demo and tear down ")
+        else:
+            print("(not a terminal: the demo ends and tears down now, so the address above closes)")
 
     def show_flows(self) -> None:
         title("The flow table while three connections are open (usproxy flows)")
