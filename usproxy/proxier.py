@@ -34,9 +34,10 @@ from usproxy.gc_pause import LARGE, gc_paused
 from usproxy.endpoints_change_tracker import EndpointsChangeTracker, EndpointsMap
 from usproxy.node import NodeFacts
 from usproxy.service import Service
+from usproxy.service_cidr import ServiceCIDRHandler
 from usproxy.service_change_tracker import ServiceChangeTracker, ServicePortMap
 from usproxy.sync_runner import SyncRunner
-from usproxy.types import IPAddress, NamespacedName, ServicePortName
+from usproxy.types import IPAddress, IPNetwork, NamespacedName, ServicePortName
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,15 @@ class Proxier:
         ServicePort goes to every datapath at the next sync."""
         self._need_full = True
         self.runner.run()
+
+    def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
+        """The cluster's ServiceCIDR objects changed (kube-proxy's OnServiceCIDRsChanged;
+        `cidrs`: all of them): told to every datapath that checks them, and the next sync is a
+        full one, which rewrites the nftables table's hooked chains (`cluster-ips-check`)."""
+        for dp in self.datapaths:
+            if isinstance(dp, ServiceCIDRHandler):
+                dp.on_service_cidrs_changed(cidrs)
+        self.request_full_sync()
 
     def set_zone(self, zone: str | None) -> None:
         """This node's topology zone changed: every ServicePort is re-filtered at the next sync."""

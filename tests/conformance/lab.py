@@ -44,9 +44,9 @@ from tests.conformance.reference import GROUPS, Group
 HERE = Path(__file__).parent
 CGROUP2 = Path("/sys/fs/cgroup/unified")
 BPFFS = Path("/sys/fs/bpf")
-# the Service CIDR (kube-proxy reads ServiceCIDR objects; usproxy takes it as a flag)
-SERVICE_CIDR = ("--service-cidr", "10.96.0.0/16")
-NFT_FLAGS = ("--offload", "nftables", "--offload-after", "1", "--min-sync-period", "200ms", *SERVICE_CIDR)
+# no --service-cidr: the agents take the Service CIDR from the manifest's ServiceCIDR object, as
+# kube-proxy does (manifests.objects)
+NFT_FLAGS = ("--offload", "nftables", "--offload-after", "1", "--min-sync-period", "200ms")
 
 
 class BpfAgent(AgentProc):
@@ -181,7 +181,7 @@ class Lab:
             self.agent = BpfAgent(self.topo, self.manifests, config, self.cgroup, self.pins)
             self.agent.start()
         else:
-            flags = NFT_FLAGS if datapath == "nftables" else SERVICE_CIDR
+            flags = NFT_FLAGS if datapath == "nftables" else ()
             self.agent = AgentProc(self.topo, self.manifests, "uvloop", "--config", str(config), *flags)
             self.agent.start()
         self._wait_placed(datapath)

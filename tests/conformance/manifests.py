@@ -3,8 +3,9 @@
 `objects(group, phase)` gives every Service and EndpointSlice of the group's scenarios, with
 addresses and ports mapped (tests/conformance/addresses.py) by each scenario's index in its group;
 in phase 1 a scenario's `after` change is applied (its slices or its Services left out).
-The Service CIDR goes in as a networking.k8s.io/v1 ServiceCIDR object (the static source ignores
-kinds it does not read). `kube_proxy_configuration(group)` gives the agent's config as kube-proxy's fake proxier has it.
+The Service CIDR goes in as a networking.k8s.io/v1 ServiceCIDR object, which the agent reads as
+kube-proxy does (no --service-cidr is given). `kube_proxy_configuration(group)` gives the agent's
+config as kube-proxy's fake proxier has it.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ RESOURCES: dict[str, tuple[str, str, str, bool]] = {
     "services": ("/api/v1/services", "Service", "v1", True),
     "endpointslices": ("/apis/discovery.k8s.io/v1/endpointslices", "EndpointSlice", "discovery.k8s.io/v1", True),
     "nodes": ("/api/v1/nodes", "Node", "v1", False),
+    "servicecidrs": ("/apis/networking.k8s.io/v1/servicecidrs", "ServiceCIDR", "networking.k8s.io/v1", False),
 }
 
 HTML_PAGE = (b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
@@ -55,6 +56,7 @@ class Faults:
     end_at_once: int = 0  # the next N watches: 200 and an empty body
     expire_continue: int = 0  # the next N continue tokens are too old (410 Expired)
     forbidden: set[str] = field(default_factory=set)  # resources answering 403
+    missing: set[str] = field(default_factory=set)  # resources answering 404 (an older API server)
     only: set[str] = field(default_factory=set)
 
     def take(self, name: str, resource: str) -> bool:
@@ -226,6 +228,9 @@ class FakeApiServer:
     def _early_answer(self, request: web.Request, resource: str) -> web.Response | None:
         if self.token and request.headers.get("Authorization") != f"Bearer {self.token}":
             return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
+        if resource in self.faults.missing:
+            return web.json_response(status(404, "NotFound", "the server could not find the requested resource"),
+                                     status=404)
         if resource in self.faults.forbidden:
             return web.json_response(status(403, "Forbidden", f"{resource} is forbidden: User cannot list"),
                                      status=403)

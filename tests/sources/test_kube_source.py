@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from ipaddress import ip_network
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from usproxy.node import NodeFacts
 from usproxy.proxier import Proxier
 from usproxy.service import Service
 from usproxy.sources.kube import KubeSource, NodeAwareProvider
-from usproxy.types import NamespacedName
+from usproxy.types import IPNetwork, NamespacedName
 
 A = NamespacedName("default", "a")
 
@@ -241,6 +242,57 @@ async def test_node_access_forbidden_is_tolerated(api: FakeApiServer, kubeconfig
         assert rec.zone is None
         assert caplog.text.count("nodes is forbidden") >= 1
         assert [r.levelno for r in caplog.records if "forbidden" in r.message].count(logging.WARNING) == 1
+    finally:
+        await s.stop()
+
+
+# -- ServiceCIDRs --------------------------------------------------------------------------------
+
+class CidrDatapath(FakeDatapath):
+    """A FakeDatapath that also takes the Service CIDRs (as the nftables datapath does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cidrs: tuple[IPNetwork, ...] = ()
+
+    def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
+        self.cidrs = cidrs
+
+
+def service_cidr(name: str, *cidrs: str) -> dict[str, object]:
+    return {"metadata": {"name": name}, "spec": {"cidrs": list(cidrs)}}
+
+
+async def test_service_cidr_objects_reach_the_datapath(api: FakeApiServer, kubeconfig: Path) -> None:
+    api.apply("servicecidrs", service_cidr("kubernetes", "10.96.0.0/16"))
+    dp = CidrDatapath()
+    proxier = Proxier([dp], node=NodeFacts("node-a"))
+    s = Source(kubeconfig, proxier)
+    try:
+        await eventually(lambda: dp.cidrs == (ip_network("10.96.0.0/16"),), what="the listed ServiceCIDR")
+        api.apply("servicecidrs", service_cidr("extra", "10.100.0.0/16", "fd00:100::/112"))
+        await eventually(lambda: dp.cidrs == (ip_network("10.96.0.0/16"), ip_network("10.100.0.0/16"),
+                                              ip_network("fd00:100::/112")), what="the added ServiceCIDR")
+        api.delete("servicecidrs", "kubernetes")
+        await eventually(lambda: dp.cidrs == (ip_network("10.100.0.0/16"), ip_network("fd00:100::/112")),
+                         what="the deleted ServiceCIDR")
+    finally:
+        await s.stop()
+
+
+async def test_service_cidrs_not_served_is_logged_once(api: FakeApiServer, kubeconfig: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "usproxy.sources.kube")
+    api.faults.missing = {"servicecidrs"}
+    api.apply("services", svc("a", "10.96.0.1"))
+    rec = Recorder()
+    s = Source(kubeconfig, rec)
+    try:
+        await eventually(lambda: converged(api, rec) and len(rec.synced) == 2)
+        await asyncio.sleep(0.5)  # FAST backs off 0.05-0.2 s: a retry would have come by now
+        asked = [q for r, q in api.requests if r == "servicecidrs"]
+        assert len(asked) == 1, asked
+        assert caplog.text.count("ServiceCIDRs: not served by the API server (404)") == 1
     finally:
         await s.stop()
 

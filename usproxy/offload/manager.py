@@ -42,6 +42,7 @@ from usproxy.errors import OffloadError
 from usproxy.node import NodeFacts
 from usproxy.offload.kernel_datapath import Capability, KernelDatapath, TrafficKind
 from usproxy.offload.reason import ESTABLISHED, ESTABLISHING, NO_DATAPATH, PINNED, REMOVED, Cause, Fault, Phase, Reason
+from usproxy.service_cidr import ServiceCIDRHandler
 from usproxy.service_port import LBPolicy
 from usproxy.types import IPAddress, ServicePortName
 
@@ -123,6 +124,13 @@ class OffloadManager:
         self._stale: dict[ServicePortName, frozenset[Endpoint]] = {}  # waiting for `_clean`
         self._cleaner: asyncio.Task[None] | None = None
         self._timer_due = 0.0
+
+    def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
+        """The ServiceCIDR objects' CIDRs changed: told to every kernel datapath that checks them
+        (the caller, the Proxier, makes the next sync a full one)."""
+        for k in self.kernels:
+            if isinstance(k, ServiceCIDRHandler):
+                k.on_service_cidrs_changed(cidrs)
 
     # -- kernels -------------------------------------------------------------------------------
     def usable_kernels(self) -> list[KernelDatapath]:

@@ -26,6 +26,7 @@ from usproxy.sources.reflector import ApiError, Gone, ListBody, ListResult, Refl
 SERVICES = "/api/v1/services"
 ENDPOINT_SLICES = "/apis/discovery.k8s.io/v1/endpointslices"
 NODES = "/api/v1/nodes"
+SERVICE_CIDRS = "/apis/networking.k8s.io/v1/servicecidrs"
 
 Query = list[tuple[str, str]]
 

@@ -4,11 +4,16 @@ As kube-proxy's config handlers over shared informers: one Reflector per resourc
 watch; see reflector.py) feeds an ObjectCache, which parses raw bodies with the same functions as
 the static source and hands (previous, current) pairs to the Provider. A third Reflector follows
 this node's Node object for its `topology.kubernetes.io/zone` label and for whether the Node is
-being deleted (`node_eligible`, kube-proxy's /healthz nodeEligible).
+being deleted (`node_eligible`, kube-proxy's /healthz nodeEligible). A fourth follows the
+networking.k8s.io/v1 ServiceCIDR objects and hands the union of their CIDRs to the Provider when it
+changes (kube-proxy's ServiceCIDRConfig); a server that does not serve them (404: a cluster older
+than Kubernetes 1.33, or the API not enabled) is logged once and not asked again.
 
 Invariants:
 - `on_services_synced` / `on_endpoint_slices_synced` are called once, after the first successful
   list of that resource; nothing syncs before (kube-proxy's isInitialized).
+- ServiceCIDRs do not hold back the first sync (as kube-proxy's isInitialized ignores them): until
+  they are listed the datapaths check --service-cidr alone.
 - A relist delivers deletes for objects that vanished between the two lists and nothing for
   objects that did not change; it never flushes.
 - An unreachable API server changes nothing: the Provider keeps the last known state and the
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -39,9 +44,10 @@ from usproxy.endpoint_slice import EndpointSlice, parse_endpoint_slice
 from usproxy.errors import ConfigError, SourceError
 from usproxy.service import PROXY_NAME, PROXY_NAME_LABEL, Service, parse_service, skip_reason
 from usproxy.sources import Provider
-from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICES, ApiListWatch
-from usproxy.sources.reflector import RawObject, Reflector, ReflectorOptions
-from usproxy.types import NamespacedName
+from usproxy.service_cidr import ServiceCIDR, ServiceCIDRHandler, ServiceCIDRTracker, parse_service_cidr
+from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICE_CIDRS, SERVICES, ApiListWatch
+from usproxy.sources.reflector import ApiError, ListResult, ListWatch, RawObject, Reflector, ReflectorOptions, WatchEvent
+from usproxy.types import IPNetwork, NamespacedName
 
 log = logging.getLogger(__name__)
 
@@ -266,12 +272,21 @@ class KubeSource:
             deliver=provider.on_endpoint_slice_update, on_synced=provider.on_endpoint_slices_synced,
             on_error=self._count_error)
         self.node = LocalNode(self.node_name, provider)
+        self.service_cidr_tracker = ServiceCIDRTracker(self._service_cidrs_changed)
+        self.service_cidrs: ObjectCache[ServiceCIDR] = ObjectCache(
+            "ServiceCIDR", parse=parse_service_cidr, skip=lambda raw: None, deliver=self.service_cidr_tracker.update,
+            on_synced=lambda: None, on_error=self._count_error)
         self.reflectors: dict[str, Reflector] = {}
 
     @property
     def node_eligible(self) -> bool:
         """For /healthz (kube-proxy's nodeEligible): False while this Node is being deleted."""
         return self.node.eligible
+
+    def _service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
+        log.info("ServiceCIDRs: %s", ", ".join(map(str, cidrs)) or "none")
+        if isinstance(self.provider, ServiceCIDRHandler):
+            self.provider.on_service_cidrs_changed(cidrs)
 
     def _count_error(self, kind: str) -> None:
         if self.metrics is not None:
@@ -291,7 +306,7 @@ class KubeSource:
                 tasks.create_task(node.run(), name="reflector-node")
                 with suppress(TimeoutError):
                     await asyncio.wait_for(node.attempted.wait(), self.node_wait)
-                for name in ("services", "endpointslices"):
+                for name in ("services", "endpointslices", "servicecidrs"):
                     tasks.create_task(self.reflectors[name].run(), name=f"reflector-{name}")
 
     def _reflectors(self, api: Any) -> dict[str, Reflector]:
@@ -299,11 +314,38 @@ class KubeSource:
         node_lw = ApiListWatch(api, NODES, field_selector=f"metadata.name={self.node_name}", options=opts)
         svc_lw = ApiListWatch(api, SERVICES, label_selector=LABEL_SELECTOR, options=opts)
         eps_lw = ApiListWatch(api, ENDPOINT_SLICES, label_selector=LABEL_SELECTOR, options=opts)
+        cidr_lw = OptionalListWatch(ApiListWatch(api, SERVICE_CIDRS, options=opts), "ServiceCIDRs")
         return {
             "node": Reflector(f"Node {self.node_name}", node_lw, self.node, opts),
             "services": Reflector("Services", svc_lw, self.services, opts),
             "endpointslices": Reflector("EndpointSlices", eps_lw, self.slices, opts),
+            "servicecidrs": Reflector("ServiceCIDRs", cidr_lw, self.service_cidrs, opts),
         }
+
+
+class OptionalListWatch:
+    """The ListWatch of a resource older API servers do not serve (ServiceCIDR: GA in Kubernetes
+    1.33). A list answered 404 is logged once and then never returns, so its Reflector waits
+    (until cancelled) instead of asking again every 30 s; the Store keeps what it has (nothing)."""
+
+    def __init__(self, lw: ListWatch, name: str) -> None:
+        self.lw = lw
+        self.name = name
+        self.absent = asyncio.Event()  # set once the server said 404
+
+    async def list(self, resource_version: str) -> ListResult:
+        try:
+            return await self.lw.list(resource_version)
+        except ApiError as err:
+            if err.status != 404:
+                raise
+        log.info("%s: not served by the API server (404); checking --service-cidr only", self.name)
+        self.absent.set()
+        await asyncio.get_running_loop().create_future()  # never set: wait until cancelled
+        raise AssertionError("unreachable")
+
+    def watch(self, resource_version: str, timeout: float) -> AsyncGenerator[WatchEvent, None]:
+        return self.lw.watch(resource_version, timeout)
 
 
 async def list_once(kubeconfig: Path | None) -> list[dict[str, Any]]:

@@ -18,6 +18,8 @@ Invariants, so that no local fault and no half-written file withdraws a Service:
   a file that changes more often than `settle` is read anyway MAX_WAIT seconds after its first
   change not yet taken (the emptied-file rule still holds).
   A removed file withdraws its objects at once (removal is never a step of a rewrite).
+- ServiceCIDR objects (networking.k8s.io/v1) are read as the Kubernetes source reads them: the
+  union of their CIDRs goes to the Provider (if it takes them) whenever it changes.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from usproxy.errors import ConfigError
 from usproxy.manifest import ManifestReadError, Manifests, load_file, manifest_files
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.service import Service
+from usproxy.service_cidr import ServiceCIDRHandler, ServiceCIDRTracker
 from usproxy.sources import Provider
-from usproxy.types import NamespacedName
+from usproxy.types import IPNetwork, NamespacedName
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ def _written_during_read(before: FileKey | None, after: FileKey | None) -> bool:
 
 
 def _is_empty(m: Manifests) -> bool:
-    return not (m.services or m.slices or m.errors or m.skipped)
+    return not (m.services or m.slices or m.service_cidrs or m.errors or m.skipped)
 
 
 class StaticSource:
@@ -109,6 +112,7 @@ class StaticSource:
         self._good: dict[Path, Manifests] = {}
         self.services: dict[NamespacedName, Service] = {}
         self.slices: dict[NamespacedName, EndpointSlice] = {}
+        self.service_cidrs = ServiceCIDRTracker(self._service_cidrs_changed)
         self._reload = asyncio.Event()
 
     def load_initial(self) -> None:
@@ -289,6 +293,12 @@ class StaticSource:
             if self.slices.get(name) != es:
                 self.provider.on_endpoint_slice_update(self.slices.get(name), es)
                 self.slices[name] = es
+        self.service_cidrs.replace(merged.service_cidrs.values())
+
+    def _service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
+        log.info("ServiceCIDRs: %s", ", ".join(map(str, cidrs)) or "none")
+        if isinstance(self.provider, ServiceCIDRHandler):
+            self.provider.on_service_cidrs_changed(cidrs)
 
 
 def watch_sighup(source: StaticSource) -> None:

@@ -31,6 +31,7 @@ from usproxy.offload.nftables.pins import Pin, parse_pins
 from usproxy.offload.nftables.readback import read_table
 from usproxy.offload.nftables.rules import ClusterMasq, PortRules, ip_text, port_rules
 from usproxy.offload.nftables.transaction import TableState, Transaction
+from usproxy.service_cidr import union
 from usproxy.types import IPAddress, ServicePortName
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,8 @@ class NftablesDatapath:
         self.conntrack = conntrack if conntrack is not None else KernelConntrack(netns)
         self.lb_policy = lb_policy
         self.node = node  # endpoints on other nodes get no hairpin element
-        self.hooks: dict[Family, HookSettings] = {f: HookSettings(
-            not node.nodeport_match_all(f), tuple(str(n) for n in service_cidrs if n.version == f)) for f in FAMILIES}
+        self.flag_cidrs = service_cidrs  # --service-cidr: always checked, with the objects' CIDRs
+        self.hooks: dict[Family, HookSettings] = self._hooks(union(service_cidrs))
         self.clusterip_interface = clusterip_interface
         self._addr_worker: NetnsWorker | None = None
         if addresses is None and any(h.nodeport_ips for h in self.hooks.values()):
@@ -96,6 +97,24 @@ class NftablesDatapath:
         # their conntrack entries (a demotion): listed in /flows until none is left
         self._former: dict[FrontendKey, str] = {}
         self._former_lock = threading.Lock()  # flows_view prunes it from a worker thread
+
+    def _hooks(self, cidrs: tuple[IPNetwork, ...]) -> dict[Family, HookSettings]:
+        return {f: HookSettings(not self.node.nodeport_match_all(f), tuple(str(n) for n in cidrs if n.version == f))
+                for f in FAMILIES}
+
+    def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
+        """The ServiceCIDR objects' CIDRs changed (`cidrs`: all of them, service_cidr.union):
+        their union with --service-cidr is what each family checks from now on. A family whose
+        check changes gets its hooked chains, `cluster-ips-check` included, rewritten by the next
+        transaction that changes its table (as kube-proxy rewrites the chain at its next sync), or
+        by the next full sync's read back (the Proxier asks for one), which also reaches a family
+        holding no ServicePort."""
+        hooks = self._hooks(union(self.flag_cidrs, cidrs))
+        for f in FAMILIES:
+            if hooks[f] != self.hooks[f]:
+                log.info("Service CIDRs (IPv%d): %s", f, ", ".join(hooks[f].service_cidrs) or "none")
+                self.tables[f].base = False
+        self.hooks = hooks
 
     def _empty_table(self, family: Family) -> TableState:
         return TableState(family, not_local=self._not_local(family), if_local=self._if_local(family))
