@@ -103,16 +103,18 @@ class FlowAdmission:
         return self.table.add(Flow(protocol, service, client, frontend))
 
     def _over_fair_share(self, client_ip: str, need: int) -> bool:
-        """Under pressure, does `client_ip` hold its fair share (see the module docstring)?"""
+        """Under pressure, does `client_ip` hold its fair share (see the module docstring)? A
+        client with no TCP flow never does: checked first, so the common case costs one lookup
+        (no count of descriptors on the per-connection path)."""
+        held = self.table.per_client.get(client_ip, 0)
+        if not held:
+            return False
         mark = int(self.table.max_flows * PRESSURE)
         pressed = len(self.table) >= mark
         if not pressed and self.descriptors is not None:
             pressed = self.descriptors_held() + need > self.descriptors * PRESSURE
             mark = min(mark, int(self.descriptors * PRESSURE) // 2)  # in flows: two descriptors each
-        if not pressed:
-            return False
-        held = self.table.per_client.get(client_ip, 0)
-        return held > 0 and held >= max(1, mark // len(self.table.per_client))
+        return pressed and held >= max(1, mark // len(self.table.per_client))
 
     def release(self, flow: Flow) -> None:
         """The flow ended (idempotent)."""
