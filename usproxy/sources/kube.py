@@ -38,7 +38,7 @@ from usproxy.metrics import Metrics
 from usproxy.config import ProxyConfig
 from usproxy.endpoint_slice import EndpointSlice, parse_endpoint_slice
 from usproxy.errors import ConfigError, SourceError
-from usproxy.gc_pause import gc_paused
+from usproxy.gc_pause import gc_paused, promote_survivors
 from usproxy.service import PROXY_NAME, PROXY_NAME_LABEL, Service, parse_service, skip_reason
 from usproxy.sources import Provider, hold_syncs
 from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICES, ApiListWatch
@@ -115,6 +115,7 @@ class ObjectCache(Generic[T]):
         TimeSlice budget; the cyclic collector is paused throughout (gc_pause)."""
         with gc_paused(True):  # the collector's passes over a growing heap stall the loop 0.1-0.2 s
             await self._replace(items)
+            promote_survivors()
 
     async def _replace(self, items: list[dict[str, Any]]) -> None:
         parsed = await asyncio.to_thread(lambda: [self._read(raw) for raw in items])

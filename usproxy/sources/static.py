@@ -34,6 +34,7 @@ from pathlib import Path
 
 from usproxy.endpoint_slice import EndpointSlice
 from usproxy.errors import ConfigError
+from usproxy.gc_pause import gc_paused, promote_survivors
 from usproxy.manifest import ManifestReadError, Manifests, load_file, manifest_files
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.service import Service
@@ -142,8 +143,8 @@ class StaticSource:
             self._reload.clear()
             try:
                 scan = await asyncio.to_thread(self._scan, forced)
-                if scan is not None and self._take_all(scan, await asyncio.to_thread(self._read, scan.ready)):
-                    await self._deliver_in_turns()
+                if scan is not None:
+                    await self._reload_in_turns(scan)
             except asyncio.CancelledError:
                 raise
             except ManifestReadError as err:
@@ -284,6 +285,14 @@ class StaticSource:
     def _deliver(self) -> None:
         for _ in self._deliveries():
             pass
+
+    async def _reload_in_turns(self, scan: Scan) -> None:
+        """Read the settled files in a worker thread and deliver what changed in turns, with the
+        cyclic collector paused (its passes over a growing heap stall the loop; gc_pause)."""
+        with gc_paused(True):
+            if self._take_all(scan, await asyncio.to_thread(self._read, scan.ready)):
+                await self._deliver_in_turns()
+            promote_survivors()
 
     async def _deliver_in_turns(self) -> None:
         """`_deliver` with the loop given a turn every TimeSlice budget and the Provider's syncs
