@@ -9,7 +9,9 @@ Addresses that would turn the proxy into a path to node-local services (loopback
 multicast, unspecified) are refused with a ConfigError-style log and skipped.
 Names are validated as the API server does (the slice's name a DNS-1123 subdomain, its namespace
 and port names DNS-1123 labels) and the Service label must name a valid Service (a DNS-1123
-label): they reach nftables comments and log lines.
+label): they reach nftables comments and log lines. A slice with more than MAX_ENDPOINTS endpoints
+or MAX_PORTS ports is refused whole, as the API server refuses it (discovery.k8s.io/v1 validation,
+pkg/apis/discovery/validation: maxEndpoints, maxPorts): this bounds the work one object costs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 ADDRESS_TYPES = ("IPv4", "IPv6", "FQDN")
+MAX_ENDPOINTS = 1000  # the API server's maxEndpoints per slice
+MAX_PORTS = 100  # the API server's maxPorts per slice
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +73,8 @@ def _endpoint_base(e: Fields, family: int) -> Endpoint | None:
 
 
 def parse_endpoint_slice(raw: Mapping[str, Any]) -> EndpointSlice:
-    """Build an EndpointSlice from a raw body. Raises ConfigError naming object and field."""
+    """Build an EndpointSlice from a raw body. Raises ConfigError naming object and field (e.g. a slice
+    with more than MAX_ENDPOINTS endpoints or MAX_PORTS ports)."""
     top = Fields(describe("EndpointSlice", raw), raw)
     meta = top.child("metadata", required=True)
     name = NamespacedName(meta.label("namespace", "default") if meta.data.get("namespace") else "default",
@@ -85,9 +90,9 @@ def parse_endpoint_slice(raw: Mapping[str, Any]) -> EndpointSlice:
     if address_type == "FQDN":
         return EndpointSlice(name, service, address_type, {})
     family = 4 if address_type == "IPv4" else 6
-    bases = [b for b in (_endpoint_base(e, family) for e in top.items("endpoints")) if b]
+    bases = [b for b in (_endpoint_base(e, family) for e in top.items("endpoints", MAX_ENDPOINTS)) if b]
     out: dict[ServicePortName, tuple[Endpoint, ...]] = {}
-    for p in top.items("ports"):
+    for p in top.items("ports", MAX_PORTS):
         if p.data.get("port") is None:
             continue  # "all ports" slices of selector-less Services carry nothing to proxy
         protocol = cast(Protocol, p.choice("protocol", PROTOCOLS, "TCP"))

@@ -7,6 +7,8 @@ the entry that is ready. Endpoints come out sorted, so equal sets compare equal.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from usproxy.endpoint import Endpoint, merged
 from usproxy.endpoint_slice import EndpointSlice
 from usproxy.types import NamespacedName, ServicePortName
@@ -28,13 +30,21 @@ class EndpointSliceCache:
         if current is not None:
             self._slices.setdefault(current.service, {})[current.name] = current
 
+    def slices_of(self, service: NamespacedName) -> dict[NamespacedName, EndpointSlice]:
+        """A copy of `service`'s slices by slice name (costs the number of slices, not endpoints)."""
+        return dict(self._slices.get(service, {}))
+
     def endpoints_for(self, service: NamespacedName) -> EndpointsByPort:
-        slices = self._slices.get(service, {})
-        if len(slices) == 1:  # the common case: a slice's endpoints are merged when it is parsed
-            (only,) = slices.values()
-            return dict(only.endpoints)
-        groups: dict[ServicePortName, list[tuple[Endpoint, ...]]] = {}
-        for es in slices.values():
-            for spn, eps in es.endpoints.items():
-                groups.setdefault(spn, []).append(eps)
-        return {spn: merged(g) for spn, g in groups.items()}
+        return merged_slices(self._slices.get(service, {}))
+
+
+def merged_slices(slices: Mapping[NamespacedName, EndpointSlice]) -> EndpointsByPort:
+    """The endpoints per ServicePortName of one Service's `slices`, merged."""
+    if len(slices) == 1:  # the common case: a slice's endpoints are merged when it is parsed
+        (only,) = slices.values()
+        return dict(only.endpoints)
+    groups: dict[ServicePortName, list[tuple[Endpoint, ...]]] = {}
+    for es in slices.values():
+        for spn, eps in es.endpoints.items():
+            groups.setdefault(spn, []).append(eps)
+    return {spn: merged(g) for spn, g in groups.items()}

@@ -1,8 +1,12 @@
 """EndpointsChangeTracker and EndpointsMap (as kube-proxy pkg/proxy/endpointschangetracker.go).
 
-The tracker applies slice updates to an EndpointSliceCache and remembers, per Service, the merged
-endpoints it had at the last checkout; if a Service's endpoints end up as they were, its pending
-pair is dropped. EndpointsMap applies checked-out changes and reports, per ServicePortName, the
+The tracker applies slice updates to an EndpointSliceCache and remembers, per Service, the slices
+it had at the last checkout; if a Service's slices end up as they were, its pending pair is
+dropped. Endpoints are merged only at checkout (as kube-proxy's endpointSliceCache
+checkoutChanges): merging at every update cost each slice update the size of its whole Service
+(100 slices of 1,000 endpoints: seconds for a relist). A Service whose slices changed but whose
+merged endpoints did not (an endpoint moved between slices) is pending, as in kube-proxy, and
+its pair compares equal at checkout. EndpointsMap applies checked-out changes and reports, per ServicePortName, the
 endpoints that went away: the relay and the offload layer need them to clear stale UDP flows and
 conntrack entries.
 """
@@ -13,7 +17,7 @@ from dataclasses import dataclass, field
 
 from usproxy.endpoint import Endpoint
 from usproxy.endpoint_slice import EndpointSlice
-from usproxy.endpoint_slice_cache import EndpointsByPort, EndpointSliceCache
+from usproxy.endpoint_slice_cache import EndpointsByPort, EndpointSliceCache, merged_slices
 from usproxy.types import NamespacedName, ServicePortName
 
 
@@ -22,7 +26,7 @@ class EndpointsChangeTracker:
 
     def __init__(self) -> None:
         self.cache = EndpointSliceCache()
-        self._previous: dict[NamespacedName, EndpointsByPort] = {}
+        self._previous: dict[NamespacedName, dict[NamespacedName, EndpointSlice]] = {}
 
     def update(self, previous: EndpointSlice | None, current: EndpointSlice | None) -> bool:
         """Record a slice add/update/delete; returns True when its Service has pending change."""
@@ -33,9 +37,10 @@ class EndpointsChangeTracker:
         if previous is not None and current is not None and previous.service != current.service:
             self.update(previous, None)
             previous = None
-        self._previous.setdefault(svc, self.cache.endpoints_for(svc))
+        if svc not in self._previous:
+            self._previous[svc] = self.cache.slices_of(svc)
         self.cache.apply(previous, current)
-        if self.cache.endpoints_for(svc) == self._previous[svc]:
+        if self.cache.slices_of(svc) == self._previous[svc]:
             del self._previous[svc]
             return False
         return True
@@ -48,7 +53,7 @@ class EndpointsChangeTracker:
 
     def checkout(self) -> dict[NamespacedName, tuple[EndpointsByPort, EndpointsByPort]]:
         prev, self._previous = self._previous, {}
-        return {svc: (before, self.cache.endpoints_for(svc)) for svc, before in prev.items()}
+        return {svc: (merged_slices(before), self.cache.endpoints_for(svc)) for svc, before in prev.items()}
 
 
 @dataclass

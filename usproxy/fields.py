@@ -62,13 +62,16 @@ class Fields:
             raise self.error(key, f"must be an object, got {type(value).__name__}")
         return Fields(self.obj, value, self._at(key))
 
-    def items(self, key: str) -> list[Fields]:
-        """The elements of a list of objects (missing or null means empty)."""
+    def items(self, key: str, most: int | None = None) -> list[Fields]:
+        """The elements of a list of objects (missing or null means empty); more than `most`
+        elements is an error before any element is looked at (field.TooMany)."""
         value = self.data.get(key)
         if value is None:
             return []
         if not isinstance(value, list):
             raise self.error(key, f"must be a list, got {type(value).__name__}")
+        if most is not None and len(value) > most:
+            raise self.error(key, f"must have at most {most} items, got {len(value)}")
         out = []
         for i, item in enumerate(value):
             if not isinstance(item, Mapping):

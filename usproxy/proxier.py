@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily
@@ -109,6 +110,11 @@ class Proxier:
     def on_endpoint_slices_synced(self) -> None:
         self._synced["endpointslices"] = True
         self.runner.run()
+
+    def hold_syncs(self) -> AbstractContextManager[None]:
+        """No sync starts while the returned context is open (a source applying a relist in
+        chunks); changes keep queueing and sync once it closes (SyncRunner.hold)."""
+        return self.runner.hold()
 
     def request_sync(self) -> None:
         """Sync soon on a datapath's own behalf (an offload window ended). Not a source change:

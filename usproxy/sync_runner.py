@@ -3,7 +3,9 @@
 `run()` asks for a sync; syncs happen at most `burst_runs` in a row and then no more often than
 once per `min_interval` seconds (a token bucket), and at least once per `max_interval` seconds.
 A sync that raises is logged and retried after `retry_interval`; the loop never ends because of
-it. Time comes from an injectable Clock, so tests drive it without sleeping.
+it. While a `hold()` is open no sync starts (one already running finishes): a source applying a
+relist in chunks, with the loop running between them, is never synced half-applied.
+Time comes from an injectable Clock, so tests drive it without sleeping.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 log = logging.getLogger(__name__)
@@ -95,6 +98,21 @@ class SyncRunner:
         self._next_run = self.clock.monotonic() + max_interval
         self.runs = 0
         self.failures = 0
+        self._holds = 0
+        self._released = asyncio.Event()
+        self._released.set()
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """No sync starts until every hold is closed; requests meanwhile are kept, not lost."""
+        self._holds += 1
+        self._released.clear()
+        try:
+            yield
+        finally:
+            self._holds -= 1
+            if not self._holds:
+                self._released.set()
 
     def run(self) -> None:
         """Ask for a sync as soon as the frequency bound allows."""
@@ -141,6 +159,8 @@ class SyncRunner:
             while delay > 0:
                 await self.clock.sleep(delay)
                 delay = self._take_token_delay()
+            while self._holds:
+                await self._released.wait()
             self._requested = False
             await self._run_once()
 

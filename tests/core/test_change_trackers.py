@@ -108,3 +108,17 @@ def test_one_slice_listing_an_address_twice_counts_it_once_ready_first() -> None
     tracker.update(None, EndpointSlice(NamespacedName("default", "web-1"), NN, "IPv4", {HTTP: eps}))
     em.update_from(tracker)
     assert [(str(e.ip), e.ready) for e in em[HTTP]] == [("10.244.1.1", True), ("10.244.3.3", True)]
+
+
+def test_endpoint_moved_between_slices_is_pending_but_changes_nothing() -> None:
+    tracker, em = EndpointsChangeTracker(), EndpointsMap()
+    a, b = es("web-1", HTTP, "10.244.1.1", "10.244.2.2"), es("web-2", HTTP, "10.244.3.3")
+    tracker.update(None, a)
+    tracker.update(None, b)
+    em.update_from(tracker)
+    tracker.update(a, es("web-1", HTTP, "10.244.1.1"))
+    # as kube-proxy's endpointSliceCache: slices are compared at update, endpoints at checkout
+    assert tracker.update(b, es("web-2", HTTP, "10.244.2.2", "10.244.3.3"))
+    change = em.update_from(tracker)
+    assert change.updated == set() and change.removed == {} and not tracker.pending()
+    assert [str(e.ip) for e in em[HTTP]] == ["10.244.1.1", "10.244.2.2", "10.244.3.3"]

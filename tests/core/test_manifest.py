@@ -209,3 +209,24 @@ def test_hidden_directories_are_not_walked(tmp_path: Path) -> None:
     (tmp_path / "svc.yaml").symlink_to(tmp_path / "..2026_11_30" / "svc.yaml")
     (tmp_path / ".editor.yaml").write_text("x")
     assert manifest_files(tmp_path) == [tmp_path / "svc.yaml"]
+
+
+def test_slice_over_the_api_servers_endpoint_limit_is_refused_alone() -> None:
+    def es(name: str, n: int) -> dict[str, Any]:
+        return {"kind": "EndpointSlice", "addressType": "IPv4",
+                "metadata": {"name": name, "labels": {"kubernetes.io/service-name": "x"}},
+                "ports": [{"port": 80}],
+                "endpoints": [{"addresses": [f"10.1.{i // 256}.{i % 256}"]} for i in range(n)]}
+    m = objects_from([es("big", 1001), es("full", 1000)])
+    assert [str(e) for e in m.errors] == [
+        "EndpointSlice default/big: endpoints: must have at most 1000 items, got 1001"]
+    eps = m.slices[NamespacedName("default", "full")].endpoints[ServicePortName("default", "x", "", "TCP")]
+    assert len(eps) == 1000  # the slice at the limit, beside the refused one, is served whole
+
+
+def test_slice_over_the_api_servers_port_limit_is_refused() -> None:
+    es = {"kind": "EndpointSlice", "metadata": {"name": "s", "labels": {"kubernetes.io/service-name": "x"}},
+          "ports": [{"name": f"p{i}", "port": 1000 + i} for i in range(101)],
+          "endpoints": [{"addresses": ["10.1.1.1"]}]}
+    assert [str(e) for e in objects_from([es]).errors] == [
+        "EndpointSlice default/s: ports: must have at most 100 items, got 101"]

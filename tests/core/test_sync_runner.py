@@ -76,3 +76,17 @@ async def test_failed_sync_is_retried_and_loop_survives() -> None:
     await clock.advance(1.0)
     assert len(runs) == 3 and runner.runs == 1 and not task.done()
     await stop(task)
+
+
+async def test_no_sync_starts_while_held_and_requests_are_kept() -> None:
+    runner, clock, runs, task = await started()
+    with runner.hold():
+        with runner.hold():  # holds nest (two sources relisting at once)
+            runner.run()
+            await clock.advance(40.0)  # past the periodic max interval as well
+        runner.run()
+        await clock.advance(1.0)
+        assert runs == []
+    await clock.advance(0)
+    assert len(runs) == 1  # what was asked for while held runs once the last hold closes
+    await stop(task)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from ipaddress import ip_network
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from usproxy.admin.health import evaluate
 from usproxy.metrics import Metrics
 from usproxy.config import ProxyConfig
 from usproxy.datapath import FakeDatapath
+from usproxy.endpoint_slice import EndpointSlice
 from usproxy.errors import ConfigError
 from usproxy.node import NodeFacts
 from usproxy.proxier import Proxier
@@ -363,3 +365,47 @@ async def test_api_server_down_keeps_serving_the_last_known_state(api: FakeApiSe
         runner.cancel()
         with pytest.raises(asyncio.CancelledError):
             await runner
+
+
+class HoldingRecorder(Recorder):
+    """A Recorder that can hold its syncs (as the Proxier) and notes every call made unheld."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holds = 0
+        self.unheld: list[str] = []
+
+    @contextmanager
+    def hold_syncs(self) -> Iterator[None]:
+        self.holds += 1
+        try:
+            yield
+        finally:
+            self.holds -= 1
+
+    def on_endpoint_slice_update(self, previous: EndpointSlice | None, current: EndpointSlice | None) -> None:
+        if not self.holds:
+            self.unheld.append("slice")
+        super().on_endpoint_slice_update(previous, current)
+
+    def on_endpoint_slices_synced(self) -> None:
+        if not self.holds:
+            self.unheld.append("synced")
+        super().on_endpoint_slices_synced()
+
+
+async def test_a_relist_is_delivered_whole_with_syncs_held(tmp_path: Path) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_text(kubeconfig_text("https://127.0.0.1:1", "token"))
+    rec = HoldingRecorder()
+    cache = KubeSource(ProxyConfig(kubeconfig=path), rec, node_name="node-a").slices
+    await cache.replace([eps("web-1", "web", ["10.244.1.1"]), eps("old", "web", ["10.244.2.2"]),
+                         {"metadata": {"name": "bad", "labels": {"kubernetes.io/service-name": "web"}},
+                          "endpoints": [{"addresses": ["10.244.9.9"]}] * 1001}])
+    await cache.replace([eps("web-1", "web", ["10.244.1.1", "10.244.3.3"]), eps("new", "web", ["10.244.2.2"])])
+    assert rec.unheld == [] and rec.holds == 0
+    assert rec.order == ["slice", "slice", "synced:endpointslices", "slice", "slice", "slice"]
+    deleted, changed, added = rec.calls[2:]
+    assert (deleted[1].name.name, deleted[2]) == ("old", None)  # deletes first, then list order
+    assert changed[2].name.name == "web-1" and added[2].name.name == "new"
+    assert set(rec.slices) == {NamespacedName("default", "web-1"), NamespacedName("default", "new")}

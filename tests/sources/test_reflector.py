@@ -36,7 +36,7 @@ class RawStore:
     def key(obj: dict[str, Any]) -> tuple[str, str]:
         return (obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
 
-    def replace(self, items: list[dict[str, Any]]) -> None:
+    async def replace(self, items: list[dict[str, Any]]) -> None:
         self.replaces += 1
         self.objects = {self.key(o): o for o in items}
 

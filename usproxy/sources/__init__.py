@@ -1,12 +1,13 @@
 """Sources of Services and EndpointSlices: static manifests and the Kubernetes API.
 
 Both deliver parsed objects to a Provider (the Proxier), as kube-proxy's config handlers do.
-What only some sources know (whether this Node is being deleted) is a Protocol of its own that the
-agent checks with isinstance.
+What only some sources know (whether this Node is being deleted), or only some Providers can do
+(hold their syncs), is a Protocol of its own checked with isinstance.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol, runtime_checkable
 
 from usproxy.endpoint_slice import EndpointSlice
@@ -29,6 +30,19 @@ class Source(Protocol):
     """What the agent runs: a source feeding its Provider until cancelled."""
 
     async def run(self) -> None: ...
+
+
+@runtime_checkable
+class SyncHolder(Protocol):
+    """A Provider that can hold its syncs while a source applies a relist in chunks (the loop
+    runs between chunks), so no sync sees a list half-applied (Proxier.hold_syncs)."""
+
+    def hold_syncs(self) -> AbstractContextManager[None]: ...
+
+
+def hold_syncs(provider: object) -> AbstractContextManager[None]:
+    """`provider`'s sync hold, or a hold that does nothing for a Provider without one."""
+    return provider.hold_syncs() if isinstance(provider, SyncHolder) else nullcontext()
 
 
 @runtime_checkable

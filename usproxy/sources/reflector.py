@@ -91,8 +91,9 @@ class ListWatch(Protocol):
 class Store(Protocol):
     """What a Reflector keeps up to date (client-go cache.Store, reduced to what a proxy needs)."""
 
-    def replace(self, items: list[dict[str, Any]]) -> None:
-        """The complete current set: objects not in `items` are gone."""
+    async def replace(self, items: list[dict[str, Any]]) -> None:
+        """The complete current set: objects not in `items` are gone. Async so that a large list
+        is applied with the loop running between pieces of it (kube.ObjectCache)."""
 
     def upsert(self, obj: dict[str, Any]) -> None:
         """An object was added or modified."""
@@ -199,7 +200,7 @@ class Reflector:
         finally:
             self.attempted.set()
         self.rv_unavailable = False
-        self.store.replace(result.items)
+        await self.store.replace(result.items)
         self.resource_version = result.resource_version
         self.lists += 1
         self._recovered()

@@ -20,6 +20,9 @@ Invariants, so that no local fault and no half-written file withdraws a Service:
   A removed file withdraws its objects at once (removal is never a step of a rewrite).
 - ServiceCIDR objects (networking.k8s.io/v1) are read as the Kubernetes source reads them: the
   union of their CIDRs goes to the Provider (if it takes them) whenever it changes.
+- Files are parsed in a worker thread; a change is delivered on the loop a TimeSlice at a time
+  with the Provider's syncs held, so a large manifest neither stalls the relay nor is synced
+  half-delivered.
 """
 
 from __future__ import annotations
@@ -27,17 +30,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from usproxy.endpoint_slice import EndpointSlice
 from usproxy.errors import ConfigError
+from usproxy.gc_pause import gc_paused, promote_survivors
 from usproxy.manifest import ManifestReadError, Manifests, load_file, manifest_files
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.service import Service
 from usproxy.service_cidr import ServiceCIDRHandler, ServiceCIDRTracker
-from usproxy.sources import Provider
+from usproxy.sources import Provider, hold_syncs
+from usproxy.time_slice import TimeSlice
 from usproxy.types import IPNetwork, NamespacedName
 
 log = logging.getLogger(__name__)
@@ -143,7 +148,7 @@ class StaticSource:
             try:
                 scan = await asyncio.to_thread(self._scan, forced)
                 if scan is not None:
-                    self._apply(scan, await asyncio.to_thread(self._read, scan.ready))
+                    await self._reload_in_turns(scan)
             except asyncio.CancelledError:
                 raise
             except ManifestReadError as err:
@@ -216,7 +221,16 @@ class StaticSource:
         return out
 
     def _apply(self, scan: Scan, reads: dict[Path, Read]) -> bool:
-        """Take what was read; returns True when some file's state changed or went away."""
+        """Take what was read and deliver the change in one piece; returns True when some file's
+        state changed or went away."""
+        changed = self._take_all(scan, reads)
+        if changed:
+            self._deliver()
+        return changed
+
+    def _take_all(self, scan: Scan, reads: dict[Path, Read]) -> bool:
+        """Take what was read, delivering nothing; returns True when some file's state changed
+        or went away."""
         for f in scan.gone:
             self._good.pop(f, None)
             self._keys.pop(f, None)
@@ -225,8 +239,6 @@ class StaticSource:
         changed = bool(scan.gone)
         for f, read in reads.items():
             changed |= self._take(f, read)
-        if changed:
-            self._deliver()
         return changed
 
     def _take(self, f: Path, read: Read) -> bool:
@@ -275,6 +287,28 @@ class StaticSource:
         return m
 
     def _deliver(self) -> None:
+        for _ in self._deliveries():
+            pass
+
+    async def _reload_in_turns(self, scan: Scan) -> None:
+        """Read the settled files in a worker thread and deliver what changed in turns, with the
+        cyclic collector paused (its passes over a growing heap stall the loop; gc_pause)."""
+        with gc_paused(True):
+            if self._take_all(scan, await asyncio.to_thread(self._read, scan.ready)):
+                await self._deliver_in_turns()
+            promote_survivors()
+
+    async def _deliver_in_turns(self) -> None:
+        """`_deliver` with the loop given a turn every TimeSlice budget and the Provider's syncs
+        held until the whole change is delivered (a directory of 100,000 endpoints)."""
+        turn = TimeSlice()
+        with hold_syncs(self.provider):
+            for _ in self._deliveries():
+                await turn.pause()
+
+    def _deliveries(self) -> Iterator[None]:
+        """Deliver the merged state of every file's last good parse, in order: removed Services,
+        changed Services, removed slices, changed slices; yields after each Provider call."""
         merged = Manifests()
         for f in sorted(self._good):
             m = self._good[f]
@@ -283,16 +317,20 @@ class StaticSource:
             merged.merge(m)
         for name in self.services.keys() - merged.services.keys():
             self.provider.on_service_update(self.services.pop(name), None)
+            yield
         for name, svc in merged.services.items():
             if self.services.get(name) != svc:
                 self.provider.on_service_update(self.services.get(name), svc)
                 self.services[name] = svc
+                yield
         for name in self.slices.keys() - merged.slices.keys():
             self.provider.on_endpoint_slice_update(self.slices.pop(name), None)
+            yield
         for name, es in merged.slices.items():
             if self.slices.get(name) != es:
                 self.provider.on_endpoint_slice_update(self.slices.get(name), es)
                 self.slices[name] = es
+                yield
         self.service_cidrs.replace(merged.service_cidrs.values())
 
     def _service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
