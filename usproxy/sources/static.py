@@ -371,8 +371,10 @@ def static_pod_cidrs(path: Path, node_name: str | None) -> tuple[IPNetwork, ...]
     why = "--detect-local-mode NodeCIDR (detectLocalMode)"
     if node_name is None:
         raise ConfigError(f"{why} needs this node's name: give --hostname-override or NODE_NAME", obj="usproxy run")
+    if not path.exists():  # as load_initial
+        raise ConfigError("no such file or directory", obj=str(path))
     merged = Manifests()
-    for f in manifest_files(path) if path.exists() else []:
+    for f in manifest_files(path):
         merged.merge(load_file(f))
     mine = f"Node {node_name}"
     for err in merged.errors:
