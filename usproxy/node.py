@@ -172,15 +172,9 @@ def parse_node_pod_cidrs(raw: Mapping[str, Any]) -> NodePodCIDRs:
         raise ConfigError("required", obj="Node", field="metadata.name")
     obj = f"Node {name if is_dns1123_subdomain(name) else repr(name)}"  # quoted: no forged log lines
     spec = raw.get("spec")
-    spec = spec if isinstance(spec, Mapping) else {}
-    texts = spec.get("podCIDRs")
-    field = "spec.podCIDRs"
-    if texts is None and spec.get("podCIDR"):
-        texts, field = [spec.get("podCIDR")], "spec.podCIDR"
-    if texts is not None and not isinstance(texts, list):
-        raise ConfigError(f"expected a list of CIDRs, got {type(texts).__name__}", obj=obj, field=field)
+    field, texts = _pod_cidr_texts(spec if isinstance(spec, Mapping) else {}, obj)
     out = []
-    for i, text in enumerate(texts or []):
+    for i, text in enumerate(texts):
         where = f"{field}[{i}]" if field == "spec.podCIDRs" else field
         if not isinstance(text, str) or "/" not in text:  # a bare address is no CIDR (ParseCIDRSloppy)
             raise ConfigError(f"expected a CIDR (address/bits), got {text!r}", obj=obj, field=where)
@@ -190,6 +184,17 @@ def parse_node_pod_cidrs(raw: Mapping[str, Any]) -> NodePodCIDRs:
             raise ConfigError(f"not a CIDR: {err}", obj=obj, field=where) from None
     deleting = isinstance(meta, Mapping) and bool(meta.get("deletionTimestamp"))
     return NodePodCIDRs(name, deleting, tuple(out))
+
+
+def _pod_cidr_texts(spec: Mapping[str, Any], obj: str) -> tuple[str, list[object]]:
+    """(field, its entries): spec.podCIDRs, or spec.podCIDR alone when podCIDRs is absent."""
+    texts = spec.get("podCIDRs")
+    if texts is None:
+        single = spec.get("podCIDR")
+        return ("spec.podCIDR", [single]) if single else ("spec.podCIDRs", [])
+    if not isinstance(texts, list):
+        raise ConfigError(f"expected a list of CIDRs, got {type(texts).__name__}", obj=obj, field="spec.podCIDRs")
+    return "spec.podCIDRs", texts
 
 
 async def watch_nodeport_addresses(node: NodeFacts, clusterip_interface: str, on_change: Callable[[], None], *,

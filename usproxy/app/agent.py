@@ -2,8 +2,8 @@
 
 Life: this node's facts are resolved once (NodeFacts: the same node name for the Proxier, every
 datapath and the source; with detectLocalMode NodeCIDR `node_facts` first waits for the Node's
-pod CIDRs, as kube-proxy waits before it builds its proxier), each datapath gets its own settings from the ProxyConfig, the source
-lists (a manifest that cannot be parsed at start raises ConfigError: exit 2), the admin server
+pod CIDRs, as kube-proxy waits before it builds its proxier), each datapath gets its own
+settings from the ProxyConfig, the source lists (a manifest that cannot be parsed at start raises ConfigError: exit 2), the admin server
 binds, the service health server (healthCheckNodePorts) is handed to the Proxier, the
 SyncRunner, the source's watch and the watch of the NodePort addresses (a change makes the next
 sync a full one) run as guarded tasks, and SIGTERM or SIGINT stops everything in reverse order,
