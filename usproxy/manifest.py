@@ -1,5 +1,5 @@
-"""Kubernetes manifests (YAML or JSON, multi-document, `List`) to Services, EndpointSlices and
-ServiceCIDRs.
+"""Kubernetes manifests (YAML or JSON, multi-document, `List`) to Services, EndpointSlices,
+ServiceCIDRs and Nodes (their spec.podCIDRs, for detectLocalMode NodeCIDR).
 
 Accepts what `kubectl get svc,endpointslices -A -o yaml` prints. A document that cannot be parsed
 at all raises ConfigError (the caller decides: exit 2 at start-up, keep the last good state
@@ -25,6 +25,7 @@ import yaml
 from usproxy.endpoint_slice import EndpointSlice, parse_endpoint_slice
 from usproxy.errors import ConfigError
 from usproxy.fields import describe
+from usproxy.node import NodePodCIDRs, parse_node_pod_cidrs
 from usproxy.service import Service, parse_service, skip_reason
 from usproxy.service_cidr import SERVICE_CIDR_KIND, ServiceCIDR, parse_service_cidr
 from usproxy.types import NamespacedName
@@ -53,6 +54,7 @@ class Manifests:
     services: dict[NamespacedName, Service] = field(default_factory=dict)
     slices: dict[NamespacedName, EndpointSlice] = field(default_factory=dict)
     service_cidrs: dict[str, ServiceCIDR] = field(default_factory=dict)  # by name (cluster-scoped)
+    nodes: dict[str, NodePodCIDRs] = field(default_factory=dict)  # by name (cluster-scoped)
     errors: list[ConfigError] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
@@ -60,6 +62,7 @@ class Manifests:
         self.services.update(other.services)
         self.slices.update(other.slices)
         self.service_cidrs.update(other.service_cidrs)
+        self.nodes.update(other.nodes)
         self.errors.extend(other.errors)
         self.skipped.extend(other.skipped)
 
@@ -197,6 +200,9 @@ def objects_from(raws: list[Mapping[str, Any]]) -> Manifests:
             elif kind == SERVICE_CIDR_KIND:
                 sc = parse_service_cidr(raw)
                 out.service_cidrs[sc.name] = sc
+            elif kind == "Node":
+                node = parse_node_pod_cidrs(raw)
+                out.nodes[node.name] = node
             else:
                 log.debug("ignoring %s", describe(str(kind), raw))
         except ConfigError as err:

@@ -14,6 +14,12 @@ takes those from the Node object; usproxy, which must know them before any sourc
 the address each family's default route leaves from (the node IP on a usual node). usproxy's
 default stays every local address, as kube-proxy's iptables and IPVS modes and usproxy's relay
 always did; kube-proxy's nftables mode defaults to "primary" (pass it to get that).
+
+detectLocalMode NodeCIDR as kube-proxy (cmd/kube-proxy/app/server_linux.go platformSetup,
+waitForPodCIDR, getLocalDetectors): the detector is this Node's spec.podCIDRs, the first of each
+IP family, read once before anything is built (the agent waits for them: app/agent.node_facts)
+and kept in `NodeFacts.pod_cidrs`; a later change is the source's to notice (kube-proxy exits to
+be restarted, pkg/proxy/node.go), never a change of this value.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from typing import Any, TypeVar
 
 from usproxy.config import ProxyConfig, parse_nodeport_addresses
 from usproxy.types import IPNetwork
-from usproxy.errors import ConfigError
+from usproxy.errors import ConfigError, SourceError
+from usproxy.fields import is_dns1123_subdomain
 from usproxy.local_detector import LocalDetector, local_detector
-from usproxy.types import IPAddress
+from usproxy.types import IPAddress, parse_cidr_sloppy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,13 +58,15 @@ class NodeFacts:
     with no CIDR serves NodePorts on every local address but loopback.
     `detector` tells pod traffic from the rest and `masquerade_all` masquerades every ClusterIP
     connection (kube-proxy's detectLocalMode and masqueradeAll: both decide what the kernel
-    datapaths masquerade).
+    datapaths masquerade). `pod_cidrs` is the Node's spec.podCIDRs the NodeCIDR detector was
+    built from (None: detectLocalMode is not NodeCIDR).
     """
 
     name: str | None = None
     nodeport_cidrs: tuple[IPNetwork, ...] = ()
     detector: LocalDetector = LocalDetector()
     masquerade_all: bool = False
+    pod_cidrs: tuple[IPNetwork, ...] | None = None
 
     def nodeport_match_all(self, version: int) -> bool:
         """Whether every local address of IP `version` (4, 6) serves NodePorts: no CIDR of that
@@ -78,21 +87,31 @@ class NodeFacts:
         return tuple(sorted(out, key=lambda a: (a.version, int(a))))
 
 
-def resolve_node(cfg: ProxyConfig, *, kubernetes: bool, environ: Mapping[str, str] = os.environ,
-                 hostname: Callable[[], str] = socket.gethostname,
-                 primary: Callable[[], tuple[IPAddress, ...]] | None = None) -> NodeFacts:
-    """The node's facts from the configuration and the environment.
-
-    The name is --hostname-override, else $NODE_NAME (the DaemonSet sets it from spec.nodeName),
-    else, with a Kubernetes source, the lower-cased hostname (as kube-proxy,
-    cmd/kube-proxy/app/server.go via utilnode.GetHostname); a static source without either has
-    no name. --nodeport-addresses "primary" asks `primary()` for the node's primary addresses.
-    Raises ConfigError naming --nodeport-addresses when an entry is not a CIDR.
-    """
+def node_name(cfg: ProxyConfig, *, kubernetes: bool, environ: Mapping[str, str] = os.environ,
+              hostname: Callable[[], str] = socket.gethostname) -> tuple[str | None, str]:
+    """(this node's name, where it came from): --hostname-override, else $NODE_NAME (the DaemonSet
+    sets it from spec.nodeName), else, with a Kubernetes source, the lower-cased hostname (as
+    kube-proxy, cmd/kube-proxy/app/server.go via utilnode.GetHostname); a static source without
+    either has no name (None)."""
     name = cfg.hostname_override or environ.get("NODE_NAME") or None
     origin = "--hostname-override" if cfg.hostname_override else "NODE_NAME"
     if name is None and kubernetes:
         name, origin = hostname().lower(), "hostname"
+    return name, origin
+
+
+def resolve_node(cfg: ProxyConfig, *, kubernetes: bool, environ: Mapping[str, str] = os.environ,
+                 hostname: Callable[[], str] = socket.gethostname,
+                 primary: Callable[[], tuple[IPAddress, ...]] | None = None,
+                 pod_cidrs: tuple[IPNetwork, ...] | None = None) -> NodeFacts:
+    """The node's facts from the configuration and the environment.
+
+    The name as node_name(). --nodeport-addresses "primary" asks `primary()` for the node's
+    primary addresses. `pod_cidrs`: this Node's spec.podCIDRs, which detectLocalMode NodeCIDR
+    needs (the agent reads them first: app/agent.node_facts). Raises ConfigError naming
+    --nodeport-addresses when an entry is not a CIDR, or detectLocalMode as detector_of().
+    """
+    name, origin = node_name(cfg, kubernetes=kubernetes, environ=environ, hostname=hostname)
     if name is not None:
         log.info("node name %s (from %s)", name, origin)
     try:
@@ -101,22 +120,81 @@ def resolve_node(cfg: ProxyConfig, *, kubernetes: bool, environ: Mapping[str, st
         raise ConfigError(str(err), obj="usproxy run") from None
     if cidrs is None:
         cidrs = _primary_cidrs((primary or primary_addresses)())
-    return NodeFacts(name, cidrs, detector_of(cfg), cfg.masquerade_all)
+    node_cidrs = pod_cidrs if cfg.detect_local_mode == "NodeCIDR" else None
+    return NodeFacts(name, cidrs, detector_of(cfg, node_cidrs, node=name), cfg.masquerade_all, node_cidrs)
 
 
-def detector_of(cfg: ProxyConfig) -> LocalDetector:
-    """kube-proxy's local-traffic detector from the configuration. NodeCIDR needs the Node's
-    spec.podCIDRs, which usproxy does not wait for (kube-proxy does): refused with the way out.
-    Raises ConfigError naming the field."""
-    if cfg.detect_local_mode == "NodeCIDR":
-        raise ConfigError("NodeCIDR is not supported: give this node's pod CIDR as --cluster-cidr "
-                          "(clusterCIDR) with detectLocalMode ClusterCIDR, which detects the same traffic",
+def detector_of(cfg: ProxyConfig, pod_cidrs: tuple[IPNetwork, ...] | None = None, *,
+                node: str | None = None) -> LocalDetector:
+    """kube-proxy's local-traffic detector from the configuration (getLocalDetectors,
+    cmd/kube-proxy/app/server_linux.go). NodeCIDR takes `pod_cidrs`, Node `node`'s
+    spec.podCIDRs (the first of each family; a family without one gets the no-op detector, as
+    kube-proxy, which logs it). Raises ConfigError naming the field; NodeCIDR without
+    `pod_cidrs` (not read) names detectLocalMode."""
+    if cfg.detect_local_mode == "NodeCIDR" and pod_cidrs is None:
+        raise ConfigError("NodeCIDR needs this Node's spec.podCIDRs, read before the agent is built",
                           obj="usproxy run", field="detectLocalMode")
-    det = local_detector(cfg.detect_local_mode, cluster_cidrs=cfg.cluster_cidrs, bridge=cfg.bridge_interface,
+    det = local_detector(cfg.detect_local_mode, cluster_cidrs=cfg.cluster_cidrs,
+                         node_cidrs=tuple(str(n) for n in pod_cidrs or ()), bridge=cfg.bridge_interface,
                          prefix=cfg.interface_name_prefix)
     if cfg.detect_local_mode == "ClusterCIDR" and not det.cidrs and not cfg.masquerade_all:
         log.info("no --cluster-cidr: ClusterIP traffic is not masqueraded (as kube-proxy without one)")
+    if cfg.detect_local_mode == "NodeCIDR" and pod_cidrs is not None:
+        for version in (4, 6):
+            if not det.implemented(version):  # as kube-proxy, which logs this for the primary family
+                log.info("detectLocalMode NodeCIDR: Node %s has no IPv%d pod CIDR; IPv%d ClusterIP "
+                         "traffic is not masqueraded by the detector", node, version, version)
     return det
+
+
+@dataclass(frozen=True, slots=True)
+class NodePodCIDRs:
+    """One v1 Node object as detectLocalMode NodeCIDR reads it: its name, whether it is being
+    deleted (metadata.deletionTimestamp: kube-proxy's waitForPodCIDR does not take it), and
+    spec.podCIDRs (spec.podCIDR when podCIDRs is absent, as objects of old servers), in order."""
+
+    name: str
+    deleting: bool
+    pod_cidrs: tuple[IPNetwork, ...]
+
+
+class PodCIDRsChanged(SourceError):
+    """This Node's spec.podCIDRs changed under detectLocalMode NodeCIDR (the message says from
+    what to what): the agent exits to be restarted, as kube-proxy (pkg/proxy/node.go)."""
+
+
+def parse_node_pod_cidrs(raw: Mapping[str, Any]) -> NodePodCIDRs:
+    """A raw Node -> NodePodCIDRs; CIDRs read as kube-proxy's ParseCIDRSloppy (leading zeros,
+    host bits). Raises ConfigError naming the Node and spec.podCIDRs (or metadata.name)."""
+    meta = raw.get("metadata")
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise ConfigError("required", obj="Node", field="metadata.name")
+    obj = f"Node {name if is_dns1123_subdomain(name) else repr(name)}"  # quoted: no forged log lines
+    spec = raw.get("spec")
+    field, texts = _pod_cidr_texts(spec if isinstance(spec, Mapping) else {}, obj)
+    out = []
+    for i, text in enumerate(texts):
+        where = f"{field}[{i}]" if field == "spec.podCIDRs" else field
+        if not isinstance(text, str) or "/" not in text:  # a bare address is no CIDR (ParseCIDRSloppy)
+            raise ConfigError(f"expected a CIDR (address/bits), got {text!r}", obj=obj, field=where)
+        try:
+            out.append(parse_cidr_sloppy(text))
+        except ValueError as err:
+            raise ConfigError(f"not a CIDR: {err}", obj=obj, field=where) from None
+    deleting = isinstance(meta, Mapping) and bool(meta.get("deletionTimestamp"))
+    return NodePodCIDRs(name, deleting, tuple(out))
+
+
+def _pod_cidr_texts(spec: Mapping[str, Any], obj: str) -> tuple[str, list[object]]:
+    """(field, its entries): spec.podCIDRs, or spec.podCIDR alone when podCIDRs is absent."""
+    texts = spec.get("podCIDRs")
+    if texts is None:
+        single = spec.get("podCIDR")
+        return ("spec.podCIDR", [single]) if single else ("spec.podCIDRs", [])
+    if not isinstance(texts, list):
+        raise ConfigError(f"expected a list of CIDRs, got {type(texts).__name__}", obj=obj, field="spec.podCIDRs")
+    return "spec.podCIDRs", texts
 
 
 async def watch_nodeport_addresses(node: NodeFacts, clusterip_interface: str, on_change: Callable[[], None], *,

@@ -65,10 +65,11 @@ _RELAY_LOCAL_ONLY = {
     ("etp-local", "pod to LB IP hits only both endpoints, unmasqueraded"): "10.180.2.1:80",
     ("etp-local", "pod to NodePort hits both endpoints, unmasqueraded"): "10.180.2.1:80",
     ("only-local-nodeports", "pod to NodePort hits both endpoints"): "10.180.2.1:80",
-    **{(k, n): "10.180.0.2:80" for k in ("iem-base", "iem-masqueradeall")
+    **{(k, n): "10.180.0.2:80" for k in ("iem-base", "iem-masqueradeall", "iem-base-nodecidr")
        for n in ("pod to NodePort with eTP:Local", "pod to LB with eTP:Local")},
     **{(k, "node to LB with eTP:Local"): "10.180.0.2:80" for k in
-       ("iem-base", "iem-no-localtrafficdetector", "iem-masqueradeall", "iem-masqueradeall-no-localtrafficdetector")},
+       ("iem-base", "iem-no-localtrafficdetector", "iem-masqueradeall", "iem-masqueradeall-no-localtrafficdetector",
+        "iem-base-nodecidr")},
 }
 
 # kube-proxy DROPs that come from a traffic policy with no local endpoint (relay: REJECT instead)

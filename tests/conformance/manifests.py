@@ -17,6 +17,7 @@ from tests.conformance.reference import NODE, Group, Scenario, Slice, Svc
 
 SERVICE_CIDR = "172.30.0.0/16"  # NewFakeProxier's serviceCIDRs
 POD_CIDR = "10.244.0.0/16"  # kube-proxy's fake: 10.0.0.0/8 (its pods); here every pod is in 10.244/16
+NO_POD_CIDR = "10.99.0.0/16"  # a clusterCIDR holding no pod: detectLocalMode NodeCIDR must not use it
 
 
 def scenario_index(group: Group, scenario: Scenario) -> int:
@@ -71,10 +72,14 @@ def _ns(namespace: str, k: int) -> str:
 
 def objects(group: Group, phase: int) -> list[dict[str, Any]]:
     """The group's manifest: kube-proxy's Service CIDR as a ServiceCIDR object, then per scenario its
-    Services and EndpointSlices (less what phase 1 deletes)."""
+    Services and EndpointSlices (less what phase 1 deletes); for a NodeCIDR group, this node's Node
+    object with the pod CIDR as its spec.podCIDRs."""
     out: list[dict[str, Any]] = [{"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
                                   "metadata": {"name": "kubernetes"},
                                   "spec": {"cidrs": [A.cidr(SERVICE_CIDR)]}}]
+    if group.node_cidr:
+        out.append({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+                    "spec": {"podCIDR": POD_CIDR, "podCIDRs": [POD_CIDR]}})
     for sc in group.scenarios:
         k = scenario_index(group, sc)
         after = sc.after if phase >= 1 else None
@@ -86,12 +91,16 @@ def objects(group: Group, phase: int) -> list[dict[str, Any]]:
 
 
 def kube_proxy_configuration(group: Group) -> dict[str, Any]:
-    """As NewFakeProxier: node name, nodePortAddresses, DetectLocalByCIDR(pod CIDR) or NoOp, masqueradeAll."""
+    """As NewFakeProxier: node name, nodePortAddresses, DetectLocalByCIDR(pod CIDR) or NoOp, masqueradeAll;
+    a NodeCIDR group takes the pod CIDR from the Node object (objects()) and is given a clusterCIDR
+    holding no pod."""
     cfg: dict[str, Any] = {"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
                            "hostnameOverride": NODE,
                            "nodePortAddresses": sorted({A.cidr(c) for c in group.nodeport_addresses}),
                            "iptables": {"masqueradeAll": group.masquerade_all}}
-    if group.local_detector:
+    if group.node_cidr:
+        cfg |= {"detectLocalMode": "NodeCIDR", "clusterCIDR": NO_POD_CIDR}
+    elif group.local_detector:
         cfg |= {"detectLocalMode": "ClusterCIDR", "clusterCIDR": POD_CIDR}
     return cfg
 

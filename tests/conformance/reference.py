@@ -113,6 +113,7 @@ class Group:
     nodeport_addresses: tuple[str, ...] = (f"{NODE_IP}/32",)
     masquerade_all: bool = False
     local_detector: bool = True  # kube-proxy's DetectLocalByCIDR("10.0.0.0/8"); False: NoOp detector
+    node_cidr: bool = False  # the detector's CIDR from the Node's spec.podCIDRs (detectLocalMode NodeCIDR)
 
 
 def _eps(*ips: str) -> str:
@@ -388,6 +389,11 @@ def _iem(case: str, *overrides: dict[str, tuple[str | None, bool | None]]) -> Sc
 IEM_BASE = _iem("base")
 IEM_NO_DETECTOR = _iem("no LocalTrafficDetector", _NO_DETECTOR)
 IEM_MASQ_ALL = _iem("masqueradeAll", _MASQ_ALL)
+# kube-proxy's DetectLocalByCIDR is one detector whichever mode gave its CIDR (getLocalDetectors,
+# cmd/kube-proxy/app/server_linux.go): with detectLocalMode NodeCIDR and the Node's podCIDRs
+# holding the pods, every flow is as in "base" (the agent is given a clusterCIDR holding no pod,
+# which NodeCIDR must ignore)
+IEM_NODE_CIDR = _iem("base, NodeCIDR")
 # masqueradeAll marks every ClusterIP connection, detector or not: of "no LocalTrafficDetector" only
 # its eTP:Local outputs apply here (its node/external "not masqueraded" flows are what masqueradeAll
 # changes back)
@@ -430,5 +436,6 @@ GROUPS: tuple[Group, ...] = (
     Group("nodeport-addresses", (NODE_PORTS_MULTI,), nodeport_addresses=("192.168.0.0/24", "192.168.1.0/24")),
     Group("no-detector", (IEM_NO_DETECTOR, ONLY_LOCAL_NODE_PORTS_NO_DETECTOR), local_detector=False),
     Group("masquerade-all", (IEM_MASQ_ALL,), masquerade_all=True),
+    Group("node-cidr", (IEM_NODE_CIDR,), node_cidr=True),
     Group("masquerade-all-no-detector", (IEM_MASQ_ALL_NO_DETECTOR,), masquerade_all=True, local_detector=False),
 )

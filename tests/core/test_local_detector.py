@@ -62,7 +62,6 @@ def test_no_cluster_cidr_is_kube_proxys_no_op_detector() -> None:
     ("detectLocalMode: Bridge\n", "detectLocalMode"),
     ("detectLocalMode: BridgeInterface\n", "detectLocal.bridgeInterface"),
     ('detectLocalMode: InterfaceNamePrefix\ndetectLocal:\n  interfaceNamePrefix: "ve\\"th"\n', "detectLocal.interfaceNamePrefix"),
-    ("detectLocalMode: NodeCIDR\n", "detectLocalMode"),
     ("iptables:\n  masqueradeAll: yes please\n", "iptables.masqueradeAll"),
 ])
 def test_bad_settings_name_the_field(tmp_path: Path, body: str, field: str) -> None:

@@ -1,8 +1,9 @@
 """Agent: wires a source, the Proxier, its datapaths and the admin server, and runs them.
 
 Life: this node's facts are resolved once (NodeFacts: the same node name for the Proxier, every
-datapath and the source), each datapath gets its own settings from the ProxyConfig, the source
-lists (a manifest that cannot be parsed at start raises ConfigError: exit 2), the admin server
+datapath and the source; with detectLocalMode NodeCIDR `node_facts` first waits for the Node's
+pod CIDRs, as kube-proxy waits before it builds its proxier), each datapath gets its own
+settings from the ProxyConfig, the source lists (a manifest that cannot be parsed at start raises ConfigError: exit 2), the admin server
 binds, the service health server (healthCheckNodePorts) is handed to the Proxier, the
 SyncRunner, the source's watch and the watch of the NodePort addresses (a change makes the next
 sync a full one) run as guarded tasks, and SIGTERM or SIGINT stops everything in reverse order,
@@ -31,7 +32,7 @@ from usproxy.config import ProxyConfig
 from usproxy.datapath import Datapath, FlowsView, ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.errors import AlreadyRunning, ConfigError
-from usproxy.node import NodeFacts, resolve_node, watch_nodeport_addresses
+from usproxy.node import NodeFacts, PodCIDRsChanged, node_name, resolve_node, watch_nodeport_addresses
 from usproxy.proxier import Proxier
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.sources import NodeEligibility, Source
@@ -77,10 +78,35 @@ def uses_api_server(cfg: ProxyConfig) -> bool:
     return cfg.services is None and (cfg.kubeconfig is not None or _in_cluster())
 
 
-class Agent:
-    """One running usproxy agent."""
+async def node_facts(cfg: ProxyConfig) -> NodeFacts:
+    """This node's facts (resolve_node). With detectLocalMode NodeCIDR, first this Node's
+    spec.podCIDRs: from the API server, waiting until it has some (sources/kube.wait_for_pod_cidrs:
+    at most 5 minutes, then SourceError, as kube-proxy), or from the Node object of the static
+    manifests (sources/static.static_pod_cidrs: ConfigError when missing)."""
+    kubernetes = uses_api_server(cfg)
+    if cfg.detect_local_mode != "NodeCIDR":
+        return resolve_node(cfg, kubernetes=kubernetes)
+    name = node_name(cfg, kubernetes=kubernetes)[0]
+    if cfg.services is not None:
+        from usproxy.sources.static import static_pod_cidrs
 
-    def __init__(self, cfg: ProxyConfig, datapaths: list[Datapath] | None = None) -> None:
+        cidrs = await asyncio.to_thread(static_pod_cidrs, cfg.services, name)
+    elif kubernetes:
+        from usproxy.sources.kube import wait_for_pod_cidrs
+
+        assert name is not None  # node_name names the node whenever the API is the source
+        cidrs = await wait_for_pod_cidrs(cfg, name)
+    else:
+        raise ConfigError("give --services PATH or --kubeconfig PATH", obj="usproxy run")
+    return resolve_node(cfg, kubernetes=kubernetes, pod_cidrs=cidrs)
+
+
+class Agent:
+    """One running usproxy agent. `node`: this node's facts when the caller resolved them
+    (node_facts(), needed for detectLocalMode NodeCIDR), else resolved here."""
+
+    def __init__(self, cfg: ProxyConfig, datapaths: list[Datapath] | None = None, *,
+                 node: NodeFacts | None = None) -> None:
         self.cfg = cfg
         # Real datapaths: one agent per ClusterIP interface, and one offloading agent (the
         # kernel tables are per namespace), in this network namespace.
@@ -88,7 +114,7 @@ class Agent:
             [NetnsLock("offload")] if cfg.offload != "none" else [])
         self.metrics = Metrics()
         self.events = EventHub()
-        self.node = resolve_node(cfg, kubernetes=uses_api_server(cfg))
+        self.node = node or resolve_node(cfg, kubernetes=uses_api_server(cfg))
         self.datapaths = datapaths if datapaths is not None else build_datapaths(
             cfg, self.node, self.metrics, self._datapath_wants_sync, self.events)
         self.proxier = Proxier(self.datapaths, node=self.node, metrics=self.metrics,
@@ -199,6 +225,10 @@ class Agent:
                 log.error("%s; stopping the agent", err)
                 self.exit_code = 2
                 self._stop.set()
+            except PodCIDRsChanged as err:  # as kube-proxy: exit, to be restarted with the new ones
+                log.error("%s", err)
+                self.exit_code = 1
+                self._stop.set()
             except Exception:
                 log.exception("task %s ended unexpectedly; stopping the agent", name)
                 self.exit_code = 1
@@ -227,7 +257,7 @@ class Agent:
         if self.cfg.services is not None:
             from usproxy.sources.static import StaticSource, watch_sighup
 
-            src = StaticSource(self.cfg.services, self.proxier,
+            src = StaticSource(self.cfg.services, self.proxier, node=self.node,
                                on_error=lambda e: self.metrics.config_errors.labels("manifest").inc())
             src.load_initial()
             watch_sighup(src)
@@ -236,7 +266,8 @@ class Agent:
             from usproxy.sources.kube import KubeSource
 
             assert self.node.name is not None  # resolve_node names the node whenever the API is the source
-            return KubeSource(self.cfg, self.proxier, self.metrics, node_name=self.node.name)
+            return KubeSource(self.cfg, self.proxier, self.metrics, node_name=self.node.name,
+                              pod_cidrs=self.node.pod_cidrs)
         raise ConfigError("give --services PATH or --kubeconfig PATH", obj="usproxy run")
 
     async def run(self) -> None:

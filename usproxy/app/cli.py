@@ -134,7 +134,8 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
     for flag, n in (("--conntrack-max-per-core", cfg.conntrack_max_per_core), ("--conntrack-min", cfg.conntrack_min)):
         if n < 0:
             raise ConfigError(f"must not be negative, got {n}", obj="usproxy run", field=flag)
-    detector_of(cfg)  # detectLocalMode and its CIDR or interface
+    if cfg.detect_local_mode != "NodeCIDR":  # NodeCIDR's pod CIDRs are the Node's, read at start
+        detector_of(cfg)  # detectLocalMode and its CIDR or interface
     try:
         parse_nodeport_addresses(cfg.nodeport_addresses)
         parse_cidrs(cfg.service_cidrs, "--service-cidr")
@@ -153,7 +154,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     agent: list[Agent] = []
 
     async def main() -> None:
-        agent.append(Agent(cfg))
+        from usproxy.app.agent import node_facts
+
+        agent.append(Agent(cfg, node=await node_facts(cfg)))
         await agent[0].run()
 
     # USPROXY_EVENT_LOOP=asyncio runs on the default loop (tests run every relay case on both).

@@ -9,6 +9,13 @@ networking.k8s.io/v1 ServiceCIDR objects and hands the union of their CIDRs to t
 changes (kube-proxy's ServiceCIDRConfig); a server that does not serve them (404: a cluster older
 than Kubernetes 1.33, or the API not enabled) is logged once and not asked again.
 
+detectLocalMode NodeCIDR as kube-proxy (cmd/kube-proxy/app/server_linux.go waitForPodCIDR,
+pkg/proxy/node.go NodeManager): before the agent is built, `wait_for_pod_cidrs` asks for this
+Node every second until it has spec.podCIDRs (at most 5 minutes, then the agent exits to be
+restarted); afterwards LocalNode compares every version of the Node with the pod CIDRs the
+detector was built from, and a change ends the source (`PodCIDRsChanged`), so the agent exits
+to be restarted with the new ones, as kube-proxy does.
+
 Invariants:
 - `on_services_synced` / `on_endpoint_slices_synced` are called once, after the first successful
   list of that resource; nothing syncs before (kube-proxy's isInitialized).
@@ -41,6 +48,7 @@ import yaml
 
 from usproxy.metrics import Metrics
 from usproxy.config import ProxyConfig
+from usproxy.node import PodCIDRsChanged, parse_node_pod_cidrs
 from usproxy.endpoint_slice import EndpointSlice, parse_endpoint_slice
 from usproxy.errors import ConfigError, SourceError
 from usproxy.gc_pause import gc_paused, promote_survivors
@@ -59,6 +67,7 @@ ZONE_LABEL = "topology.kubernetes.io/zone"
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
 LABEL_SELECTOR = f"!{HEADLESS_LABEL}"  # kube-proxy's server-side filter (cmd/kube-proxy/app/server.go)
 USER_AGENT = "usproxy/0.1.0"
+POD_CIDR_WAIT = 300.0  # seconds the agent waits for this Node's podCIDRs (kube-proxy's timeoutForNodePodCIDR)
 
 T = TypeVar("T")
 
@@ -212,13 +221,20 @@ class LocalNode:
     changes after the first sync applies to each ServicePort at its next change. Eligibility is
     kube-proxy's ProxierHealthServer.SyncNode: a Node being deleted (deletionTimestamp, or the
     ToBeDeletedByClusterAutoscaler taint) or gone makes /healthz fail so load balancers drain it,
-    while /livez stays healthy.
+    while /livez stays healthy. With `pod_cidrs` (detectLocalMode NodeCIDR: the spec.podCIDRs the
+    detector was built from), a version of the Node whose podCIDRs differ sets `restart` (kube-proxy's
+    NodeManager.OnNodeChange exits then); one whose podCIDRs do not parse is logged and changes
+    nothing.
     """
 
-    def __init__(self, node_name: str, provider: NodeAwareProvider) -> None:
+    def __init__(self, node_name: str, provider: NodeAwareProvider,
+                 pod_cidrs: tuple[IPNetwork, ...] | None = None) -> None:
         self.node_name = node_name
         self.provider = provider
         self.eligible = True
+        self.pod_cidrs = pod_cidrs
+        self.restart: str | None = None  # why the agent must restart (set once)
+        self.restart_needed = asyncio.Event()
 
     async def replace(self, items: list[dict[str, Any]]) -> None:
         mine = [n for n in items if (n.get("metadata") or {}).get("name") == self.node_name]
@@ -236,6 +252,21 @@ class LocalNode:
         deleting = bool(meta.get("deletionTimestamp")) or any(
             isinstance(t, Mapping) and t.get("key") == TO_BE_DELETED_TAINT for t in taints)
         self._set_eligible(not deleting)
+        self._check_pod_cidrs(obj)
+
+    def _check_pod_cidrs(self, obj: dict[str, Any]) -> None:
+        if self.pod_cidrs is None or self.restart is not None:
+            return
+        try:
+            now = parse_node_pod_cidrs(obj).pod_cidrs
+        except ConfigError as err:
+            log.error("%s; detectLocalMode NodeCIDR keeps %s", err, _cidrs_text(self.pod_cidrs))
+            return
+        if now != self.pod_cidrs:
+            self.restart = (f"Node {self.node_name}: spec.podCIDRs changed from {_cidrs_text(self.pod_cidrs)} "
+                            f"to {_cidrs_text(now)}; detectLocalMode NodeCIDR reads them at start: "
+                            "exiting to be restarted, as kube-proxy")
+            self.restart_needed.set()
 
     def delete(self, obj: dict[str, Any]) -> None:
         """A deleted Node keeps its last zone (the proxy serves until stopped) but is not eligible."""
@@ -253,6 +284,10 @@ class LocalNode:
         if eligible != self.eligible:
             log.info("Node %s: %s", self.node_name, "eligible again" if eligible else "being deleted")
             self.eligible = eligible
+
+
+def _cidrs_text(cidrs: tuple[IPNetwork, ...]) -> str:
+    return ", ".join(map(str, cidrs)) or "none"
 
 
 ClientConfig = Callable[[], Awaitable[Any]]
@@ -298,10 +333,13 @@ def client_config(kubeconfig: Path | None) -> ClientConfig:
 
 class KubeSource:
     """Feeds a Provider from a live API server: Services, EndpointSlices, and the zone and
-    eligibility of the Node named `node_name` (the agent's NodeFacts.name)."""
+    eligibility of the Node named `node_name` (the agent's NodeFacts.name); `pod_cidrs` the
+    Node's spec.podCIDRs the NodeCIDR detector was built from (NodeFacts.pod_cidrs), whose change
+    ends run() with PodCIDRsChanged."""
 
     def __init__(self, cfg: ProxyConfig, provider: NodeAwareProvider, metrics: Metrics | None = None, *,
-                 node_name: str, options: ReflectorOptions | None = None, node_wait: float = 5.0) -> None:
+                 node_name: str, options: ReflectorOptions | None = None, node_wait: float = 5.0,
+                 pod_cidrs: tuple[IPNetwork, ...] | None = None) -> None:
         self.provider = provider
         self.metrics = metrics
         self.options = options or ReflectorOptions()
@@ -315,7 +353,7 @@ class KubeSource:
             "EndpointSlice", parse=parse_endpoint_slice, skip=slice_skip_reason,
             deliver=provider.on_endpoint_slice_update, on_synced=provider.on_endpoint_slices_synced,
             on_error=self._count_error, hold=self._hold)
-        self.node = LocalNode(self.node_name, provider)
+        self.node = LocalNode(self.node_name, provider, pod_cidrs)
         self.service_cidr_tracker = ServiceCIDRTracker(self._service_cidrs_changed)
         self.service_cidrs: ObjectCache[ServiceCIDR] = ObjectCache(
             "ServiceCIDR", parse=parse_service_cidr, skip=lambda raw: None, deliver=self.service_cidr_tracker.update,
@@ -341,7 +379,8 @@ class KubeSource:
 
     async def run(self) -> None:
         """Run the reflectors until cancelled. The Node is looked up first (for at most
-        `node_wait` seconds) so the first sync already knows the zone."""
+        `node_wait` seconds) so the first sync already knows the zone. Raises PodCIDRsChanged
+        when the Node's podCIDRs differ from `pod_cidrs` (NodeCIDR mode)."""
         from kubernetes_asyncio.client import ApiClient
 
         configuration = await self._client_config()
@@ -350,11 +389,15 @@ class KubeSource:
             self.reflectors = self._reflectors(api)
             async with asyncio.TaskGroup() as tasks:
                 node = self.reflectors["node"]
-                tasks.create_task(node.run(), name="reflector-node")
+                running = [tasks.create_task(node.run(), name="reflector-node")]
                 with suppress(TimeoutError):
                     await asyncio.wait_for(node.attempted.wait(), self.node_wait)
                 for name in ("services", "endpointslices", "servicecidrs"):
-                    tasks.create_task(self.reflectors[name].run(), name=f"reflector-{name}")
+                    running.append(tasks.create_task(self.reflectors[name].run(), name=f"reflector-{name}"))
+                await self.node.restart_needed.wait()  # never set unless NodeCIDR's podCIDRs change
+                for task in running:
+                    task.cancel()
+        raise PodCIDRsChanged(self.node.restart or "")
 
     def _reflectors(self, api: Any) -> dict[str, Reflector]:
         opts = self.options
@@ -368,6 +411,52 @@ class KubeSource:
             "endpointslices": Reflector("EndpointSlices", eps_lw, self.slices, opts),
             "servicecidrs": Reflector("ServiceCIDRs", cidr_lw, self.service_cidrs, opts),
         }
+
+
+async def wait_for_pod_cidrs(cfg: ProxyConfig, node_name: str, *, timeout: float = POD_CIDR_WAIT,
+                             interval: float = 1.0, remind: float = 30.0,
+                             options: ReflectorOptions | None = None) -> tuple[IPNetwork, ...]:
+    """This Node's spec.podCIDRs, for detectLocalMode NodeCIDR, as kube-proxy's waitForPodCIDR
+    (cmd/kube-proxy/app/server_linux.go): the Node named `node_name` is listed every `interval`
+    seconds until it exists, is not being deleted and has pod CIDRs; the wait is logged at once
+    and every `remind` seconds, naming the Node. Raises SourceError after `timeout` seconds
+    (kube-proxy gives up after 5 minutes and exits), ConfigError for an unusable kubeconfig or
+    podCIDRs that do not parse (naming the Node and spec.podCIDRs)."""
+    from kubernetes_asyncio.client import ApiClient
+
+    configuration = await client_config(cfg.kubeconfig)()
+    loop = asyncio.get_running_loop()
+    start = last_log = loop.time()
+    async with ApiClient(configuration) as api:
+        api.user_agent = USER_AGENT
+        lw = ApiListWatch(api, NODES, field_selector=f"metadata.name={node_name}", options=options)
+        log.info("detectLocalMode NodeCIDR: waiting for Node %s to have spec.podCIDRs", node_name)
+        while True:
+            why = await _node_pod_cidrs(lw, node_name)
+            if isinstance(why, tuple):
+                log.info("Node %s: podCIDRs %s (detectLocalMode NodeCIDR)", node_name, _cidrs_text(why))
+                return why
+            if loop.time() - start >= timeout:
+                raise SourceError(f"timeout waiting for Node {node_name} to have spec.podCIDRs, needed by "
+                                  f"detectLocalMode NodeCIDR (--detect-local-mode), after {timeout:g} s: {why}")
+            if loop.time() - last_log >= remind:
+                log.warning("detectLocalMode NodeCIDR: still waiting for Node %s: %s", node_name, why)
+                last_log = loop.time()
+            await asyncio.sleep(interval)
+
+
+async def _node_pod_cidrs(lw: ApiListWatch, node_name: str) -> tuple[IPNetwork, ...] | str:
+    """The Node's podCIDRs when it is ready for NodeCIDR, else why not (a text)."""
+    try:
+        items = (await lw.list("")).items
+    except (SourceError, aiohttp.ClientError, OSError, TimeoutError) as err:
+        return f"cannot read it: {type(err).__name__}: {err}"
+    nodes = [parse_node_pod_cidrs(raw) for raw in items if (raw.get("metadata") or {}).get("name") == node_name]
+    if not nodes:
+        return "no such Node"
+    if nodes[0].deleting:
+        return "it is being deleted"
+    return nodes[0].pod_cidrs or "it has no spec.podCIDRs yet"
 
 
 class OptionalListWatch:

@@ -20,6 +20,9 @@ Invariants, so that no local fault and no half-written file withdraws a Service:
   A removed file withdraws its objects at once (removal is never a step of a rewrite).
 - ServiceCIDR objects (networking.k8s.io/v1) are read as the Kubernetes source reads them: the
   union of their CIDRs goes to the Provider (if it takes them) whenever it changes.
+- detectLocalMode NodeCIDR reads this node's Node object (spec.podCIDRs) from the manifests once,
+  before the agent is built (`static_pod_cidrs`); a reload that changes them is logged (restart
+  to apply), and the detector keeps the pod CIDRs it was built from.
 - Files are parsed in a worker thread; a change is delivered on the loop a TimeSlice at a time
   with the Provider's syncs held, so a large manifest neither stalls the relay nor is synced
   half-delivered.
@@ -38,6 +41,7 @@ from usproxy.endpoint_slice import EndpointSlice
 from usproxy.errors import ConfigError
 from usproxy.gc_pause import gc_paused, promote_survivors
 from usproxy.manifest import ManifestReadError, Manifests, load_file, manifest_files
+from usproxy.node import NodeFacts
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.service import Service
 from usproxy.service_cidr import ServiceCIDRHandler, ServiceCIDRTracker
@@ -86,12 +90,13 @@ def _written_during_read(before: FileKey | None, after: FileKey | None) -> bool:
 
 
 def _is_empty(m: Manifests) -> bool:
-    return not (m.services or m.slices or m.service_cidrs or m.errors or m.skipped)
+    return not (m.services or m.slices or m.service_cidrs or m.nodes or m.errors or m.skipped)
 
 
 class StaticSource:
     """Feeds a Provider from manifests on disk. `settle` and `empty_settle` are in seconds,
-    `clock` gives monotonic seconds (tests pass their own)."""
+    `clock` gives monotonic seconds (tests pass their own). `node`: this node, whose Node object's
+    spec.podCIDRs are compared at each reload with those its NodeCIDR detector was built from."""
 
     def __init__(
         self,
@@ -103,8 +108,11 @@ class StaticSource:
         settle: float = SETTLE,
         empty_settle: float = EMPTY_SETTLE,
         clock: Callable[[], float] = time.monotonic,
+        node: NodeFacts = NodeFacts(),
     ) -> None:
         self.path = path
+        self.node = node
+        self._pod_cidrs_seen = node.pod_cidrs  # the last pod CIDRs warned about
         self.provider = provider
         self.poll_interval = poll_interval
         self.on_error = on_error
@@ -332,11 +340,54 @@ class StaticSource:
                 self.slices[name] = es
                 yield
         self.service_cidrs.replace(merged.service_cidrs.values())
+        self._check_pod_cidrs(merged)
+
+    def _check_pod_cidrs(self, merged: Manifests) -> None:
+        """Warn once per new value when this Node's podCIDRs differ from the detector's."""
+        mine = merged.nodes.get(self.node.name or "")
+        if self.node.pod_cidrs is None or mine is None or mine.pod_cidrs == self._pod_cidrs_seen:
+            return
+        self._pod_cidrs_seen = mine.pod_cidrs
+        if mine.pod_cidrs != self.node.pod_cidrs:
+            log.warning("Node %s: spec.podCIDRs now %s; detectLocalMode NodeCIDR keeps %s, read at start: "
+                        "restart usproxy to apply", self.node.name, _text(mine.pod_cidrs), _text(self.node.pod_cidrs))
 
     def _service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
         log.info("ServiceCIDRs: %s", ", ".join(map(str, cidrs)) or "none")
         if isinstance(self.provider, ServiceCIDRHandler):
             self.provider.on_service_cidrs_changed(cidrs)
+
+
+def _text(cidrs: tuple[IPNetwork, ...]) -> str:
+    return ", ".join(map(str, cidrs)) or "none"
+
+
+def static_pod_cidrs(path: Path, node_name: str | None) -> tuple[IPNetwork, ...]:
+    """This node's spec.podCIDRs from the manifests at `path` (file or directory), for
+    detectLocalMode NodeCIDR without a cluster: the Node object named `node_name`. Raises
+    ConfigError naming --detect-local-mode and what is missing (no node name, no such Node, no
+    podCIDRs), the Node's own error when its podCIDRs do not parse, or the manifest's when it
+    cannot be read or parsed at all."""
+    why = "--detect-local-mode NodeCIDR (detectLocalMode)"
+    if node_name is None:
+        raise ConfigError(f"{why} needs this node's name: give --hostname-override or NODE_NAME", obj="usproxy run")
+    if not path.exists():  # as load_initial
+        raise ConfigError("no such file or directory", obj=str(path))
+    merged = Manifests()
+    for f in manifest_files(path):
+        merged.merge(load_file(f))
+    mine = f"Node {node_name}"
+    for err in merged.errors:
+        if err.obj == mine:
+            raise err
+    node = merged.nodes.get(node_name)
+    if node is None:
+        raise ConfigError(f"{why} needs a Node object named {node_name!r} with spec.podCIDRs in {path}",
+                          obj="usproxy run")
+    if not node.pod_cidrs:
+        raise ConfigError(f"{why} needs the pod CIDRs of this node, none given", obj=mine, field="spec.podCIDRs")
+    log.info("Node %s: podCIDRs %s (detectLocalMode NodeCIDR, from %s)", node_name, _text(node.pod_cidrs), path)
+    return node.pod_cidrs
 
 
 def watch_sighup(source: StaticSource) -> None:
