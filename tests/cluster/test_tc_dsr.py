@@ -6,7 +6,8 @@ only backend, web-b, runs on n2:
 - TCP: the backend sees the client's address; the client's connect() succeeds against
   n1:NodePort and data flows both ways, a long-lived connection included; the replies leave n2
   with n1's address and NodePort as their source and reach the lan router from n2's interface, never
-  from n1's (an nftables counter in the lan namespace, per sender MAC); n1's BPF conntrack holds
+  from n1's (an nftables counter in the lan namespace, per sender MAC), and the connection outlives
+  a restart of n2's agent (pinned programs and maps); n1's BPF conntrack holds
   only the ORIGINAL (DSR) entry of the flow, n2's the REPLY entry the IP option told it;
 - UDP: the same for datagrams (the option rides on every one);
 - externalTrafficPolicy Local keeps the client address; a backend on the ingress node itself is
@@ -31,6 +32,7 @@ from tests.cluster.cluster import EXT, LAN, Cluster, node_ip
 from tests.cluster.test_tc_nodeport import Agents, ct_entries, node_dirs, served_by_bpf, udp_service, udp_slice
 from tests.cluster.test_three_nodes import ask, service, slice_of
 from tests.netns import inside, nsexec
+from usproxy.offload.bpf import view
 from usproxy.offload.bpf.layout import CT_DSR, CT_ORIGINAL, CT_REPLY
 
 pytestmark = pytest.mark.netns
@@ -145,9 +147,13 @@ async def test_dsr_reply_leaves_the_backend_node_with_the_nodeport_address(dsr_c
         sport = s.getsockname()[1]
         bulk = bytes(range(256)) * 1024  # 256 KiB both ways: full-size segments
         assert await asyncio.to_thread(echo, s, bulk) == bulk
-        for n in range(25):  # a long-lived connection keeps talking
+        for n in range(25):  # a long-lived connection keeps talking, across n2's agent restart
             assert await asyncio.to_thread(echo, s, f"line {n}\n".encode()) == f"line {n}\n".encode()
             await asyncio.sleep(0.2)
+            if n == 8:
+                assert c.stop_agent(2) == 0  # pinned programs and maps keep the flow
+            if n == 16:
+                await asyncio.to_thread(agents.start, 2)
     finally:
         s.close()
     counts = reply_counts(c)
@@ -162,6 +168,7 @@ async def test_dsr_reply_leaves_the_backend_node_with_the_nodeport_address(dsr_c
     assert n2[0].packets > 25, n2
     rows: list[dict[str, Any]] = await asyncio.to_thread(c.admin, 1, "/services")
     assert {r["servicePortName"]: r["bpfLbMode"] for r in rows}["default/dsr:http"] == "dsr", rows
+    assert "mode=dsr" in (view.render_pinned(agents.dirs[1][0]) or "")  # `usproxy explain --live`
     flows = await asyncio.to_thread(c.admin, 1, "/flows")
     assert any(r.get("state") == "DSR" and r["original"]["src"] == f"{EXT}:{sport}" for r in flows), flows
 
