@@ -186,3 +186,41 @@ async def test_dsr_udp_local_policy_and_local_backend(dsr_cluster: tuple[Cluster
     assert await asyncio.to_thread(ask, ext, N1, HERE_NP) == ("web-a", "10.244.1.1")
     n2 = [e for e in ct_entries(agents.dirs[2][0]) if e.direction == CT_REPLY and e.proto == socket.IPPROTO_UDP]
     assert [(str(e.nat_saddr), e.nat_sport, bool(e.flags & CT_DSR)) for e in n2] == [(N1, UDP_NP, True)], n2
+
+
+def peers_seen(c: Cluster, pod: str) -> dict[str, int]:
+    """What idsrv in `pod` counted per peer address (TCP connections and UDP datagrams)."""
+    path = c.tmp / f"{pod}.json"
+    return dict(json.loads(path.read_text())["peers"]) if path.exists() else {}
+
+
+async def wait_peers(c: Cluster, pod: str, want: dict[str, int]) -> dict[str, int]:
+    for _ in range(40):
+        seen = peers_seen(c, pod)
+        if seen == want:
+            break
+        await asyncio.sleep(0.1)
+    return seen
+
+
+async def test_udp_datagrams_that_do_not_fit_with_the_option(dsr_cluster: tuple[Cluster, DsrAgents]) -> None:
+    """The lab's links have MTU 1500: a 1472-byte payload leaves no room for the 8-byte option."""
+    c, agents = dsr_cluster
+    with inside(c.ns("ext")):
+        first_big, small_first = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    big = b"x" * 1472
+    try:
+        first_big.sendto(big, (N1, UDP_NP))  # the flow's first datagram does not fit: SNAT
+        assert await wait_peers(c, "web-b", {N1: 1}) == {N1: 1}
+        port = first_big.getsockname()[1]
+        flows = [e for e in ct_entries(agents.dirs[1][0]) if e.direction == CT_ORIGINAL and e.sport == port]
+        assert [(str(e.nat_saddr), bool(e.flags & CT_DSR)) for e in flows] == [(N1, False)], flows
+        small_first.settimeout(2.0)
+        small_first.sendto(b"hello", (N1, UDP_NP))  # a DSR flow: answered from n1:NodePort
+        data, src = small_first.recvfrom(256)
+        assert data.startswith(f"web-b|{EXT}|".encode()) and src == (N1, UDP_NP), (data, src)
+        small_first.sendto(big, (N1, UDP_NP))  # sent without the option: n2 knows the flow already
+        assert await wait_peers(c, "web-b", {N1: 1, EXT: 2}) == {N1: 1, EXT: 2}
+    finally:
+        first_big.close()
+        small_first.close()

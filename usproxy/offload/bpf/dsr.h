@@ -14,8 +14,11 @@
  * bpf_fib_lookup + bpf_redirect_neigh. Only an ORIGINAL usp_ct entry (flag CT_DSR) is written:
  * the reply never comes back through this node. TCP carries the option on SYNs only (a SYN has no
  * payload, so the 8 bytes never push a segment past the MTU); the backend node remembers the flow
- * from it. UDP has no handshake to remember from, so every datagram carries it; a datagram whose
- * 8 more bytes no longer fit the route's MTU is dropped (Cilium answers ICMP fragmentation-needed).
+ * from it. UDP has no handshake to remember from, so every datagram carries it when it fits: the
+ * first packet of a flow that would no longer fit the route's MTU with the 8 bytes is served with
+ * SNAT instead (the whole flow), a later datagram that would not fit goes without the option (the
+ * backend's node knows the flow from the earlier ones, while its entry lives). Cilium answers
+ * ICMP fragmentation-needed there instead.
  *
  * Backend node: a packet carrying the option (first option of the header) to a NodePort this node
  * also serves with F_DSR records a REPLY usp_ct entry (backend:port -> client) that names the
@@ -99,52 +102,65 @@ static __always_inline int dsr_add_opt(struct __sk_buff *skb, __u32 addr, __u16 
 	return bpf_skb_store_bytes(skb, IP_OFF, &h, sizeof(h), 0);
 }
 
-/* DNAT to the backend keeping the client's address, add the option when it is due, send. The
- * option names the frontend the client addressed (p->t as parsed, before the rewrite). */
-static __always_inline int dsr_forward(struct __sk_buff *skb, struct pkt *p, __u32 be_addr, __u16 be_port)
+/* Whether the packet still fits the route to the backend with the option added. */
+static __always_inline int dsr_opt_fits(struct __sk_buff *skb, struct pkt *p, __u32 be_addr, int *via_gw)
+{
+	__u16 len = (__u16)(skb->len - ETH_HLEN + DSR_OPT_LEN);
+	int too_big = 0;
+
+	return dsr_route(skb, p->t.saddr, be_addr, len, via_gw, &too_big) && !too_big;
+}
+
+/* DNAT to the backend keeping the client's address, add the option when `opt`, send. The option
+ * names the frontend the client addressed (p->t as parsed, before the rewrite). */
+static __always_inline int dsr_forward(struct __sk_buff *skb, struct pkt *p, __u32 be_addr, __u16 be_port,
+				       int opt)
 {
 	__u32 front = p->t.daddr;
 	__u16 front_port = p->t.dport;
 
 	if (rewrite(skb, p, p->t.saddr, p->t.sport, be_addr, be_port) < 0)
 		return TC_ACT_SHOT;
-	if (dsr_wants_opt(p) && dsr_add_opt(skb, front, front_port) < 0)
+	if (opt && dsr_add_opt(skb, front, front_port) < 0)
 		return TC_ACT_SHOT;
 	return send(skb, p->t.saddr, be_addr);
 }
 
 /* A new flow to a DSR NodePort (nodeport_new's hook): -1 when DSR does not apply (the backend is
- * on this node, or the packet already has IP options) and the SNAT path goes on. */
+ * on this node, the packet already has IP options or would not fit with the option) and the SNAT
+ * path goes on. */
 static __always_inline int dsr_new(struct __sk_buff *skb, struct pkt *p, struct svc_val *svc,
 				   __u32 be_id, struct backend_val *be, __u64 now)
 {
 	struct ct_val fv = { .nat_daddr = be->addr[3], .nat_dport = (__u16)be->port,
 			     .svc_id = svc->id, .backend_id = be_id, .flags = CT_DSR,
 			     .created = now, .last = now, .packets = 1 };
-	__u16 len = (__u16)(skb->len - ETH_HLEN + (dsr_wants_opt(p) ? DSR_OPT_LEN : 0));
-	int via_gw = 0, too_big = 0;
+	int via_gw = 0;
 
 	if (!(svc->flags & F_DSR) || (svc->flags & F_LOCAL_ONLY) || p->l4_off != IP_OFF + IP_HLEN_BASE)
 		return -1;
-	if (!dsr_route(skb, p->t.saddr, be->addr[3], len, &via_gw, &too_big))
-		return too_big ? TC_ACT_SHOT : -1;
-	if (!via_gw)
+	if (!dsr_opt_fits(skb, p, be->addr[3], &via_gw) || !via_gw)
 		return -1;
 	__sync_fetch_and_add(&be->selected, 1);
 	if (bpf_map_update_elem(&usp_ct, &p->t, &fv, BPF_ANY) < 0)
 		return TC_ACT_SHOT;
-	return dsr_forward(skb, p, be->addr[3], (__u16)be->port);
+	return dsr_forward(skb, p, be->addr[3], (__u16)be->port, dsr_wants_opt(p));
 }
 
 /* A packet of a known DSR flow (nodeport_known's hook, entry `v` already checked): DNAT, and the
- * option again on a retransmitted SYN and on every UDP datagram. -1 for a flow that is not DSR. */
+ * option again on a retransmitted SYN and on every UDP datagram that fits with it. -1 for a flow
+ * that is not DSR. */
 static __always_inline int dsr_known(struct __sk_buff *skb, struct pkt *p, struct ct_val *v)
 {
+	int opt = dsr_wants_opt(p), via_gw = 0;
+
 	if (!(v->flags & CT_DSR))
 		return -1;
-	if (dsr_wants_opt(p) && p->l4_off != IP_OFF + IP_HLEN_BASE)
+	if (opt && p->l4_off != IP_OFF + IP_HLEN_BASE)
 		return TC_ACT_SHOT;
-	return dsr_forward(skb, p, v->nat_daddr, v->nat_dport);
+	if (opt && !dsr_opt_fits(skb, p, v->nat_daddr, &via_gw))
+		opt = 0;
+	return dsr_forward(skb, p, v->nat_daddr, v->nat_dport, opt);
 }
 
 /* The backend node's side (usp_tc_ingress's hook, before nodeport_new): record the service
