@@ -23,6 +23,8 @@ from usproxy.service_port import LBPolicy
 log = logging.getLogger(__name__)
 
 OffloadMode = Literal["auto", "nftables", "bpf", "none"]
+BpfLbMode = Literal["snat", "dsr"]
+BPF_LB_MODES: tuple[BpfLbMode, ...] = ("snat", "dsr")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class ProxyConfig:
     tcp_established_timeout: float = 86400.0
     tcp_close_wait_timeout: float = 3600.0
     bpf_cgroup: Path = Path("/sys/fs/cgroup/unified")
+    # NodePorts at tc with a backend on another node: SNAT, or direct server return (Cilium's
+    # bpf-lb-mode; usproxy/offload/bpf/dsr.h)
+    bpf_lb_mode: BpfLbMode = "snat"
     cleanup: bool = False
     # local-traffic detection and masquerade, as kube-proxy (usproxy/local_detector.py)
     detect_local_mode: str = "ClusterCIDR"
@@ -132,6 +137,7 @@ KNOWN_FIELDS: dict[str, str] = {
     "iptables.masqueradeAll": "masquerade_all",
     "nftables.masqueradeAll": "masquerade_all",
     "linux.masqueradeAll": "masquerade_all",
+    "bpf.lbMode": "bpf_lb_mode",  # not kube-proxy's: Cilium's bpf-lb-mode, in the same file
 }
 DURATIONS = ("sync_period", "min_sync_period", "udp_idle_timeout", "tcp_established_timeout",
              "tcp_close_wait_timeout")
@@ -176,6 +182,10 @@ def _convert(name: str, key: str, value: Any) -> Any:
             return "ClusterCIDR" if name == "detect_local_mode" else ""
         if not isinstance(value, str):
             raise ConfigError(f"must be a string, got {value!r}", field=key)
+        return value
+    if name == "bpf_lb_mode":
+        if value not in BPF_LB_MODES:
+            raise ConfigError(f"must be one of {', '.join(BPF_LB_MODES)}, got {value!r}", field=key)
         return value
     if name == "kubeconfig":
         if value is not None and not isinstance(value, str):

@@ -109,3 +109,19 @@ def test_flags_out_of_range_exit_2_naming_the_flag(argv: list[str], flag: str) -
 def test_service_cidr_with_leading_zeros_as_kube_proxy() -> None:
     cfg = config_from_args(build_parser().parse_args(["run", "--service-cidr", "010.096.000.000/16"]))
     assert parse_cidrs(cfg.service_cidrs, "--service-cidr") == (ipaddress.ip_network("10.96.0.0/16"),)
+
+
+def test_bpf_lb_mode_from_file_and_flag(tmp_path: Path) -> None:
+    """--bpf-lb-mode (Cilium's bpf-lb-mode): snat by default, bpf.lbMode in the file, the flag
+    wins; anything else is refused."""
+    f = tmp_path / "kp.yaml"
+    f.write_text("kind: KubeProxyConfiguration\nbpf:\n  lbMode: dsr\n")
+    assert config_from_args(build_parser().parse_args(["run"])).bpf_lb_mode == "snat"
+    assert config_from_args(build_parser().parse_args(["run", "--config", str(f)])).bpf_lb_mode == "dsr"
+    args = build_parser().parse_args(["run", "--config", str(f), "--bpf-lb-mode", "snat"])
+    assert config_from_args(args).bpf_lb_mode == "snat"
+    f.write_text("kind: KubeProxyConfiguration\nbpf:\n  lbMode: direct\n")
+    with pytest.raises(ConfigError, match="bpf.lbMode"):
+        load_kube_proxy_configuration(f)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--bpf-lb-mode", "direct"])

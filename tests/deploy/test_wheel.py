@@ -30,7 +30,9 @@ EXAMPLES = ROOT / "examples"
 
 
 def bpf_object_name() -> str:
-    digest = hashlib.sha256((ROOT / "usproxy" / "offload" / "bpf" / "sock_lb.c").read_bytes()).hexdigest()
+    """The object's name: the sha256 of the source, then of the header it includes (dsr.h)."""
+    bpf_dir = ROOT / "usproxy" / "offload" / "bpf"
+    digest = hashlib.sha256((bpf_dir / "sock_lb.c").read_bytes() + (bpf_dir / "dsr.h").read_bytes()).hexdigest()
     return f"usproxy/offload/bpf/sock_lb-{digest[:16]}.o"
 
 
@@ -83,6 +85,7 @@ def test_wheel_carries_the_bpf_object_of_this_source(installed: Installed) -> No
     names = zipfile.ZipFile(installed.wheel).namelist()
     assert [n for n in names if n.endswith(".o")] == [bpf_object_name()]
     assert "usproxy/offload/bpf/sock_lb.c" in names and "usproxy/py.typed" in names
+    assert "usproxy/offload/bpf/dsr.h" in names  # part of the object's hash: object_path() reads it
     assert f"BPF object in the wheel: {bpf_object_name()}" in installed.build_log
 
 

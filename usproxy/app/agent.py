@@ -186,9 +186,17 @@ class Agent:
             "internalTrafficPolicy": sp.internal_traffic_policy,
             "endpoints": endpoints,
             "datapath": where.datapath, "reason": where.reason,
+            "bpfLbMode": self._bpf_lb_mode(sp.node_port, where.datapath),
             "healthCheckNodePort": sp.health_check_node_port,
             "healthCheckError": self.service_health.error_of(spn.service),
         }
+
+    def _bpf_lb_mode(self, node_port: int | None, datapath: str) -> str | None:
+        """--bpf-lb-mode for a NodePort the BPF datapath holds (its tc programs serve NodePorts
+        only with --offload bpf), else None: "snat" or "dsr" (usproxy/offload/bpf/dsr.h)."""
+        if not node_port or datapath != "bpf" or self.cfg.offload != "bpf":
+            return None
+        return self.cfg.bpf_lb_mode
 
     def service_ports(self) -> list[ServicePortState]:
         """Every ServicePort with its endpoints now, sorted by name (the web view's drawings)."""

@@ -56,6 +56,9 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--conntrack-tcp-timeout-close-wait", dest="tcp_close_wait_timeout", metavar="DURATION",
                    help="a half-closed relayed TCP connection idle this long is reset (default 1h)")
     p.add_argument("--bpf-cgroup", type=Path)
+    p.add_argument("--bpf-lb-mode", choices=["snat", "dsr"],
+                   help="NodePorts at tc (--offload bpf), backend on another node: SNAT to the node "
+                        "(default) or direct server return, the client's address kept (Cilium's)")
     p.add_argument("--cluster-cidr", dest="cluster_cidrs", metavar="CIDR[,CIDR]",
                    type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
                    help="pod network: ClusterIP traffic from outside it is masqueraded (kube-proxy's)")

@@ -34,7 +34,7 @@ from typing import Any
 
 from usproxy.admin.events import EventHub
 from usproxy.metrics import Metrics
-from usproxy.config import OffloadMode, ProxyConfig, parse_cidrs
+from usproxy.config import BpfLbMode, OffloadMode, ProxyConfig, parse_cidrs
 from usproxy.types import IPNetwork
 from usproxy.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.endpoint import Endpoint
@@ -64,11 +64,12 @@ class OffloadSettings:
     bpf_cgroup: Path
     service_cidrs: tuple[IPNetwork, ...] = ()  # --service-cidr
     vip_interface: str = "usproxy0"  # its addresses never serve NodePorts
+    bpf_lb_mode: BpfLbMode = "snat"  # --bpf-lb-mode: NodePorts at tc with SNAT or DSR
 
     @classmethod
     def from_config(cls, cfg: ProxyConfig) -> OffloadSettings:
         return cls(cfg.offload, cfg.offload_after, cfg.lb_policy, cfg.bpf_cgroup,
-                   parse_cidrs(cfg.service_cidrs, "--service-cidr"), cfg.vip_interface)
+                   parse_cidrs(cfg.service_cidrs, "--service-cidr"), cfg.vip_interface, cfg.bpf_lb_mode)
 
 
 @dataclass
@@ -446,7 +447,8 @@ def kernel_datapaths(settings: OffloadSettings, node: NodeFacts, netns: str | No
 
             # tc NodePorts only when BPF is asked for by name: `auto` keeps them with nftables
             nodeport = node.nodeport_cidrs if settings.mode == "bpf" else None
-            out.append(BpfDatapath(settings.bpf_cgroup, selection=settings.lb_policy, nodeport_cidrs=nodeport))
+            out.append(BpfDatapath(settings.bpf_cgroup, selection=settings.lb_policy, nodeport_cidrs=nodeport,
+                                   lb_mode=settings.bpf_lb_mode))
         except Exception as err:
             log.warning("bpf datapath not loaded: %s", err)
     if settings.mode in ("auto", "nftables"):

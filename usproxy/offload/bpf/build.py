@@ -3,8 +3,8 @@
 `python -m usproxy.offload.bpf.build` (the README's set-up step) writes sock_lb-<hash>.o next to
 the source, named after the source's sha256; building a wheel (setup.py) puts the same object into
 the wheel, so an installed wheel needs no clang. `object_path()` uses the object whose name matches the
-current source, prebuilt or in a cache directory, and otherwise compiles into the cache, so an
-edited source is never served by a stale object. The flags are those found to work on this
+current source and the headers it includes (HEADERS), prebuilt or in a cache directory, and
+otherwise compiles into the cache, so an edited source is never served by a stale object. The flags are those found to work on this
 project's machines (clang -target bpf -O2 -g, docs/platform.md#bpf); -mcpu=v3 gives the atomic
 fetch-and-add the round-robin counter uses.
 """
@@ -23,12 +23,17 @@ from pathlib import Path
 from usproxy.errors import OffloadError
 
 SOURCE = Path(__file__).with_name("sock_lb.c")
+HEADERS = (Path(__file__).with_name("dsr.h"),)  # #included by SOURCE: part of its hash
 INCLUDE = "/usr/include/x86_64-linux-gnu"
 CLANG_CANDIDATES = ("clang", "clang-16", "clang-15", "clang-14")
 
 
 def source_hash() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    """sha256 of the source and the headers it includes (an edited header is a new object)."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for header in HEADERS:
+        h.update(header.read_bytes())
+    return h.hexdigest()
 
 
 def cache_dir() -> Path:

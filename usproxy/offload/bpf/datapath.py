@@ -11,8 +11,10 @@ With `nodeport_cidrs` given (`--offload bpf`: the agent passes --nodeport-addres
 object's tc programs serve NodePorts for IPv4 TCP/UDP packets arriving at the node's interfaces
 (nodeport.py chooses them; sock_lb.c's tc section says how): each ServicePort with a NodePort gets
 a second group whose frontend is NODEPORT_ANY:nodePort, holding the IPv4 external endpoints
-(externalTrafficPolicy Local: the local ones, flagged F_LOCAL_ONLY, never SNATed). The datapath
-then claims "forwarded" traffic. When the tc programs cannot be loaded (probe) or attached (open),
+(externalTrafficPolicy Local: the local ones, flagged F_LOCAL_ONLY, never SNATed). With
+`lb_mode` "dsr" (--bpf-lb-mode) the Cluster-policy groups are flagged F_DSR: a backend on another
+node gets the client's packet unSNATed with the service address in an IP option and answers the
+client directly (dsr.h). The datapath then claims "forwarded" traffic. When the tc programs cannot be loaded (probe) or attached (open),
 it serves "local" only, says why in its capability, and NodePorts stay with the relay, whose
 listeners stay up under the tc hooks in every case: whatever tc passes (IPv6, sessionAffinity
 ClientIP NodePorts, externalIPs, LoadBalancer IPs) is served there.
@@ -35,6 +37,7 @@ from typing import Any, Literal
 
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
+from usproxy.config import BpfLbMode
 from usproxy.types import IPNetwork
 from usproxy.offload.bpf import loader, nodeport, view
 from usproxy.offload.bpf.build import object_path
@@ -42,6 +45,7 @@ from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf.layout import (
     CT_ORIGINAL,
     F_AFFINITY,
+    F_DSR,
     F_LOCAL_ONLY,
     F_MAGLEV,
     F_ROUND_ROBIN,
@@ -76,11 +80,13 @@ class BpfDatapath:
     name = "bpf"
 
     def __init__(self, cgroup: Path = Path("/sys/fs/cgroup/unified"), pin_root: Path | None = None,
-                 *, selection: str = "random", nodeport_cidrs: tuple[IPNetwork, ...] | None = None) -> None:
+                 *, selection: str = "random", nodeport_cidrs: tuple[IPNetwork, ...] | None = None,
+                 lb_mode: BpfLbMode = "snat") -> None:
         self.cgroup = cgroup
         self.pins = loader.PinLayout(pin_root or loader.default_pin_root())
         self.selection: Selection = _selection(selection)
         self.nodeport_cidrs = nodeport_cidrs  # None: no tc programs
+        self.lb_mode: BpfLbMode = lb_mode  # NodePorts at tc: SNAT or DSR to other nodes' backends
         self.traffic: frozenset[TrafficKind] = LOCAL_ONLY
         self.hooked: list[nodeport.HookedInterface] = []  # where the tc programs run (after probe)
         self.tc_detail = "tc NodePort programs not asked for (--offload bpf asks)"
@@ -120,7 +126,8 @@ class BpfDatapath:
             self._tc_unavailable(f"{type(err).__name__}: {err}")
             return
         self.hooked, self.traffic = hooked, ALL_TRAFFIC
-        self.tc_detail = "NodePorts at tc (tcx) on " + ", ".join(h.name for h in hooked)
+        self.tc_detail = (f"NodePorts at tc (tcx, lb mode {self.lb_mode}) on "
+                          + ", ".join(h.name for h in hooked))
 
     def _tc_unavailable(self, why: str) -> None:
         self.hooked, self.traffic = [], LOCAL_ONLY
@@ -248,6 +255,8 @@ class BpfDatapath:
         sp = state.service_port
         eps = sorted({ep.address for ep in state.external_endpoints if address_family(ep.ip) == 4})
         flags = self._flags(state) | (F_LOCAL_ONLY if sp.external_traffic_policy == "Local" else 0)
+        if self.lb_mode == "dsr" and not flags & F_LOCAL_ONLY:  # Local: the backend is here anyway
+            flags |= F_DSR
         return Want(spn.key(), frozenset({SvcKey(NODEPORT_ANY, sp.node_port, proto)}), tuple(eps),
                     sp.affinity_timeout, flags)
 
@@ -316,7 +325,7 @@ class BpfDatapath:
         selected = {b: v.selected for b, v in self._tables.backends().items()} if counters else {}
         head = f"bpf cgroup={self.cgroup} pins={self.pins.base}"
         if self.hooked:
-            head += " tc=" + ",".join(h.name for h in self.hooked)
+            head += " tc=" + ",".join(h.name for h in self.hooked) + f" lb-mode={self.lb_mode}"
         return "\n".join([head, *view.group_lines(self._groups, selected)])
 
     def selected(self, spn: ServicePortName) -> dict[str, int]:

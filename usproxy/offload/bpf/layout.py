@@ -41,8 +41,10 @@ F_AFFINITY = 1 << 0
 F_MAGLEV = 1 << 1
 F_ROUND_ROBIN = 1 << 2
 F_LOCAL_ONLY = 1 << 3  # NodePort, externalTrafficPolicy Local: the tc program never SNATs
+F_DSR = 1 << 12  # NodePort in --bpf-lb-mode dsr (dsr.h): a backend on another node answers directly
 NODEPORT_ANY = ipaddress.IPv4Address("0.0.0.0")
 CT_ORIGINAL, CT_REPLY = 0, 1
+CT_DSR = 1 << 1  # usp_ct flag (dsr.h): a DSR flow; its reply does not come back through this node
 
 PROTO_NUMBERS: dict[str, int] = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
 PROTO_NAMES: dict[int, Protocol] = {socket.IPPROTO_TCP: "TCP", socket.IPPROTO_UDP: "UDP"}

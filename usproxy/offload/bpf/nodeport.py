@@ -22,7 +22,7 @@ from typing import Any
 
 from usproxy.types import IPNetwork
 from usproxy.offload.bpf import libbpf as bpf
-from usproxy.offload.bpf.layout import CtEntry, pack_u32, unpack_u32
+from usproxy.offload.bpf.layout import CT_DSR, CtEntry, pack_u32, unpack_u32
 from usproxy.types import format_hostport
 
 VIP_INTERFACE = "usproxy0"  # the relay's VipInterface default name
@@ -101,10 +101,12 @@ def ct_entries(fd: int, limit: int = 10000) -> list[CtEntry]:
 
 def ct_row(e: CtEntry, service: str, now: int) -> dict[str, Any]:
     """One ORIGINAL entry in the /flows row format (usproxy/table.py render_flows): a flow the tc
-    program NATs. The reply's destination is the SNAT address, or the client's own without SNAT."""
+    program NATs. The reply's destination is the SNAT address, or the client's own without SNAT;
+    state DSR: the reply goes from the backend's node straight to the client (dsr.h)."""
     reply_dst = (e.nat_saddr, e.nat_sport) if int(e.nat_saddr) else (e.saddr, e.sport)
     return {
-        "protocol": "TCP" if e.proto == socket.IPPROTO_TCP else "UDP", "state": "NAT",
+        "protocol": "TCP" if e.proto == socket.IPPROTO_TCP else "UDP",
+        "state": "DSR" if e.flags & CT_DSR else "NAT",
         "age": max(0, now - e.created) / 1e9, "idle": max(0, now - e.last) / 1e9,
         "original": {"src": format_hostport(e.saddr, e.sport), "dst": format_hostport(e.daddr, e.dport)},
         "reply": {"src": format_hostport(e.nat_daddr, e.nat_dport), "dst": format_hostport(*reply_dst)},

@@ -851,6 +851,8 @@ static __always_inline int ct_create(struct pkt *p, struct svc_val *svc, __u32 b
 	return bpf_map_update_elem(&usp_ct, &p->t, &fv, BPF_ANY);
 }
 
+#include "dsr.h"		/* --bpf-lb-mode dsr: its hooks below */
+
 /* A new flow to a NodePort: TC_ACT_OK when it is none of ours. */
 static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p, __u64 now)
 {
@@ -859,6 +861,7 @@ static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p, __
 	struct svc_val *svc;
 	__u32 id, ifindex, snat = 0, *ifaddr;
 	__u16 sport = p->t.sport;
+	int ret;
 
 	if (!bpf_map_lookup_elem(&usp_tc_addrs, &p->t.daddr))
 		return TC_ACT_OK;
@@ -872,6 +875,9 @@ static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p, __
 	be = backend_of(svc, id);
 	if (!be || !is_v4_mapped(be->addr))
 		return TC_ACT_SHOT;
+	ret = dsr_new(skb, p, svc, id, be, now);
+	if (ret >= 0)
+		return ret;
 	ifindex = route_ifindex(skb, p->t.saddr, be->addr[3]);
 	if (!ifindex)
 		return TC_ACT_SHOT;
@@ -896,6 +902,7 @@ static __always_inline int nodeport_known(struct __sk_buff *skb, struct pkt *p, 
 	struct backend_val *be;
 	__u32 saddr;
 	__u16 sport;
+	int ret;
 
 	if (!v)
 		return -1;
@@ -904,6 +911,9 @@ static __always_inline int nodeport_known(struct __sk_buff *skb, struct pkt *p, 
 		bpf_map_delete_elem(&usp_ct, &p->t);
 		return -1;
 	}
+	ret = dsr_known(skb, p, v);
+	if (ret >= 0)
+		return ret;
 	saddr = v->nat_saddr ? v->nat_saddr : p->t.saddr;
 	sport = v->nat_saddr ? v->nat_sport : p->t.sport;
 	if (rewrite(skb, p, saddr, sport, v->nat_daddr, v->nat_dport) < 0)
@@ -924,6 +934,9 @@ int usp_tc_ingress(struct __sk_buff *skb)
 	if (ret >= 0)
 		return ret;
 	ret = nodeport_known(skb, &p, now);
+	if (ret >= 0)
+		return ret;
+	ret = dsr_recv(skb, &p, now);
 	if (ret >= 0)
 		return ret;
 	return nodeport_new(skb, &p, now);

@@ -19,6 +19,7 @@ from usproxy.offload.bpf import loader, nodeport
 from usproxy.offload.bpf.layout import (
     CT_ORIGINAL,
     F_AFFINITY,
+    F_DSR,
     F_MAGLEV,
     F_ROUND_ROBIN,
     PROTO_NAMES,
@@ -49,6 +50,8 @@ def _group_lines(g: Group, selected: Mapping[int, int]) -> list[str]:
     head = f"service {g.name} id={g.id} count={g.val.count} select={','.join(flags)}"
     if g.val.flags & F_AFFINITY:
         head += f" timeout={g.val.affinity_timeout}s"
+    if g.val.flags & F_DSR:
+        head += " mode=dsr"
     lines = [head]
     for key in sorted(g.frontends):
         lines.append(f"  frontend {format_hostport(key.ip, key.port)}/{PROTO_NAMES.get(key.proto, key.proto)}")
