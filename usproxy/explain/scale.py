@@ -5,7 +5,7 @@ For N Services generated like the input's (usproxy.explain.generator), each mode
 follows a pod's new connection to the last Service generated (the first of its ports), which
 sorts last in every rule list, so a list walked in order is walked whole; then one endpoint is
 added to that ServicePort and the two renderings are compared as `explain diff` does (lines of
-the rendered rules changed, and what kube-proxy sends: iptables-restore lines, nftables
+the rendered rules changed, padding aside, and what kube-proxy sends: iptables-restore lines, nftables
 operations, IPVS real servers and ipset entries, BPF map elements). Nothing is estimated: every
 number is read off a rendering or a trace of the N Services. Each mode's wall time is measured
 and printed beside its numbers (kube-proxy's and Cilium's own code is much faster than these
@@ -53,6 +53,12 @@ def last_port(ss: ServiceSet) -> FamilyPort:
     return fp
 
 
+def unpadded(text: str) -> str:
+    """`text` with each run of blanks made one: a table column widened by a longer cell (the
+    userspace view's endpoint lists) rewrites every row's padding, which no proxier writes."""
+    return "\n".join(" ".join(line.split()) for line in text.splitlines())
+
+
 def _sends(mode: str, old: ServiceSet, new: ServiceSet) -> str:
     if mode == "iptables":
         return f"{diff.iptables_sends(old, new)} lines of iptables-restore (partial sync)"
@@ -71,7 +77,7 @@ def measure(ss: ServiceSet, mode: str, view: View) -> ModeScale:
     fp = last_port(ss)
     rules, worst, lookups = cost.first_packet_of(ss, fp, trace.TRACERS[mode], local=mode == "bpf")
     new = generator.with_endpoint_added(ss, fp.name)
-    _, added, removed = diff.unified(view(ss, mode), view(new, mode), mode)
+    _, added, removed = diff.unified(unpadded(view(ss, mode)), unpadded(view(new, mode)), mode)
     sends = _sends(mode, ss, new)
     return ModeScale(mode, rules, worst, lookups, added, removed, sends, time.perf_counter() - start)
 
@@ -103,4 +109,7 @@ def render(ss: ServiceSet, n: int, modes: tuple[str, ...], view: View) -> str:
             "and compared as `explain diff` does",
             render_table(["MODE", "RULES WALKED", "LOOKUPS", "RENDERED LINES CHANGED", "ONE ENDPOINT ADDED WRITES",
                           "MEASURED IN"], rows)]
+    if "userspace" in modes:
+        notes.insert(0, "# userspace: RULES WALKED are kube-proxy 1.0's portal rules (a list, like iptables'); "
+                        "usproxy's relay walks none: the kernel's socket lookup finds its listener (LOOKUPS)")
     return "\n".join(head + notes) + "\n"
