@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from usproxy.errors import ConfigError
-from usproxy.explain import bpf, cost, diff, iptables, ipvs, nftables, trace, userspace
+from usproxy.explain import bpf, cost, diff, iptables, ipvs, nftables, scale, trace, userspace
 from usproxy.explain.live import read_live
 from usproxy.explain.packet import Packet
 from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
@@ -61,7 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT")
     p.add_argument("--html", type=Path, metavar="FILE",
                    help="write the drawings of every mode, with their rules, as one self-contained HTML file")
+    p.add_argument("--scale", type=_scale_count, metavar="N",
+                   help="only why, in numbers, for N Services generated like the input's, measured by "
+                        f"rendering and tracing them (N up to {scale.MAX_SERVICES})")
     return p
+
+
+def _scale_count(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= scale.MAX_SERVICES:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {scale.MAX_SERVICES}, got {n}")
+    return n
 
 
 def build_trace_parser() -> argparse.ArgumentParser:
@@ -181,23 +191,44 @@ def _trace(argv: list[str]) -> int:
 
 def build_diff_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="usproxy explain diff",
+                                usage="usproxy explain diff [options] OLD NEW | --kubeconfig FILE NEW",
                                 description="what one change of the Services changes in each mode's rules")
-    p.add_argument("old", type=Path, metavar="OLD", help="manifests before the change (file or directory)")
-    p.add_argument("new", type=Path, metavar="NEW", help="manifests after the change")
+    p.add_argument("paths", type=Path, nargs="+", metavar="OLD NEW",
+                   help="manifests before and after the change (files or directories); with "
+                        "--kubeconfig, NEW alone")
+    p.add_argument("--kubeconfig", type=Path,
+                   help="OLD is the Services and EndpointSlices a live API server holds now")
     _common(p, inputs=False)
     return p
 
 
+def _diff_inputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Manifests, Manifests]:
+    """(OLD, NEW) manifests: two paths, or the API server's current state and one path.
+    Wrong counts of paths are usage errors (exit 2)."""
+    if args.kubeconfig is not None:
+        if len(args.paths) != 1:
+            p.error("with --kubeconfig, give NEW only (OLD is the API server's current state), "
+                    f"got {len(args.paths)} paths")
+        new = load_manifests(args.paths[0])  # a wrong NEW path fails before the server is asked
+        return _from_api(args.kubeconfig), new
+    if len(args.paths) != 2:
+        p.error(f"give OLD and NEW (or --kubeconfig FILE and NEW), got {len(args.paths)} path(s)")
+    return load_manifests(args.paths[0]), load_manifests(args.paths[1])
+
+
 def _diff(argv: list[str]) -> int:
-    args = build_diff_parser().parse_args(argv)
+    p = build_diff_parser()
+    args = p.parse_args(argv)
     node = node_from(args)
-    old, new = (service_set(load_manifests(path), node) for path in (args.old, args.new))
+    old, new = (service_set(m, node) for m in _diff_inputs(p, args))
 
-    def view(ss: ServiceSet, mode: str) -> str:
-        return render_mode(ss, mode, "dump") if ss.ports else "# no Services with a ClusterIP\n"
-
-    print(diff.render(old, new, _modes(args.mode), view, TITLES), end="")
+    print(diff.render(old, new, _modes(args.mode), _dump_view, TITLES), end="")
     return 0
+
+
+def _dump_view(ss: ServiceSet, mode: str) -> str:
+    """One mode's rules as `explain diff` compares them (nftables as transaction lines)."""
+    return render_mode(ss, mode, "dump") if ss.ports else "# no Services with a ClusterIP\n"
 
 
 def main(argv: list[str]) -> int:
@@ -207,6 +238,12 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["diff"]:
         return _diff(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.scale is not None:
+        ss = load(args)
+        if empty(ss, args):
+            return 1
+        print(scale.render(ss, args.scale, _modes(args.mode), _dump_view), end="")
+        return 0
     if args.html is not None:
         from usproxy.admin import standalone_page
 

@@ -6,9 +6,13 @@ when one endpoint of one ServicePort (the largest) is added: iptables rewrites e
 and the filter table in full plus that Service's own chains (kube-proxy's partial sync, counted in
 iptables-restore lines with the `*table` and COMMIT lines), nftables adds, flushes and refills each
 of that Service's chains, endpoint chains included, in one transaction (both equal kube-proxy's own
-counts on its TestSyncProxyRulesRepeated states, tests/explain/test_partial_sync.py), IPVS adds one real
-server, a BPF load balancer writes one backend, one slot and the slot-0 count, a relay writes
-nothing to the kernel. For iptables, each `-m statistic` probability is shown beside the share of
+counts on its TestSyncProxyRulesRepeated states, tests/explain/test_partial_sync.py); for IPVS
+and BPF the largest ServicePort (most endpoints) gets one endpoint more and the two renderings are
+compared: real servers and ipset entries in `ipvsadm -Ln` and `ipset save` (one per virtual server
+of the Service; KUBE-LOOP-BACK's entry when the endpoint is on this node), BPF backends, slots and
+slot-0 counts in `cilium-dbg bpf lb list` (one slot and one count per frontend); a relay writes
+nothing to the kernel. The IPVS and BPF first packets are their tracers' too (BPF: a pod of this
+node, whose connect() the socket load balancer serves). For iptables, each `-m statistic` probability is shown beside the share of
 new connections its endpoint really gets: rule i of n matches with 1/(n-i) of what reaches it, and
 (n-i)/n reaches it, so every endpoint gets 1/n.
 """
@@ -16,14 +20,15 @@ new connections its endpoint really gets: rule i of n matches with 1/(n-i) of wh
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 
-from usproxy.explain import iptables, nftables
+from usproxy.explain import bpf, generator, iptables, ipvs, nftables
 from usproxy.explain import chain_names as names
 from usproxy.explain.chain_names import nft_base, nft_endpoint_base
-from usproxy.explain.service_set import FamilyPort, ServiceSet
-from usproxy.explain.trace import Packet, Path, trace_iptables, trace_nftables
+from usproxy.explain.ipvs_trace import parse_ipsets, parse_ipvsadm
+from usproxy.explain.service_set import Family, FamilyPort, ServiceSet
+from usproxy.explain.trace import Packet, Path, trace_bpf, trace_iptables, trace_ipvs, trace_nftables
 from usproxy.table import render_table
 from usproxy.types import IPAddress
 
@@ -48,16 +53,33 @@ def _pod_source(fp: FamilyPort, ss: ServiceSet) -> IPAddress:
     return POD_SOURCE_V4 if fp.family == 4 else POD_SOURCE_V6
 
 
-def _first_packet(ss: ServiceSet, tracer: object) -> tuple[float, int, float]:
+Tracer = Callable[[ServiceSet, Packet], list[Path]]
+
+
+def pod_packet(ss: ServiceSet, fp: FamilyPort, local: bool = False) -> Packet:
+    """The first packet of a pod's new connection to `fp`'s ClusterIP; `local`: the pod is a
+    process of this node (what a BPF socket load balancer serves)."""
+    return Packet(_pod_source(fp, ss), fp.cluster_ip, fp.sp.port, fp.sp.protocol, src_local=local)
+
+
+def first_packet_of(ss: ServiceSet, fp: FamilyPort, tracer: Tracer,
+                    local: bool = False) -> tuple[Fraction, int, Fraction]:
+    """(Rules, worst rules, lookups) of a pod's new connection to `fp`'s ClusterIP, the mean
+    weighted by each path's share of new connections."""
+    paths = tracer(ss, pod_packet(ss, fp, local))
+    return (sum((p.share * p.rules for p in paths), Fraction(0)), max(p.rules for p in paths),
+            sum((p.share * p.lookups for p in paths), Fraction(0)))
+
+
+def _first_packet(ss: ServiceSet, tracer: Tracer, local: bool = False) -> tuple[float, int, float]:
     """Mean rules, worst rules, mean lookups for a pod reaching each ClusterIP."""
     rules, lookups, worst = [], [], 0
     for family in ss.families():
         for fp in ss.family_ports(family):
-            pkt = Packet(_pod_source(fp, ss), fp.cluster_ip, fp.sp.port, fp.sp.protocol)
-            paths: list[Path] = tracer(ss, pkt)  # type: ignore[operator]
-            rules.append(float(sum(p.share * p.rules for p in paths)))
-            lookups.append(float(sum(p.share * p.lookups for p in paths)))
-            worst = max([worst, *(p.rules for p in paths)])
+            mean, most, looked = first_packet_of(ss, fp, tracer, local)
+            rules.append(float(mean))
+            lookups.append(float(looked))
+            worst = max(worst, most)
     if not rules:
         return 0.0, 0, 0.0
     return sum(rules) / len(rules), worst, sum(lookups) / len(lookups)
@@ -144,13 +166,78 @@ def _rows(ss: ServiceSet, mode: str) -> list[list[str]]:
         return [["iptables", f"{ipt_mean:.1f} rules (worst {ipt_worst}), linear in Services",
                  f"{ipt_lines} lines of iptables-restore (full sync: {ipt_full})"]]
     if mode == "ipvs":
-        return [["ipvs", "2 iptables rules + 2 ipset lookups + 1 IPVS hash lookup",
-                 "1 real server (+1 ipset entry if local)"]]
+        mean, worst, lookups = _first_packet(ss, trace_ipvs)
+        return [["ipvs", f"{mean:.1f} iptables rules (worst {worst}), {lookups:.1f} lookups "
+                 "(ipsets, then the IPVS service table)", ipvs_change_text(*ipvs_writes(ss, _grown(ss)))]]
     if mode == "nftables":
         nft_mean, nft_worst, nft_lookups = _first_packet(ss, trace_nftables)
         return [["nftables", f"{nft_mean:.1f} rules (worst {nft_worst}), {nft_lookups:.1f} map lookups",
                  f"{_nftables_change(ss)} commands in one transaction"]]
-    return [["bpf", "0 rules, 3 map lookups at connect()", "3 map elements (backend, slot, slot-0 count)"]]
+    mean, _, lookups = _first_packet(ss, trace_bpf, local=True)
+    return [["bpf", f"{_count(mean)} rules, {_count(lookups)} map lookups at connect()",
+             bpf_change_text(*bpf_writes(ss, _grown(ss)))]]
+
+
+def _count(x: float) -> str:
+    """A mean as a whole number when it is one, else to one decimal."""
+    return f"{x:.0f}" if x == int(x) else f"{x:.1f}"
+
+
+def _grown(ss: ServiceSet) -> ServiceSet:
+    """`ss` with one endpoint added to its largest ServicePort (most endpoints, first by name)."""
+    largest = max(ss.ports, key=lambda p: len(p[1]), default=None)
+    return ss if largest is None else generator.with_endpoint_added(ss, largest[0].name)
+
+
+def _families(old: ServiceSet, new: ServiceSet) -> tuple[Family, ...]:
+    return tuple(f for f in (4, 6) if f in old.families() or f in new.families())
+
+
+def ipvs_writes(old: ServiceSet, new: ServiceSet) -> tuple[int, int]:
+    """(real servers, ipset entries) added or removed from OLD to NEW, read from the IPVS view's
+    `ipvsadm -Ln` and `ipset save`: what kube-proxy's IPVS proxier writes for that change (one
+    real server and one ipset entry at a time, pkg/proxy/ipvs/proxier.go syncEndpoint and
+    syncIPSetEntries), summed over the IP families."""
+    reals = entries = 0
+    for family in _families(old, new):
+        def servers(ss: ServiceSet) -> set[tuple[tuple[str, str], str]]:
+            table = parse_ipvsadm(ipvs.ipvsadm(ipvs.virtual_servers(ss, family)))
+            return {(key, real) for key, vs in table.items() for real in vs.reals}
+
+        def members(ss: ServiceSet) -> set[tuple[str, str]]:
+            sets = parse_ipsets(ipvs.ipset_save(ss, family))
+            return {(name, m) for name, (_, ms) in sets.items() for m in ms}
+
+        reals += len(servers(old) ^ servers(new))
+        entries += len(members(old) ^ members(new))
+    return reals, entries
+
+
+def ipvs_change_text(reals: int, entries: int) -> str:
+    return f"{reals} real server{'s' * (reals != 1)}, {entries} ipset entr{'ies' if entries != 1 else 'y'}"
+
+
+def bpf_writes(old: ServiceSet, new: ServiceSet) -> tuple[int, int, int]:
+    """(backends, slots, slot-0 counts) written from OLD to NEW, read from the BPF view
+    (`cilium-dbg bpf lb list` rows and backend IDs): backends added or removed, backend slots
+    whose backend is new, changed or gone, and frontends whose backend count changed (their
+    slot-0 entry is rewritten), as a BPF load balancer updates its maps."""
+    def slots(ss: ServiceSet) -> dict[tuple[str, int], str]:
+        return {(fe.text(), i): str(b) for fe in bpf.frontends(ss) for i, b in enumerate(fe.backends, 1)}
+
+    def counts(ss: ServiceSet) -> set[tuple[str, int]]:
+        return {(fe.text(), len(fe.backends)) for fe in bpf.frontends(ss)}
+
+    a, b = slots(old), slots(new)
+    written = sum(1 for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    backends = set(bpf.backend_ids(bpf.frontends(old))) ^ set(bpf.backend_ids(bpf.frontends(new)))
+    recounted = {fe for fe, _ in counts(old) ^ counts(new)}
+    return len(backends), written, len(recounted)
+
+
+def bpf_change_text(backends: int, slots: int, counts: int) -> str:
+    return (f"{backends + slots + counts} map elements ({backends} backend{'s' * (backends != 1)}, "
+            f"{slots} slot{'s' * (slots != 1)}, {counts} slot-0 count{'s' * (counts != 1)})")
 
 
 def _ladders(ss: ServiceSet) -> list[str]:

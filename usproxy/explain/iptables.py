@@ -157,16 +157,23 @@ class Ruleset:
     family: Family
     chains: dict[Table, list[str]] = field(default_factory=lambda: {"filter": [], "nat": []})
     rules: list[Rule] = field(default_factory=list)
+    # Indexes of the two lists above, so declaring a chain and listing one chain's rules cost
+    # O(1) and O(its rules) rather than O(all): `explain --scale` builds rulesets of 5,000 Services.
+    _declared: set[tuple[Table, str]] = field(default_factory=set, repr=False, compare=False)
+    _by_chain: dict[tuple[Table, str], list[Rule]] = field(default_factory=dict, repr=False, compare=False)
 
     def chain(self, table: Table, name: str) -> None:
-        if name not in self.chains[table]:
+        if (table, name) not in self._declared:
+            self._declared.add((table, name))
             self.chains[table].append(name)
 
     def add(self, *rules: Rule) -> None:
         self.rules.extend(rules)
+        for r in rules:
+            self._by_chain.setdefault((r.table, r.chain), []).append(r)
 
     def in_chain(self, table: Table, chain: str) -> list[Rule]:
-        return [r for r in self.rules if r.table == table and r.chain == chain]
+        return list(self._by_chain.get((table, chain), ()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,7 +59,9 @@ class TextRule:
 
 def parse_rule(table: str, line: str) -> TextRule:
     """`-A CHAIN ...` -> TextRule. Raises ValueError on a token the tracer does not read."""
-    tokens = shlex.split(line)
+    # Most rules hold no quoting (comments are quoted): str.split then gives shlex's tokens,
+    # ten times faster, which `explain --scale` needs at thousands of Services.
+    tokens = shlex.split(line) if any(c in line for c in "\"'\\") else line.split()
     if tokens[:1] != ["-A"] or len(tokens) < 2:
         raise ValueError(f"not a rule: {line}")
     conds: list[Cond] = []

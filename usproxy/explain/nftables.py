@@ -97,6 +97,9 @@ class Container:
     flags: tuple[str, ...] = ()
     timeout: int | None = None
     elements: list[Element] = field(default_factory=list)
+    # The keys of `elements`, so adding one stays O(1) (`explain --scale` fills maps of 5,000
+    # Services); Table.element is the one writer of both.
+    keys: dict[tuple[str, ...], Element] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -134,11 +137,13 @@ class Table:
     def element(self, container: str, *key: str, value: str | None = None,
                 comment: str | None = None) -> None:
         # A set or map holds a key once (nft merges repeated adds, as knftables' fake does).
-        if self.lookup(container, tuple(key)) is None:
-            self.containers[container].elements.append(Element(tuple(key), value, comment))
+        c = self.containers[container]
+        if tuple(key) not in c.keys:
+            c.keys[tuple(key)] = Element(tuple(key), value, comment)
+            c.elements.append(c.keys[tuple(key)])
 
     def lookup(self, container: str, key: tuple[str, ...]) -> Element | None:
-        return next((e for e in self.containers[container].elements if e.key == key), None)
+        return self.containers[container].keys.get(key)
 
 
 def build(ss: ServiceSet, family: Family) -> Table:

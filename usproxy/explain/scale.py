@@ -1,0 +1,115 @@
+"""`usproxy explain --scale N`: why, in numbers, at N Services, measured by the renderers and
+tracers themselves.
+
+For N Services generated like the input's (usproxy.explain.generator), each mode's own tracer
+follows a pod's new connection to the last Service generated (the first of its ports), which
+sorts last in every rule list, so a list walked in order is walked whole; then one endpoint is
+added to that ServicePort and the two renderings are compared as `explain diff` does (lines of
+the rendered rules changed, padding aside, and what kube-proxy sends: iptables-restore lines, nftables
+operations, IPVS real servers and ipset entries, BPF map elements). Nothing is estimated: every
+number is read off a rendering or a trace of the N Services. Each mode's wall time is measured
+and printed beside its numbers (kube-proxy's and Cilium's own code is much faster than these
+Python renderers; the time says what this run cost, not what a node spends).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+
+from usproxy.explain import cost, diff, generator, trace
+from usproxy.explain.diff import View
+from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.table import render_table
+from usproxy.types import format_hostport
+
+MAX_SERVICES = 60_000  # 10.96.0.0/16 holds 65,534 ClusterIPs
+SLOW_SECONDS = 30.0  # a mode slower than this is flagged in the output
+
+
+@dataclass(frozen=True, slots=True)
+class ModeScale:
+    """One mode's numbers at N Services: the first packet's `rules` (mean over the paths,
+    weighted by share) and `worst`, its `lookups`; `added`/`removed` rendered lines of one
+    endpoint change; `sends`: what the proxier writes for it, in its own unit; `seconds`: wall
+    time of this mode's tracing, rendering and diffing."""
+
+    mode: str
+    rules: Fraction
+    worst: int
+    lookups: Fraction
+    added: int
+    removed: int
+    sends: str
+    seconds: float
+
+
+def last_port(ss: ServiceSet) -> FamilyPort:
+    """The first ServicePort of the last Service, in its primary ClusterIP's family."""
+    last = ss.ports[-1][0].name.service
+    sp = next(sp for sp, _ in ss.ports if sp.name.service == last)
+    (fp,) = (f for f in ss.family_ports(sp.cluster_ip.version) if f.name == sp.name)
+    return fp
+
+
+def unpadded(text: str) -> str:
+    """`text` with each run of blanks made one: a table column widened by a longer cell (the
+    userspace view's endpoint lists) rewrites every row's padding, which no proxier writes."""
+    return "\n".join(" ".join(line.split()) for line in text.splitlines())
+
+
+def _sends(mode: str, old: ServiceSet, new: ServiceSet) -> str:
+    if mode == "iptables":
+        return f"{diff.iptables_sends(old, new)} lines of iptables-restore (partial sync)"
+    if mode == "nftables":
+        return f"{diff.nftables_sends(old, new)} operations in one transaction"
+    if mode == "ipvs":
+        return cost.ipvs_change_text(*cost.ipvs_writes(old, new))
+    if mode == "bpf":
+        return cost.bpf_change_text(*cost.bpf_writes(old, new))
+    return "0 kernel writes (the relay's, and 1.0's, endpoint lists are in memory)"
+
+
+def measure(ss: ServiceSet, mode: str, view: View) -> ModeScale:
+    """One mode's numbers for the ServiceSet `ss` (already generated)."""
+    start = time.perf_counter()
+    fp = last_port(ss)
+    rules, worst, lookups = cost.first_packet_of(ss, fp, trace.TRACERS[mode], local=mode == "bpf")
+    new = generator.with_endpoint_added(ss, fp.name)
+    _, added, removed = diff.unified(unpadded(view(ss, mode)), unpadded(view(new, mode)), mode)
+    sends = _sends(mode, ss, new)
+    return ModeScale(mode, rules, worst, lookups, added, removed, sends, time.perf_counter() - start)
+
+
+def _num(x: Fraction) -> str:
+    return str(x.numerator) if x.denominator == 1 else f"{float(x):.1f}"
+
+
+def render(ss: ServiceSet, n: int, modes: tuple[str, ...], view: View) -> str:
+    """The `--scale N` section: how the Services were generated, then one row per mode."""
+    big = generator.generate(ss, n)
+    fp = last_port(big)
+    rows, notes = [], []
+    for mode in modes:
+        m = measure(big, mode, view)
+        walked = _num(m.rules) if m.rules == m.worst else f"{_num(m.rules)} (worst {m.worst})"
+        rows.append([mode, walked, _num(m.lookups), f"{m.added + m.removed} (+{m.added} -{m.removed})",
+                     m.sends, f"{m.seconds:.1f} s"])
+        if m.seconds > SLOW_SECONDS:
+            notes.append(f"# {mode}: measuring took {m.seconds:.0f} s at {n} Services: this Python "
+                         "renderer is slow at this size (the numbers above are still exact)")
+    endpoints = sum(len(eps) for _, eps in big.ports)
+    head = [f"# Why, in numbers, at {n} Services generated like the input's {len(generator.templates(ss))} "
+            f"(taken in turn: ports, endpoints, policies; {len(big.ports)} ServicePorts, {endpoints} "
+            "endpoints; new ClusterIPs in 10.96.0.0/16, endpoints in 10.244.0.0/16)",
+            f"# first packet: a pod's new connection to the last Service generated, {fp.name} at "
+            f"{format_hostport(fp.cluster_ip, fp.sp.port)}/{fp.sp.protocol}, traced through each mode's rules",
+            f"# one change: one endpoint added to {fp.name}; each mode's rules rendered before and after "
+            "and compared as `explain diff` does",
+            render_table(["MODE", "RULES WALKED", "LOOKUPS", "RENDERED LINES CHANGED", "ONE ENDPOINT ADDED WRITES",
+                          "MEASURED IN"], rows)]
+    if "userspace" in modes:
+        notes.insert(0, "# userspace: RULES WALKED are kube-proxy 1.0's portal rules (a list, like iptables'); "
+                        "usproxy's relay walks none: the kernel's socket lookup finds its listener (LOOKUPS)")
+    return "\n".join(head + notes) + "\n"
