@@ -16,22 +16,32 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import sys
 import time
+from asyncio.subprocess import PIPE
 from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
-from tests.sources.conftest import FAST, eventually
+from tests.sources.conftest import FAST, eps, eventually, svc
 from tests.sources.fake_apiserver import FakeApiServer, kubeconfig_text
+from usproxy.admin import path_drawing
+from usproxy.admin.events import EventHub
+from usproxy.admin.snapshot import SharedBuild, encode_and_free, rows_json, rows_json_pretty
+from usproxy.admin.web_view import MAX_FLOWS, snapshot_json
 from usproxy.app.agent import VIEW_CHUNK, Agent
 from usproxy.config import ProxyConfig
 from usproxy.conntrack.flow_table import Flow, FlowTable
 from usproxy.datapath import FakeDatapath
 from usproxy.endpoint import Endpoint
+from usproxy.endpoint_slice import EndpointSlice, parse_endpoint_slice
 from usproxy.proxier import Proxier
-from usproxy.sources.api_list_watch import ENDPOINT_SLICES, ApiListWatch
+from usproxy.service import Service, parse_service
+from usproxy.errors import SourceError
+from usproxy.sources.api_list_watch import ENDPOINT_SLICES, ApiListWatch, decode_json, decode_list
 from usproxy.sources.kube import KubeSource, client_config
 from usproxy.sources.reflector import Gone, ListResult, Reflector, WatchEvent
 from usproxy.types import ServicePortName
@@ -272,3 +282,173 @@ async def test_event_loop_stalls_list_page_of_6_mb(tmp_path: Path) -> None:
                             for _, o in sorted(api.objects["endpointslices"].items())]
     assert result.resource_version == str(api.rv)
     assert gap.worst < ADMIN_BOUND
+
+
+# -- admin requests -------------------------------------------------------------------------------
+SERVICES, ENDPOINTS = 5000, 8  # Services and endpoints of each: a /services poll stalled the relay > 0.5 s
+FLOWS = 10_000  # relayed flows: /flows cost 0.15-0.19 s per request on the loop
+
+
+def many_services(n: int) -> tuple[list[Service], list[EndpointSlice]]:
+    services, slices = [], []
+    for i in range(n):
+        name = f"s{i}"
+        services.append(parse_service(svc(name, f"10.96.{i // 250}.{i % 250 + 1}")))
+        ips = [f"10.{j + 1}.{i // 250}.{i % 250 + 1}" for j in range(ENDPOINTS)]
+        slices.append(parse_endpoint_slice(eps(f"{name}-1", name, ips)))
+    return services, slices
+
+
+@pytest.fixture
+async def big_agent(tmp_path: Path) -> Any:
+    """An agent serving admin on loopback with SERVICES Services (fed to its Proxier directly:
+    parsing them from YAML takes longer than the test) and a relay flow table of FLOWS flows."""
+    a = Agent(ProxyConfig(services=tmp_path, healthz_bind_address="127.0.0.1:0",
+                          metrics_bind_address="127.0.0.1:0", min_sync_period=0.05),
+              datapaths=[FakeDatapath("userspace")])
+    a.datapaths.append(ChunkedRelay(flow_table(FLOWS)))  # type: ignore[arg-type]  # only its /flows surface is read
+    await a.start()
+    try:
+        services, slices = many_services(SERVICES)
+        for s in services:
+            a.proxier.on_service_update(None, s)
+        for e in slices:
+            a.proxier.on_endpoint_slice_update(None, e)
+        await eventually(lambda: len(a.proxier.service_map) == SERVICES and a.proxier.oldest_queued is None,
+                         timeout=30, what="the Services synced")
+        yield a
+    finally:
+        await a.shutdown()
+
+
+# A client in its own process (so that only the agent's work counts in this process's CPU time):
+# it GETs argv[1] once told to on stdin, and writes the status line and the body to stdout.
+CLIENT = """import sys, urllib.request
+sys.stdin.readline()
+with urllib.request.urlopen(sys.argv[1], timeout=60) as r:
+    sys.stdout.buffer.write(b"%d\\n" % r.status + r.read())
+"""
+
+
+async def admin_get(a: Agent, path: str, clients: int = 1) -> tuple[list[Any], float]:
+    """GET `path` from the metrics listener by `clients` clients at once: their decoded bodies and
+    the loop's worst gap while they were served (in CPU seconds, as WorstGap)."""
+    host, port = a.admin.bound["metrics"]
+    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, f"http://{host}:{port}{path}",
+                                                  stdin=PIPE, stdout=PIPE) for _ in range(clients)]
+    with WorstGap() as gap:
+        outs = await asyncio.gather(*(p.communicate(b"go\n") for p in procs))
+    print(f"GET {path} x {clients}: worst loop gap {gap.worst * 1000:.1f} ms CPU, {gap.worst_wall * 1000:.1f} ms wall")
+    assert all(p.returncode == 0 and out.startswith(b"200\n") for p, (out, _) in zip(procs, outs))
+    return [json.loads(out.partition(b"\n")[2]) for out, _ in outs], gap.worst
+
+
+async def test_event_loop_stalls_services_of_5000_services(big_agent: Agent) -> None:
+    (rows, again), worst = await admin_get(big_agent, "/services", clients=2)
+    assert rows == again == await big_agent.services()
+    assert len(rows) == SERVICES and all(len(r["endpoints"]) == ENDPOINTS for r in rows)
+    assert worst < ADMIN_BOUND
+
+
+async def test_event_loop_stalls_flows_of_10000_flows(big_agent: Agent) -> None:
+    (rows, again), worst = await admin_get(big_agent, "/flows", clients=2)
+    assert [r["id"] for r in rows] == [r["id"] for r in again] == list(range(1, FLOWS + 1))
+    assert worst < ADMIN_BOUND
+
+
+async def first_event(a: Agent) -> tuple[bytes, float]:
+    """The first server-sent event of /view/stream (lines too long for readline) and the loop's
+    worst gap while it was built and sent."""
+    host, port = a.admin.bound["metrics"]
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://{host}:{port}/view/stream") as r:
+            chunks: list[bytes] = []
+            tail = b""  # the last chunk and the byte before it: an event ends with a blank line
+            with WorstGap() as gap:
+                while b"\n\n" not in tail:
+                    chunk = await r.content.read(1 << 16)
+                    assert chunk, "the stream ended before its first event"
+                    chunks.append(chunk)
+                    tail = tail[-1:] + chunk
+    print(f"web view snapshot: worst loop gap {gap.worst * 1000:.1f} ms CPU, {gap.worst_wall * 1000:.1f} ms wall")
+    return b"".join(chunks).split(b"\n\n")[0], gap.worst
+
+
+async def test_event_loop_stalls_web_view_snapshot_of_5000_services(big_agent: Agent) -> None:
+    event, worst = await first_event(big_agent)
+    kind, data = event.decode().split("\n")
+    snap = json.loads(data.removeprefix("data: "))
+    assert kind == "event: snapshot" and snap["kind"] == "snapshot"
+    assert snap["services"] == await big_agent.services()
+    assert [f["id"] for f in snap["flows"]] == list(range(1, MAX_FLOWS + 1)) and snap["flowCount"] == FLOWS
+    assert worst < ADMIN_BOUND
+
+
+async def test_event_loop_stalls_web_view_one_service_of_5000(big_agent: Agent,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    proxier = big_agent.proxier
+    states: list[ServicePortName] = []
+    state_of = proxier.state_of
+    monkeypatch.setattr(proxier, "state_of", lambda spn: states.append(spn) or state_of(spn))
+    (view,), worst = await admin_get(big_agent, "/view/service?name=default/s4999")
+    assert states == [ServicePortName("default", "s4999", "http", "TCP")]  # not one per Service (5,000)
+    assert view["service"] == "default/s4999" and len(view["modes"]) == len(path_drawing.MODES)
+    assert all(f"10.{j + 1}.19.250:8080" in view["modes"][0]["rules"] for j in range(ENDPOINTS))
+    assert worst < ADMIN_BOUND
+
+
+# -- the pieces ---------------------------------------------------------------------------------
+ROWS = [{"a": 1, "b": ["x\ny", 2.5, None], "c": {"d": True, "e": []}}, {}, {"f": "é"}]
+
+
+def test_event_loop_stalls_rows_are_encoded_as_json_dumps() -> None:
+    for rows in (ROWS, [], [{}]):
+        assert rows_json(rows) == json.dumps(rows)
+        assert rows_json_pretty(rows) == json.dumps(rows, indent=1).encode()
+        copy = list(rows)
+        assert encode_and_free(copy) == json.dumps(rows, indent=1).encode() + b"\n" and copy == []
+    assert snapshot_json(list(ROWS), list(ROWS[:1]), 7) == json.dumps(
+        {"services": ROWS, "flows": ROWS[:1], "flowCount": 7}).encode()
+
+
+def test_event_loop_stalls_an_encoded_event_is_the_event_json() -> None:
+    hub = EventHub(clock=lambda: 12.5)
+    for data in ({"services": ROWS, "flowCount": 3}, {}):
+        ev = hub.publish_encoded("snapshot", json.dumps(data).encode())
+        text = b"".join(ev.json_parts())
+        assert text == json.dumps({"kind": "snapshot", "at": 12.5, "seq": ev.seq, **data}).encode()
+        assert ev.json() == json.loads(text)
+
+
+def test_event_loop_stalls_a_list_body_is_decoded_as_json_loads() -> None:
+    for raw in (b'{}', b' {"items" : [ ] } ', b'{"kind": "List", "items": [{"a": [1, {}]}, 2, "x"],\n "metadata": {}}',
+                b'{"items": {"a": 1}}', b'{"a": 1, "a": 2}'):
+        assert decode_list(raw, "application/json") == json.loads(raw)
+    for raw in (b"", b"<html>", b"{", b'{"items": [1,]}', b'{"items": [1}', b'{"a": 1}x', b'{1: 2}', b"[1]",
+                b'{"items": [1] "a": 2}', b"\xff{}"):
+        with pytest.raises(SourceError) as err:
+            decode_list(raw, "text/html")
+        with pytest.raises(SourceError) as want:
+            decode_json(raw, "text/html")
+        assert str(err.value) == str(want.value)
+
+
+async def test_event_loop_stalls_one_build_for_every_request_that_waits() -> None:
+    release = asyncio.Event()
+    started = 0
+
+    async def build() -> int:
+        nonlocal started
+        started += 1
+        await release.wait()
+        return started
+
+    shared = SharedBuild(build)
+    first = asyncio.create_task(shared.get())
+    await asyncio.sleep(0)
+    later = [asyncio.create_task(shared.get()) for _ in range(20)]  # arrived while run 1 runs
+    await asyncio.sleep(0)
+    release.set()
+    # Run 1 is older than the later requests: they share run 2, started after they arrived.
+    assert await first == 1 and await asyncio.gather(*later) == [2] * 20
+    assert shared.runs == 2 and await shared.get() == 3
