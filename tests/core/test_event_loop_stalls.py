@@ -459,6 +459,7 @@ async def test_event_loop_stalls_one_build_for_every_request_that_waits() -> Non
     # Run 1 is older than the later requests: they share run 2, started after they arrived.
     assert await first == 1 and await asyncio.gather(*later) == [2] * 20
     assert shared.runs == 2 and await shared.get() == 3
+    assert shared._done is None  # nobody waits: the last result is not kept
 
 
 # -- a manifest rewritten -----------------------------------------------------------------------

@@ -82,24 +82,32 @@ async def encoded_rows(rows_of: Callable[[], Awaitable[list[dict[str, Any]]]]) -
 class SharedBuild(Generic[T]):
     """Runs `build` for its callers, one run at a time; callers that arrive during a run share the
     next run (see the module docstring). A run that fails fails only the callers that waited for
-    it; the next caller runs it again."""
+    it; the next caller runs it again. A result is kept only while some caller waits for it (a
+    view of 5,000 Services is ~10 MB)."""
 
     def __init__(self, build: Callable[[], Awaitable[T]]) -> None:
         self._build = build
         self._lock = asyncio.Lock()
         self._started = 0  # runs started so far
         self._done: tuple[int, T] | None = None  # the last successful run: its number, its result
+        self._callers = 0  # callers in get() now
         self.runs = 0  # successful runs (tests count them)
 
     async def get(self) -> T:
         """A result of a run that started after this call did."""
         arrived = self._started
-        async with self._lock:
-            if self._done is not None and self._done[0] > arrived:
-                return self._done[1]
-            self._started += 1
-            number = self._started
-            result = await self._build()
-            self._done = (number, result)
-            self.runs += 1
-            return result
+        self._callers += 1
+        try:
+            async with self._lock:
+                if self._done is not None and self._done[0] > arrived:
+                    return self._done[1]
+                self._started += 1
+                number = self._started
+                result = await self._build()
+                self._done = (number, result)
+                self.runs += 1
+                return result
+        finally:
+            self._callers -= 1
+            if not self._callers:
+                self._done = None
