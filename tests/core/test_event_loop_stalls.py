@@ -414,8 +414,9 @@ def test_event_loop_stalls_rows_are_encoded_as_json_dumps() -> None:
         assert rows_json_pretty(rows) == json.dumps(rows, indent=1).encode()
         copy = list(rows)
         assert encode_and_free(copy) == json.dumps(rows, indent=1).encode() + b"\n" and copy == []
-    assert snapshot_json(list(ROWS), list(ROWS[:1]), 7) == json.dumps(
-        {"services": ROWS, "flows": ROWS[:1], "flowCount": 7}).encode()
+    flows = [{"id": i} for i in range(MAX_FLOWS + 7)]
+    assert snapshot_json(list(ROWS), list(flows)) == json.dumps(
+        {"services": ROWS, "flows": flows[:MAX_FLOWS], "flowCount": MAX_FLOWS + 7}).encode()
 
 
 def test_event_loop_stalls_an_encoded_event_is_the_event_json() -> None:

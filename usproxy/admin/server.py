@@ -33,8 +33,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from usproxy.admin import web_view
-from usproxy.admin.snapshot import SharedBuild, encoded_rows
 from usproxy.admin.health import Health
+from usproxy.admin.snapshot import SharedBuild, encoded_rows
 from usproxy.metrics import Metrics
 from usproxy.ratelimit import RateLimitedLog
 

@@ -186,10 +186,7 @@ class WebView:
         (as usproxy.admin.snapshot.encoded_rows)."""
         with gc_paused(True):
             services = await self.source.services()
-            flows = await self.source.flows()
-            count = len(flows)
-            del flows[MAX_FLOWS:]
-            return await asyncio.to_thread(snapshot_json, services, flows, count)
+            return await asyncio.to_thread(snapshot_json, services, await self.source.flows())
 
     async def _shutdown(self, app: web.Application) -> None:
         """Close open streams so the admin server stops at once."""
@@ -199,10 +196,12 @@ class WebView:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def snapshot_json(services: list[dict[str, Any]], flows: list[dict[str, Any]], flow_count: int) -> bytes:
-    """`json.dumps({"services": services, "flows": flows, "flowCount": flow_count}).encode()`,
-    a row at a time (rows_json: for a worker thread); both lists are emptied (snapshot.free)."""
-    members = (f'"services": {rows_json(services)}', f'"flows": {rows_json(flows)}', f'"flowCount": {flow_count}')
+def snapshot_json(services: list[dict[str, Any]], flows: list[dict[str, Any]]) -> bytes:
+    """`json.dumps({"services": services, "flows": flows[:MAX_FLOWS], "flowCount": len(flows)})`
+    as UTF-8, a row at a time (rows_json: for a worker thread); both lists are emptied
+    (snapshot.free)."""
+    members = (f'"services": {rows_json(services)}', f'"flows": {rows_json(flows[:MAX_FLOWS])}',
+               f'"flowCount": {len(flows)}')
     free(services)
     free(flows)
     return ("{" + ", ".join(members) + "}").encode()
