@@ -50,15 +50,7 @@ class ApiListWatch:
         self.opts = options or ReflectorOptions()
 
     async def list(self, resource_version: str) -> ListResult:
-        """Every page of the list (client-go pager): the first at `resource_version`, then by token.
-        The cyclic collector is paused meanwhile: decoding allocates ~10 objects per endpoint, and
-        its passes over them stalled the loop 0.1-0.2 s each (gc_pause)."""
-        with gc_paused(True):
-            result = await self._pages(resource_version)
-            promote_survivors()  # before the collector is back: its first pass would scan them all
-        return result
-
-    async def _pages(self, resource_version: str) -> ListResult:
+        """Every page of the list (client-go pager): the first at `resource_version`, then by token."""
         items: list[dict[str, Any]] = []
         query: Query = [("resourceVersion", resource_version)] if resource_version else []
         while True:
@@ -92,7 +84,11 @@ class ApiListWatch:
         async with await self._get(query, timeout) as resp:
             await raise_for_status(resp)
             raw, content_type = await resp.read(), resp.content_type
-        body = await asyncio.to_thread(decode_list, raw, content_type)
+        # The collector is paused while a page is decoded (~10 objects per endpoint: its passes
+        # over them held the GIL 0.1-0.2 s each) and the page is promoted unscanned (gc_pause).
+        with gc_paused(True):
+            body = await asyncio.to_thread(decode_list, raw, content_type)
+            promote_survivors()  # before the collector is back: its first pass would scan them all
         if not isinstance(body.get("items", []), list) or not str(body.get("kind", "List")).endswith("List"):
             raise SourceError(f"GET {self.path}: not a list (kind {body.get('kind')!r})")
         return cast(ListBody, body)
