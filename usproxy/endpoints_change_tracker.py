@@ -9,16 +9,27 @@ merged endpoints did not (an endpoint moved between slices) is pending, as in ku
 its pair compares equal at checkout. EndpointsMap applies checked-out changes and reports, per ServicePortName, the
 endpoints that went away: the relay and the offload layer need them to clear stale UDP flows and
 conntrack entries.
+
+A checkout splits in three, so that a big one can be merged and compared off the event loop (one
+ServicePort of 20,000 endpoints rewritten: ~0.1 s): `take()` (on the loop: the pending Services'
+slices then and now, copies of values that are never changed, costing slices, not endpoints),
+`endpoints_diff()` (pure: the merge and the comparison, safe in a worker thread), and
+`EndpointsMap.apply()` (on the loop again: a dict update per changed ServicePortName).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from usproxy.endpoint import Endpoint
 from usproxy.endpoint_slice import EndpointSlice
 from usproxy.endpoint_slice_cache import EndpointsByPort, EndpointSliceCache, merged_slices
 from usproxy.types import NamespacedName, ServicePortName
+
+SlicesByName = dict[NamespacedName, EndpointSlice]
+Taken = dict[NamespacedName, tuple[SlicesByName, SlicesByName]]  # per Service: slices then, now
+EndpointsDiff = list[tuple[ServicePortName, tuple[Endpoint, ...], set[Endpoint]]]  # new (): removed; gone
 
 
 class EndpointsChangeTracker:
@@ -51,9 +62,39 @@ class EndpointsChangeTracker:
     def pending_count(self) -> int:
         return len(self._previous)
 
-    def checkout(self) -> dict[NamespacedName, tuple[EndpointsByPort, EndpointsByPort]]:
+    def take(self) -> Taken:
+        """The pending Services' slices at the last checkout and now; nothing is pending after."""
         prev, self._previous = self._previous, {}
-        return {svc: (merged_slices(before), self.cache.endpoints_for(svc)) for svc, before in prev.items()}
+        return {svc: (before, self.cache.slices_of(svc)) for svc, before in prev.items()}
+
+    def checkout(self) -> dict[NamespacedName, tuple[EndpointsByPort, EndpointsByPort]]:
+        return merge_taken(self.take())
+
+
+def merge_taken(taken: Mapping[NamespacedName, tuple[SlicesByName, SlicesByName]]
+                ) -> dict[NamespacedName, tuple[EndpointsByPort, EndpointsByPort]]:
+    """Per Service, its endpoints per ServicePortName then and now."""
+    return {svc: (merged_slices(before), merged_slices(after)) for svc, (before, after) in taken.items()}
+
+
+def endpoint_count(taken: Taken) -> int:
+    """How many endpoints (per port) the slices of `taken` hold: the size of its merge."""
+    return sum(len(eps) for pair in taken.values() for slices in pair for es in slices.values()
+               for eps in es.endpoints.values())
+
+
+def endpoints_diff(checked: Mapping[NamespacedName, tuple[EndpointsByPort, EndpointsByPort]]) -> EndpointsDiff:
+    """The ServicePortNames whose endpoints changed: their new endpoints (() when none is left)
+    and those of their old endpoints whose address and port went away."""
+    out: EndpointsDiff = []
+    for before, after in checked.values():
+        for spn in before.keys() | after.keys():
+            old, new = before.get(spn, ()), after.get(spn, ())
+            if old == new:
+                continue
+            kept = {n.address for n in new}
+            out.append((spn, new, {ep for ep in old if ep.address not in kept}))
+    return out
 
 
 @dataclass
@@ -68,20 +109,17 @@ class EndpointsMap(dict[ServicePortName, tuple[Endpoint, ...]]):
     """Endpoints of every ServicePortName, as of the last sync."""
 
     def update_from(self, tracker: EndpointsChangeTracker) -> EndpointsMapChange:
+        return self.apply(endpoints_diff(tracker.checkout()))
+
+    def apply(self, diff: EndpointsDiff) -> EndpointsMapChange:
+        """Take the changes of `endpoints_diff`."""
         change = EndpointsMapChange()
-        for before, after in tracker.checkout().values():
-            for spn in before.keys() | after.keys():
-                old, new = before.get(spn, ()), after.get(spn, ())
-                if old == new:
-                    continue
-                change.updated.add(spn)
-                if old:
-                    kept = {n.address for n in new}
-                    gone = {ep for ep in old if ep.address not in kept}
-                    if gone:
-                        change.removed[spn] = gone
-                if new:
-                    self[spn] = new
-                else:
-                    self.pop(spn, None)
+        for spn, new, gone in diff:
+            change.updated.add(spn)
+            if gone:
+                change.removed[spn] = gone
+            if new:
+                self[spn] = new
+            else:
+                self.pop(spn, None)
         return change

@@ -222,7 +222,7 @@ class FakeApiServer:
                 return early
             if q.get("watch") in ("true", "1"):
                 return await self._watch(request, resource, q)
-            return self._list(resource, q)
+            return await self._list(resource, q)
         return handle
 
     def _early_answer(self, request: web.Request, resource: str) -> web.Response | None:
@@ -245,7 +245,7 @@ class FakeApiServer:
     def _visible(self, resource: str, q: dict[str, str], obj: Obj | None) -> bool:
         return obj is not None and _selector_match(obj, q.get("labelSelector", ""), q.get("fieldSelector", ""))
 
-    def _list(self, resource: str, q: dict[str, str]) -> web.Response:
+    async def _list(self, resource: str, q: dict[str, str]) -> web.Response:
         _, kind, api_version, _ = RESOURCES[resource]
         token = q.get("continue")
         if token:
@@ -267,7 +267,11 @@ class FakeApiServer:
             self._snapshots[snap_id] = (rv, items)
             cont = f"{snap_id}:{offset + limit}"
         meta = {"resourceVersion": str(rv), **({"continue": cont} if cont else {})}
-        return web.json_response({"kind": f"{kind}List", "apiVersion": api_version, "metadata": meta, "items": page})
+        head = {"kind": f"{kind}List", "apiVersion": api_version, "metadata": meta}
+        # Encoded in a thread an item at a time: the server shares the process (and the GIL) with
+        # the client under test, whose loop stall tests must measure only the client.
+        body = await asyncio.to_thread(_encode_list, head, page)
+        return web.Response(body=body, content_type="application/json")
 
     async def _watch(self, request: web.Request, resource: str, q: dict[str, str]) -> web.StreamResponse:
         if self.faults.take("gone_status", resource):
@@ -348,6 +352,12 @@ class _Stream:
             return False
         await _send(self.resp, kind, _clean(ev.obj))
         return True
+
+
+def _encode_list(head: Obj, items: list[Obj]) -> bytes:
+    """json.dumps({**head, "items": items}), one item per json.dumps call."""
+    parts = [json.dumps(head)[:-1], ', "items": [', ", ".join(json.dumps(o) for o in items), "]}"]
+    return "".join(parts).encode()
 
 
 def _clean(obj: Obj) -> Obj:

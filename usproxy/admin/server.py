@@ -5,6 +5,10 @@ metrics address (default 127.0.0.1:10249): /metrics (Prometheus text), /services
 and the live page /view (web_view.py).
 When both addresses are equal one server serves every path.
 
+/services and /flows never stall the relay: their rows are built on the loop in chunks with the
+loop running between them, encoded in a worker thread, and built once for every client that asks
+while a build runs (usproxy.admin.snapshot).
+
 Bounded, so that no client can take the node's descriptors (issue 18: idle connections to the
 health port exhausted them, and the manifest directory then read as empty): each listener holds
 at most MAX_CONNECTIONS connections, fewer under a low descriptor limit (`connection_limit`; one more
@@ -30,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from usproxy.admin import web_view
 from usproxy.admin.health import Health
+from usproxy.admin.snapshot import SharedBuild, encoded_rows
 from usproxy.metrics import Metrics
 from usproxy.ratelimit import RateLimitedLog
 
@@ -39,6 +44,7 @@ MAX_CONNECTIONS = 64  # per listener; two listeners take at most a half of FD_RE
 FD_SHARE = 16  # and at most 1/16 of the descriptor limit each (FD_RESERVE is at least 1/4 of it)
 IDLE_TIMEOUT = 10.0  # seconds a connection may stay without a complete request head
 MAX_HEAD_LINE = 8190  # bytes of the request line and of each header (aiohttp's default, stated)
+WRITE_CHUNK = 1 << 18  # bytes of a big answer written at a time
 
 
 class AdminView(Protocol):
@@ -48,13 +54,26 @@ class AdminView(Protocol):
 
     def health(self) -> Health: ...
 
-    def services_view(self) -> list[dict[str, Any]]: ...
+    async def services(self) -> list[dict[str, Any]]: ...
 
     async def flows(self) -> list[dict[str, Any]]: ...
 
 
 def _json(body: object, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(body, indent=1) + "\n", status=status, content_type="application/json")
+
+
+async def _send_json(request: web.Request, body: bytes) -> web.StreamResponse:
+    """Answer with `body` (JSON) WRITE_CHUNK bytes at a time: one write of a 15 MB view copies it
+    whole on the loop (~10 ms); a write that fills the socket's buffer waits for it to drain."""
+    resp = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+    resp.content_length = len(body)
+    await resp.prepare(request)
+    view = memoryview(body)
+    for at in range(0, len(body), WRITE_CHUNK):
+        await resp.write(view[at:at + WRITE_CHUNK])
+    await resp.write_eof()
+    return resp
 
 
 def _health_handler(view: AdminView, require_eligible: bool) -> Callable[[web.Request], Any]:
@@ -77,11 +96,14 @@ def metrics_routes(app: web.Application, view: AdminView) -> None:
         body = generate_latest(view.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def services(request: web.Request) -> web.Response:
-        return _json(view.services_view())
+    services_build = SharedBuild(lambda: encoded_rows(view.services))
+    flows_build = SharedBuild(lambda: encoded_rows(view.flows))
 
-    async def flows(request: web.Request) -> web.Response:
-        return _json(await view.flows())
+    async def services(request: web.Request) -> web.StreamResponse:
+        return await _send_json(request, await services_build.get())
+
+    async def flows(request: web.Request) -> web.StreamResponse:
+        return await _send_json(request, await flows_build.get())
 
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/services", services)

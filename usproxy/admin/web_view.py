@@ -5,7 +5,8 @@ Read-only. Routes:
 - GET /view/static/{file}: those three files only.
 - GET /view/stream: server-sent events: "snapshot" (every ServicePort as /services shows it,
   and the flow table as /flows shows it, at most MAX_FLOWS rows plus the total) every
-  SNAPSHOT_PERIOD seconds while some page is open (longer when building one takes long), and
+  SNAPSHOT_PERIOD seconds while some page is open (longer when building one takes long; built
+  in chunks on the loop and encoded in a worker thread, as /services), and
   "offloaded" / "demoted" / "userspace" as the offload manager publishes them
   (usproxy.admin.events); "lagged" with the count of events a slow page missed.
 - GET /view/service?name=NS/NAME: per mode, the SVG drawings of that Service's ports
@@ -33,10 +34,13 @@ from aiohttp import web
 
 from usproxy.admin import path_drawing
 from usproxy.admin.events import Event, EventHub
+from usproxy.admin.snapshot import free, rows_json
 from usproxy.datapath import ServicePortState
 from usproxy.explain import bpf, iptables, ipvs, nftables, userspace
 from usproxy.explain.service_set import Node, ServiceSet
+from usproxy.gc_pause import gc_paused
 from usproxy.node import NodeFacts
+from usproxy.types import NamespacedName
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,7 @@ class WebSource(Protocol):
 
     async def flows(self) -> list[dict[str, Any]]: ...
 
-    def service_ports(self) -> list[ServicePortState]: ...
+    def service_ports(self, service: NamespacedName | None = None) -> list[ServicePortState]: ...
 
 
 def asset(name: str) -> str:
@@ -81,8 +85,8 @@ def asset(name: str) -> str:
 def service_set_of(source: WebSource, namespace: str, name: str) -> ServiceSet | None:
     """The ServicePorts of one Service with their endpoints now (read on the loop, where the
     agent's state lives); None when no ServicePort of it is known."""
-    ports = tuple((st.service_port, st.endpoints) for st in source.service_ports()
-                  if (st.service_port.name.namespace, st.service_port.name.name) == (namespace, name))
+    ports = tuple((st.service_port, st.endpoints)
+                  for st in source.service_ports(NamespacedName(namespace, name)))
     return ServiceSet(ports, Node(name=source.node.name)) if ports else None
 
 
@@ -166,15 +170,23 @@ class WebView:
         while hub.subscribers:
             start = time.monotonic()
             try:
-                services = await self.source.services()
-                flows = await self.source.flows()
+                encoded = await self._snapshot()
             except Exception:
                 log.exception("web view: building a snapshot failed")
             else:
-                hub.publish("snapshot", services=services, flows=flows[:MAX_FLOWS], flowCount=len(flows))
+                hub.publish_encoded("snapshot", encoded)
             # A big table (dumping kernel conntrack takes ~0.3 s per 1,000 entries) is read at most
             # a third of the time, so an open page never keeps the agent busy.
             await asyncio.sleep(max(SNAPSHOT_PERIOD, 2 * (time.monotonic() - start)))
+
+    async def _snapshot(self) -> bytes:
+        """The snapshot's data as JSON text: {"services": /services' rows, "flows": at most
+        MAX_FLOWS of /flows' rows, "flowCount": how many flows there are}. The rows are built
+        on the loop in chunks, encoded and freed in a worker thread, with the collector paused
+        (as usproxy.admin.snapshot.encoded_rows)."""
+        with gc_paused(True):
+            services = await self.source.services()
+            return await asyncio.to_thread(snapshot_json, services, await self.source.flows())
 
     async def _shutdown(self, app: web.Application) -> None:
         """Close open streams so the admin server stops at once."""
@@ -182,6 +194,17 @@ class WebView:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def snapshot_json(services: list[dict[str, Any]], flows: list[dict[str, Any]]) -> bytes:
+    """`json.dumps({"services": services, "flows": flows[:MAX_FLOWS], "flowCount": len(flows)})`
+    as UTF-8, a row at a time (rows_json: for a worker thread); both lists are emptied
+    (snapshot.free)."""
+    members = (f'"services": {rows_json(services)}', f'"flows": {rows_json(flows[:MAX_FLOWS])}',
+               f'"flowCount": {len(flows)}')
+    free(services)
+    free(flows)
+    return ("{" + ", ".join(members) + "}").encode()
 
 
 class SseEncoder:
@@ -196,7 +219,7 @@ class SseEncoder:
     def __call__(self, ev: Event) -> bytes:
         out = self._cache.get(ev.seq)
         if out is None:
-            out = self._cache[ev.seq] = f"event: {ev.kind}\ndata: {json.dumps(ev.json())}\n\n".encode()
+            out = self._cache[ev.seq] = b"".join([f"event: {ev.kind}\ndata: ".encode(), *ev.json_parts(), b"\n\n"])
             if len(self._cache) > self.ENCODED:
                 self._cache.popitem(last=False)
         return out
