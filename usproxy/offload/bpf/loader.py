@@ -53,7 +53,7 @@ TC_PROGRAMS: dict[str, int] = {
     "usp_tc_ingress": bpf.BPF_TCX_INGRESS,
     "usp_tc_egress": bpf.BPF_TCX_EGRESS,
 }
-MAPS = ("usp_ct", "usp_tc_addrs", "usp_tc_ifaces", "usp_services", "usp_slots", "usp_backends", "usp_affinity", "usp_revnat", "usp_flows",
+MAPS = ("usp_ct", "usp_tc_addrs", "usp_tc_ifaces", "usp_tc_sources", "usp_services", "usp_slots", "usp_backends", "usp_affinity", "usp_revnat", "usp_flows",
         "usp_maglev", "usp_names")
 
 
