@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tests.conformance.reference import Flow, Scenario
 
-DATAPATHS = ("relay", "nftables", "bpf")
+DATAPATHS = ("relay", "nftables", "bpf", "bpf-tc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +100,12 @@ def expectation(datapath: str, scenario: Scenario, flow: Flow) -> Expectation:
 
 def serves(datapath: str, source: str, dest: str) -> bool:
     """Whether `datapath` is the one judged for traffic from `source` to `dest` (mapped addresses)."""
+    external = source.startswith("203.0.113.")
+    if datapath == "bpf-tc":  # the tc programs: external clients to NodePorts, LB IPs, externalIPs
+        return external and not dest.startswith("10.96.")
     if datapath != "bpf":
         return True
-    return dest.startswith("10.96.") and not source.startswith("203.0.113.")
+    return dest.startswith("10.96.") and not external
 
 
 def pending(datapath: str, scenario: Scenario, flow: Flow) -> Pending | None:

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from usproxy.datapath import ServicePortState
+from usproxy.datapath import Placement, ServicePortState
 from usproxy.endpoint import Endpoint, usable
 from usproxy.source_ranges import allowed_sources
 from usproxy.types import IPNetwork
@@ -62,6 +62,7 @@ from usproxy.offload.bpf.layout import (
     SvcKey,
 )
 from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want, address_family
+from usproxy.offload.external_route import RELAY
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.types import ServicePortName, format_hostport
 
@@ -276,6 +277,29 @@ class BpfDatapath:
             out[LB_GROUP] = Want(spn.key(), frozenset(SvcKey(ip, sp.port, proto) for ip in lb_ips), eps,
                                  sp.affinity_timeout, lb_flags, sources)
         return out
+
+    def external_route(self, state: ServicePortState) -> Placement:
+        """How traffic from outside the node reaches `state` here (usproxy.offload.external_route):
+        "tc" with what the tc programs do for it, or the relay with the reason."""
+        if self.traffic != ALL_TRAFFIC:
+            return Placement(RELAY, self.tc_detail)
+        sp = state.service_port
+        fronts = [*sp.external_ips, *sp.load_balancer_ips]
+        if not sp.node_port and not any(address_family(ip) == 4 for ip in fronts):
+            return Placement(RELAY, "tc serves IPv4 only; this ServicePort's external frontends are IPv6")
+        wants = self._external_wants(ServicePortName("", "", "", sp.protocol), state, PROTO_NUMBERS[sp.protocol])
+        flags = next(iter(wants.values())).flags
+        notes = ["tc (tcx) on " + ",".join(h.name for h in self.hooked),
+                 "client address kept (externalTrafficPolicy Local)" if flags & F_LOCAL_ONLY
+                 else "SNAT to the node when the endpoint is reached through a hooked interface"]
+        if not next(iter(wants.values())).endpoints:
+            notes.append("no local endpoint: dropped" if flags & F_DROP_EMPTY
+                         else "no endpoint: passed to the relay, which refuses")
+        if LB_GROUP in wants and wants[LB_GROUP].sources:
+            notes.append(f"LoadBalancer IPs filtered to {len(wants[LB_GROUP].sources)} source ranges")
+        if any(address_family(ip) == 6 for ip in fronts):
+            notes.append("IPv6 frontends via the relay")
+        return Placement("tc", "; ".join(notes))
 
     @staticmethod
     def _empty_flags(state: ServicePortState, eps: tuple[tuple[Any, int], ...]) -> int:
