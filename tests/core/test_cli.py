@@ -41,7 +41,7 @@ def test_missing_path_exits_2(tmp_path: Path) -> None:
 def test_check_prints_table() -> None:
     res = subprocess.run(["unshare", "--net", *USPROXY, "check"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0
-    for cap in ("interface bridge", "nftables", "bpf cgroup hooks", "conntrack"):
+    for cap in ("interface bridge", "nftables", "bpf cgroup hooks", "bpf tc (tcx) attach", "conntrack"):
         assert cap in res.stdout
 
 

@@ -141,3 +141,15 @@ def test_tc_links_are_pinned_swapped_and_detached(bpf_env: Env, topology: Topolo
     open_in(ns, loader.SockLB(pins, bpf_env.cgroup))  # tc no longer asked for: its links go
     assert tcx(ns, "tcx0") == ([], [])
     assert not list(pins.links.glob("*@*"))
+
+
+@pytest.mark.netns
+def test_tc_attach_probe_attaches_detaches_and_reports_a_failure(topology: Topology) -> None:
+    ns = topology.node
+    nsexec(ns, "ip", "link", "add", "tcp0", "type", "veth", "peer", "name", "tcp1")
+    with inside(ns):
+        ifindex = socket.if_nametoindex("tcp0")
+        loader.probe_tc_attach(ifindex)
+        assert bpf.prog_query(ifindex, bpf.BPF_TCX_INGRESS) == []  # detached again
+        with pytest.raises(bpf.BpfError):
+            loader.probe_tc_attach(ifindex + 1000)  # no such interface: the probe says no
