@@ -13,7 +13,7 @@ NodePorts on the nodes' 192.0.2.1N addresses:
 - externalTrafficPolicy Local: the node with the endpoint keeps the client's address, a node
   without one drops (as kube-proxy);
 - sessionAffinity ClientIP holds at tc (one backend per client address, an affinity entry keyed by
-  it); a NodePort without endpoints is refused at once (tc passes it to the relay's listener);
+  it); a NodePort without endpoints is refused at once (tc passes it to the stack, nothing listens);
 - an agent restart keeps an established external connection, and `usproxy run --cleanup` detaches
   the tc programs and removes the pins.
 """
@@ -252,7 +252,7 @@ async def test_client_ip_affinity_holds_at_tc_by_client_address(bpf_cluster: tup
 
 async def test_a_nodeport_without_endpoints_is_refused_at_once(bpf_cluster: tuple[Cluster, Agents]) -> None:
     c, _ = bpf_cluster
-    for i in (1, 2):  # tc passes it to the stack, whose listener refuses (kube-proxy REJECTs)
+    for i in (1, 2):  # tc passes it to the stack: no listener, the kernel refuses (kube-proxy REJECTs)
         start = time.monotonic()
         assert await asyncio.to_thread(ask, c.ns("ext"), node_ip(i), EMPTY_NP, 2.0) == ("refused", "")
         assert time.monotonic() - start < 0.5

@@ -14,10 +14,11 @@ from tests.netns import Topology, inside, nsexec
 from tests.offload.bpf.builders import ep, spn, state
 from tests.offload.bpf.conftest import Env
 from usproxy.offload.bpf import libbpf as bpf
-from usproxy.offload.bpf import loader, nodeport
+from usproxy.offload.bpf import loader, nodeport, view
+from usproxy.offload.bpf.tables import Group
 from usproxy.offload.bpf.datapath import LB_GROUP, NODEPORT_GROUP, BpfDatapath
 from usproxy.offload.bpf.layout import (CT_REPLY, F_AFFINITY, F_DROP_EMPTY, F_LB_IPS, F_LOCAL_ONLY, F_SOURCE_RANGES,
-                                        F_TC_ONLY, NODEPORT_ANY, CtEntry, SvcKey, pack_src_range, unpack_src_range)
+                                        F_TC_ONLY, NODEPORT_ANY, CtEntry, SvcKey, SvcVal, pack_src_range, unpack_src_range)
 
 V4 = ipaddress.IPv4Address
 LINKS = {1: "lo", 2: "eth0", 3: "cbr0", 4: "usproxy0", 5: "eth1"}
@@ -104,6 +105,15 @@ def test_affinity_and_no_endpoint_verdicts_of_tc_groups() -> None:
                      node_port=30080, external_traffic_policy=policy)
         want = dp._wants(spn("web"), none)[NODEPORT_GROUP]
         assert not want.endpoints and not want.flags & F_DROP_EMPTY
+
+
+def test_the_map_view_marks_tc_groups_with_their_admission_flags() -> None:
+    g = Group("default/web:http/TCP", 3, {SvcKey(V4("198.51.100.1"), 80, 6)},
+              SvcVal(0, 3, 0, F_TC_ONLY | F_LB_IPS | F_SOURCE_RANGES | F_LOCAL_ONLY | F_DROP_EMPTY))
+    head = view.group_lines({3: g}, {})[0]
+    assert head.endswith(" tc=local-only,source-ranges,drop-if-empty"), head
+    g.val = SvcVal(0, 3, 0, 0)
+    assert " tc" not in view.group_lines({3: g}, {})[0]  # a ClusterIP group
 
 
 def test_source_range_keys_match_the_c_layout() -> None:

@@ -15,7 +15,8 @@ LB never translates them), holding the IPv4 external endpoints (externalTrafficP
 local ones, flagged F_LOCAL_ONLY, never SNATed): NODEPORT_GROUP with NODEPORT_ANY:nodePort and the
 externalIPs, LB_GROUP with the LoadBalancer IPs and their loadBalancerSourceRanges. sessionAffinity
 ClientIP holds at tc by client address. A group without endpoints refuses through the stack (tc
-passes the packet to the relay's listener, as kube-proxy REJECTs) or drops (eTP Local with
+passes the packet on; the relay does not listen without endpoints, so the kernel refuses, as
+kube-proxy REJECTs) or drops (eTP Local with
 endpoints only elsewhere, as kube-proxy). The datapath then claims "forwarded" traffic. When the
 tc programs cannot be loaded (probe) or attached (open), it serves "local" only, says why in its
 capability, and external traffic stays with the relay, whose listeners stay up under the tc hooks
@@ -294,7 +295,7 @@ class BpfDatapath:
                  else "SNAT to the node when the endpoint is reached through a hooked interface"]
         if not next(iter(wants.values())).endpoints:
             notes.append("no local endpoint: dropped" if flags & F_DROP_EMPTY
-                         else "no endpoint: passed to the relay, which refuses")
+                         else "no endpoint: passed to the stack, which refuses (no listener)")
         if LB_GROUP in wants and wants[LB_GROUP].sources:
             notes.append(f"LoadBalancer IPs filtered to {len(wants[LB_GROUP].sources)} source ranges")
         if any(address_family(ip) == 6 for ip in fronts):

@@ -17,9 +17,9 @@
  *      usp_tc_sources for the service id drops. NodePorts and externalIPs never carry the flag.
  *   2. count 0 with F_DROP_EMPTY (externalTrafficPolicy Local, endpoints only on other nodes):
  *      drops, as kube-proxy's "no local endpoints" drop.
- *   3. count 0 otherwise (no usable endpoint at all): passes to the stack, whose nftables reject
- *      rule or the relay's listener refuses at once, as kube-proxy REJECTs (ICMP port unreachable
- *      for UDP, TCP RST); nothing is generated at tc.
+ *   3. count 0 otherwise (no usable endpoint at all): passes to the stack, where nothing listens
+ *      (the relay listens only while there are endpoints), so the kernel refuses at once as
+ *      kube-proxy REJECTs (TCP RST, ICMP port unreachable for UDP); nothing is generated at tc.
  * sessionAffinity ClientIP (F_AFFINITY): usp_affinity keyed by the client's IPv4 address (in
  * the low 32 bits of the client field; the socket LB's entries are netns cookies, never under
  * the same service id, since tc frontends have groups of their own).
