@@ -65,7 +65,8 @@ def config_map() -> dict[str, Any]:
 
 def _bpf_object_name() -> str:
     """The name usproxy.offload.bpf.build gives the object of this checkout's sock_lb.c."""
-    digest = hashlib.sha256((ROOT / "usproxy" / "offload" / "bpf" / "sock_lb.c").read_bytes()).hexdigest()
+    bpf_dir = ROOT / "usproxy" / "offload" / "bpf"  # the source, then the header it includes
+    digest = hashlib.sha256((bpf_dir / "sock_lb.c").read_bytes() + (bpf_dir / "tc_frontends.h").read_bytes()).hexdigest()
     return f"sock_lb-{digest[:16]}.o"
 
 

@@ -30,7 +30,8 @@ EXAMPLES = ROOT / "examples"
 
 
 def bpf_object_name() -> str:
-    digest = hashlib.sha256((ROOT / "usproxy" / "offload" / "bpf" / "sock_lb.c").read_bytes()).hexdigest()
+    bpf_dir = ROOT / "usproxy" / "offload" / "bpf"  # the source, then the header it includes
+    digest = hashlib.sha256((bpf_dir / "sock_lb.c").read_bytes() + (bpf_dir / "tc_frontends.h").read_bytes()).hexdigest()
     return f"usproxy/offload/bpf/sock_lb-{digest[:16]}.o"
 
 
