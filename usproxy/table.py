@@ -17,10 +17,11 @@ def render_services(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         eps = ",".join(e["address"] for e in r["endpoints"] if e["usable"]) or "<none>"
         front = ",".join(r["clusterIPs"]) + f":{r['port']}"
+        why = r["reason"] + (f"; external: {r['externalReason']}" if r.get("externalReason") else "")
         out.append([r["servicePortName"], r["protocol"], front, r["nodePort"] or "-",
-                    eps, r["datapath"], r["reason"]])
+                    eps, r["datapath"], r.get("external") or "-", why])
     return render_table(["SERVICE PORT", "PROTO", "CLUSTER-IP:PORT", "NODEPORT", "ENDPOINTS",
-                         "DATAPATH", "WHY"], out)
+                         "DATAPATH", "EXTERNAL", "WHY"], out)
 
 
 def render_flows(rows: list[dict[str, Any]]) -> str:

@@ -12,6 +12,8 @@ NodePorts on the nodes' 192.0.2.1N addresses:
   not the relay either: eTP=Local keeps the client address, which the relay cannot);
 - externalTrafficPolicy Local: the node with the endpoint keeps the client's address, a node
   without one drops (as kube-proxy);
+- sessionAffinity ClientIP holds at tc (one backend per client address, an affinity entry keyed by
+  it); a NodePort without endpoints is refused at once (tc passes it to the stack, nothing listens);
 - an agent restart keeps an established external connection, and `usproxy run --cleanup` detaches
   the tc programs and removes the pins.
 """
@@ -37,12 +39,12 @@ from tests.netns import inside, nsexec
 from tests.relay.harness import USPROXY
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf import loader, nodeport, view
-from usproxy.offload.bpf.layout import CT_ORIGINAL, CtEntry
+from usproxy.offload.bpf.layout import CT_ORIGINAL, AffinityEntry, CtEntry
 
 pytestmark = pytest.mark.netns
 
 CGROUP2 = Path("/sys/fs/cgroup/unified")
-WEB_NP, LOCAL_NP, UDP_NP = 30080, 30081, 30082
+WEB_NP, LOCAL_NP, UDP_NP, STICKY_NP, EMPTY_NP = 30080, 30081, 30082, 30083, 30084
 N1 = node_ip(1)
 N1_BRIDGE = "10.244.1.1"
 
@@ -78,6 +80,14 @@ def ct_entries(pins: Path) -> list[CtEntry]:
     fd = bpf.obj_get(str(loader.PinLayout(pins).maps / "usp_ct"))
     try:
         return nodeport.ct_entries(fd)
+    finally:
+        os.close(fd)
+
+
+def affinity_entries(pins: Path) -> list[AffinityEntry]:
+    fd = bpf.obj_get(str(loader.PinLayout(pins).maps / "usp_affinity"))
+    try:
+        return [AffinityEntry.unpack(k, v) for k, v in bpf.map_items(fd, AffinityEntry.KEY_SIZE, AffinityEntry.VAL_SIZE)]
     finally:
         os.close(fd)
 
@@ -141,6 +151,9 @@ async def bpf_cluster(tmp_path: Path) -> AsyncIterator[tuple[Cluster, Agents]]:
             api.apply("endpointslices", slice_of("local", [("10.244.1.11", 1)]))
             api.apply("services", udp_service("dns", "10.96.20.12", UDP_NP))
             api.apply("endpointslices", udp_slice("dns", [("10.244.2.10", 2), ("10.244.3.10", 3)]))
+            api.apply("services", service("sticky", "10.96.20.13", STICKY_NP, "Cluster", sessionAffinity="ClientIP"))
+            api.apply("endpointslices", slice_of("sticky", [("10.244.1.10", 1), ("10.244.2.10", 2), ("10.244.3.10", 3)]))
+            api.apply("services", service("empty", "10.96.20.14", EMPTY_NP, "Cluster"))
             kc = tmp_path / "kubeconfig"
             kc.write_text(kubeconfig_text(api.url))
             agents = Agents(c, kc, dirs)
@@ -225,6 +238,27 @@ async def test_local_policy_keeps_the_client_address_and_drops_without_endpoint(
     assert flows and all(int(e.nat_saddr) == 0 for e in flows), flows  # no SNAT
     for i in (2, 3):  # no local endpoint: dropped at tc, as kube-proxy
         assert await asyncio.to_thread(ask, ext, node_ip(i), LOCAL_NP, 1.0) == ("timeout", "")
+
+
+async def test_client_ip_affinity_holds_at_tc_by_client_address(bpf_cluster: tuple[Cluster, Agents]) -> None:
+    c, agents = bpf_cluster
+    seen = [await asyncio.to_thread(ask, c.ns("ext"), N1, STICKY_NP) for _ in range(10)]
+    assert len({name for name, _ in seen}) == 1 and seen[0][0].startswith("web-"), seen
+    client = int.from_bytes(socket.inet_aton(EXT), "little")  # the u32 as the program loads it
+    assert any(e.client == client for e in affinity_entries(agents.dirs[1][0])), "no tc affinity entry"
+    flows = [e for e in ct_entries(agents.dirs[1][0]) if e.direction == CT_ORIGINAL and e.dport == STICKY_NP]
+    assert len({e.backend_id for e in flows}) == 1 and len(flows) == 10, flows  # every flow NATed at tc
+
+
+async def test_a_nodeport_without_endpoints_is_refused_at_once(bpf_cluster: tuple[Cluster, Agents]) -> None:
+    c, _ = bpf_cluster
+    for i in (1, 2):  # tc passes it to the stack: no listener, the kernel refuses (kube-proxy REJECTs)
+        start = time.monotonic()
+        assert await asyncio.to_thread(ask, c.ns("ext"), node_ip(i), EMPTY_NP, 2.0) == ("refused", "")
+        assert time.monotonic() - start < 0.5
+    rows = await asyncio.to_thread(c.admin, 1, "/services")
+    empty = next(r for r in rows if r["servicePortName"].startswith("default/empty"))
+    assert empty["external"] == "tc" and "refuses" in empty["externalReason"], empty
 
 
 async def test_restart_keeps_established_flows_and_cleanup_detaches(bpf_cluster: tuple[Cluster, Agents]) -> None:

@@ -4,7 +4,10 @@ wait for a feature of issue 13.
 Datapaths: "relay" (`--offload none`), "nftables" (`--offload nftables`, judged once every
 ServicePort is placed there) and "bpf" (`--offload bpf`: the socket LB rewrites connect() and
 sendmsg() of processes in its cgroup, so it serves only ClusterIP flows from this node's
-processes, node and pods alike; everything else goes to the relay and is judged there).
+processes, node and pods alike; everything else goes to the relay and is judged there), and
+"bpf-tc" (the same `--offload bpf` agent, judged on the flows its tc programs serve: an external
+client to a NodePort, a LoadBalancer IP or an externalIP; ClusterIPs from outside and every other
+source are not tc's and are judged in the other datapaths).
 
 Differences by nature (`expectation`):
 - relay: it re-originates every connection from the node, so every endpoint sees a node address:
@@ -15,6 +18,10 @@ Differences by nature (`expectation`):
   silent ("BLOCKED"): what counts is that no endpoint is reached (issue 13 item 2).
 - bpf: no packet is rewritten, the socket connects straight to the endpoint, so the endpoint sees
   the client's own address (never "masqueraded", hairpin included).
+- bpf-tc: none. It DNATs and SNATs as kube-proxy (masqueraded for externalTrafficPolicy Cluster,
+  the client's address kept for Local), filters loadBalancerSourceRanges by dropping, drops when
+  eTP=Local leaves no local endpoint, and refuses a Service without usable endpoints by passing
+  the packet to the stack, where no listener answers but the kernel's RST.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from dataclasses import dataclass
 
 from tests.conformance.reference import Flow, Scenario
 
-DATAPATHS = ("relay", "nftables", "bpf")
+DATAPATHS = ("relay", "nftables", "bpf", "bpf-tc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +108,12 @@ def expectation(datapath: str, scenario: Scenario, flow: Flow) -> Expectation:
 
 def serves(datapath: str, source: str, dest: str) -> bool:
     """Whether `datapath` is the one judged for traffic from `source` to `dest` (mapped addresses)."""
+    external = source.startswith("203.0.113.")
+    if datapath == "bpf-tc":  # the tc programs: external clients to NodePorts, LB IPs, externalIPs
+        return external and not dest.startswith("10.96.")
     if datapath != "bpf":
         return True
-    return dest.startswith("10.96.") and not source.startswith("203.0.113.")
+    return dest.startswith("10.96.") and not external
 
 
 def pending(datapath: str, scenario: Scenario, flow: Flow) -> Pending | None:

@@ -46,6 +46,7 @@ CGROUP2 = Path("/sys/fs/cgroup/unified")
 BPFFS = Path("/sys/fs/bpf")
 # no --service-cidr: the agents take the Service CIDR from the manifest's ServiceCIDR object, as
 # kube-proxy does (manifests.objects)
+BPF_DATAPATHS = ("bpf", "bpf-tc")  # one agent (`--offload bpf`), judged on other flows
 NFT_FLAGS = ("--offload", "nftables", "--offload-after", "1", "--min-sync-period", "200ms")
 
 
@@ -177,7 +178,7 @@ class Lab:
         config = d / "kube-proxy.yaml"
         config.write_text(yaml.safe_dump(kube_proxy_configuration(group)))
         self.manifests.write(*objects(group, 0))
-        if datapath == "bpf":
+        if datapath in BPF_DATAPATHS:
             self.agent = BpfAgent(self.topo, self.manifests, config, self.cgroup, self.pins)
             self.agent.start()
         else:
@@ -202,24 +203,25 @@ class Lab:
 
     def _wait_placed(self, datapath: str, timeout: float = 20.0) -> None:
         """Until every ServicePort with endpoints is where the datapath under test puts it."""
-        want = {"relay": "userspace", "nftables": "nftables", "bpf": "bpf"}[datapath]
+        want = {"relay": "userspace", "nftables": "nftables", "bpf": "bpf", "bpf-tc": "bpf"}[datapath]
         deadline = time.monotonic() + timeout
         rows: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
                 rows = self.services()
-                if rows and all(want in r["datapath"] for r in rows if _placeable(r)):
+                if rows and all(want in r["datapath"] and (datapath != "bpf-tc" or r["external"] in ("tc", None))
+                                for r in rows if _placeable(r)):
                     time.sleep(0.3)
                     return
             time.sleep(0.1)
         log = self.agent.log.read_text()[-3000:] if self.agent is not None else ""
-        raise AssertionError(f"not all on {want}: {[(r['servicePortName'], r['datapath'], r['reason']) for r in rows]}"
+        raise AssertionError(f"not all on {want}: {[(r['servicePortName'], r['datapath'], r['reason'], r.get('external'), r.get('externalReason')) for r in rows]}"
                              f"\n{log}")
 
     # -- traffic ---------------------------------------------------------------------------------
     def probe(self, datapath: str, spec: Spec) -> list[Attempt]:
         ns = self.netns_of(spec.src)
-        if datapath != "bpf":
+        if datapath != "bpf":  # bpf-tc: external clients, outside any cgroup
             with inside(ns):
                 return run(spec)
         script = (f"echo $$ > {self.cgroup}/cgroup.procs && exec ip netns exec {ns} {sys.executable} "

@@ -41,7 +41,7 @@ def test_missing_path_exits_2(tmp_path: Path) -> None:
 def test_check_prints_table() -> None:
     res = subprocess.run(["unshare", "--net", *USPROXY, "check"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0
-    for cap in ("interface bridge", "nftables", "bpf cgroup hooks", "conntrack"):
+    for cap in ("interface bridge", "nftables", "bpf cgroup hooks", "bpf tc (tcx) attach", "conntrack"):
         assert cap in res.stdout
 
 
@@ -54,3 +54,16 @@ def test_explain_takes_options_after_the_subcommand() -> None:
     examples = Path(__file__).resolve().parents[2] / "examples"
     res = run("explain", "--services", str(examples), "--mode", "iptables")
     assert res.returncode == 0 and "KUBE-SERVICES" in res.stdout
+
+
+def test_status_table_says_which_datapath_serves_external_traffic_and_why() -> None:
+    from usproxy.table import render_services
+
+    row = {"servicePortName": "default/web:http", "protocol": "TCP", "clusterIPs": ["10.96.0.10"], "port": 80,
+           "nodePort": 30080, "endpoints": [{"address": "10.244.1.5:8080", "usable": True}], "datapath": "bpf",
+           "reason": "established 1.0s ago", "external": "tc", "externalReason": "tc (tcx) on eth0"}
+    header, line = render_services([row, {**row, "nodePort": None, "external": None, "externalReason": ""}]).split("\n")[:2]
+    assert header.split() == ["SERVICE", "PORT", "PROTO", "CLUSTER-IP:PORT", "NODEPORT", "ENDPOINTS", "DATAPATH",
+                              "EXTERNAL", "WHY"]
+    assert line.split()[5:7] == ["bpf", "tc"] and line.endswith("established 1.0s ago; external: tc (tcx) on eth0")
+    assert render_services([{**row, "external": None, "externalReason": ""}]).split("\n")[1].split()[6] == "-"

@@ -30,9 +30,9 @@ EXAMPLES = ROOT / "examples"
 
 
 def bpf_object_name() -> str:
-    """The object's name: the sha256 of the source, then of the header it includes (dsr.h)."""
+    """The object's name: the sha256 of the source, then of the header it includes (dsr.h, tc_frontends.h)."""
     bpf_dir = ROOT / "usproxy" / "offload" / "bpf"
-    digest = hashlib.sha256((bpf_dir / "sock_lb.c").read_bytes() + (bpf_dir / "dsr.h").read_bytes()).hexdigest()
+    digest = hashlib.sha256((bpf_dir / "sock_lb.c").read_bytes() + (bpf_dir / "dsr.h").read_bytes() + (bpf_dir / "tc_frontends.h").read_bytes()).hexdigest()
     return f"usproxy/offload/bpf/sock_lb-{digest[:16]}.o"
 
 

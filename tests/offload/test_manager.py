@@ -11,7 +11,7 @@ from pathlib import Path
 
 from usproxy.metrics import Metrics
 from usproxy.app.cleanup import remove_kernel_state
-from usproxy.datapath import ServicePortState, SyncRequest
+from usproxy.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.endpoint import Endpoint
 from usproxy.errors import OffloadError
 from usproxy.offload.fake import FakeKernelDatapath
@@ -364,3 +364,32 @@ async def test_offloads_and_demotions_are_published_as_they_happen() -> None:
         ("offloaded", "default/web:http", "nftables", "established"),
         ("userspace", "default/web:http", "userspace", "pinned by annotation usproxy.io/datapath: userspace"),
     ]
+
+
+class TcKernel(FakeKernelDatapath):
+    """A fake BPF datapath whose tc programs serve external traffic, or not (usproxy.offload.external_route)."""
+
+    def __init__(self, tc: bool) -> None:
+        super().__init__("bpf", frozenset({"local", "forwarded"}) if tc else frozenset({"local"}))
+        self.tc = tc
+
+    def external_route(self, state: ServicePortState) -> Placement:
+        return Placement("tc", "tc on eth0") if self.tc else Placement("relay", "tc programs not asked for")
+
+
+async def test_external_placement_names_tc_nftables_or_the_relay_with_the_reason() -> None:
+    nodeport = web("10.244.1.1", node_port=30080)
+    for kernels, want in (((TcKernel(True),), ("tc", "tc on eth0")),
+                          ((TcKernel(False), FakeKernelDatapath()),
+                           ("nftables", "nftables rules for the NodePort, externalIPs and LoadBalancer IPs")),
+                          ((TcKernel(False),), ("relay", "the relay's listeners: tc programs not asked for"))):
+        mgr, clock, _ = make(*kernels, after=0.0)
+        await mgr.sync(req(nodeport, full=True))
+        p = mgr.external_placement(A)
+        assert p is not None and (p.datapath, p.reason) == want, [k.name for k in kernels]
+    mgr, clock, _ = make(TcKernel(True), after=5.0)
+    await mgr.sync(req(nodeport, full=True))  # still in the window: the relay serves everything
+    p = mgr.external_placement(A)
+    assert p is not None and p.datapath == "relay" and "not offloaded (establishing" in p.reason, p
+    await mgr.sync(req(web("10.244.1.1")))  # a ClusterIP only: no external route at all
+    assert mgr.external_placement(A) is None

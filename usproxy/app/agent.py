@@ -29,10 +29,12 @@ from usproxy.metrics import Metrics
 from usproxy.admin.server import AdminServer
 from usproxy.admin.service_health import ServiceHealthServer
 from usproxy.config import ProxyConfig
-from usproxy.datapath import Datapath, FlowsView, ServicePortState
+from usproxy.datapath import Datapath, FlowsView, Placement, ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.errors import AlreadyRunning, ConfigError
 from usproxy.node import NodeFacts, PodCIDRsChanged, node_name, resolve_node, watch_nodeport_addresses
+from usproxy.offload import external_route
+from usproxy.offload.external_route import ExternalView
 from usproxy.proxier import Proxier
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.sources import NodeEligibility, Source
@@ -178,6 +180,7 @@ class Agent:
                      endpoints: list[dict[str, Any]]) -> dict[str, Any]:
         sp = st.service_port
         where = self.proxier.placement(spn)
+        ext = self._external(spn, st)
         return {
             "servicePortName": str(spn), "protocol": sp.protocol,
             "clusterIPs": [str(ip) for ip in sp.cluster_ips], "port": sp.port,
@@ -189,6 +192,7 @@ class Agent:
             "endpoints": endpoints,
             "datapath": where.datapath, "reason": where.reason,
             "bpfLbMode": self._bpf_lb_mode(sp.node_port, where.datapath),
+            "external": ext.datapath if ext else None, "externalReason": ext.reason if ext else "",
             "healthCheckNodePort": sp.health_check_node_port,
             "healthCheckError": self.service_health.error_of(spn.service),
         }
@@ -199,6 +203,13 @@ class Agent:
         if not node_port or datapath != "bpf" or self.cfg.offload != "bpf":
             return None
         return self.cfg.bpf_lb_mode
+
+    def _external(self, spn: ServicePortName, st: ServicePortState) -> Placement | None:
+        """Which datapath serves `spn` from outside the node (usproxy.offload.external_route)."""
+        for dp in self.datapaths:
+            if isinstance(dp, ExternalView):
+                return dp.external_placement(spn)
+        return external_route.route(st, (), "no kernel datapath configured (--offload none)")
 
     def service_ports(self, service: NamespacedName | None = None) -> list[ServicePortState]:
         """Every ServicePort (of `service` only, when given) with its endpoints now, sorted by name

@@ -82,6 +82,42 @@ def probe_bpf(cgroup: Path = Path("/sys/fs/cgroup/unified")) -> Capability:
     return Capability("bpf cgroup hooks", real.available, real.detail)
 
 
+def probe_bpf_tc() -> Capability:
+    """Can the tc programs (NodePorts, LoadBalancer IPs and externalIPs from outside the node,
+    `--offload bpf`) load and attach with tcx here? Attaches usp_tc_ingress to a throwaway veth
+    (PROBE_LINK, its peer goes with it) and detaches it (usproxy.offload.bpf.loader.probe_tc_attach); without it
+    external traffic stays with nftables or the relay."""
+    name = "bpf tc (tcx) attach"
+
+    def make(ipr: Any) -> int:
+        drop(ipr)  # one a crashed probe left
+        ipr.link("add", ifname=PROBE_LINK, kind="veth", peer=PROBE_LINK + "-p")  # veth: every kernel with tcx has it
+        return int(ipr.link_lookup(ifname=PROBE_LINK)[0])
+
+    def drop(ipr: Any) -> Capability:
+        for idx in ipr.link_lookup(ifname=PROBE_LINK):
+            ipr.link("del", index=idx)
+        return Capability(name, True, "")
+
+    try:
+        from usproxy.offload.bpf import loader
+        from usproxy.relay.vip_interface import NetlinkWorker
+
+        worker = NetlinkWorker()
+        try:
+            ifindex = worker.call_sync(make)
+            try:
+                loader.probe_tc_attach(ifindex)
+            finally:
+                worker.call_sync(drop)
+        finally:
+            worker.close()
+    except Exception as err:  # noqa: BLE001 - a probe reports, it never raises
+        return Capability(name, False, f"{type(err).__name__}: {err}; external traffic stays with nftables or the relay")
+    return Capability(name, True, "usp_tc_ingress attached to a veth and detached: NodePorts, LoadBalancer "
+                                  "IPs and externalIPs can be served at tc (--offload bpf)")
+
+
 def probe_bpffs() -> Capability:
     mounts = Path("/proc/mounts").read_text().split("\n")
     where = [m.split()[1] for m in mounts if m.split()[2:3] == ["bpf"]]
@@ -115,4 +151,4 @@ def probe_ipvs() -> Capability:
 def probe_all(cgroup: Path = Path("/sys/fs/cgroup/unified")) -> list[Capability]:
     caps = [probe_link_kind("dummy"), probe_link_kind("bridge"),
             Capability("interface lo", os.path.exists("/sys/class/net/lo"), "last resort for ClusterIPs")]
-    return [*caps, probe_nftables(), probe_bpf(cgroup), probe_bpffs(), probe_conntrack(), probe_ipvs()]
+    return [*caps, probe_nftables(), probe_bpf(cgroup), probe_bpf_tc(), probe_bpffs(), probe_conntrack(), probe_ipvs()]

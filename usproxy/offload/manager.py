@@ -40,6 +40,7 @@ from usproxy.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.endpoint import Endpoint
 from usproxy.errors import OffloadError
 from usproxy.node import NodeFacts
+from usproxy.offload import external_route
 from usproxy.offload.kernel_datapath import Capability, KernelDatapath, TrafficKind
 from usproxy.offload.reason import ESTABLISHED, ESTABLISHING, NO_DATAPATH, PINNED, REMOVED, Cause, Fault, Phase, Reason
 from usproxy.service_cidr import ServiceCIDRHandler
@@ -401,6 +402,17 @@ class OffloadManager:
             note = "" if self._covers(port.kernels) else "; forwarded traffic via userspace"
             return Placement("+".join(port.kernels), f"established {now - port.established_at:.1f}s ago{note}")
         return Placement("userspace", port.reason.text(waited=now - port.since, window=self.offload_after))
+
+    def external_placement(self, spn: ServicePortName) -> Placement | None:
+        """Which datapath serves `spn`'s traffic from outside the node, and why
+        (usproxy.offload.external_route); None for a ServicePort without external frontends."""
+        port = self.ports.get(spn)
+        if port is None or port.reason.phase is Phase.REMOVED:
+            return None
+        placed = [self._kernel(n) for n in port.kernels]
+        waited = self.clock() - port.since
+        why = "" if placed else f"not offloaded ({port.reason.text(waited=waited, window=self.offload_after)})"
+        return external_route.route(port.state, placed, why)
 
     def _covers(self, names: tuple[str, ...]) -> bool:
         kinds: set[str] = set()

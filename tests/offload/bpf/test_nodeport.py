@@ -14,9 +14,11 @@ from tests.netns import Topology, inside, nsexec
 from tests.offload.bpf.builders import ep, spn, state
 from tests.offload.bpf.conftest import Env
 from usproxy.offload.bpf import libbpf as bpf
-from usproxy.offload.bpf import loader, nodeport
-from usproxy.offload.bpf.datapath import NODEPORT_GROUP, BpfDatapath
-from usproxy.offload.bpf.layout import CT_REPLY, F_LOCAL_ONLY, NODEPORT_ANY, CtEntry, SvcKey
+from usproxy.offload.bpf import loader, nodeport, view
+from usproxy.offload.bpf.tables import Group
+from usproxy.offload.bpf.datapath import LB_GROUP, NODEPORT_GROUP, BpfDatapath
+from usproxy.offload.bpf.layout import (CT_REPLY, F_AFFINITY, F_DROP_EMPTY, F_LB_IPS, F_LOCAL_ONLY, F_SOURCE_RANGES,
+                                        F_TC_ONLY, NODEPORT_ANY, CtEntry, SvcKey, SvcVal, pack_src_range, unpack_src_range)
 
 V4 = ipaddress.IPv4Address
 LINKS = {1: "lo", 2: "eth0", 3: "cbr0", 4: "usproxy0", 5: "eth1"}
@@ -59,9 +61,65 @@ def test_a_nodeport_gets_a_group_at_any_address_when_tc_serves(etp: str) -> None
     local = ["10.244.1.5"] if etp == "Local" else ["10.244.1.5", "10.244.2.5"]
     assert [str(ip) for ip, _ in want.endpoints] == local  # eTP=Local: only this node's
     assert bool(want.flags & F_LOCAL_ONLY) == (etp == "Local")
+    assert want.flags & F_TC_ONLY  # never a socket LB frontend
+
+
+def tc_datapath() -> BpfDatapath:
+    dp = BpfDatapath(nodeport_cidrs=())
+    dp.traffic = frozenset({"local", "forwarded"})
+    dp.hooked = [nodeport.HookedInterface(2, "eth0", (V4("192.0.2.11"),))]
+    return dp
+
+
+def test_lb_ips_and_external_ips_get_tc_groups_with_source_ranges_for_lb_ips_only() -> None:
+    st = state(spn("web"), "10.96.0.10", 80, [ep("10.244.1.5", node_name="node")], node_port=30080,
+               service_type="LoadBalancer", external_ips=(V4("198.51.100.4"), ipaddress.ip_address("2001:db8::4")),
+               load_balancer_ips=(V4("198.51.100.1"),), source_ranges=(ipaddress.ip_network("203.0.113.0/25"),))
+    wants = tc_datapath()._wants(spn("web"), st)
+    ext, lb = wants[NODEPORT_GROUP], wants[LB_GROUP]
+    assert ext.frontends == frozenset({SvcKey(NODEPORT_ANY, 30080, 6), SvcKey(V4("198.51.100.4"), 80, 6)})  # IPv4 only
+    assert not ext.flags & F_SOURCE_RANGES and not ext.sources  # NodePorts and externalIPs unfiltered
+    assert lb.frontends == frozenset({SvcKey(V4("198.51.100.1"), 80, 6)})
+    assert lb.flags & F_SOURCE_RANGES and lb.flags & F_TC_ONLY and lb.flags & F_LB_IPS
+    assert lb.sources == (ipaddress.ip_network("203.0.113.0/25"),)
+    assert ext.endpoints == lb.endpoints == ((V4("10.244.1.5"), 8080),)
+
+
+def test_source_ranges_holding_a_node_address_also_allow_the_lb_ips() -> None:
+    st = state(spn("web"), "10.96.0.10", 80, [ep("10.244.1.5")], service_type="LoadBalancer",
+               load_balancer_ips=(V4("198.51.100.1"),), source_ranges=(ipaddress.ip_network("192.0.2.0/24"),))
+    lb = tc_datapath()._wants(spn("web"), st)[LB_GROUP]
+    assert [str(n) for n in lb.sources] == ["192.0.2.0/24", "198.51.100.1/32"]  # allowed_sources, as nftables
+
+
+def test_affinity_and_no_endpoint_verdicts_of_tc_groups() -> None:
+    dp = tc_datapath()
     affinity = state(spn("web"), "10.96.0.10", 80, [ep("10.244.1.5")], node_port=30080,
                      session_affinity="ClientIP")
-    assert NODEPORT_GROUP not in dp._wants(spn("web"), affinity)  # no tc form yet: the relay
+    assert dp._wants(spn("web"), affinity)[NODEPORT_GROUP].flags & F_AFFINITY
+    remote = state(spn("web"), "10.96.0.10", 80, [ep("10.244.2.5", node_name="other")], node_port=30080,
+                   external_traffic_policy="Local")
+    assert dp._wants(spn("web"), remote)[NODEPORT_GROUP].flags & F_DROP_EMPTY  # kube-proxy drops
+    for policy in ("Local", "Cluster"):  # no usable endpoint anywhere: kube-proxy refuses
+        none = state(spn("web"), "10.96.0.10", 80, [ep("10.244.2.5", ready=False, serving=False)],
+                     node_port=30080, external_traffic_policy=policy)
+        want = dp._wants(spn("web"), none)[NODEPORT_GROUP]
+        assert not want.endpoints and not want.flags & F_DROP_EMPTY
+
+
+def test_the_map_view_marks_tc_groups_with_their_admission_flags() -> None:
+    g = Group("default/web:http/TCP", 3, {SvcKey(V4("198.51.100.1"), 80, 6)},
+              SvcVal(0, 3, 0, F_TC_ONLY | F_LB_IPS | F_SOURCE_RANGES | F_LOCAL_ONLY | F_DROP_EMPTY))
+    head = view.group_lines({3: g}, {})[0]
+    assert head.endswith(" tc=local-only,source-ranges,drop-if-empty"), head
+    g.val = SvcVal(0, 3, 0, 0)
+    assert " tc" not in view.group_lines({3: g}, {})[0]  # a ClusterIP group
+
+
+def test_source_range_keys_match_the_c_layout() -> None:
+    raw = pack_src_range(7, ipaddress.IPv4Network("203.0.113.0/25"))
+    assert raw == struct.pack("<II", 57, 7) + bytes([203, 0, 113, 0])
+    assert unpack_src_range(raw) == (7, ipaddress.IPv4Network("203.0.113.0/25"))
 
 
 def tcx(ns: str, ifname: str) -> tuple[list[int], list[int]]:
@@ -93,3 +151,15 @@ def test_tc_links_are_pinned_swapped_and_detached(bpf_env: Env, topology: Topolo
     open_in(ns, loader.SockLB(pins, bpf_env.cgroup))  # tc no longer asked for: its links go
     assert tcx(ns, "tcx0") == ([], [])
     assert not list(pins.links.glob("*@*"))
+
+
+@pytest.mark.netns
+def test_tc_attach_probe_attaches_detaches_and_reports_a_failure(topology: Topology) -> None:
+    ns = topology.node
+    nsexec(ns, "ip", "link", "add", "tcp0", "type", "veth", "peer", "name", "tcp1")
+    with inside(ns):
+        ifindex = socket.if_nametoindex("tcp0")
+        loader.probe_tc_attach(ifindex)
+        assert bpf.prog_query(ifindex, bpf.BPF_TCX_INGRESS) == []  # detached again
+        with pytest.raises(bpf.BpfError):
+            loader.probe_tc_attach(ifindex + 1000)  # no such interface: the probe says no

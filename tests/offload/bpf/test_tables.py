@@ -3,6 +3,7 @@ probing. Root and a test cgroup, but no traffic."""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from tests.offload.bpf.conftest import Env
 from usproxy.errors import OffloadError
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf.datapath import BpfDatapath
-from usproxy.offload.bpf.layout import MAGLEV_M
+from usproxy.datapath import ServicePortState
+from usproxy.offload.bpf.layout import MAGLEV_M, SRC_RANGE_KEY_SIZE, unpack_src_range
 
 pytestmark = pytest.mark.netns
 
@@ -112,3 +114,31 @@ def test_probe(bpf_env: Env, tmp_path: Path) -> None:
     # but which of those a machine has is not this test's to know)
     not_v2 = BpfDatapath(tmp_path, bpf_env.pin_root).probe()
     assert not not_v2.available and "cgroup v2" in not_v2.detail
+
+
+def _sources(dp: BpfDatapath) -> set[str]:
+    assert dp._tables is not None
+    keys = bpf.map_keys(dp._tables.fds["usp_tc_sources"], SRC_RANGE_KEY_SIZE)
+    return {str(unpack_src_range(k)[1]) for k in keys}
+
+
+async def test_source_ranges_are_written_exactly_and_follow_the_service(bpf_env: Env) -> None:
+    dp = bpf_env.dp
+    dp.traffic = frozenset({"local", "forwarded"})  # the tc groups, without attaching tc anywhere
+    name = spn("lb")
+
+    def lb(*ranges: str) -> ServicePortState:
+        return state(name, "10.96.0.10", 80, [ep("10.244.1.5")], service_type="LoadBalancer",
+                     load_balancer_ips=(ipaddress.IPv4Address("198.51.100.1"),),
+                     source_ranges=tuple(ipaddress.ip_network(r) for r in ranges))
+
+    await dp.apply({name: lb("203.0.113.0/25", "203.0.113.0/24")})  # nested: an LPM lookup would see one
+    assert _sources(dp) == {"203.0.113.0/24", "203.0.113.0/25"}
+    await dp.apply({name: lb("203.0.113.0/24")})
+    assert _sources(dp) == {"203.0.113.0/24"}
+    await dp.apply({name: lb()})
+    assert _sources(dp) == set() and "source-ranges" not in dp.dump()
+    await dp.apply({name: lb("10.0.0.0/8")})
+    assert "tc=source-ranges" in dp.dump()
+    await dp.apply({name: None})
+    assert _sources(dp) == set()

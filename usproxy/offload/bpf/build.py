@@ -1,7 +1,7 @@
 """Compile sock_lb.c into a BPF object, at set-up or on first use.
 
 `python -m usproxy.offload.bpf.build` (the README's set-up step) writes sock_lb-<hash>.o next to
-the source, named after the source's sha256; building a wheel (setup.py) puts the same object into
+the source, named after the sha256 of the source and its headers (HEADERS); building a wheel (setup.py) puts the same object into
 the wheel, so an installed wheel needs no clang. `object_path()` uses the object whose name matches the
 current source and the headers it includes (HEADERS), prebuilt or in a cache directory, and
 otherwise compiles into the cache, so an edited source is never served by a stale object. The flags are those found to work on this
@@ -23,16 +23,16 @@ from pathlib import Path
 from usproxy.errors import OffloadError
 
 SOURCE = Path(__file__).with_name("sock_lb.c")
-HEADERS = (Path(__file__).with_name("dsr.h"),)  # #included by SOURCE: part of its hash
+HEADERS = ("dsr.h", "tc_frontends.h")  # included by SOURCE: part of what the object is named after
 INCLUDE = "/usr/include/x86_64-linux-gnu"
 CLANG_CANDIDATES = ("clang", "clang-16", "clang-15", "clang-14")
 
 
 def source_hash() -> str:
-    """sha256 of the source and the headers it includes (an edited header is a new object)."""
+    """sha256 of the source and the headers it includes, in that order (hex)."""
     h = hashlib.sha256(SOURCE.read_bytes())
-    for header in HEADERS:
-        h.update(header.read_bytes())
+    for name in HEADERS:
+        h.update(SOURCE.with_name(name).read_bytes())
     return h.hexdigest()
 
 

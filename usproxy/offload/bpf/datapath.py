@@ -8,16 +8,23 @@ sock4_getpeername). So it serves only `local` traffic: sockets of processes in t
 never pass these hooks.
 
 With `nodeport_cidrs` given (`--offload bpf`: the agent passes --nodeport-addresses), the same
-object's tc programs serve NodePorts for IPv4 TCP/UDP packets arriving at the node's interfaces
-(nodeport.py chooses them; sock_lb.c's tc section says how): each ServicePort with a NodePort gets
-a second group whose frontend is NODEPORT_ANY:nodePort, holding the IPv4 external endpoints
-(externalTrafficPolicy Local: the local ones, flagged F_LOCAL_ONLY, never SNATed). With
-`lb_mode` "dsr" (--bpf-lb-mode) the Cluster-policy groups are flagged F_DSR: a backend on another
-node gets the client's packet unSNATed with the service address in an IP option and answers the
-client directly (dsr.h). The datapath then claims "forwarded" traffic. When the tc programs cannot be loaded (probe) or attached (open),
-it serves "local" only, says why in its capability, and NodePorts stay with the relay, whose
-listeners stay up under the tc hooks in every case: whatever tc passes (IPv6, sessionAffinity
-ClientIP NodePorts, externalIPs, LoadBalancer IPs) is served there.
+object's tc programs serve NodePorts, LoadBalancer IPs and externalIPs for IPv4 TCP/UDP packets
+arriving at the node's interfaces (nodeport.py chooses them; sock_lb.c's tc section and
+tc_frontends.h say how): each ServicePort gets up to two more groups, flagged F_TC_ONLY (the socket
+LB never translates them), holding the IPv4 external endpoints (externalTrafficPolicy Local: the
+local ones, flagged F_LOCAL_ONLY, never SNATed): NODEPORT_GROUP with NODEPORT_ANY:nodePort and the
+externalIPs, LB_GROUP with the LoadBalancer IPs and their loadBalancerSourceRanges. sessionAffinity
+ClientIP holds at tc by client address. A group without endpoints refuses through the stack (tc
+passes the packet on; the relay does not listen without endpoints, so the kernel refuses, as
+kube-proxy REJECTs) or drops (eTP Local with
+endpoints only elsewhere, as kube-proxy). The datapath then claims "forwarded" traffic. When the
+tc programs cannot be loaded (probe) or attached (open), it serves "local" only, says why in its
+capability, and external traffic stays with the relay, whose listeners stay up under the tc hooks
+in every case: whatever tc passes (IPv6, fragments, refusals) is served there.
+With `lb_mode` "dsr" (--bpf-lb-mode) the Cluster-policy NodePort groups are flagged F_DSR: a backend
+on another node gets the client's packet unSNATed with the service address in an IP option and
+answers the client directly (dsr.h; NodePorts only: the backend's node finds the Service by the
+NodePort the option names, so externalIPs and LB IPs keep SNAT).
 
 Invariants: `apply` writes per changed element and is all-or-nothing (a journal restores every
 element on failure); maps, programs and links are pinned, so an agent that exits leaves traffic
@@ -28,6 +35,7 @@ with ECONNREFUSED at once (field case C01).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import time
@@ -35,9 +43,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint
+from usproxy.datapath import Placement, ServicePortState
+from usproxy.endpoint import Endpoint, usable
 from usproxy.config import BpfLbMode
+from usproxy.source_ranges import allowed_sources
 from usproxy.types import IPNetwork
 from usproxy.offload.bpf import loader, nodeport, view
 from usproxy.offload.bpf.build import object_path
@@ -46,9 +55,13 @@ from usproxy.offload.bpf.layout import (
     CT_ORIGINAL,
     F_AFFINITY,
     F_DSR,
+    F_DROP_EMPTY,
+    F_LB_IPS,
     F_LOCAL_ONLY,
     F_MAGLEV,
     F_ROUND_ROBIN,
+    F_SOURCE_RANGES,
+    F_TC_ONLY,
     NODEPORT_ANY,
     PROTO_NUMBERS,
     CtEntry,
@@ -56,6 +69,7 @@ from usproxy.offload.bpf.layout import (
     SvcKey,
 )
 from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want, address_family
+from usproxy.offload.external_route import RELAY
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.types import ServicePortName, format_hostport
 
@@ -63,7 +77,9 @@ log = logging.getLogger(__name__)
 
 Selection = Literal["random", "roundRobin", "maglev"]
 FLOW_ROWS_MAX = 10000
-NODEPORT_GROUP = 0  # the "family" key of a ServicePort's NodePort group (4 and 6: ClusterIPs)
+NODEPORT_GROUP = 0  # the "family" key of a ServicePort's NodePort/externalIP group (4 and 6: ClusterIPs)
+LB_GROUP = 1  # the key of its LoadBalancer IP group
+EXTERNAL_GROUPS = (NODEPORT_GROUP, LB_GROUP)
 LOCAL_ONLY: frozenset[TrafficKind] = frozenset({"local"})
 ALL_TRAFFIC: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
 
@@ -126,12 +142,12 @@ class BpfDatapath:
             self._tc_unavailable(f"{type(err).__name__}: {err}")
             return
         self.hooked, self.traffic = hooked, ALL_TRAFFIC
-        self.tc_detail = (f"NodePorts at tc (tcx, lb mode {self.lb_mode}) on "
+        self.tc_detail = (f"NodePorts, LoadBalancer IPs and externalIPs at tc (tcx, lb mode {self.lb_mode}) on "
                           + ", ".join(h.name for h in hooked))
 
     def _tc_unavailable(self, why: str) -> None:
         self.hooked, self.traffic = [], LOCAL_ONLY
-        self.tc_detail = f"NodePorts stay with the relay: tc programs unavailable ({why})"
+        self.tc_detail = f"external traffic stays with the relay: tc programs unavailable ({why})"
         log.warning("bpf: %s", self.tc_detail)
 
     def _probe(self) -> str | None:
@@ -245,20 +261,72 @@ class BpfDatapath:
             eps = sorted({ep.address for ep in state.cluster_endpoints if address_family(ep.ip) == family})
             out[family] = Want(spn.key(), frozenset({SvcKey(ip, sp.port, proto)}), tuple(eps),
                                sp.affinity_timeout, self._flags(state))
-        if self.traffic == ALL_TRAFFIC and sp.node_port and sp.session_affinity != "ClientIP":
-            out[NODEPORT_GROUP] = self._nodeport_want(spn, state, proto)
+        if self.traffic == ALL_TRAFFIC:
+            out.update(self._external_wants(spn, state, proto))
         return out
 
-    def _nodeport_want(self, spn: ServicePortName, state: ServicePortState, proto: int) -> Want:
-        """The tc programs' group: NODEPORT_ANY:nodePort -> the IPv4 external endpoints. ClientIP
-        affinity has no tc form yet: those NodePorts get no group and stay with the relay."""
+    def _external_wants(self, spn: ServicePortName, state: ServicePortState, proto: int) -> dict[int, Want]:
+        """The tc programs' groups, IPv4 only, flagged F_TC_ONLY (never socket LB frontends):
+        NODEPORT_GROUP holds NODEPORT_ANY:nodePort and the externalIPs, LB_GROUP the LoadBalancer
+        ingress IPs with loadBalancerSourceRanges (filtered for LB IPs only, as kube-proxy). Both
+        hold the external endpoints (eTP Local: the local ones, F_LOCAL_ONLY, never SNATed)."""
         sp = state.service_port
-        eps = sorted({ep.address for ep in state.external_endpoints if address_family(ep.ip) == 4})
-        flags = self._flags(state) | (F_LOCAL_ONLY if sp.external_traffic_policy == "Local" else 0)
-        if self.lb_mode == "dsr" and not flags & F_LOCAL_ONLY:  # Local: the backend is here anyway
-            flags |= F_DSR
-        return Want(spn.key(), frozenset({SvcKey(NODEPORT_ANY, sp.node_port, proto)}), tuple(eps),
-                    sp.affinity_timeout, flags)
+        eps = tuple(sorted({ep.address for ep in state.external_endpoints if address_family(ep.ip) == 4}))
+        flags = self._flags(state) | F_TC_ONLY | self._empty_flags(state, eps)
+        out: dict[int, Want] = {}
+        ext = {SvcKey(ip, sp.port, proto) for ip in sp.external_ips if address_family(ip) == 4}
+        if sp.node_port:
+            ext.add(SvcKey(NODEPORT_ANY, sp.node_port, proto))
+        if ext:
+            dsr = F_DSR if self.lb_mode == "dsr" and sp.node_port and not flags & F_LOCAL_ONLY else 0
+            out[NODEPORT_GROUP] = Want(spn.key(), frozenset(ext), eps, sp.affinity_timeout, flags | dsr)
+        lb_ips = [ip for ip in sp.load_balancer_ips if isinstance(ip, ipaddress.IPv4Address)]
+        if lb_ips:
+            sources = self._lb_sources(state, lb_ips)
+            lb_flags = flags | F_LB_IPS | (F_SOURCE_RANGES if sources else 0)
+            out[LB_GROUP] = Want(spn.key(), frozenset(SvcKey(ip, sp.port, proto) for ip in lb_ips), eps,
+                                 sp.affinity_timeout, lb_flags, sources)
+        return out
+
+    def external_route(self, state: ServicePortState) -> Placement:
+        """How traffic from outside the node reaches `state` here (usproxy.offload.external_route):
+        "tc" with what the tc programs do for it, or the relay with the reason."""
+        if self.traffic != ALL_TRAFFIC:
+            return Placement(RELAY, self.tc_detail)
+        sp = state.service_port
+        fronts = [*sp.external_ips, *sp.load_balancer_ips]
+        if not sp.node_port and not any(address_family(ip) == 4 for ip in fronts):
+            return Placement(RELAY, "tc serves IPv4 only; this ServicePort's external frontends are IPv6")
+        wants = self._external_wants(ServicePortName("", "", "", sp.protocol), state, PROTO_NUMBERS[sp.protocol])
+        flags = next(iter(wants.values())).flags
+        notes = ["tc (tcx) on " + ",".join(h.name for h in self.hooked),
+                 "client address kept (externalTrafficPolicy Local)" if flags & F_LOCAL_ONLY
+                 else "SNAT to the node when the endpoint is reached through a hooked interface"]
+        if not next(iter(wants.values())).endpoints:
+            notes.append("no local endpoint: dropped" if flags & F_DROP_EMPTY
+                         else "no endpoint: passed to the stack, which refuses (no listener)")
+        if LB_GROUP in wants and wants[LB_GROUP].sources:
+            notes.append(f"LoadBalancer IPs filtered to {len(wants[LB_GROUP].sources)} source ranges")
+        if any(address_family(ip) == 6 for ip in fronts):
+            notes.append("IPv6 frontends via the relay")
+        return Placement("tc", "; ".join(notes))
+
+    @staticmethod
+    def _empty_flags(state: ServicePortState, eps: tuple[tuple[Any, int], ...]) -> int:
+        """F_LOCAL_ONLY for eTP Local; F_DROP_EMPTY when that policy leaves no local endpoint while
+        the Service has usable ones elsewhere: kube-proxy drops then, and refuses only a Service
+        without any usable endpoint (pkg/proxy/nftables/proxier.go, hasEndpoints)."""
+        if state.service_port.external_traffic_policy != "Local":
+            return 0
+        elsewhere = any(address_family(ep.ip) == 4 for ep in usable(state.endpoints))
+        return F_LOCAL_ONLY | (F_DROP_EMPTY if not eps and elsewhere else 0)
+
+    def _lb_sources(self, state: ServicePortState, lb_ips: list[ipaddress.IPv4Address]) -> tuple[ipaddress.IPv4Network, ...]:
+        """The IPv4 sources allowed to reach `lb_ips` (empty: any), as every datapath computes
+        them (usproxy.source_ranges.allowed_sources; the hooked addresses stand for the node's)."""
+        nodes = [ip for h in self.hooked for ip in h.addresses]
+        nets = allowed_sources(state.service_port.source_ranges, 4, lb_ips, nodes)
+        return tuple(n for n in nets if isinstance(n, ipaddress.IPv4Network))
 
     def _flags(self, state: ServicePortState) -> int:
         sp = state.service_port
@@ -274,7 +342,7 @@ class BpfDatapath:
         out: dict[ServicePortName, list[Endpoint]] = {}
         for spn, families in self._by_spn.items():
             for key, sid in families.items():
-                if key == NODEPORT_GROUP:  # the same endpoints, or a subset (eTP Local)
+                if key in EXTERNAL_GROUPS:  # the same endpoints, or a subset (eTP Local)
                     out.setdefault(spn, [])
                     continue
                 g = self._groups[sid]
@@ -354,9 +422,11 @@ class BpfDatapath:
 
 
 def _group_key(g: Group) -> int:
-    """The key of a group under its ServicePort: NODEPORT_GROUP or the ClusterIPs' family."""
+    """The key of a group under its ServicePort: LB_GROUP, NODEPORT_GROUP or the ClusterIPs' family."""
+    if g.val.flags & F_LB_IPS:
+        return LB_GROUP
     ip = min(g.frontends).ip
-    return NODEPORT_GROUP if ip == NODEPORT_ANY else address_family(ip)
+    return NODEPORT_GROUP if ip == NODEPORT_ANY or g.val.flags & F_TC_ONLY else address_family(ip)
 
 
 def _selection(policy: str) -> Selection:

@@ -126,6 +126,18 @@ static __always_inline int dsr_forward(struct __sk_buff *skb, struct pkt *p, __u
 	return send(skb, p->t.saddr, be_addr);
 }
 
+/* Whether `p` addresses the NodePort of `svc` (not one of its externalIPs or LB IPs): the backend's
+ * node finds the Service by the NodePort the option names (dsr_recv), so only NodePorts use DSR. */
+static __always_inline int dsr_is_nodeport(struct pkt *p, struct svc_val *svc)
+{
+	struct svc_key key = {};
+	struct svc_val *np;
+
+	key_from_v4(&key, 0, p->t.dport, p->t.proto);
+	np = bpf_map_lookup_elem(&usp_services, &key);
+	return np && np->id == svc->id;
+}
+
 /* A new flow to a DSR NodePort (nodeport_new's hook): -1 when DSR does not apply (the backend is
  * on this node, the packet already has IP options or would not fit with the option) and the SNAT
  * path goes on. */
@@ -138,6 +150,8 @@ static __always_inline int dsr_new(struct __sk_buff *skb, struct pkt *p, struct 
 	int via_gw = 0;
 
 	if (!(svc->flags & F_DSR) || (svc->flags & F_LOCAL_ONLY) || p->l4_off != IP_OFF + IP_HLEN_BASE)
+		return -1;
+	if (!dsr_is_nodeport(p, svc))
 		return -1;
 	if (!dsr_opt_fits(skb, p, be->addr[3], &via_gw) || !via_gw)
 		return -1;

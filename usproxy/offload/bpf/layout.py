@@ -19,9 +19,12 @@ slots, backends by id, affinity by client netns, reverse entries by socket cooki
   usp_ct        packet tuple + direction      -> NAT of a NodePort flow at tc           [LRU]
   usp_tc_addrs  IPv4 address                  -> ifindex: addresses that serve NodePorts
   usp_tc_ifaces ifindex                       -> IPv4 address: hooked interfaces (SNAT source)
+  usp_tc_sources (service id, IPv4 prefix)    -> 1: loadBalancerSourceRanges of an LB IP group [LPM]
 
 A NodePort is a usp_services entry at NODEPORT_ANY (0.0.0.0): the tc programs look it up by
-port and protocol for packets to any usp_tc_addrs address.
+port and protocol for packets to any usp_tc_addrs address. LoadBalancer IPs and externalIPs are
+entries of their own flagged F_TC_ONLY (the socket LB skips them); tc_frontends.h says how the tc
+programs admit them.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ F_AFFINITY = 1 << 0
 F_MAGLEV = 1 << 1
 F_ROUND_ROBIN = 1 << 2
 F_LOCAL_ONLY = 1 << 3  # NodePort, externalTrafficPolicy Local: the tc program never SNATs
+F_TC_ONLY = 1 << 8  # a frontend of the tc programs only: the socket LB never translates it
+F_SOURCE_RANGES = 1 << 9  # LB IP group with loadBalancerSourceRanges: usp_tc_sources filters
+F_DROP_EMPTY = 1 << 10  # count 0 for want of a local endpoint (eTP Local): tc drops, never refuses
+F_LB_IPS = 1 << 11  # not read by the programs: marks a ServicePort's LoadBalancer IP group (read-back)
 F_DSR = 1 << 12  # NodePort in --bpf-lb-mode dsr (dsr.h): a backend on another node answers directly
 NODEPORT_ANY = ipaddress.IPv4Address("0.0.0.0")
 CT_ORIGINAL, CT_REPLY = 0, 1
@@ -251,3 +258,18 @@ class CtEntry:
         v4 = ipaddress.IPv4Address
         return cls(v4(s), v4(d), sp, dp, proto, direction, v4(ns), v4(nd), nsp, ndp, sid, bid, flags,
                    created, last, packets)
+
+
+SRC_RANGE_KEY_SIZE = 12
+
+
+def pack_src_range(svc_id: int, net: ipaddress.IPv4Network) -> bytes:
+    """struct src_range_key (12 bytes): an LPM trie key matching the service id in full, then
+    `net`'s prefix of the source address."""
+    return struct.pack("<II", 32 + net.prefixlen, svc_id) + net.network_address.packed
+
+
+def unpack_src_range(raw: bytes) -> tuple[int, ipaddress.IPv4Network]:
+    """(service id, source range) of a usp_tc_sources key."""
+    bits, sid = struct.unpack("<II", raw[:8])
+    return int(sid), ipaddress.IPv4Network((raw[8:12], int(bits) - 32))

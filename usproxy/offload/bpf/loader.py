@@ -53,8 +53,24 @@ TC_PROGRAMS: dict[str, int] = {
     "usp_tc_ingress": bpf.BPF_TCX_INGRESS,
     "usp_tc_egress": bpf.BPF_TCX_EGRESS,
 }
-MAPS = ("usp_ct", "usp_tc_addrs", "usp_tc_ifaces", "usp_services", "usp_slots", "usp_backends", "usp_affinity", "usp_revnat", "usp_flows",
+MAPS = ("usp_ct", "usp_tc_addrs", "usp_tc_ifaces", "usp_tc_sources", "usp_services", "usp_slots", "usp_backends", "usp_affinity", "usp_revnat", "usp_flows",
         "usp_maglev", "usp_names")
+
+
+def probe_tc_attach(ifindex: int) -> None:
+    """Load the object (the verifier judges every program) and attach usp_tc_ingress with tcx to
+    `ifindex`, then detach it; nothing is pinned. Raises BpfError or OffloadError with the reason
+    (e.g. EINVAL from a kernel before 6.6, which has no tcx)."""
+    obj = bpf.BpfObject(str(object_path()))
+    try:
+        obj.load()
+        link = bpf.link_create(obj.prog_fd("usp_tc_ingress"), ifindex, TC_PROGRAMS["usp_tc_ingress"])
+        try:
+            bpf.link_detach(link)
+        finally:
+            os.close(link)
+    finally:
+        obj.close()
 
 
 # -- mounts ------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@
  * one services map serves connect4, connect6 and v4-mapped addresses on IPv6 sockets alike.
  * Ports are in network order in the low 16 bits, as in struct bpf_sock_addr.
  *
- * The tc programs at the end (usp_tc_ingress, usp_tc_egress) serve NodePorts for packets from
- * outside the node; their own section below says how.
+ * The tc programs at the end (usp_tc_ingress, usp_tc_egress) serve NodePorts, LoadBalancer IPs
+ * and externalIPs for packets from outside the node; their own section below says how.
  *
  * Build: clang -target bpf -O2 -g -mcpu=v3 -I/usr/include/x86_64-linux-gnu -c sock_lb.c
  */
@@ -32,6 +32,7 @@
 #define F_MAGLEV	(1U << 1)	/* select through the Maglev table, not the slots */
 #define F_ROUND_ROBIN	(1U << 2)	/* TCP connect: a shared counter instead of a random draw */
 #define F_LOCAL_ONLY	(1U << 3)	/* NodePort with externalTrafficPolicy Local: never SNAT */
+#define F_TC_ONLY	(1U << 8)	/* a frontend for the tc programs only (tc_frontends.h) */
 
 #define MAGLEV_M	16381		/* Maglev table size (prime), Cilium's default */
 
@@ -347,7 +348,7 @@ static __always_inline int xlate_fwd(struct bpf_sock_addr *ctx, const struct svc
 	__u64 now, netns = 0;
 	__u32 id = 0;
 
-	if (!svc)
+	if (!svc || (svc->flags & F_TC_ONLY))
 		return NOT_A_SERVICE;
 	if (!svc->count)
 		return -ECONNREFUSED;
@@ -565,8 +566,9 @@ int usp_sock_release(struct bpf_sock *sk)
  * stack's forwarding path would drop as a martian. usp_tc_egress only reverse-NATs replies that
  * leave through a hooked interface without having entered through one (a local backend without
  * SNAT answering the client through the node's routing).
- * A NodePort without endpoints (count 0) drops, as kube-proxy does for eTP=Local without local
- * endpoints. Everything else passes unchanged (TC_ACT_OK) to the stack: nftables or the relay.
+ * LoadBalancer IPs and externalIPs are frontends too, with loadBalancerSourceRanges,
+ * sessionAffinity and the no-endpoint verdicts (drop or refuse as kube-proxy): tc_frontends.h.
+ * Everything else passes unchanged (TC_ACT_OK) to the stack: nftables or the relay.
  */
 
 #define CT_ORIGINAL	0
@@ -852,26 +854,24 @@ static __always_inline int ct_create(struct pkt *p, struct svc_val *svc, __u32 b
 }
 
 #include "dsr.h"		/* --bpf-lb-mode dsr: its hooks below */
+#include "tc_frontends.h"
 
-/* A new flow to a NodePort: TC_ACT_OK when it is none of ours. */
+/* A new flow to a NodePort, LB IP or externalIP: TC_ACT_OK when it is none of ours. */
 static __always_inline int nodeport_new(struct __sk_buff *skb, struct pkt *p, __u64 now)
 {
-	struct svc_key key = {};
 	struct backend_val *be;
 	struct svc_val *svc;
 	__u32 id, ifindex, snat = 0, *ifaddr;
 	__u16 sport = p->t.sport;
-	int ret;
+	int ret, verdict;
 
-	if (!bpf_map_lookup_elem(&usp_tc_addrs, &p->t.daddr))
-		return TC_ACT_OK;
-	key_from_v4(&key, 0, p->t.dport, p->t.proto);
-	svc = bpf_map_lookup_elem(&usp_services, &key);
+	svc = tc_frontend(p);
 	if (!svc)
 		return TC_ACT_OK;
-	if (!svc->count)
-		return TC_ACT_SHOT;
-	id = tc_pick(p, svc);
+	verdict = tc_admit(p, svc);
+	if (verdict != TC_ADMIT)
+		return verdict;
+	id = tc_select(p, svc, now);
 	be = backend_of(svc, id);
 	if (!be || !is_v4_mapped(be->addr))
 		return TC_ACT_SHOT;

@@ -21,7 +21,9 @@ from usproxy.offload.bpf import maglev
 from usproxy.offload.bpf.layout import (
     F_AFFINITY,
     F_MAGLEV,
+    F_SOURCE_RANGES,
     MAGLEV_M,
+    SRC_RANGE_KEY_SIZE,
     NAME_SIZE,
     AffinityEntry,
     BackendVal,
@@ -29,9 +31,11 @@ from usproxy.offload.bpf.layout import (
     SvcVal,
     pack_name,
     pack_slot_key,
+    pack_src_range,
     pack_u32,
     unpack_name,
     unpack_slot_key,
+    unpack_src_range,
     unpack_u32,
 )
 from usproxy.types import IPAddress
@@ -60,6 +64,20 @@ class Journal:
             return
         bpf.map_delete(fd, key)
         self._undo.append((fd, key, old))
+        self.writes += 1
+
+    def insert(self, fd: int, key: bytes, value: bytes) -> None:
+        """Write `key`, known to be absent: for maps whose lookup is not exact (an LPM trie
+        answers a lookup with the longest prefix that matches, so `put` cannot read the old
+        value); the undo deletes it."""
+        bpf.map_update(fd, key, value)
+        self._undo.append((fd, key, None))
+        self.writes += 1
+
+    def remove(self, fd: int, key: bytes, value: bytes) -> None:
+        """Delete `key`, known to hold `value` (the counterpart of `insert`)."""
+        bpf.map_delete(fd, key)
+        self._undo.append((fd, key, value))
         self.writes += 1
 
     def rollback(self) -> None:
@@ -103,6 +121,7 @@ class Want:
     endpoints: tuple[Address, ...]  # sorted, unique
     affinity_timeout: int
     flags: int
+    sources: tuple[ipaddress.IPv4Network, ...] = ()  # F_SOURCE_RANGES: the allowed client ranges
 
 
 class Tables:
@@ -121,7 +140,12 @@ class Tables:
         gone = self._put_backends(j, g, want.endpoints, ids)
         self._put_slots(j, g, want.endpoints)
         self._put_maglev(j, g, want, changed=before != set(want.endpoints))
+        ranged = bool(want.sources) or (old is not None and bool(old.val.flags & F_SOURCE_RANGES))
+        if ranged:
+            self._put_sources(j, g.id, want.sources, add=True)
         self._put_frontends(j, g, want)
+        if ranged:
+            self._put_sources(j, g.id, want.sources, add=False)
         self._drop_tail_slots(j, g, old)
         self._drop_backends(j, g, gone, old)
         return g
@@ -195,6 +219,22 @@ class Tables:
             j.delete(self.fds["usp_services"], key.pack(), SvcVal.SIZE)
         g.frontends, g.val = set(want.frontends), val
 
+    def _put_sources(self, j: Journal, svc_id: int, nets: tuple[ipaddress.IPv4Network, ...], *,
+                     add: bool) -> None:
+        """The group's usp_tc_sources entries: missing ones added before the service entry
+        (a client in range is never dropped in between), extra ones removed after it. Reads the
+        keys of the whole map, which holds only loadBalancerSourceRanges (a handful per LB IP)."""
+        fd = self.fds.get("usp_tc_sources")
+        if fd is None:
+            return
+        have = {k for k in bpf.map_keys(fd, SRC_RANGE_KEY_SIZE) if unpack_src_range(k)[0] == svc_id}
+        want = {pack_src_range(svc_id, n) for n in nets}
+        for key in sorted(want - have if add else have - want):
+            if add:
+                j.insert(fd, key, pack_u32(1))
+            else:
+                j.remove(fd, key, pack_u32(1))
+
     def _drop_tail_slots(self, j: Journal, g: Group, old: Group | None) -> None:
         for slot in range(len(g.slots) + 1, len(old.slots) + 1 if old else 0):
             j.delete(self.fds["usp_slots"], pack_slot_key(g.id, slot), 4)
@@ -221,6 +261,8 @@ class Tables:
         for bid in sorted(g.backends):
             j.delete(self.fds["usp_backends"], pack_u32(bid), BackendVal.SIZE)
         j.delete(self.fds["usp_names"], pack_u32(g.id), NAME_SIZE)
+        if g.val.flags & F_SOURCE_RANGES:
+            self._put_sources(j, g.id, (), add=False)
         if g.val.flags & F_AFFINITY:
             self.purge_affinity(j, g.id, set(), everything=True)
 

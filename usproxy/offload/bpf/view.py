@@ -19,9 +19,13 @@ from usproxy.offload.bpf import loader, nodeport
 from usproxy.offload.bpf.layout import (
     CT_ORIGINAL,
     F_AFFINITY,
+    F_DROP_EMPTY,
+    F_LOCAL_ONLY,
     F_DSR,
     F_MAGLEV,
     F_ROUND_ROBIN,
+    F_SOURCE_RANGES,
+    F_TC_ONLY,
     PROTO_NAMES,
     AffinityEntry,
     FlowVal,
@@ -52,6 +56,10 @@ def _group_lines(g: Group, selected: Mapping[int, int]) -> list[str]:
         head += f" timeout={g.val.affinity_timeout}s"
     if g.val.flags & F_DSR:
         head += " mode=dsr"
+    tc = [n for bit, n in ((F_LOCAL_ONLY, "local-only"), (F_SOURCE_RANGES, "source-ranges"),
+                           (F_DROP_EMPTY, "drop-if-empty")) if g.val.flags & bit]
+    if g.val.flags & F_TC_ONLY:  # a group of the tc programs (NodePort, externalIPs, LB IPs)
+        head += " tc" + (f"={','.join(tc)}" if tc else "")
     lines = [head]
     for key in sorted(g.frontends):
         lines.append(f"  frontend {format_hostport(key.ip, key.port)}/{PROTO_NAMES.get(key.proto, key.proto)}")
