@@ -18,13 +18,12 @@ class Recorder:
 
 
 def feed(batch: UdpBatch, rec: Recorder, key: Any, payload: bytes) -> None:
-    """What the relay's callbacks do with one datagram read into room()."""
-    room = batch.room()
-    assert len(room) == MAX_DATAGRAM  # a whole datagram always fits
-    room[:len(payload)] = payload
-    if not batch.joins(key, len(payload)):
-        batch.flush()
-    batch.take(key, len(payload), rec, key)
+    """What the relay's callbacks do with one datagram read at `free`."""
+    assert len(batch.free) == MAX_DATAGRAM  # a whole datagram always fits
+    batch.free[:len(payload)] = payload
+    if batch.count and batch.key != key:
+        batch.cut()  # as the listener does before it looks the flow up
+    batch.add(key, len(payload), rec, key)
 
 
 def test_equal_datagrams_of_one_flow_make_one_batch_and_a_short_one_ends_it() -> None:
@@ -81,3 +80,13 @@ def test_a_segmented_send_arrives_as_separate_datagrams() -> None:
         send_segments(tx, memoryview(payload), 1200, rx.getsockname())
         got = [rx.recv(65535) for _ in range(8)]
     assert got == [bytes([i]) * 1200 for i in range(7)] + [b"z" * 300]
+
+
+def test_a_dropped_datagram_is_overwritten_and_flush_empties_the_buffer() -> None:
+    batch, rec = UdpBatch(), Recorder()
+    feed(batch, rec, "a", b"1" * 100)
+    batch.free[:100] = b"9" * 100  # read, but no flow took it (dropped): not added
+    feed(batch, rec, "a", b"2" * 100)
+    batch.flush()
+    assert rec.sent == [("a", b"1" * 100 + b"2" * 100, 100)]
+    assert (batch.count, batch.start, batch.end, len(batch.free)) == (0, 0, 0, MAX_DATAGRAM)

@@ -30,7 +30,7 @@ from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.relay.flow_owner import FlowOwner, SourceRefused, TrafficKind
 from usproxy.relay.source_filter import allows
-from usproxy.relay.udp_batch import MAX_DATAGRAM, UdpBatch, refused, send_segments
+from usproxy.relay.udp_batch import MAX_DATAGRAM, MIN_SEGMENT, UdpBatch, refused, send_segments
 from usproxy.types import IPNetwork
 from usproxy.types import format_hostport
 
@@ -170,7 +170,7 @@ class UdpRelay:
         try:
             for _ in range(64):
                 try:
-                    n = uf.sock.recv_into(batch.room(), MAX_DATAGRAM)
+                    n = uf.sock.recv_into(batch.free, MAX_DATAGRAM)
                 except BlockingIOError:
                     return
                 except OSError as err:  # ECONNREFUSED from ICMP port unreachable: transient
@@ -180,9 +180,10 @@ class UdpRelay:
                 uf.flow.seen_out(n)
                 uf.flow.state = "ASSURED"
                 self.flows.move_to_end(uf.key)
-                if not batch.joins(uf.key, n):
-                    batch.flush()
-                batch.take(uf.key, n, uf.listener.send, uf.key[1])
+                if n < MIN_SEGMENT and not batch.count:  # small, nothing pending: at once
+                    uf.listener.send(uf.key[1], batch.free[:n])
+                    continue
+                batch.add(uf.key, n, uf.listener.send, uf.key[1])
         finally:
             batch.flush()
 
@@ -212,7 +213,7 @@ class UdpListener:
         try:
             for _ in range(64):
                 try:
-                    n, client = self.sock.recvfrom_into(batch.room(), MAX_DATAGRAM)
+                    n, client = self.sock.recvfrom_into(batch.free, MAX_DATAGRAM)
                 except BlockingIOError:
                     return
                 except OSError as err:
@@ -220,13 +221,16 @@ class UdpListener:
                     rewatch(self.sock, self._receive)
                     return
                 key = (self.frontend, (client[0], client[1]))
-                if not batch.joins(key, n):
-                    batch.flush()  # before flow_for, which may evict (close) the pending flow
+                if batch.count and batch.key != key:
+                    batch.cut()  # before flow_for, which may evict (close) the pending flow
                 uf = relay.flow_for(self, key[1])
                 if uf is None:
                     continue
                 uf.flow.seen_in(n)
-                batch.take(key, n, self._forward, uf)
+                if n < MIN_SEGMENT and not batch.count:  # small, nothing pending: at once
+                    self._forward(uf, batch.free[:n], 0)
+                    continue
+                batch.add(key, n, self._forward, uf)
         finally:
             batch.flush()
 

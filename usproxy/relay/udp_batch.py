@@ -6,7 +6,8 @@ UDP flood (py-spy, bench UDP 1400 B). Datagrams read one after the other for the
 one size (the last may be shorter), leave as one GSO datagram instead: the kernel carries it as one
 packet as far as it can and cuts it into the same datagrams again (UDP_SEGMENT, Linux 4.18, udp(7)),
 so each arrives as its own datagram with its own boundaries, in order (C05). A lone datagram is sent
-as before, so request/response traffic is unchanged.
+as before; one under MIN_SEGMENT bytes with nothing pending skips the batch altogether, so small
+request/response traffic (DNS) costs what it did.
 
 Bounds: segments of at most MAX_SEGMENT bytes, at most MAX_SEGMENTS of them and MAX_BYTES in all per
 batch (the kernel's limits: UDP_MAX_SEGMENTS, one IPv4 datagram). A batch the kernel refuses
@@ -14,8 +15,8 @@ batch (the kernel's limits: UDP_MAX_SEGMENTS, one IPv4 datagram). A batch the ke
 datagram by datagram (`UdpBatch.singly`).
 
 Buffer layout (one buffer shared by the relay's callbacks, which never nest): the pending batch is
-buf[start:end]; the next datagram is read at `room()`, which always has MAX_DATAGRAM bytes free, so
-no datagram is ever truncated. `flush()` sends the pending batch; every callback flushes before it
+buf[start:end]; the next datagram is read at `free`, which always has MAX_DATAGRAM bytes, so no
+datagram is ever truncated. `flush()` sends the pending batch; every callback flushes before it
 returns, so nothing waits in the buffer across loop iterations.
 """
 
@@ -29,6 +30,9 @@ from typing import Any
 
 MAX_DATAGRAM = 65535
 MAX_SEGMENT = 1472  # one datagram in a 1500-byte MTU over IPv4; larger ones go singly
+# Smaller datagrams with no batch pending (DNS, request/response) are sent at once by the caller:
+# a batch of them saves little, and its bookkeeping costs ~1.5 us of Python per datagram.
+MIN_SEGMENT = 512
 MAX_SEGMENTS = 64
 MAX_BYTES = 65507
 SOL_UDP = getattr(socket, "SOL_UDP", 17)
@@ -56,47 +60,58 @@ def refused(err: OSError) -> bool:
 
 
 class UdpBatch:
-    """The pending batch in a shared buffer; see the module docstring for the layout."""
+    """The pending batch in a shared buffer; see the module docstring for the layout. Per
+    datagram the relay's callbacks make one call (`add`), per callback one more (`flush`)."""
 
-    __slots__ = ("buf", "view", "start", "end", "count", "segment", "key", "send", "target")
+    __slots__ = ("buf", "view", "head", "free", "start", "end", "count", "segment", "key", "send", "target")
 
     def __init__(self) -> None:
         self.buf = bytearray(2 * (MAX_DATAGRAM + 1))
         self.view = memoryview(self.buf)
+        self.head = self.view[:MAX_DATAGRAM]
+        self.free = self.head  # where the next datagram is read: MAX_DATAGRAM bytes after the batch
         self.start = self.end = self.count = self.segment = 0
         self.key: Hashable = None
         self.send: Sender | None = None
         self.target: Any = None
 
-    def room(self) -> memoryview:
-        """Where to read the next datagram: MAX_DATAGRAM bytes right after the pending batch."""
-        if not self.count:
-            self.start = self.end = 0
-        elif self.end + MAX_DATAGRAM > len(self.buf):
-            n = self.end - self.start
-            self.buf[0:n] = self.view[self.start:self.end]
-            self.start, self.end = 0, n
-        return self.view[self.end:self.end + MAX_DATAGRAM]
-
     def joins(self, key: Hashable, n: int) -> bool:
-        """Whether a datagram of n bytes for `key`, just read at room(), can join the pending batch."""
-        return (self.count > 0 and key == self.key and n <= self.segment <= MAX_SEGMENT
-                and self.count < MAX_SEGMENTS and self.end - self.start + n <= MAX_BYTES
-                and (self.end - self.start) == self.count * self.segment)  # no short one yet
+        """Whether a datagram of n bytes for `key`, read at `free`, would join the pending batch."""
+        count = self.count
+        return (count > 0 and key == self.key and n <= self.segment <= MAX_SEGMENT and count < MAX_SEGMENTS
+                and self.end - self.start + n <= MAX_BYTES
+                and self.end - self.start == count * self.segment)  # no short one yet
 
-    def take(self, key: Hashable, n: int, send: Sender, target: Any) -> None:
-        """Add the datagram of n bytes read at room() for `key`; the caller flushed first unless
-        joins() said yes. `send(target, data, segment)` sends the batch at flush()."""
+    def add(self, key: Hashable, n: int, send: Sender, target: Any) -> None:
+        """Take the datagram of n bytes just read at `free`, for `key`: it joins the pending batch,
+        or the pending batch is sent first and it starts the next. `send(target, data, segment)`
+        sends a batch."""
+        if self.count and not self.joins(key, n):
+            self._send()
         if not self.count:
             self.start = self.end
             self.key, self.segment, self.send, self.target = key, n, send, target
         self.end += n
         self.count += 1
+        if self.end + MAX_DATAGRAM > len(self.buf):  # keep room for a whole datagram: compact
+            size = self.end - self.start
+            self.buf[0:size] = self.view[self.start:self.end]
+            self.start, self.end = 0, size
+        self.free = self.view[self.end:self.end + MAX_DATAGRAM]
 
     def flush(self) -> None:
-        """Send the pending batch (one datagram: a plain send)."""
-        if not self.count:
-            return
+        """Send the pending batch, if any (one datagram: a plain send); the buffer is empty after."""
+        if self.count:
+            self._send()
+        self.start = self.end = 0
+        self.free = self.head
+
+    def cut(self) -> None:
+        """Send the pending batch now, leaving the datagram just read at `free` where it is."""
+        if self.count:
+            self._send()
+
+    def _send(self) -> None:
         data = self.view[self.start:self.end]
         segment = self.segment if self.count > 1 else 0
         send, target = self.send, self.target
