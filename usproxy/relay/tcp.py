@@ -51,8 +51,8 @@ TCPI_LAST_ACK_RECV = 56  # offset of tcpi_last_ack_recv (u32, ms) in Linux's str
 def tune(transport: asyncio.BaseTransport) -> None:
     """Per-connection set-up kept to what the socket does not already have: accepted sockets
     inherit SO_KEEPALIVE from their listener (see tcp_listener.py) and get TCP_NODELAY from
-    the loop; endpoint connections get SO_KEEPALIVE from `keepalive`, run by the relay's sweep
-    once the flow outlives a sweep period (`Flow.settle`), so short connections skip it."""
+    the loop; endpoint connections get SO_KEEPALIVE from `keepalive`, run by the relay's next
+    sweep on flows still live then (`Flow.settle`), so short connections skip it."""
     cast(asyncio.WriteTransport, transport).set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
 
 
