@@ -21,11 +21,12 @@ from typing import Any
 import yaml
 
 from bench.procs import PYTHON, ROOT, Procs
-from bench.servers import BULK, CONN, HOLD, RR, RR_SIZE, UDP
+from bench.servers import BULK, CONN, HOLD, HTTP, IPERF, REDIS, RR, RR_SIZE, UDP
 from bench.topology import SERVER_IP, BenchTopology, inside
 
 USPROXY = str(ROOT / ".venv" / "bin" / "usproxy")
-TCP_PORTS = (BULK, RR, CONN, HOLD)
+TCP_PORTS = (BULK, RR, CONN, HOLD, HTTP, IPERF, REDIS)
+UDP_PORTS = (UDP, IPERF)  # iperf3 -u sends its datagrams to its TCP control port
 
 
 @dataclass
@@ -105,7 +106,7 @@ def service_manifest(name: str, cluster_ip: str, endpoint: str, udp: bool = True
                      annotations: dict[str, str] | None = None) -> list[dict[str, Any]]:
     ports = [{"name": f"p{p}", "port": p, "targetPort": p, "protocol": "TCP"} for p in TCP_PORTS]
     if udp:
-        ports.append({"name": f"u{UDP}", "port": UDP, "targetPort": UDP, "protocol": "UDP"})
+        ports += [{"name": f"u{p}", "port": p, "targetPort": p, "protocol": "UDP"} for p in UDP_PORTS]
     meta: dict[str, Any] = {"name": name, "namespace": "bench"}
     if annotations:
         meta["annotations"] = annotations

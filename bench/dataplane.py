@@ -48,6 +48,7 @@ class DataPlane:
         self.checksums: dict[str, bool | None] = {}
         self.capacity: dict[str, float] = {}  # rr c=16 of the current round, for the latency load
         self.round = 0
+        self.headline = "bulk_gbps"  # the metric the per-round log line shows
 
     # -- helpers -----------------------------------------------------------------------------------
     def _client(self, spec: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
@@ -166,7 +167,7 @@ class DataPlane:
                     except (RuntimeError, TimeoutError, KeyError) as err:
                         self.log(f"  round {rnd + 1} {label} {c.name}: failed: {err}")
             self.log(f"  round {rnd + 1}/{self.plan.rounds} done in {time.monotonic() - t0:.0f}s "
-                     + " ".join(f"{c.name}:bulk={self.samples.get('bulk_gbps', {}).get(c.name, {}).get(rnd, 0):.2f}"
+                     + " ".join(f"{c.name}:{self.headline}={self.samples.get(self.headline, {}).get(c.name, {}).get(rnd, 0):.2f}"
                                 for c in order))
 
     # -- summary --------------------------------------------------------------------------------------

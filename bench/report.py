@@ -117,6 +117,40 @@ def dataplane_table(dp: dict[str, Any], unavailable: dict[str, str]) -> list[str
     return lines
 
 
+TOOL_ROWS = [  # label, key, format, baselines of the ratios shown
+    ("wrk -c16, Connection: close, req/s", "http_close_rps", "{:,.0f}", ("direct", "haproxy")),
+    ("proxy CPU s/10k new HTTP conns", "@http_close_cpu_s_per_10k", "{:.3f}", ()),
+    ("wrk -c16 keep-alive req/s", "http_ka_rps", "{:,.0f}", ("direct", "haproxy")),
+    ("iperf3 1 TCP stream Gbit/s", "iperf_tcp1_gbps", "{:.2f}", ("direct",)),
+    ("proxy CPU s/GiB (1 stream)", "@iperf_tcp1_cpu_s_per_gib", "{:.2f}", ()),
+    ("iperf3 -P4 Gbit/s", "iperf_tcp4_gbps", "{:.2f}", ("direct",)),
+    ("iperf3 -u 1400 B received Gbit/s", "iperf_udp1400_gbps", "{:.3f}", ("direct",)),
+    ("proxy CPU s/GiB UDP", "@iperf_udp1400_cpu_s_per_gib", "{:.2f}", ()),
+    ("redis-benchmark -c16 SET req/s", "redis_set_rps", "{:,.0f}", ("direct", "haproxy")),
+    ("redis-benchmark -c16 GET req/s", "redis_get_rps", "{:,.0f}", ("direct", "haproxy")),
+]
+
+
+def tools_table(tp: dict[str, Any]) -> list[str]:
+    if "error" in tp:
+        return [f"unavailable: {tp['error']}"]
+    names = list(tp["contenders"])
+    lines = ["| tool | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for label, key, fmt, bases in TOOL_ROWS:
+        cells = []
+        for n in names:
+            table = "cpu" if key.startswith("@") else "median"
+            v = _get(tp, table, key.lstrip("@"), n)
+            cell = _f(v, fmt)
+            ratios = [f"{r:.2f}× {b}" for b in bases if n != b and v is not None
+                      for r in [_get(tp, f"ratio_vs_{b}", key, n)] if r is not None]
+            cells.append(cell + (f" ({', '.join(ratios)})" if ratios else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("\nRatios: median over rounds of (contender ÷ baseline in the same round). Proxy CPU from /proc "
+                 "around each tool run (start-up included). HAProxy 2.6 has no UDP.")
+    return lines
+
+
 def controlplane_table(cp: dict[str, Any]) -> list[str]:
     lines = ["| Services × 2 endpoints | usproxy nftables cold (s) | one change p50 / p99 (ms) | "
              "kube-proxy layout `nft -f` cold (s) | its one change p50 (ms) | relay first sync (s) | relay one change p50 (ms) |",
@@ -191,6 +225,9 @@ def markdown(d: dict[str, Any]) -> str:
         proto = prototype_table(d["dataplane"])
         if proto:
             out += ["#### Relay prototypes (bench/prototypes/relay_proto.py), same rounds", ""] + proto + [""]
+    if "tools" in d:
+        out += ["#### Real tools (wrk, iperf3, redis-benchmark against nginx, iperf3 -s, redis-server)", ""]
+        out += tools_table(d["tools"]) + [""]
     if "controlplane" in d:
         out += ["#### Control plane", ""] + controlplane_table(d["controlplane"]) + [""]
     if "memory" in d:

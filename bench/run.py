@@ -2,7 +2,8 @@
 
 Builds the bench netns (topology.py), starts the bench servers and every contender
 (contenders.py), runs the data plane in interleaved rounds (dataplane.py), profiles the relay
-(profile.py), measures memory per idle flow (memory.py) and the control plane (controlplane.py),
+(profile.py), runs the real tools through the same contenders (tools.py), measures memory per
+idle flow (memory.py) and the control plane (controlplane.py),
 then writes bench/results/<date>[-quick].{json,md} and PNG charts (report.py) and prints the
 markdown. Everything it created (netns, processes, nft tables: they live in its netns) is removed
 on exit, also on failure and Ctrl-C. `--quick`: small sizes, 2 rounds, about 3 minutes;
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bench import controlplane, memory, profile, report
+from bench import controlplane, memory, profile, report, tools
 from bench.contenders import Contender, Ctx, default_contenders
 from bench.dataplane import DataPlane, Plan
 from bench.procs import PYTHON, Procs
@@ -51,8 +52,8 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--quick", action="store_true", help="small sizes, 2 rounds, about 3 minutes")
     ap.add_argument("--rounds", type=int, help="data-plane rounds (default 2 quick, 4 full)")
-    ap.add_argument("--only", default="dataplane,profile,memory,controlplane",
-                    help="comma list of phases: dataplane, profile, memory, controlplane")
+    ap.add_argument("--only", default="dataplane,tools,profile,memory,controlplane",
+                    help="comma list of phases: dataplane, tools, profile, memory, controlplane")
     ap.add_argument("--prototypes", action=argparse.BooleanOptionalAction, default=None,
                     help="include the relay prototypes of bench/prototypes (default: full runs only)")
     ap.add_argument("--stem", help="results file name (default <date>[-quick])")
@@ -110,6 +111,11 @@ def main() -> int:
             dp = DataPlane(ctx, contenders, plan, log)
             dp.run()
             results["dataplane"] = dp.summary()
+        if "tools" in phases:
+            tplan = tools.ToolPlan(rounds=args.rounds or (2 if quick else 4), seconds=2 if quick else 5,
+                                   redis_requests=20000 if quick else 100000)
+            results["meta"]["tools"] = tools.versions()
+            results["tools"] = tools.measure(ctx, contenders, tplan, log)
         if "profile" in phases and profile.available() is None:
             results["profile"] = _profiles(ctx, by_name, 2.0 if quick else 5.0, work)
         if "memory" in phases:

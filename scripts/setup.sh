@@ -11,6 +11,7 @@ APT_PACKAGES=(
   clang llvm libbpf-dev libbpf1 linux-libc-dev   # BPF programs (compiled at set-up)
   dnsmasq-base dnsutils curl            # the demo's DNS pod, dig, curl
   haproxy                               # the userspace peer in bench/
+  wrk iperf3 redis-server redis-tools nginx-light   # bench/tools.py: the real tools and their servers
   debootstrap buildah openssl systemd   # scripts/image.sh and tests/deploy (image, TLS API server, systemd-analyze)
   chromium                              # the web view tests (tests/offload/test_web_view_browser.py): headless
 )

@@ -64,3 +64,33 @@ def test_every_size_echoed_whole(topology: Topology, backends: Backends, workdir
         assert flows[0]["bytes_in"] == flows[0]["bytes_out"] == 3 * sum(SIZES)
     finally:
         assert agent.stop() == 0
+
+
+def test_bursts_of_equal_datagrams_pass_one_for_one(topology: Topology, backends: Backends, workdir: Path,
+                                                    loop_name: str) -> None:
+    """Datagrams read back to back for one flow leave the relay in one UDP_SEGMENT send each way
+    (udp_batch.py); they must still arrive as the same datagrams, whole and in order, and be
+    counted one by one in the flow. 30 bursts of 20 × 1,400 B, each answered before the next."""
+    be = topology.add_host("be-a", "10.244.1.9")
+    backends.start(be, "echo", "10.244.1.9", "7", "--udp")
+    cli = topology.add_host("cli", "10.244.9.10")
+    m = Manifests(workdir)
+    m.write(svc("echo-udp", "10.96.30.30", [{"port": 7, "targetPort": 7, "protocol": "UDP"}]),
+            slice_("echo-udp", [{"ip": "10.244.1.9", "ready": True}], [{"port": 7, "protocol": "UDP"}]))
+    agent = AgentProc(topology, m, loop_name)
+    try:
+        agent.start()
+        s = client_socket(cli, connect=("10.96.30.30", 7))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        s.settimeout(5)
+        with s:
+            for burst in range(30):
+                sent = [burst.to_bytes(2, "big") + i.to_bytes(2, "big") + os.urandom(1396) for i in range(20)]
+                for d in sent:
+                    s.send(d)
+                assert [recv_whole(s) for _ in sent] == sent
+        flows = agent.flows()
+        assert [(f["packets_in"], f["packets_out"]) for f in flows] == [(600, 600)]
+        assert flows[0]["bytes_in"] == flows[0]["bytes_out"] == 600 * 1400
+    finally:
+        assert agent.stop() == 0

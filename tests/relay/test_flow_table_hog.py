@@ -236,3 +236,15 @@ def test_half_closed_flows_are_reset_after_the_close_wait_timeout(topology: Topo
         s.close()
     assert 0.5 <= time.monotonic() - t0 <= 3.0  # reset about 1 s after the last byte, not at 30 s
     assert relay_of_64.flows() == []
+
+
+def test_deferred_set_up_runs_once_per_live_tcp_flow() -> None:
+    relay = Relay.__new__(Relay)  # only the flow table: no interface, no loop
+    relay.admission = admission(1000)
+    ran: list[int] = []
+    for i in range(3):
+        f = relay.admission.admit("TCP", A, (f"10.0.0.{i + 1}", 1), FRONTEND)
+        f.settle = lambda i=i: ran.append(i)  # type: ignore[misc]
+    relay.admission.admit("TCP", A, ("10.0.0.9", 1), FRONTEND)  # nothing deferred
+    assert relay.settle_tcp() == 3 and sorted(ran) == [0, 1, 2]
+    assert relay.settle_tcp() == 0 and len(ran) == 3

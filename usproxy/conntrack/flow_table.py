@@ -8,7 +8,8 @@ activity (monotonic seconds). The table is bounded by
 FlowTableFull instead of growing, so callers can refuse a new connection cleanly. Insert, lookup
 and delete are O(1). The table also counts live TCP flows per client address (`per_client`),
 which FlowAdmission reads for its fair share. A flow's owner may set `closer`, which ends the flow
-(both legs reset) when the relay times it out.
+(both legs reset) when the relay times it out, and `settle`, which the relay's next sweep runs once on a
+flow still live then (set-up that short flows never need).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Flow:
     local_of: Any = None  # a transport whose sockname is `local`, read only when shown
     closer: Callable[[], None] | None = None  # ends the flow (idle and half-close timeouts)
     liveness: Callable[[], float | None] | None = None  # seconds since either leg last got an ACK
+    settle: Callable[[], None] | None = None  # set-up deferred to the relay's next sweep
     datapath: str = "userspace"
     state: FlowState = "NEW"
     started: float = field(default_factory=time.monotonic)

@@ -252,10 +252,23 @@ class Relay:
                 self.udp.expire()
                 if time.monotonic() >= next_tcp:
                     self.expire_tcp()
+                    self.settle_tcp()
                     next_tcp = time.monotonic() + tcp_every
                 await self._retry_failed()  # a listener address freed by someone else: take it
             except Exception:
                 log.exception("flow sweep failed")
+
+    def settle_tcp(self) -> int:
+        """Run the deferred set-up (`Flow.settle`) of every TCP flow still live at this sweep: the
+        endpoint leg's SO_KEEPALIVE (tcp.py), which costs a Python socket object and a syscall per
+        connection if done at connect and matters only after tcp_keepalive_time (2 h by default)
+        of silence; a sweep period (at most 10 s) late loses nothing. Returns how many ran."""
+        pending = [f for f in self.admission.table if f.settle is not None]
+        for f in pending:
+            settle, f.settle = f.settle, None
+            assert settle is not None
+            settle()
+        return len(pending)
 
     def expire_tcp(self, now: float | None = None) -> int:
         """Reset relayed TCP flows idle past their timeout: established ones after

@@ -218,7 +218,7 @@ class ServicePortRelay:
             own.add(ep)
 
     def _is_own_frontend(self, ep: Endpoint) -> bool:
-        return (str(ep.ip), ep.port, self.spn.protocol) in self.listening
+        return (ep.host, ep.port, self.spn.protocol) in self.listening
 
     def failed(self, kind: TrafficKind, ep: Endpoint) -> None:
         self.selectors[kind].failed(ep)

@@ -6,7 +6,9 @@ Events in, writes out; no Streams on the hot path. Invariants:
   the endpoint connection exists is buffered up to DIAL_BUFFER bytes, then reading pauses.
 - Half-close per direction: EOF from one side becomes `write_eof()` on the other, which the loop
   sends only after the buffered data (FIN after the last byte, C09/C11). Both EOFs seen: both legs
-  close.
+  close. The second EOF skips its `write_eof()`: the close that follows at once sends the same FIN
+  after the same buffered bytes (and no RST: that leg's peer sent FIN, so nothing is left unread),
+  one shutdown(2) less per connection.
 - A reset on one side is passed on as a reset (SO_LINGER 0) after the bytes already received from
   it have been handed to the kernel.
 - Dials never block accepting: each runs as its own task with bounded timeouts (kube-proxy
@@ -49,7 +51,8 @@ TCPI_LAST_ACK_RECV = 56  # offset of tcpi_last_ack_recv (u32, ms) in Linux's str
 def tune(transport: asyncio.BaseTransport) -> None:
     """Per-connection set-up kept to what the socket does not already have: accepted sockets
     inherit SO_KEEPALIVE from their listener (see tcp_listener.py) and get TCP_NODELAY from
-    the loop; endpoint connections get SO_KEEPALIVE from `keepalive`."""
+    the loop; endpoint connections get SO_KEEPALIVE from `keepalive`, run by the relay's next
+    sweep on flows still live then (`Flow.settle`), so short connections skip it."""
     cast(asyncio.WriteTransport, transport).set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
 
 
@@ -156,7 +159,8 @@ class ClientSide(asyncio.Protocol):
     def eof_received(self) -> bool:
         self.eof_in = True
         if self.upstream is not None:
-            self.upstream.send_eof()
+            if not self.eof_out:  # else _maybe_finish closes both legs: close sends the FIN
+                self.upstream.send_eof()
             self._maybe_finish()
         return True  # else `attach` sends the FIN after the buffered bytes
 
@@ -216,8 +220,9 @@ class ClientSide(asyncio.Protocol):
         self.owner.opened(self.kind, ep)
         self.upstream = side
         if self.flow is not None:
-            self.flow.endpoint = (str(ep.ip), ep.port)
+            self.flow.endpoint = (ep.host, ep.port)
             self.flow.local_of = side.transport  # its address is read only when flows are shown
+            self.flow.settle = side.keepalive
             self.flow.state = "ESTABLISHED"
         if self.pending:
             side.send(bytes(self.pending))
@@ -240,8 +245,8 @@ class ClientSide(asyncio.Protocol):
     def reply_eof(self) -> None:
         """The endpoint sent FIN: pass it on after the bytes before it."""
         self.eof_out = True
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write_eof()
+        if self.transport is not None and not self.transport.is_closing() and not self.eof_in:
+            self.transport.write_eof()  # (both EOFs seen: _maybe_finish's close sends the FIN)
         self._maybe_finish()
 
     def upstream_lost(self, side: EndpointSide, exc: Exception | None) -> None:
@@ -275,7 +280,7 @@ class ClientSide(asyncio.Protocol):
             tried.append(ep)
             try:
                 async with asyncio.timeout(timeout) as self.deadline:  # no extra Task per dial
-                    await loop.create_connection(lambda: EndpointSide(self, ep), str(ep.ip), ep.port)
+                    await loop.create_connection(lambda: EndpointSide(self, ep), ep.host, ep.port)
             except (OSError, TimeoutError) as err:
                 limited.warning("%s: endpoint %s failed (%s); trying the next", self.owner.spn, ep,
                                 type(err).__name__ if isinstance(err, TimeoutError) else err)
@@ -328,7 +333,6 @@ class EndpointSide(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         tune(transport)
-        keepalive(transport)
         self.attached = True  # before attach writes, so a pause_writing it causes is seen
         self.attached = self.client.connected(self)
 
@@ -384,6 +388,11 @@ class EndpointSide(asyncio.Protocol):
     def resume_reading(self) -> None:
         if self.transport is not None:
             self.transport.resume_reading()
+
+    def keepalive(self) -> None:
+        """SO_KEEPALIVE on the endpoint leg, unless it is closing (the relay's sweep runs it)."""
+        if self.transport is not None and not self.transport.is_closing():
+            keepalive(self.transport)
 
     def over_high_water(self) -> bool:
         return self.transport is not None and self.transport.get_write_buffer_size() >= HIGH_WATER

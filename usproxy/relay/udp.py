@@ -2,8 +2,10 @@
 
 A flow is (frontend address, client address) → one endpoint, created atomically inside the
 datagram callback (two datagrams from a new client arriving back to back make one flow). Both the
-listener and the flow sockets are read with `add_reader` into one 64 KiB buffer, so a datagram of
-any size up to 65,507 bytes (65,527 over IPv6) keeps its boundaries and is never truncated (C05).
+listener and the flow sockets are read with `add_reader` into one shared buffer (UdpBatch), always
+with 64 KiB free, so a datagram of any size up to 65,507 bytes (65,527 over IPv6) keeps its
+boundaries and is never truncated (C05); datagrams read back to back for one flow leave in one
+UDP_SEGMENT send, which the kernel cuts into the same datagrams (udp_batch.py).
 Replies leave through the listener socket, which is bound to exactly the address the client sent
 to, so the reply's source is that address and port (C06). Flows are kept in last-activity order:
 idle ones (either direction counts) expire after `idle_timeout`, and `evict_oldest` closes the
@@ -28,13 +30,13 @@ from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.relay.flow_owner import FlowOwner, SourceRefused, TrafficKind
 from usproxy.relay.source_filter import allows
+from usproxy.relay.udp_batch import MAX_DATAGRAM, MIN_SEGMENT, UdpBatch, refused, send_segments
 from usproxy.types import IPNetwork
 from usproxy.types import format_hostport
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
 
-MAX_DATAGRAM = 65535
 FlowKey = tuple[HostPort, HostPort]  # (frontend, client)
 
 
@@ -68,8 +70,7 @@ class UdpRelay:
     def __init__(self, idle_timeout: float) -> None:
         self.idle_timeout = idle_timeout
         self.flows: OrderedDict[FlowKey, UdpFlow] = OrderedDict()
-        self.buf = bytearray(MAX_DATAGRAM)
-        self.view = memoryview(self.buf)
+        self.batch = UdpBatch()  # the receive buffer of every callback, and what they send next
 
     # -- flows ---------------------------------------------------------------------------------
     def flow_for(self, listener: UdpListener, client: HostPort) -> UdpFlow | None:
@@ -98,7 +99,7 @@ class UdpRelay:
         if sock is None:
             owner.end_flow(flow)
             return None
-        flow.endpoint, flow.state = (str(ep.ip), ep.port), "UNREPLIED"
+        flow.endpoint, flow.state = (ep.host, ep.port), "UNREPLIED"
         local = sock.getsockname()
         flow.local = (local[0], local[1])
         uf = UdpFlow(key, listener, ep, sock, flow)
@@ -119,7 +120,7 @@ class UdpRelay:
                 continue
             sock.setblocking(False)
             try:
-                sock.connect((str(ep.ip), ep.port))
+                sock.connect((ep.host, ep.port))
             except OSError as err:
                 sock.close()
                 limited.warning("cannot connect UDP to %s: %s", ep, err)
@@ -163,20 +164,28 @@ class UdpRelay:
 
     # -- datagrams -----------------------------------------------------------------------------
     def _reply(self, uf: UdpFlow) -> None:
-        """Endpoint → client: read every queued reply, send each from the listener's address."""
-        for _ in range(64):
-            try:
-                n = uf.sock.recv_into(self.buf)
-            except BlockingIOError:
-                return
-            except OSError as err:  # ECONNREFUSED from ICMP port unreachable: transient
-                limited.warning("%s: endpoint %s: %s", uf.listener.owner.spn, uf.endpoint, err)
-                self.rewatch(uf)
-                return
-            uf.flow.seen_out(n)
-            uf.flow.state = "ASSURED"
-            self.flows.move_to_end(uf.key)
-            uf.listener.send(self.view[:n], uf.key[1])
+        """Endpoint → client: read every queued reply, send them from the listener's address
+        (equal-size ones batched, udp_batch.py)."""
+        batch = self.batch
+        try:
+            for _ in range(64):
+                try:
+                    n = uf.sock.recv_into(batch.free, MAX_DATAGRAM)
+                except BlockingIOError:
+                    return
+                except OSError as err:  # ECONNREFUSED from ICMP port unreachable: transient
+                    limited.warning("%s: endpoint %s: %s", uf.listener.owner.spn, uf.endpoint, err)
+                    self.rewatch(uf)
+                    return
+                uf.flow.seen_out(n)
+                uf.flow.state = "ASSURED"
+                self.flows.move_to_end(uf.key)
+                if n < MIN_SEGMENT and not batch.count:  # small, nothing pending: at once
+                    uf.listener.send(uf.key[1], batch.free[:n])
+                    continue
+                batch.add(uf.key, n, uf.listener.send, uf.key[1])
+        finally:
+            batch.flush()
 
 
 class UdpListener:
@@ -200,38 +209,64 @@ class UdpListener:
         asyncio.get_running_loop().add_reader(self.sock.fileno(), self._receive)
 
     def _receive(self) -> None:
-        relay = self.relay
-        for _ in range(64):
-            try:
-                n, client = self.sock.recvfrom_into(relay.buf)
-            except BlockingIOError:
-                return
-            except OSError as err:
-                limited.warning("%s: listener %s: %s", self.owner.spn, format_hostport(*self.frontend), err)
-                rewatch(self.sock, self._receive)
-                return
-            uf = relay.flow_for(self, (client[0], client[1]))
-            if uf is None:
-                continue
-            uf.flow.seen_in(n)
-            self._forward(uf, relay.view[:n])
+        relay, batch = self.relay, self.relay.batch
+        try:
+            for _ in range(64):
+                try:
+                    n, client = self.sock.recvfrom_into(batch.free, MAX_DATAGRAM)
+                except BlockingIOError:
+                    return
+                except OSError as err:
+                    limited.warning("%s: listener %s: %s", self.owner.spn, format_hostport(*self.frontend), err)
+                    rewatch(self.sock, self._receive)
+                    return
+                key = (self.frontend, (client[0], client[1]))
+                if batch.count and batch.key != key:
+                    batch.cut()  # before flow_for, which may evict (close) the pending flow
+                uf = relay.flow_for(self, key[1])
+                if uf is None:
+                    continue
+                uf.flow.seen_in(n)
+                if n < MIN_SEGMENT and not batch.count:  # small, nothing pending: at once
+                    self._forward(uf, batch.free[:n], 0)
+                    continue
+                batch.add(key, n, self._forward, uf)
+        finally:
+            batch.flush()
 
-    def _forward(self, uf: UdpFlow, data: memoryview) -> None:
+    def _forward(self, uf: UdpFlow, data: memoryview, segment: int) -> None:
+        """Client → endpoint: one datagram (`segment` 0) or a batch of `segment`-byte ones."""
         for _ in range(2):  # a pending ICMP error is reported by (and fails) one send: retry once
             try:
-                uf.sock.send(data)
+                if segment:
+                    send_segments(uf.sock, data, segment)
+                else:
+                    uf.sock.send(data)
                 return
             except BlockingIOError:
                 limited.warning("%s: send buffer full, datagram dropped", self.owner.spn)
                 return
-            except OSError as err:  # the error event may have stopped the reader: watch anew
+            except OSError as err:
+                if segment and refused(err):  # this path cannot segment: datagram by datagram
+                    for one in UdpBatch.singly(data, segment):
+                        self._forward(uf, one, 0)
+                    return
+                # the error event may have stopped the reader: watch anew
                 limited.warning("%s: endpoint %s: %s", self.owner.spn, uf.endpoint, err)
                 self.relay.rewatch(uf)
 
-    def send(self, data: memoryview, client: HostPort) -> None:
+    def send(self, client: HostPort, data: memoryview, segment: int = 0) -> None:
+        """A reply (`segment` 0) or a batch of `segment`-byte replies to `client`."""
         try:
-            self.sock.sendto(data, client)
+            if segment:
+                send_segments(self.sock, data, segment, client)
+            else:
+                self.sock.sendto(data, client)
         except OSError as err:
+            if segment and refused(err):
+                for one in UdpBatch.singly(data, segment):
+                    self.send(client, one)
+                return
             limited.warning("%s: reply to %s dropped: %s", self.owner.spn, format_hostport(*client), err)
 
     def close(self) -> None:
