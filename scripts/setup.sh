@@ -23,7 +23,17 @@ done
 if [ "${#need_apt[@]}" -gt 0 ]; then
   echo "== apt-get install ${need_apt[*]}"
   apt-get update -qq
+  # The servers bench/ needs (nginx, redis, haproxy) are started by bench itself in its own network
+  # namespaces: keep their packages from starting node-wide daemons (which would also hold ports on
+  # every local address, ClusterIPs included). policy-rc.d is Debian's switch for that.
+  policy=/usr/sbin/policy-rc.d
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy"
+    made_policy=1
+    trap 'rm -f "$policy"' EXIT
+  fi
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  if [ -n "${made_policy:-}" ]; then rm -f "$policy"; trap - EXIT; fi
 fi
 
 PY=${PYTHON:-python3}
