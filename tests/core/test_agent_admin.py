@@ -126,12 +126,12 @@ async def test_everything_withdrawn_on_a_local_error_health_port_flood_is_bounde
     await admin.start()
     try:
         host, port = admin.bound["healthz"]
-        idle = [await asyncio.open_connection(host, port) for _ in range(3)]
-        slow = await asyncio.open_connection(host, port)
+        idle = [await asyncio.open_connection(host, port, local_addr=(f"127.0.0.{i}", 0)) for i in (1, 2, 3)]
+        slow = await asyncio.open_connection(host, port, local_addr=("127.0.0.3", 0))
         slow[1].write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished
         await asyncio.sleep(0.1)
-        over = await asyncio.open_connection(host, port)
-        assert await closed(over[0])  # reset, never served
+        over = await asyncio.open_connection(host, port, local_addr=("127.0.0.4", 0))
+        assert await closed(over[0])  # reset, never served (a new address: the total is full)
         over[1].close()
         start = time.monotonic()
         for reader, _ in [*idle, slow]:
@@ -140,6 +140,32 @@ async def test_everything_withdrawn_on_a_local_error_health_port_flood_is_bounde
         async with aiohttp.ClientSession() as s, s.get(f"http://{host}:{port}/healthz") as r:
             assert r.status in (200, 503) and "nodeEligible" in await r.json()
         for _, writer in [*idle, slow]:
+            writer.close()
+    finally:
+        await admin.stop()
+
+
+async def test_everything_withdrawn_on_a_local_error_one_client_holds_at_most_half_the_health_port(
+        agent: Agent) -> None:
+    """One address holding idle connections gets at most half of the listener's connections, so a
+    load balancer's probe from another address is still answered; the hog's next one is reset."""
+    import usproxy.admin.server as server
+
+    admin = server.AdminServer(agent, "127.0.0.1:0", "", max_connections=4)
+    await admin.start()
+    try:
+        host, port = admin.bound["healthz"]
+        hog = [await asyncio.open_connection(host, port, local_addr=("127.0.0.66", 0)) for _ in range(2)]
+        over = await asyncio.open_connection(host, port, local_addr=("127.0.0.66", 0))
+        assert await closed(over[0])  # its third: reset, never served
+        over[1].close()
+        for probe in ("127.0.0.2", "127.0.0.3"):
+            conn = aiohttp.TCPConnector(local_addr=(probe, 0), force_close=True)
+            async with aiohttp.ClientSession(connector=conn) as s, s.get(f"http://{host}:{port}/healthz") as r:
+                assert r.status in (200, 503) and "nodeEligible" in await r.json()
+        for reader, _ in hog:
+            assert not reader.at_eof()  # the hog's first two are still open (served, idle)
+        for _, writer in hog:
             writer.close()
     finally:
         await admin.stop()

@@ -11,6 +11,9 @@ upload [--log FILE]: read to EOF, reply sha256 (32 bytes) + byte count (8 bytes,
   (C11); with --log appends "<peer ip>:<port> eof <bytes>", or "... reset <bytes>" on ECONNRESET.
 hello --name NAME: write "NAME\n" and close at once (the server closes first, so the proxy does too).
 abortsrv [--after N]: send N bytes of `pattern`, then abort the connection (RST, SO_LINGER 0).
+flood --after L --log FILE: write L bytes of `pattern` as fast as the peer takes them, never reading;
+  every 0.1 s FILE is replaced by "<connections> <bytes written in all> <most written to one>" (the
+  writes a proxy's backpressure stalls: issue 18's memory test).
 blob and abortsrv with --log append "<monotonic time> accept <peer ip>:<port>" per connection.
 
 `pattern` is a seeded pseudo-random block of a prime length (1,000,003 bytes) repeated: cheap to
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import random
 import socket
 import struct
@@ -136,7 +140,33 @@ def hello(args: argparse.Namespace) -> Callable[[socket.socket, tuple[str, int]]
     return handle
 
 
-MODES = {"eofsrv": eofsrv, "blob": blob, "upload": upload, "abortsrv": abortsrv, "hello": hello}
+def flood(args: argparse.Namespace) -> Callable[[socket.socket, tuple[str, int]], None]:
+    written: list[list[int]] = []
+
+    def report() -> None:
+        while True:
+            counts = [c[0] for c in list(written)]
+            tmp = args.log + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{len(counts)} {sum(counts)} {max(counts, default=0)}\n")
+            os.replace(tmp, args.log)
+            time.sleep(0.1)
+
+    def handle(conn: socket.socket, peer: tuple[str, int]) -> None:
+        mine = [0]
+        written.append(mine)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)  # the kernel's share small
+        for part in pattern_chunks(args.after, chunk=64 * 1024):
+            view = part
+            while view:
+                n = conn.send(view)
+                mine[0] += n
+                view = view[n:]
+    threading.Thread(target=report, daemon=True).start()
+    return handle
+
+
+MODES = {"eofsrv": eofsrv, "flood": flood, "blob": blob, "upload": upload, "abortsrv": abortsrv, "hello": hello}
 
 
 def serve(args: argparse.Namespace) -> None:

@@ -12,7 +12,8 @@ while a build runs (usproxy.admin.snapshot).
 Bounded, so that no client can take the node's descriptors (issue 18: idle connections to the
 health port exhausted them, and the manifest directory then read as empty): each listener holds
 at most MAX_CONNECTIONS connections, fewer under a low descriptor limit (`connection_limit`; one more
-is reset at once), and a connection that has not sent
+is reset at once), one client address at most half of them (`client_share`: one client's idle
+connections leave room for a load balancer's probe), and a connection that has not sent
 a complete request head IDLE_TIMEOUT seconds after it opened or after its last response is closed
 (aiohttp's keep-alive timer, which also runs before the first request). Both listeners together stay
 within the relay's descriptor reserve (FlowAdmission.FD_RESERVE).
@@ -134,14 +135,48 @@ class Refused(asyncio.Protocol):
         transport.close()
 
 
+def client_share(limit: int) -> int:
+    """Connections one client address may hold of a listener's `limit`: half, so that one client's
+    idle connections leave room for a load balancer's probe."""
+    return max(1, limit // 2)
+
+
+def _peer_ip(handler: object) -> str | None:
+    transport = getattr(handler, "transport", None)
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    return str(peer[0]) if peer else None
+
+
+class Gate(asyncio.Protocol):
+    """A new admin connection, admitted in `connection_made` once its peer is known: handed to
+    aiohttp's handler (`set_protocol`, before any byte is read) or reset (`Refused`)."""
+
+    def __init__(self, server: web.Server, limit: int, where: str) -> None:
+        self.server = server
+        self.limit = limit
+        self.where = where
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        ip = str(peer[0]) if peer else None
+        held = self.server.connections
+        if len(held) >= self.limit:
+            limited.warning("admin %s: %d connections open; refusing more", self.where, self.limit)
+            Refused().connection_made(transport)
+        elif sum(1 for h in held if _peer_ip(h) == ip) >= client_share(self.limit):
+            limited.warning("admin %s: %s holds %d connections; refusing more from it", self.where, ip,
+                            client_share(self.limit))
+            Refused().connection_made(transport)
+        else:
+            handler = self.server()
+            transport.set_protocol(handler)
+            handler.connection_made(transport)
+
+
 def bounded(server: web.Server, limit: int, where: str) -> Callable[[], asyncio.Protocol]:
-    """A protocol factory serving through `server` while it holds fewer than `limit` connections."""
-    def factory() -> asyncio.Protocol:
-        if len(server.connections) >= limit:
-            limited.warning("admin %s: %d connections open; refusing more", where, limit)
-            return Refused()
-        return server()
-    return factory
+    """A protocol factory serving through `server` while it holds fewer than `limit` connections,
+    and fewer than `client_share(limit)` from the new connection's address."""
+    return lambda: Gate(server, limit, where)
 
 
 class AdminServer:

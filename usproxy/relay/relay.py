@@ -8,7 +8,8 @@ follow the Services: an address stays while any ServicePort uses it, and for REL
 more (at most MAX_RELEASED such addresses, oldest dropped first), without listeners, so that
 clients of a deleted Service are refused by the kernel at once (C21) instead of being routed nowhere
 and timing out; an address that is needed again is simply kept. A UDP sweeper expires idle flows
-once a second.
+once a second; that sweep also gives freed flow buffers back to the system after many flows
+ended (HeapTrim).
 
 It owns what the ServicePortRelays share and hands it to each through its constructor: the
 FlowAdmission (flow bounds and eviction, sized from the descriptor limit), the UdpRelay and the set
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from usproxy.heap import HeapTrim
 from usproxy.metrics import Metrics
 from usproxy.config import ProxyConfig
 from usproxy.conntrack.flow_table import Flow
@@ -119,6 +121,7 @@ class Relay:
         self.released: dict[IPAddress, float] = {}  # unused address -> since when (monotonic)
         self._uses: dict[IPAddress, int] = {}  # address -> ServicePorts with a frontend on it
         self._failing: set[ServicePortName] = set()  # ServicePorts with a listener to retry
+        self.heap = HeapTrim.for_glibc()  # freed flow buffers back to the system after flows end
 
     # -- Datapath ------------------------------------------------------------------------------
     async def sync(self, request: SyncRequest) -> None:
@@ -255,6 +258,7 @@ class Relay:
                     self.settle_tcp()
                     next_tcp = time.monotonic() + tcp_every
                 await self._retry_failed()  # a listener address freed by someone else: take it
+                await self.heap.tick(len(self.admission.table))
             except Exception:
                 log.exception("flow sweep failed")
 
