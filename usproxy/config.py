@@ -49,6 +49,7 @@ class ProxyConfig:
     tcp_established_timeout: float = 86400.0
     tcp_close_wait_timeout: float = 3600.0
     bpf_cgroup: Path = Path("/sys/fs/cgroup/unified")
+    bpf_lb_acceleration: str = "disabled"  # "native": NodePorts at XDP too (Cilium's flag)
     cleanup: bool = False
     # local-traffic detection and masquerade, as kube-proxy (usproxy/local_detector.py)
     detect_local_mode: str = "ClusterCIDR"

@@ -82,6 +82,20 @@ def probe_bpf(cgroup: Path = Path("/sys/fs/cgroup/unified")) -> Capability:
     return Capability("bpf cgroup hooks", real.available, real.detail)
 
 
+def probe_xdp() -> Capability:
+    """Which interfaces could serve NodePorts at XDP (--bpf-lb-acceleration native): the
+    interfaces the tc programs would hook, by their drivers' xdp-features (nothing attached)."""
+    try:
+        from usproxy.offload.bpf import nodeport, xdp
+
+        hooked = nodeport.interfaces(())
+        plan = xdp.probe(hooked)
+    except Exception as err:  # noqa: BLE001 - a probe reports, it never raises
+        return Capability("bpf xdp", False, f"{type(err).__name__}: {err}")
+    detail = plan.detail({h.ifindex: h.name for h in hooked}) or "no interface with a NodePort address"
+    return Capability("bpf xdp", bool(plan.ifindexes), detail)
+
+
 def probe_bpffs() -> Capability:
     mounts = Path("/proc/mounts").read_text().split("\n")
     where = [m.split()[1] for m in mounts if m.split()[2:3] == ["bpf"]]
@@ -115,4 +129,4 @@ def probe_ipvs() -> Capability:
 def probe_all(cgroup: Path = Path("/sys/fs/cgroup/unified")) -> list[Capability]:
     caps = [probe_link_kind("dummy"), probe_link_kind("bridge"),
             Capability("interface lo", os.path.exists("/sys/class/net/lo"), "last resort for ClusterIPs")]
-    return [*caps, probe_nftables(), probe_bpf(cgroup), probe_bpffs(), probe_conntrack(), probe_ipvs()]
+    return [*caps, probe_nftables(), probe_bpf(cgroup), probe_xdp(), probe_bpffs(), probe_conntrack(), probe_ipvs()]

@@ -56,6 +56,9 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--conntrack-tcp-timeout-close-wait", dest="tcp_close_wait_timeout", metavar="DURATION",
                    help="a half-closed relayed TCP connection idle this long is reset (default 1h)")
     p.add_argument("--bpf-cgroup", type=Path)
+    p.add_argument("--bpf-lb-acceleration", choices=["native", "disabled"],
+                   help="--offload bpf: serve NodePorts at XDP on interfaces with native XDP, tc elsewhere "
+                        "(Cilium's flag; default disabled)")
     p.add_argument("--cluster-cidr", dest="cluster_cidrs", metavar="CIDR[,CIDR]",
                    type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
                    help="pod network: ClusterIP traffic from outside it is masqueraded (kube-proxy's)")

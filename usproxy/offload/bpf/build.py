@@ -1,4 +1,4 @@
-"""Compile sock_lb.c into a BPF object, at set-up or on first use.
+"""Compile sock_lb.c (with the xdp_lb.h it includes) into a BPF object, at set-up or on first use.
 
 `python -m usproxy.offload.bpf.build` (the README's set-up step) writes sock_lb-<hash>.o next to
 the source, named after the source's sha256; building a wheel (setup.py) puts the same object into
@@ -23,12 +23,16 @@ from pathlib import Path
 from usproxy.errors import OffloadError
 
 SOURCE = Path(__file__).with_name("sock_lb.c")
+HEADERS = (Path(__file__).with_name("xdp_lb.h"),)  # included by SOURCE: part of its hash
 INCLUDE = "/usr/include/x86_64-linux-gnu"
 CLANG_CANDIDATES = ("clang", "clang-16", "clang-15", "clang-14")
 
 
 def source_hash() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for header in HEADERS:
+        digest.update(header.read_bytes())
+    return digest.hexdigest()
 
 
 def cache_dir() -> Path:

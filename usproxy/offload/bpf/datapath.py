@@ -11,8 +11,14 @@ With `nodeport_cidrs` given (`--offload bpf`: the agent passes --nodeport-addres
 object's tc programs serve NodePorts for IPv4 TCP/UDP packets arriving at the node's interfaces
 (nodeport.py chooses them; sock_lb.c's tc section says how): each ServicePort with a NodePort gets
 a second group whose frontend is NODEPORT_ANY:nodePort, holding the IPv4 external endpoints
-(externalTrafficPolicy Local: the local ones, flagged F_LOCAL_ONLY, never SNATed). The datapath
-then claims "forwarded" traffic. When the tc programs cannot be loaded (probe) or attached (open),
+(externalTrafficPolicy Local: the local ones, flagged F_LOCAL_ONLY, never SNATed), always
+selected through a Maglev table over the flow's tuple without the node address (F_MAGLEV, as
+Cilium's bpf-lb-algorithm=maglev does for traffic from outside): every node builds the same table
+from the same endpoints, so a flow picks the same backend whichever node it enters, and an
+endpoint's removal moves only the flows it had. The datapath then claims "forwarded" traffic.
+With `acceleration="native"` (--bpf-lb-acceleration) the XDP program (xdp_lb.h) serves the same
+NodePorts first on the hooked interfaces whose driver has native XDP (xdp.py probes which, from the
+kernel's xdp-features), tc behind it for what XDP passes and on the other interfaces. When the tc programs cannot be loaded (probe) or attached (open),
 it serves "local" only, says why in its capability, and NodePorts stay with the relay, whose
 listeners stay up under the tc hooks in every case: whatever tc passes (IPv6, sessionAffinity
 ClientIP NodePorts, externalIPs, LoadBalancer IPs) is served there.
@@ -36,7 +42,7 @@ from typing import Any, Literal
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
 from usproxy.types import IPNetwork
-from usproxy.offload.bpf import loader, nodeport, view
+from usproxy.offload.bpf import loader, nodeport, view, xdp
 from usproxy.offload.bpf.build import object_path
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf.layout import (
@@ -50,6 +56,7 @@ from usproxy.offload.bpf.layout import (
     CtEntry,
     FlowVal,
     SvcKey,
+    pack_u32,
 )
 from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want, address_family
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
@@ -59,6 +66,7 @@ log = logging.getLogger(__name__)
 
 Selection = Literal["random", "roundRobin", "maglev"]
 FLOW_ROWS_MAX = 10000
+XDP_STAT_NAMES = ("new", "known", "pass")  # usp_xdp_stats indexes, xdp_lb.h XDP_STAT_*
 NODEPORT_GROUP = 0  # the "family" key of a ServicePort's NodePort group (4 and 6: ClusterIPs)
 LOCAL_ONLY: frozenset[TrafficKind] = frozenset({"local"})
 ALL_TRAFFIC: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
@@ -76,7 +84,8 @@ class BpfDatapath:
     name = "bpf"
 
     def __init__(self, cgroup: Path = Path("/sys/fs/cgroup/unified"), pin_root: Path | None = None,
-                 *, selection: str = "random", nodeport_cidrs: tuple[IPNetwork, ...] | None = None) -> None:
+                 *, selection: str = "random", nodeport_cidrs: tuple[IPNetwork, ...] | None = None,
+                 acceleration: str = "disabled") -> None:
         self.cgroup = cgroup
         self.pins = loader.PinLayout(pin_root or loader.default_pin_root())
         self.selection: Selection = _selection(selection)
@@ -84,6 +93,8 @@ class BpfDatapath:
         self.traffic: frozenset[TrafficKind] = LOCAL_ONLY
         self.hooked: list[nodeport.HookedInterface] = []  # where the tc programs run (after probe)
         self.tc_detail = "tc NodePort programs not asked for (--offload bpf asks)"
+        self.acceleration = acceleration  # --bpf-lb-acceleration: "native" or "disabled"
+        self.xdp_plan = xdp.XdpPlan((), ())  # where the XDP program runs (after probe and open)
         self._lb: loader.SockLB | None = None
         self._tables: Tables | None = None
         self._groups: dict[int, Group] = {}  # service id -> group
@@ -102,7 +113,14 @@ class BpfDatapath:
         if self.nodeport_cidrs is not None:
             self._probe_tc()
         return Capability("bpf", True, f"socket LB at connect() for cgroup {self.cgroup}; pins in "
-                                       f"{self.pins.base}; {self.tc_detail}")
+                                       f"{self.pins.base}; {self.external_detail()}")
+
+    def external_detail(self) -> str:
+        """Which datapath serves NodePort traffic from outside and why: tc, XDP per interface."""
+        if not self.hooked or self.acceleration != "native":
+            return self.tc_detail
+        names = {h.ifindex: h.name for h in self.hooked}
+        return f"{self.tc_detail}; {self.xdp_plan.detail(names)}"
 
     def _probe_tc(self) -> None:
         """Whether the tc NodePort programs load (the verifier accepts them) and have interfaces
@@ -111,16 +129,24 @@ class BpfDatapath:
             hooked = nodeport.interfaces(self.nodeport_cidrs or ())
             if not hooked:
                 raise bpf.BpfError("no interface holds a NodePort address", 0)
-            obj = bpf.BpfObject(str(object_path()))
-            try:
-                obj.load()
-            finally:
-                obj.close()
+            _load_probe(xdp=False)
         except Exception as err:  # noqa: BLE001 - a probe reports, it never raises
             self._tc_unavailable(f"{type(err).__name__}: {err}")
             return
         self.hooked, self.traffic = hooked, ALL_TRAFFIC
         self.tc_detail = "NodePorts at tc (tcx) on " + ", ".join(h.name for h in hooked)
+        if self.acceleration == "native":
+            self._probe_xdp()
+
+    def _probe_xdp(self) -> None:
+        """Where the XDP program can run (xdp.py), once the verifier accepts it. Never raises."""
+        try:
+            _load_probe(xdp=True)
+            self.xdp_plan = xdp.probe(self.hooked)
+        except Exception as err:  # noqa: BLE001 - a probe reports, it never raises
+            why = f"XDP program unavailable: {type(err).__name__}: {err}"
+            self.xdp_plan = xdp.XdpPlan((), tuple((h.name, why) for h in self.hooked))
+        log.info("bpf: %s", self.xdp_plan.detail({h.ifindex: h.name for h in self.hooked}))
 
     def _tc_unavailable(self, why: str) -> None:
         self.hooked, self.traffic = [], LOCAL_ONLY
@@ -166,10 +192,12 @@ class BpfDatapath:
         """The socket LB, with the tc programs on `hooked` when probed usable; a tc attach that
         fails leaves the socket LB alone (NodePorts go back to the relay, with the reason)."""
         if self.hooked:
-            lb = loader.SockLB(self.pins, self.cgroup, tuple(h.ifindex for h in self.hooked))
+            lb = loader.SockLB(self.pins, self.cgroup, tuple(h.ifindex for h in self.hooked),
+                               self.xdp_plan.ifindexes if self.acceleration == "native" else None)
             try:
                 lb.open()
                 nodeport.write_maps(lb.maps, self.hooked)
+                self._xdp_attached(lb)
                 return lb
             except bpf.BpfError as err:
                 lb.close()
@@ -177,6 +205,20 @@ class BpfDatapath:
         lb = loader.SockLB(self.pins, self.cgroup)
         lb.open()
         return lb
+
+    def _xdp_attached(self, lb: loader.SockLB) -> None:
+        """The plan as the attach left it: an interface that refused the program is tc only."""
+        names = {h.ifindex: h.name for h in self.hooked}
+        refused = tuple((names[i], f"attach: {why}") for i, why in sorted(lb.xdp_refused.items()))
+        self.xdp_plan = xdp.XdpPlan(tuple(lb.xdp_attached), self.xdp_plan.refused + refused)
+
+    def xdp_counts(self) -> dict[str, int]:
+        """What the XDP program did, summed over CPUs: new, known (sent at XDP), pass
+        (NodePort packets left to tc); empty without XDP."""
+        if self._tables is None or not self.xdp_plan.ifindexes:
+            return {}
+        fd = self._tables.fds["usp_xdp_stats"]
+        return {name: bpf.percpu_sum_u64(fd, pack_u32(i)) for i, name in enumerate(XDP_STAT_NAMES)}
 
     def _drop_orphans(self, tables: Tables) -> None:
         """Groups without a frontend or a readable name (an agent that died mid-write) go."""
@@ -247,7 +289,8 @@ class BpfDatapath:
         affinity has no tc form yet: those NodePorts get no group and stay with the relay."""
         sp = state.service_port
         eps = sorted({ep.address for ep in state.external_endpoints if address_family(ep.ip) == 4})
-        flags = self._flags(state) | (F_LOCAL_ONLY if sp.external_traffic_policy == "Local" else 0)
+        flags = (self._flags(state) & ~F_ROUND_ROBIN) | F_MAGLEV  # the same backend through every node
+        flags |= F_LOCAL_ONLY if sp.external_traffic_policy == "Local" else 0
         return Want(spn.key(), frozenset({SvcKey(NODEPORT_ANY, sp.node_port, proto)}), tuple(eps),
                     sp.affinity_timeout, flags)
 
@@ -317,6 +360,9 @@ class BpfDatapath:
         head = f"bpf cgroup={self.cgroup} pins={self.pins.base}"
         if self.hooked:
             head += " tc=" + ",".join(h.name for h in self.hooked)
+        if self.xdp_plan.ifindexes:
+            names = {h.ifindex: h.name for h in self.hooked}
+            head += " xdp=" + ",".join(names.get(i, str(i)) for i in self.xdp_plan.ifindexes)
         return "\n".join([head, *view.group_lines(self._groups, selected)])
 
     def selected(self, spn: ServicePortName) -> dict[str, int]:
@@ -342,6 +388,17 @@ class BpfDatapath:
         if self._lb is not None:
             self._lb.close()
         self._lb, self._tables = None, None
+
+
+def _load_probe(*, xdp: bool) -> None:
+    """Load the object once without attaching anything (the verifier's verdict): the tc programs,
+    and the XDP program when `xdp`. Raises BpfError."""
+    obj = bpf.BpfObject(str(object_path()))
+    try:
+        obj.set_autoload(loader.XDP_PROGRAM, xdp)
+        obj.load()
+    finally:
+        obj.close()
 
 
 def _group_key(g: Group) -> int:
