@@ -56,7 +56,6 @@ from usproxy.offload.bpf.layout import (
     CtEntry,
     FlowVal,
     SvcKey,
-    pack_u32,
 )
 from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want, address_family
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
@@ -66,7 +65,6 @@ log = logging.getLogger(__name__)
 
 Selection = Literal["random", "roundRobin", "maglev"]
 FLOW_ROWS_MAX = 10000
-XDP_STAT_NAMES = ("new", "known", "pass")  # usp_xdp_stats indexes, xdp_lb.h XDP_STAT_*
 NODEPORT_GROUP = 0  # the "family" key of a ServicePort's NodePort group (4 and 6: ClusterIPs)
 LOCAL_ONLY: frozenset[TrafficKind] = frozenset({"local"})
 ALL_TRAFFIC: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
@@ -211,14 +209,6 @@ class BpfDatapath:
         names = {h.ifindex: h.name for h in self.hooked}
         refused = tuple((names[i], f"attach: {why}") for i, why in sorted(lb.xdp_refused.items()))
         self.xdp_plan = xdp.XdpPlan(tuple(lb.xdp_attached), self.xdp_plan.refused + refused)
-
-    def xdp_counts(self) -> dict[str, int]:
-        """What the XDP program did, summed over CPUs: new, known (sent at XDP), pass
-        (NodePort packets left to tc); empty without XDP."""
-        if self._tables is None or not self.xdp_plan.ifindexes:
-            return {}
-        fd = self._tables.fds["usp_xdp_stats"]
-        return {name: bpf.percpu_sum_u64(fd, pack_u32(i)) for i, name in enumerate(XDP_STAT_NAMES)}
 
     def _drop_orphans(self, tables: Tables) -> None:
         """Groups without a frontend or a readable name (an agent that died mid-write) go."""
