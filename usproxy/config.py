@@ -54,6 +54,7 @@ class ProxyConfig:
     # NodePorts at tc with a backend on another node: SNAT, or direct server return (Cilium's
     # bpf-lb-mode; usproxy/offload/bpf/dsr.h)
     bpf_lb_mode: BpfLbMode = "snat"
+    bpf_lb_acceleration: str = "disabled"  # "native": NodePorts at XDP too (Cilium's flag)
     cleanup: bool = False
     # local-traffic detection and masquerade, as kube-proxy (usproxy/local_detector.py)
     detect_local_mode: str = "ClusterCIDR"

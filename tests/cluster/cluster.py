@@ -15,10 +15,14 @@ random `usp…` tag, and `close()` deletes every namespace (killing what runs in
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
 import json
 import os
 import secrets
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -48,6 +52,8 @@ class Cluster:
     namespaces: list[str] = field(default_factory=list)
     agents: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    uplinks: dict[int, str] = field(default_factory=dict)  # node -> its veth's lan-side name
+    fds: list[int] = field(default_factory=list)  # XDP links held open until close()
     _veth: int = 0
 
     def ns(self, short: str) -> str:
@@ -68,6 +74,7 @@ class Cluster:
         for i in range(1, self.nodes + 1):
             n = self._add_ns(f"n{i}")
             outer = self._veth_pair(lan, n)
+            self.uplinks[i] = outer
             nsexec(lan, "ip", "link", "set", outer, "master", "lan0", "up")
             nsexec(n, "ip", "addr", "add", f"{node_ip(i)}/24", "dev", "eth0")
             nsexec(n, "ip", "link", "set", "eth0", "up")
@@ -119,6 +126,26 @@ class Cluster:
             time.sleep(0.1)
         raise RuntimeError(f"agent n{i} did not sync:\n{self.log(i)}")
 
+    def uplink_napi(self, i: int) -> None:
+        """An XDP program that passes everything at the lan side of node i's eth0: a veth delivers
+        frames its peer sends with XDP_TX only while it runs NAPI, as a NIC's wire always would
+        (GRO alone turns NAPI on too, but here it lost every XDP_TX frame after the first). The
+        program is usproxy's own on fresh, empty maps: it passes every packet. The external
+        client's checksums are made complete (tx checksum offload off): a frame a veth hands to
+        XDP carries the sender's partial checksum, which no wire delivers."""
+        from usproxy.offload.bpf import libbpf as bpf
+        from usproxy.offload.bpf.build import object_path
+
+        obj = bpf.BpfObject(str(object_path()))
+        try:
+            obj.load()
+            with inside(self.ns("lan")):
+                self.fds.append(bpf.xdp_link_create(obj.prog_fd("usp_xdp"), socket.if_nametoindex(self.uplinks[i])))
+        finally:
+            obj.close()
+        with inside(self.ns("ext")):
+            ethtool_set("eth0", ETHTOOL_STXCSUM, False)
+
     def stop_agent(self, i: int, sig: int = signal.SIGTERM) -> int:
         p = self.agents.pop(i)
         p.send_signal(sig)
@@ -143,6 +170,9 @@ class Cluster:
         for p in self.procs:
             p.kill()
             p.wait()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
         for name in reversed(self.namespaces):
             for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
                 with contextlib.suppress(ProcessLookupError, ValueError):
@@ -172,3 +202,13 @@ class Cluster:
         nsexec(b, "ip", "addr", "add", b_addr, "dev", "eth0")
         nsexec(b, "ip", "link", "set", "eth0", "up")
         nsexec(b, "ip", "route", "add", "default", "via", b_gateway)
+
+
+SIOCETHTOOL, ETHTOOL_STXCSUM = 0x8946, 0x00000017
+
+
+def ethtool_set(ifname: str, cmd: int, on: bool) -> None:
+    """`ethtool -K IFNAME <feature> on|off` in the current netns (SIOCETHTOOL: no ethtool here)."""
+    value = ctypes.create_string_buffer(struct.pack("=II", cmd, int(on)))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s.fileno(), SIOCETHTOOL, struct.pack("16sP", ifname.encode(), ctypes.addressof(value)))

@@ -116,6 +116,18 @@ def probe_bpf_tc() -> Capability:
         return Capability(name, False, f"{type(err).__name__}: {err}; external traffic stays with nftables or the relay")
     return Capability(name, True, "usp_tc_ingress attached to a veth and detached: NodePorts, LoadBalancer "
                                   "IPs and externalIPs can be served at tc (--offload bpf)")
+def probe_xdp() -> Capability:
+    """Which interfaces could serve NodePorts at XDP (--bpf-lb-acceleration native): the
+    interfaces the tc programs would hook, by their drivers' xdp-features (nothing attached)."""
+    try:
+        from usproxy.offload.bpf import nodeport, xdp
+
+        hooked = nodeport.interfaces(())
+        plan = xdp.probe(hooked)
+    except Exception as err:  # noqa: BLE001 - a probe reports, it never raises
+        return Capability("bpf xdp", False, f"{type(err).__name__}: {err}")
+    detail = plan.detail({h.ifindex: h.name for h in hooked}) or "no interface with a NodePort address"
+    return Capability("bpf xdp", bool(plan.ifindexes), detail)
 
 
 def probe_bpffs() -> Capability:
@@ -151,4 +163,4 @@ def probe_ipvs() -> Capability:
 def probe_all(cgroup: Path = Path("/sys/fs/cgroup/unified")) -> list[Capability]:
     caps = [probe_link_kind("dummy"), probe_link_kind("bridge"),
             Capability("interface lo", os.path.exists("/sys/class/net/lo"), "last resort for ClusterIPs")]
-    return [*caps, probe_nftables(), probe_bpf(cgroup), probe_bpf_tc(), probe_bpffs(), probe_conntrack(), probe_ipvs()]
+    return [*caps, probe_nftables(), probe_bpf(cgroup), probe_bpf_tc(), probe_xdp(), probe_bpffs(), probe_conntrack(), probe_ipvs()]

@@ -59,6 +59,9 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--bpf-lb-mode", choices=["snat", "dsr"],
                    help="NodePorts at tc (--offload bpf), backend on another node: SNAT to the node "
                         "(default) or direct server return, the client's address kept (Cilium's)")
+    p.add_argument("--bpf-lb-acceleration", choices=["native", "disabled"],
+                   help="--offload bpf: serve NodePorts at XDP on interfaces with native XDP, tc elsewhere "
+                        "(Cilium's flag; default disabled)")
     p.add_argument("--cluster-cidr", dest="cluster_cidrs", metavar="CIDR[,CIDR]",
                    type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
                    help="pod network: ClusterIP traffic from outside it is masqueraded (kube-proxy's)")

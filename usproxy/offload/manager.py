@@ -66,11 +66,13 @@ class OffloadSettings:
     service_cidrs: tuple[IPNetwork, ...] = ()  # --service-cidr
     vip_interface: str = "usproxy0"  # its addresses never serve NodePorts
     bpf_lb_mode: BpfLbMode = "snat"  # --bpf-lb-mode: NodePorts at tc with SNAT or DSR
+    bpf_lb_acceleration: str = "disabled"  # --bpf-lb-acceleration: "native" adds XDP to tc
 
     @classmethod
     def from_config(cls, cfg: ProxyConfig) -> OffloadSettings:
         return cls(cfg.offload, cfg.offload_after, cfg.lb_policy, cfg.bpf_cgroup,
-                   parse_cidrs(cfg.service_cidrs, "--service-cidr"), cfg.vip_interface, cfg.bpf_lb_mode)
+                   parse_cidrs(cfg.service_cidrs, "--service-cidr"), cfg.vip_interface, cfg.bpf_lb_mode,
+                   cfg.bpf_lb_acceleration)
 
 
 @dataclass
@@ -460,7 +462,8 @@ def kernel_datapaths(settings: OffloadSettings, node: NodeFacts, netns: str | No
             # tc NodePorts only when BPF is asked for by name: `auto` keeps them with nftables
             nodeport = node.nodeport_cidrs if settings.mode == "bpf" else None
             out.append(BpfDatapath(settings.bpf_cgroup, selection=settings.lb_policy, nodeport_cidrs=nodeport,
-                                   lb_mode=settings.bpf_lb_mode))
+                                   lb_mode=settings.bpf_lb_mode,
+                                   acceleration=settings.bpf_lb_acceleration))
         except Exception as err:
             log.warning("bpf datapath not loaded: %s", err)
     if settings.mode in ("auto", "nftables"):

@@ -163,3 +163,18 @@ def test_tc_attach_probe_attaches_detaches_and_reports_a_failure(topology: Topol
         assert bpf.prog_query(ifindex, bpf.BPF_TCX_INGRESS) == []  # detached again
         with pytest.raises(bpf.BpfError):
             loader.probe_tc_attach(ifindex + 1000)  # no such interface: the probe says no
+
+
+def test_xdp_runs_where_the_driver_has_native_xdp_and_a_veth_peer_runs_napi() -> None:
+    from usproxy.offload.bpf import xdp
+
+    hooked = nodeport.choose(LINKS, ADDRS, ())  # eth0 (2), cbr0 (3), eth1 (5)
+    basic, xmit = xdp.XDP_ACT_BASIC, xdp.XDP_ACT_NDO_XMIT
+    kinds = {2: "veth", 3: "bridge", 5: ""}
+    plan = xdp.plan(hooked, kinds, {2: basic | xmit, 3: 0, 5: basic})
+    assert plan.ifindexes == (2, 5)
+    assert plan.refused == (("cbr0", "no native XDP in its driver (bridge)"),)
+    no_napi = xdp.plan(hooked, kinds, {2: basic, 3: 0, 5: basic})
+    assert no_napi.ifindexes == (5,) and no_napi.refused[0][0] == "eth0"  # veth: XDP_TX needs the peer's NAPI
+    assert xdp.plan(hooked, kinds, None).ifindexes == ()  # features unreadable: tc only
+    assert "XDP (native) on eth0, eth1; tc only on cbr0" in plan.detail({h.ifindex: h.name for h in hooked})

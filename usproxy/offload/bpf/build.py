@@ -1,4 +1,4 @@
-"""Compile sock_lb.c into a BPF object, at set-up or on first use.
+"""Compile sock_lb.c (with the xdp_lb.h it includes) into a BPF object, at set-up or on first use.
 
 `python -m usproxy.offload.bpf.build` (the README's set-up step) writes sock_lb-<hash>.o next to
 the source, named after the sha256 of the source and its headers (HEADERS); building a wheel (setup.py) puts the same object into
@@ -23,7 +23,7 @@ from pathlib import Path
 from usproxy.errors import OffloadError
 
 SOURCE = Path(__file__).with_name("sock_lb.c")
-HEADERS = ("dsr.h", "tc_frontends.h")  # included by SOURCE: part of what the object is named after
+HEADERS = ("dsr.h", "tc_frontends.h", "xdp_lb.h")  # included by SOURCE: part of what the object is named after
 INCLUDE = "/usr/include/x86_64-linux-gnu"
 CLANG_CANDIDATES = ("clang", "clang-16", "clang-15", "clang-14")
 

@@ -25,6 +25,14 @@ With `lb_mode` "dsr" (--bpf-lb-mode) the Cluster-policy NodePort groups are flag
 on another node gets the client's packet unSNATed with the service address in an IP option and
 answers the client directly (dsr.h; NodePorts only: the backend's node finds the Service by the
 NodePort the option names, so externalIPs and LB IPs keep SNAT).
+Every tc group is selected through a Maglev table over the flow's tuple without the node address
+(F_MAGLEV, as Cilium's bpf-lb-algorithm=maglev does for traffic from outside): every node builds the
+same table from the same endpoints, so a flow picks the same backend whichever node it enters, and
+an endpoint's removal moves only the flows it had. With `acceleration="native"`
+(--bpf-lb-acceleration) the XDP program (xdp_lb.h) serves NodePorts first on the hooked interfaces
+whose driver has native XDP (xdp.py probes which, from the kernel's xdp-features), tc behind it for
+what XDP passes (LB IPs, externalIPs, affinity, DSR, no endpoints, replies) and on the other
+interfaces.
 
 Invariants: `apply` writes per changed element and is all-or-nothing (a journal restores every
 element on failure); maps, programs and links are pinned, so an agent that exits leaves traffic
@@ -48,7 +56,7 @@ from usproxy.endpoint import Endpoint, usable
 from usproxy.config import BpfLbMode
 from usproxy.source_ranges import allowed_sources
 from usproxy.types import IPNetwork
-from usproxy.offload.bpf import loader, nodeport, view
+from usproxy.offload.bpf import loader, nodeport, view, xdp
 from usproxy.offload.bpf.build import object_path
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf.layout import (
@@ -97,7 +105,7 @@ class BpfDatapath:
 
     def __init__(self, cgroup: Path = Path("/sys/fs/cgroup/unified"), pin_root: Path | None = None,
                  *, selection: str = "random", nodeport_cidrs: tuple[IPNetwork, ...] | None = None,
-                 lb_mode: BpfLbMode = "snat") -> None:
+                 lb_mode: BpfLbMode = "snat", acceleration: str = "disabled") -> None:
         self.cgroup = cgroup
         self.pins = loader.PinLayout(pin_root or loader.default_pin_root())
         self.selection: Selection = _selection(selection)
@@ -106,6 +114,8 @@ class BpfDatapath:
         self.traffic: frozenset[TrafficKind] = LOCAL_ONLY
         self.hooked: list[nodeport.HookedInterface] = []  # where the tc programs run (after probe)
         self.tc_detail = "tc NodePort programs not asked for (--offload bpf asks)"
+        self.acceleration = acceleration  # --bpf-lb-acceleration: "native" or "disabled"
+        self.xdp_plan = xdp.XdpPlan((), ())  # where the XDP program runs (after probe and open)
         self._lb: loader.SockLB | None = None
         self._tables: Tables | None = None
         self._groups: dict[int, Group] = {}  # service id -> group
@@ -124,7 +134,14 @@ class BpfDatapath:
         if self.nodeport_cidrs is not None:
             self._probe_tc()
         return Capability("bpf", True, f"socket LB at connect() for cgroup {self.cgroup}; pins in "
-                                       f"{self.pins.base}; {self.tc_detail}")
+                                       f"{self.pins.base}; {self.external_detail()}")
+
+    def external_detail(self) -> str:
+        """Which datapath serves NodePort traffic from outside and why: tc, XDP per interface."""
+        if not self.hooked or self.acceleration != "native":
+            return self.tc_detail
+        names = {h.ifindex: h.name for h in self.hooked}
+        return f"{self.tc_detail}; {self.xdp_plan.detail(names)}"
 
     def _probe_tc(self) -> None:
         """Whether the tc NodePort programs load (the verifier accepts them) and have interfaces
@@ -133,17 +150,25 @@ class BpfDatapath:
             hooked = nodeport.interfaces(self.nodeport_cidrs or ())
             if not hooked:
                 raise bpf.BpfError("no interface holds a NodePort address", 0)
-            obj = bpf.BpfObject(str(object_path()))
-            try:
-                obj.load()
-            finally:
-                obj.close()
+            _load_probe(xdp=False)
         except Exception as err:  # noqa: BLE001 - a probe reports, it never raises
             self._tc_unavailable(f"{type(err).__name__}: {err}")
             return
         self.hooked, self.traffic = hooked, ALL_TRAFFIC
         self.tc_detail = (f"NodePorts, LoadBalancer IPs and externalIPs at tc (tcx, lb mode {self.lb_mode}) on "
                           + ", ".join(h.name for h in hooked))
+        if self.acceleration == "native":
+            self._probe_xdp()
+
+    def _probe_xdp(self) -> None:
+        """Where the XDP program can run (xdp.py), once the verifier accepts it. Never raises."""
+        try:
+            _load_probe(xdp=True)
+            self.xdp_plan = xdp.probe(self.hooked)
+        except Exception as err:  # noqa: BLE001 - a probe reports, it never raises
+            why = f"XDP program unavailable: {type(err).__name__}: {err}"
+            self.xdp_plan = xdp.XdpPlan((), tuple((h.name, why) for h in self.hooked))
+        log.info("bpf: %s", self.xdp_plan.detail({h.ifindex: h.name for h in self.hooked}))
 
     def _tc_unavailable(self, why: str) -> None:
         self.hooked, self.traffic = [], LOCAL_ONLY
@@ -189,10 +214,12 @@ class BpfDatapath:
         """The socket LB, with the tc programs on `hooked` when probed usable; a tc attach that
         fails leaves the socket LB alone (NodePorts go back to the relay, with the reason)."""
         if self.hooked:
-            lb = loader.SockLB(self.pins, self.cgroup, tuple(h.ifindex for h in self.hooked))
+            lb = loader.SockLB(self.pins, self.cgroup, tuple(h.ifindex for h in self.hooked),
+                               self.xdp_plan.ifindexes if self.acceleration == "native" else None)
             try:
                 lb.open()
                 nodeport.write_maps(lb.maps, self.hooked)
+                self._xdp_attached(lb)
                 return lb
             except bpf.BpfError as err:
                 lb.close()
@@ -200,6 +227,12 @@ class BpfDatapath:
         lb = loader.SockLB(self.pins, self.cgroup)
         lb.open()
         return lb
+
+    def _xdp_attached(self, lb: loader.SockLB) -> None:
+        """The plan as the attach left it: an interface that refused the program is tc only."""
+        names = {h.ifindex: h.name for h in self.hooked}
+        refused = tuple((names[i], f"attach: {why}") for i, why in sorted(lb.xdp_refused.items()))
+        self.xdp_plan = xdp.XdpPlan(tuple(lb.xdp_attached), self.xdp_plan.refused + refused)
 
     def _drop_orphans(self, tables: Tables) -> None:
         """Groups without a frontend or a readable name (an agent that died mid-write) go."""
@@ -272,7 +305,8 @@ class BpfDatapath:
         hold the external endpoints (eTP Local: the local ones, F_LOCAL_ONLY, never SNATed)."""
         sp = state.service_port
         eps = tuple(sorted({ep.address for ep in state.external_endpoints if address_family(ep.ip) == 4}))
-        flags = self._flags(state) | F_TC_ONLY | self._empty_flags(state, eps)
+        # Maglev: the same backend through every node (round robin would differ per node)
+        flags = (self._flags(state) & ~F_ROUND_ROBIN) | F_MAGLEV | F_TC_ONLY | self._empty_flags(state, eps)
         out: dict[int, Want] = {}
         ext = {SvcKey(ip, sp.port, proto) for ip in sp.external_ips if address_family(ip) == 4}
         if sp.node_port:
@@ -394,6 +428,9 @@ class BpfDatapath:
         head = f"bpf cgroup={self.cgroup} pins={self.pins.base}"
         if self.hooked:
             head += " tc=" + ",".join(h.name for h in self.hooked) + f" lb-mode={self.lb_mode}"
+        if self.xdp_plan.ifindexes:
+            names = {h.ifindex: h.name for h in self.hooked}
+            head += " xdp=" + ",".join(names.get(i, str(i)) for i in self.xdp_plan.ifindexes)
         return "\n".join([head, *view.group_lines(self._groups, selected)])
 
     def selected(self, spn: ServicePortName) -> dict[str, int]:
@@ -419,6 +456,17 @@ class BpfDatapath:
         if self._lb is not None:
             self._lb.close()
         self._lb, self._tables = None, None
+
+
+def _load_probe(*, xdp: bool) -> None:
+    """Load the object once without attaching anything (the verifier's verdict): the tc programs,
+    and the XDP program when `xdp`. Raises BpfError."""
+    obj = bpf.BpfObject(str(object_path()))
+    try:
+        obj.set_autoload(loader.XDP_PROGRAM, xdp)
+        obj.load()
+    finally:
+        obj.close()
 
 
 def _group_key(g: Group) -> int:

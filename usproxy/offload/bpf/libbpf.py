@@ -42,6 +42,8 @@ BPF_CGROUP_INET6_GETPEERNAME = 30
 BPF_CGROUP_INET_SOCK_RELEASE = 34
 BPF_TCX_INGRESS = 46  # kernel 6.6+; newer than this machine's uapi headers
 BPF_TCX_EGRESS = 47
+BPF_XDP = 37
+XDP_FLAGS_DRV_MODE = 1 << 2  # native XDP only: refused (EOPNOTSUPP) where the driver has none
 
 BPF_ANY = 0
 BPF_NOEXIST = 1
@@ -90,6 +92,7 @@ def _declare(so: ctypes.CDLL) -> None:
         "bpf_link_update": (i, [i, i, p]),
         "bpf_link_detach": (i, [i]),
         "bpf_prog_query": (i, [i, i, u32, p, p, p]),
+        "libbpf_num_possible_cpus": (i, []),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(so, name)
@@ -213,6 +216,32 @@ def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
     """A BPF link attaching `prog_fd` to a cgroup fd (multi-attach: others' programs stay) or,
     for BPF_TCX_*, to an interface by ifindex (appended after programs already there)."""
     return _check(lib().bpf_link_create(prog_fd, target_fd, attach_type, None), "bpf_link_create")
+
+
+class _LinkCreateOpts(ctypes.Structure):
+    """struct bpf_link_create_opts up to `flags`, zero-padded (libbpf accepts a larger struct
+    whose unknown tail is zero)."""
+
+    _fields_ = [("sz", ctypes.c_size_t), ("flags", ctypes.c_uint32), ("_tail", ctypes.c_uint8 * 64)]
+
+
+def xdp_link_create(prog_fd: int, ifindex: int, flags: int = XDP_FLAGS_DRV_MODE) -> int:
+    """A BPF link attaching an XDP program to interface `ifindex` (native mode by default).
+    Raises BpfError: EOPNOTSUPP without native XDP, EBUSY when another XDP program is there."""
+    opts = _LinkCreateOpts(ctypes.sizeof(_LinkCreateOpts), flags)
+    return _check(lib().bpf_link_create(prog_fd, ifindex, BPF_XDP, ctypes.byref(opts)),
+                  f"bpf_link_create xdp ifindex {ifindex}")
+
+
+def possible_cpus() -> int:
+    """How many CPUs a per-CPU map holds a value for."""
+    return _check(lib().libbpf_num_possible_cpus(), "libbpf_num_possible_cpus")
+
+
+def percpu_sum_u64(fd: int, key: bytes) -> int:
+    """The sum over CPUs of a per-CPU array's u64 under `key` (0 when absent)."""
+    raw = map_lookup(fd, key, 8 * possible_cpus())
+    return sum(int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw), 8)) if raw else 0
 
 
 def link_update(link_fd: int, prog_fd: int) -> None:

@@ -15,6 +15,11 @@ The tc NodePort programs (TC_PROGRAMS) come from the same object and share its m
 cgroup links; links of interfaces no longer asked for are detached. When not asked for, the tc
 programs are not even loaded (a verifier that refuses them cannot cost the socket LB) and any tc
 link a previous agent left is detached.
+
+The XDP program (XDP_PROGRAM, --bpf-lb-acceleration native) is loaded only when asked for (a tuple
+of interface indexes) and attached in native mode to each of them as `links/usp_xdp@<ifindex>`,
+swapped on restart the same way. An interface that refuses it (no native XDP in its driver, or
+another XDP program there) keeps the tc programs alone: `xdp_refused` says why, per interface.
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ TC_PROGRAMS: dict[str, int] = {
     "usp_tc_ingress": bpf.BPF_TCX_INGRESS,
     "usp_tc_egress": bpf.BPF_TCX_EGRESS,
 }
-MAPS = ("usp_ct", "usp_tc_addrs", "usp_tc_ifaces", "usp_tc_sources", "usp_services", "usp_slots", "usp_backends", "usp_affinity", "usp_revnat", "usp_flows",
+XDP_PROGRAM = "usp_xdp"
+MAPS = ("usp_xdp_stats", "usp_ct", "usp_tc_addrs", "usp_tc_ifaces", "usp_tc_sources", "usp_services", "usp_slots", "usp_backends", "usp_affinity", "usp_revnat", "usp_flows",
         "usp_maglev", "usp_names")
 
 
@@ -157,10 +163,14 @@ def _fd(path: Path) -> Iterator[int | None]:
 class SockLB:
     """The loaded socket LB of one pin layout: map fds by name; programs live in pinned links."""
 
-    def __init__(self, pins: PinLayout, cgroup: Path, tc_ifindexes: tuple[int, ...] | None = None) -> None:
+    def __init__(self, pins: PinLayout, cgroup: Path, tc_ifindexes: tuple[int, ...] | None = None,
+                 xdp_ifindexes: tuple[int, ...] | None = None) -> None:
         self.pins = pins
         self.cgroup = cgroup
         self.tc_ifindexes = tc_ifindexes
+        self.xdp_ifindexes = xdp_ifindexes
+        self.xdp_attached: list[int] = []  # ifindexes running the XDP program after open()
+        self.xdp_refused: dict[int, str] = {}  # ifindex -> why it does not
         self.maps: dict[str, int] = {}
         self.reused = False  # maps came from pins (an agent restart), not created empty
 
@@ -176,10 +186,12 @@ class SockLB:
             self.reused = self._reuse_maps(obj)
             for prog in TC_PROGRAMS:
                 obj.set_autoload(prog, self.tc_ifindexes is not None)
+            obj.set_autoload(XDP_PROGRAM, self.xdp_ifindexes is not None)
             obj.load()
             self._pin_new_maps(obj)
             self._attach_all(obj)
             self._attach_tc(obj)
+            self._attach_xdp(obj)
         finally:
             obj.close()
         self.maps = {name: bpf.obj_get(str(self.pins.maps / name)) for name in MAPS}
@@ -225,7 +237,8 @@ class SockLB:
     def _attach_tc(self, obj: bpf.BpfObject) -> None:
         wanted = set(self.tc_ifindexes or ())
         for path in sorted(self.pins.links.glob("*@*")):
-            if int(path.name.rpartition("@")[2]) not in wanted:
+            prog, _, at = path.name.rpartition("@")
+            if int(at) not in (set(self.xdp_ifindexes or ()) if prog == XDP_PROGRAM else wanted):
                 _remove_links_at([path])
         for prog, attach_type in TC_PROGRAMS.items():
             for ifindex in sorted(wanted):
@@ -240,6 +253,30 @@ class SockLB:
             if old is not None:  # defunct (its interface went away): replace it
                 path.unlink()
             new = bpf.link_create(prog_fd, ifindex, attach_type)
+            try:
+                bpf.obj_pin(new, str(path))
+            finally:
+                os.close(new)
+
+    def _attach_xdp(self, obj: bpf.BpfObject) -> None:
+        self.xdp_attached, self.xdp_refused = [], {}
+        for ifindex in sorted(set(self.xdp_ifindexes or ())):
+            try:
+                self._attach_xdp_one(obj.prog_fd(XDP_PROGRAM), ifindex)
+                self.xdp_attached.append(ifindex)
+            except bpf.BpfError as err:
+                self.xdp_refused[ifindex] = os.strerror(err.errno) if err.errno else str(err)
+                log.warning("bpf: no native XDP on ifindex %d (%s): tc serves it", ifindex, err)
+
+    def _attach_xdp_one(self, prog_fd: int, ifindex: int) -> None:
+        path = self.pins.links / f"{XDP_PROGRAM}@{ifindex}"
+        with _fd(path) as old:
+            if old is not None and int(bpf.fdinfo(old).get("ifindex", "0")) == ifindex:
+                bpf.link_update(old, prog_fd)
+                return
+            if old is not None:  # defunct (its interface went away): replace it
+                path.unlink()
+            new = bpf.xdp_link_create(prog_fd, ifindex)
             try:
                 bpf.obj_pin(new, str(path))
             finally:

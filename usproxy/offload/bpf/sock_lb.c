@@ -784,6 +784,8 @@ static __always_inline int reply_nat(struct __sk_buff *skb, struct pkt *p, __u64
 	return ingress ? send(skb, v->nat_saddr, v->nat_daddr) : TC_ACT_OK;
 }
 
+static __always_inline __u64 flow_hash(const struct pkt *p);	/* xdp_lb.h */
+
 static __always_inline __u32 tc_pick(struct pkt *p, struct svc_val *svc)
 {
 	struct slot_key sk = { .svc_id = svc->id };
@@ -792,8 +794,7 @@ static __always_inline __u32 tc_pick(struct pkt *p, struct svc_val *svc)
 
 	if (svc->flags & F_MAGLEV) {
 		/* the flow's tuple, so every node sends one flow to one backend */
-		h = mix64(((__u64)p->t.saddr << 32 | p->t.daddr) ^
-			  ((__u64)p->t.sport << 24 | (__u64)p->t.dport << 8 | p->t.proto));
+		h = flow_hash(p);
 		__u32 mid = pick_maglev(svc, h);
 
 		if (mid)
@@ -954,5 +955,7 @@ int usp_tc_egress(struct __sk_buff *skb)
 	ret = reply_nat(skb, &p, now, 0);
 	return ret >= 0 ? ret : TC_ACT_OK;
 }
+
+#include "xdp_lb.h"
 
 char LICENSE[] SEC("license") = "GPL";
