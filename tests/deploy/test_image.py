@@ -65,9 +65,9 @@ def config_map() -> dict[str, Any]:
 
 def _bpf_object_name() -> str:
     """The name usproxy.offload.bpf.build gives the object of this checkout's sock_lb.c (with the
-    headers it includes, dsr.h and tc_frontends.h)."""
+    headers beside it, by name)."""
     bpf_dir = ROOT / "usproxy" / "offload" / "bpf"
-    digest = hashlib.sha256((bpf_dir / "sock_lb.c").read_bytes() + (bpf_dir / "dsr.h").read_bytes() + (bpf_dir / "tc_frontends.h").read_bytes()).hexdigest()
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in [bpf_dir / "sock_lb.c", *sorted(bpf_dir.glob("*.h"))])).hexdigest()
     return f"sock_lb-{digest[:16]}.o"
 
 

@@ -30,9 +30,9 @@ EXAMPLES = ROOT / "examples"
 
 
 def bpf_object_name() -> str:
-    """The object's name: the sha256 of the source, then of the header it includes (dsr.h, tc_frontends.h)."""
+    """The object's name: the sha256 of the source, then of every header beside it, by name."""
     bpf_dir = ROOT / "usproxy" / "offload" / "bpf"
-    digest = hashlib.sha256((bpf_dir / "sock_lb.c").read_bytes() + (bpf_dir / "dsr.h").read_bytes() + (bpf_dir / "tc_frontends.h").read_bytes()).hexdigest()
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in [bpf_dir / "sock_lb.c", *sorted(bpf_dir.glob("*.h"))])).hexdigest()
     return f"usproxy/offload/bpf/sock_lb-{digest[:16]}.o"
 
 
@@ -85,7 +85,8 @@ def test_wheel_carries_the_bpf_object_of_this_source(installed: Installed) -> No
     names = zipfile.ZipFile(installed.wheel).namelist()
     assert [n for n in names if n.endswith(".o")] == [bpf_object_name()]
     assert "usproxy/offload/bpf/sock_lb.c" in names and "usproxy/py.typed" in names
-    assert "usproxy/offload/bpf/dsr.h" in names  # part of the object's hash: object_path() reads it
+    for header in sorted((ROOT / "usproxy" / "offload" / "bpf").glob("*.h")):  # part of the object's hash: object_path() reads them
+        assert f"usproxy/offload/bpf/{header.name}" in names
     assert f"BPF object in the wheel: {bpf_object_name()}" in installed.build_log
 
 
