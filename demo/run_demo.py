@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 USPROXY = str(ROOT / ".venv" / "bin" / "usproxy")
 PREFIX = "usdemo"
 NODE = f"{PREFIX}-node"
+SHOWN_MAP_LINES = 30  # of the BPF map listing (the rest is counted)
 PODS = {"web-1": "10.244.1.10", "web-2": "10.244.2.10", "web-3": "10.244.3.10", "coredns-1": "10.244.4.53"}
 CLIENT = ("client", "10.244.9.10")
 CGROUP2 = Path("/sys/fs/cgroup/unified")
@@ -298,7 +299,10 @@ class Demo:
         view = subprocess.run([sys.executable, "-c", "from usproxy.offload.bpf.view import render_pinned;"
                                "print(render_pinned())"], capture_output=True, text=True,
                               env=dict(os.environ, USPROXY_BPF_PINS=str(PINS)))
-        print("\n".join((view.stdout or view.stderr).splitlines()[:30]))
+        lines = (view.stdout or view.stderr).splitlines()
+        print("\n".join(lines[:SHOWN_MAP_LINES]))
+        if len(lines) > SHOWN_MAP_LINES:  # say so: a Service missing from a cut listing looks lost
+            print(f"... {len(lines) - SHOWN_MAP_LINES} more lines not shown")
 
     def wait_offloaded(self, name: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
