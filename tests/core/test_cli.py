@@ -1,5 +1,5 @@
 """The CLI: a manifest that cannot be parsed gives exit 2 naming the problem; missing input is a
-usage error; `usproxy check` prints its table; status/flows without an agent exit 1.
+usage error; `usproxy check` prints its table; a closed stdout ends a command quietly; status/flows without an agent exit 1.
 
 No test here meets a real agent's state: `run` gets an interface name of its own and no offload,
 so the per-namespace locks it takes before reading its input (usproxy/app/agent.py NetnsLock) are its
@@ -54,6 +54,19 @@ def test_explain_takes_options_after_the_subcommand() -> None:
     examples = Path(__file__).resolve().parents[2] / "examples"
     res = run("explain", "--services", str(examples), "--mode", "iptables")
     assert res.returncode == 0 and "KUBE-SERVICES" in res.stdout
+
+
+def test_a_reader_that_closes_stdout_ends_the_command_quietly_with_exit_0() -> None:
+    """`usproxy ... | head -1`: the write to a closed pipe is no "cannot reach the agent"."""
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    proc = subprocess.Popen([*USPROXY, "explain", "--services", str(examples)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write
+    with proc.stderr:
+        stderr = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0
+    assert stderr == ""
 
 
 def test_status_table_says_which_datapath_serves_external_traffic_and_why() -> None:

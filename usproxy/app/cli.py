@@ -229,6 +229,14 @@ COMMANDS = {"run": cmd_run, "status": cmd_status, "flows": cmd_flows, "check": c
             "explain": cmd_explain}
 
 
+def _stdout_to_devnull() -> None:
+    """Point fd 1 at /dev/null so the interpreter's final flush of a closed pipe stays silent
+    (Python's documented recipe for SIGPIPE, library/signal.html#note-on-sigpipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # argparse's REMAINDER does not take options that come first ("explain --services x"), so
@@ -244,7 +252,13 @@ def main(argv: list[str] | None = None) -> int:
                         args.command == "run" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return COMMANDS[args.command](args)
+        rc = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed stdout fails here, not at exit where it would print a traceback
+        return rc
+    except BrokenPipeError:  # stdout closed by the reader (`| head`): done, quietly; before
+        # ConnectionError, its base class, which means the agent
+        _stdout_to_devnull()
+        return 0
     except ConfigError as err:
         print(f"usproxy: {err}", file=sys.stderr)
         return 2
