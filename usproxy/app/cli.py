@@ -35,17 +35,30 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--services", type=Path, help="Kubernetes manifests (file or directory)")
     p.add_argument("--kubeconfig", type=Path, help="watch the API server of this kubeconfig")
     p.add_argument("--config", type=Path, help="a KubeProxyConfiguration file; flags override it")
-    p.add_argument("--offload", choices=["auto", "nftables", "bpf", "none"])
-    p.add_argument("--offload-after", type=float, metavar="SECONDS")
-    p.add_argument("--healthz-bind-address", metavar="HOST:PORT")
-    p.add_argument("--metrics-bind-address", metavar="HOST:PORT")
+    d = ProxyConfig()  # the defaults the help states are the ones the agent uses
+    p.add_argument("--offload", choices=["auto", "nftables", "bpf", "none"],
+                   help="kernel datapaths that may serve ServicePorts: auto = BPF for this node's own "
+                        "connections and nftables for forwarded ones, whichever this kernel has; none = "
+                        f"the relay serves everything (default {d.offload})")
+    p.add_argument("--offload-after", type=float, metavar="SECONDS",
+                   help="a ServicePort's endpoints must be unchanged this long before it is offloaded; "
+                        f"the relay serves it meanwhile (default {d.offload_after:g})")
+    p.add_argument("--healthz-bind-address", metavar="HOST:PORT",
+                   help=f"serves /healthz and /livez, as kube-proxy's (default {d.healthz_bind_address})")
+    p.add_argument("--metrics-bind-address", metavar="HOST:PORT",
+                   help="serves /metrics, /services and /flows (read by `usproxy status` and `flows`) "
+                        f"(default {d.metrics_bind_address})")
     p.add_argument("--hostname-override", metavar="NAME")
     p.add_argument("--nodeport-addresses", metavar="CIDR,...|primary", type=_comma_list,
                    help="addresses that serve NodePorts: local addresses in these CIDRs, or 'primary'")
     p.add_argument("--service-cidr", dest="service_cidrs", metavar="CIDR,...", type=_comma_list,
                    help="the cluster's Service CIDRs: traffic to an unallocated address in them is dropped")
     p.add_argument("--vip-interface", metavar="NAME")
-    p.add_argument("--lb-policy", choices=["roundRobin", "random", "leastConnections"])
+    p.add_argument("--lb-policy", choices=["roundRobin", "random", "leastConnections"],
+                   help="how a new connection picks an endpoint when its Service has no usproxy.io/lb-policy "
+                        "annotation: the relay and the BPF socket LB follow it (BPF picks at random for "
+                        "leastConnections); nftables picks at random and leaves leastConnections to the "
+                        f"relay (default {d.lb_policy})")
     p.add_argument("--sync-period", metavar="DURATION")
     p.add_argument("--min-sync-period", metavar="DURATION")
     p.add_argument("--conntrack-max-per-core", type=int)
