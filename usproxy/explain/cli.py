@@ -38,7 +38,7 @@ def _common(p: argparse.ArgumentParser, inputs: bool = True) -> None:
     if inputs:
         p.add_argument("--services", type=Path, metavar="PATH", help="Kubernetes manifests (file or directory)")
         p.add_argument("--kubeconfig", type=Path, help="list the Services of a live API server instead of --services")
-    p.add_argument("--mode", default="all", choices=[*MODES, "all"])
+    p.add_argument("--mode", default="all", choices=[*MODES, "all"], help="the one mode to show (default all)")
     p.add_argument("--node-ip", action="append", default=[], metavar="IP",
                    help="this node's address (repeat or comma-separate); NodePort addresses")
     p.add_argument("--node-name", metavar="NAME", help="decides which endpoints are local")
@@ -77,7 +77,12 @@ def _scale_count(text: str) -> int:
 def build_trace_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="usproxy explain trace",
                                 description="the path one new connection takes in each mode")
-    p.add_argument("src", metavar="SRC")
+    p.add_argument("src", metavar="SRC",
+                   help="the packet's source address. An address in --node-ip is the node itself (the "
+                        "output hooks); any other is a packet arriving at the node (prerouting), as a pod "
+                        "here and a client elsewhere both look to iptables, ipvs and nftables. bpf alone "
+                        "tells them apart: an address in --cluster-cidr is taken as a pod on this node "
+                        "(served at connect()), any other as traffic from elsewhere")
     p.add_argument("dst", metavar="DST:PORT/PROTO")
     _common(p)
     return p
