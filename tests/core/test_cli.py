@@ -37,6 +37,19 @@ def test_missing_path_exits_2(tmp_path: Path) -> None:
     assert res.returncode == 2 and "no such file or directory" in res.stderr
 
 
+def test_a_config_error_names_usproxy_once() -> None:
+    res = run("explain")
+    assert res.returncode == 2
+    assert res.stderr == "usproxy explain: --services: required (or --kubeconfig)\n"
+    res = run("run", "--nodeport-addresses", "primary,10.0.0.0/8", *OWN_LOCKS)
+    assert res.returncode == 2 and res.stderr.startswith("usproxy run: --nodeport-addresses: ")
+
+
+def test_missing_cluster_cidr_is_logged_once(tmp_path: Path) -> None:
+    res = run("run", "--services", str(tmp_path / "nope"), *OWN_LOCKS)
+    assert res.returncode == 2 and res.stderr.count("no --cluster-cidr") == 1
+
+
 @pytest.mark.netns
 def test_check_prints_table() -> None:
     res = subprocess.run(["unshare", "--net", *USPROXY, "check"], capture_output=True, text=True, timeout=60)

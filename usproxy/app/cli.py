@@ -155,7 +155,7 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
         if n < 0:
             raise ConfigError(f"must not be negative, got {n}", obj="usproxy run", field=flag)
     if cfg.detect_local_mode != "NodeCIDR":  # NodeCIDR's pod CIDRs are the Node's, read at start
-        detector_of(cfg)  # detectLocalMode and its CIDR or interface
+        detector_of(cfg, quiet=True)  # detectLocalMode and its CIDR or interface; the agent logs it
     try:
         parse_nodeport_addresses(cfg.nodeport_addresses)
         parse_cidrs(cfg.service_cidrs, "--service-cidr")
@@ -242,6 +242,13 @@ COMMANDS = {"run": cmd_run, "status": cmd_status, "flows": cmd_flows, "check": c
             "explain": cmd_explain}
 
 
+def _error_line(err: ConfigError) -> str:
+    """"usproxy: <err>", once: an error whose object is a command ("usproxy run: ...") names
+    usproxy already."""
+    text = str(err)
+    return text if err.obj.startswith("usproxy") else f"usproxy: {text}"
+
+
 def _stdout_to_devnull() -> None:
     """Point fd 1 at /dev/null so the interpreter's final flush of a closed pipe stays silent
     (Python's documented recipe for SIGPIPE, library/signal.html#note-on-sigpipe)."""
@@ -273,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         _stdout_to_devnull()
         return 0
     except ConfigError as err:
-        print(f"usproxy: {err}", file=sys.stderr)
+        print(_error_line(err), file=sys.stderr)
         return 2
     except (urllib.error.URLError, ConnectionError) as err:
         print(f"usproxy: cannot reach the agent: {err}", file=sys.stderr)
