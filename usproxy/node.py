@@ -125,18 +125,21 @@ def resolve_node(cfg: ProxyConfig, *, kubernetes: bool, environ: Mapping[str, st
 
 
 def detector_of(cfg: ProxyConfig, pod_cidrs: tuple[IPNetwork, ...] | None = None, *,
-                node: str | None = None) -> LocalDetector:
+                node: str | None = None, quiet: bool = False) -> LocalDetector:
     """kube-proxy's local-traffic detector from the configuration (getLocalDetectors,
     cmd/kube-proxy/app/server_linux.go). NodeCIDR takes `pod_cidrs`, Node `node`'s
     spec.podCIDRs (the first of each family; a family without one gets the no-op detector, as
     kube-proxy, which logs it). Raises ConfigError naming the field; NodeCIDR without
-    `pod_cidrs` (not read) names detectLocalMode."""
+    `pod_cidrs` (not read) names detectLocalMode. `quiet`: a validation only, so the choice is
+    logged once, when the agent builds its detector."""
     if cfg.detect_local_mode == "NodeCIDR" and pod_cidrs is None:
         raise ConfigError("NodeCIDR needs this Node's spec.podCIDRs, read before the agent is built",
                           obj="usproxy run", field="detectLocalMode")
     det = local_detector(cfg.detect_local_mode, cluster_cidrs=cfg.cluster_cidrs,
                          node_cidrs=tuple(str(n) for n in pod_cidrs or ()), bridge=cfg.bridge_interface,
                          prefix=cfg.interface_name_prefix)
+    if quiet:
+        return det
     if cfg.detect_local_mode == "ClusterCIDR" and not det.cidrs and not cfg.masquerade_all:
         log.info("no --cluster-cidr: ClusterIP traffic is not masqueraded (as kube-proxy without one)")
     if cfg.detect_local_mode == "NodeCIDR" and pod_cidrs is not None:

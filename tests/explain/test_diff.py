@@ -84,3 +84,20 @@ def test_udp_endpoint_changes_list_the_conntrack_entries_kube_proxy_deletes(tmp_
         "removed endpoint 10.0.1.1:53)"]
     (back,) = diff.conntrack_deletes(none, one)
     assert back.startswith("conntrack -D -p udp --orig-dst 172.30.0.10  (ns1/dns:dns had no endpoint")
+
+
+def test_one_changed_line_is_said_in_the_singular() -> None:
+    old, new = state("6-svc3-endpoint-changed"), state("7-svc3-endpoint-added")
+    text = diff.render(old, new, ("bpf",), lambda ss, mode: "x\n" if ss is new else "", {"bpf": "1. bpf"})
+    assert "# rendered rules: 1 line changed (+1 -0)" in text
+
+
+def test_diff_takes_nft_format(capsys: pytest.CaptureFixture[str]) -> None:
+    paths = [str(REPEATED / "6-svc3-endpoint-changed.yaml"), str(REPEATED / "7-svc3-endpoint-added.yaml")]
+    assert cli.main(["diff", *paths, "--mode", "nftables", "--nft-format", "list"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.startswith("+") and "numgen random mod 2 vmap" in line and "add rule" not in line
+               for line in out.splitlines())  # `nft list table` text
+    assert not any(line.startswith("+add rule") for line in out.splitlines())
+    assert cli.main(["diff", *paths, "--mode", "nftables"]) == 0  # dump, as before
+    assert "+add rule ip kube-proxy service-4AT6LBPK-ns3/svc3/tcp/p80 numgen random mod 2" in capsys.readouterr().out

@@ -20,7 +20,7 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
 
 def number_rows(out: str) -> list[str]:
     """The MODE column of the "why, in numbers" table."""
-    lines = out[out.index("==== 6. why, in numbers"):].splitlines()
+    lines = out[out.index(". why, in numbers ===="):].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("MODE "))
     rows = []
     for line in lines[start + 1:]:
@@ -37,6 +37,8 @@ def number_rows(out: str) -> list[str]:
 def test_one_mode_shows_only_its_numbers(mode: str, rows: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(["--services", str(FIXTURES / "nodeport.yaml"), "--mode", mode], capsys)
     assert rc == 0 and number_rows(out) == rows
+    headings = [line.split()[1] for line in out.splitlines() if line.startswith("==== ")]
+    assert headings == ["1.", "2."]  # its view, then its numbers: numbered as shown
     assert ("REALLY GETS" in out) == (mode == "iptables")  # the probability ladder is iptables'
 
 

@@ -122,7 +122,7 @@ def test_scale_cli_prints_a_row_per_mode(tmp_path: Path, capsys: pytest.CaptureF
     path.write_text(TEMPLATE)
     assert cli.main(["--services", str(path), "--scale", "50", "--node-name", "node-a"]) == 0
     out = capsys.readouterr().out
-    assert "at 50 Services generated like the input's 1" in out
+    assert "at 50 Services generated like the input's 1 Service (" in out
     assert "scale/svc-50:http at 10.96.0.50:80/TCP" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] and line.split()[0] in cost.ALL_MODES}
     assert list(rows) == list(cost.ALL_MODES)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
 
-from tests.explain.conftest import load
+from tests.explain.conftest import NODE, load
 from usproxy.errors import ConfigError
 from usproxy.explain import iptables_trace, nftables_trace, trace
 from usproxy.explain.packet import Packet, Path
+from usproxy.explain.service_set import Node, ServiceSet
 
 
 def landings(mode: str, fixture: str, src: str, dst: str) -> dict[str, Fraction]:
@@ -100,3 +102,41 @@ def test_a_jump_to_an_undeclared_chain_is_reported_as_refused_input() -> None:
     dump = "add chain ip kube-proxy a\nadd rule ip kube-proxy a numgen random mod 1 vmap { 0 : goto b }\n"
     ended, through = nftables_trace.Walker(nftables_trace.parse_dump(dump), pkt).walk("a", Path())
     assert not through and [q.lands for q in ended] == ["ERROR"] and "nft would refuse" in ended[0].result
+
+
+def _bpf_hops(src: str, node: Node = NODE, annotations: str = "") -> list[str]:
+    ss = load("clusterip", node)
+    if annotations:
+        ss = _annotated(ss, annotations)
+    paths = trace.trace_bpf(ss, trace.parse_packet(src, "10.96.1.1:80/TCP", ss))
+    return [h for p in paths for h in p.hops]
+
+
+def _annotated(ss: ServiceSet, policy: str) -> ServiceSet:
+    """The same ServicePorts, each annotated usproxy.io/lb-policy POLICY."""
+    return replace(ss, ports=tuple((replace(sp, lb_policy=policy), eps) for sp, eps in ss.ports))
+
+
+def test_bpf_pod_outside_cluster_cidr_is_not_said_to_connect_on_another_machine() -> None:
+    """Without --cluster-cidr the trace cannot tell a pod here from a client elsewhere: it says
+    the socket LB serves processes on this node and traces the packet from elsewhere."""
+    hops = _bpf_hops("10.244.9.9", replace(NODE, cluster_cidrs=()))
+    assert not any("another machine" in h for h in hops)
+    assert any("processes on this node inside the BPF cgroup" in h and "arriving from elsewhere" in h
+               for h in hops)
+    assert any("fallback" in h for h in hops)
+
+
+def test_bpf_pod_in_cluster_cidr_is_traced_at_connect_and_says_so() -> None:
+    hops = _bpf_hops("10.244.9.9")
+    assert any("traced as a pod on this node" in h for h in hops)
+    assert not any(h.startswith("socket LB") for h in _bpf_hops("192.168.0.2"))  # the node itself
+
+
+def test_bpf_slot_selection_is_the_agents_round_robin_unless_annotated() -> None:
+    """The agent's socket LB picks by --lb-policy (default roundRobin) or the annotation
+    (usproxy/offload/bpf/datapath.py _flags), not at random as Cilium."""
+    assert sum("slot by round robin" in h and "default --lb-policy roundRobin" in h
+               for h in _bpf_hops("10.244.9.9")) == 3
+    assert sum(h.startswith("slot chosen at random (usproxy.io/lb-policy random)")
+               for h in _bpf_hops("10.244.9.9", annotations="random")) == 3

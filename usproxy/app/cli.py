@@ -35,17 +35,30 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--services", type=Path, help="Kubernetes manifests (file or directory)")
     p.add_argument("--kubeconfig", type=Path, help="watch the API server of this kubeconfig")
     p.add_argument("--config", type=Path, help="a KubeProxyConfiguration file; flags override it")
-    p.add_argument("--offload", choices=["auto", "nftables", "bpf", "none"])
-    p.add_argument("--offload-after", type=float, metavar="SECONDS")
-    p.add_argument("--healthz-bind-address", metavar="HOST:PORT")
-    p.add_argument("--metrics-bind-address", metavar="HOST:PORT")
+    d = ProxyConfig()  # the defaults the help states are the ones the agent uses
+    p.add_argument("--offload", choices=["auto", "nftables", "bpf", "none"],
+                   help="kernel datapaths that may serve ServicePorts: auto = BPF for this node's own "
+                        "connections and nftables for forwarded ones, whichever this kernel has; none = "
+                        f"the relay serves everything (default {d.offload})")
+    p.add_argument("--offload-after", type=float, metavar="SECONDS",
+                   help="a ServicePort's endpoints must be unchanged this long before it is offloaded; "
+                        f"the relay serves it meanwhile (default {d.offload_after:g})")
+    p.add_argument("--healthz-bind-address", metavar="HOST:PORT",
+                   help=f"serves /healthz and /livez, as kube-proxy's (default {d.healthz_bind_address})")
+    p.add_argument("--metrics-bind-address", metavar="HOST:PORT",
+                   help="serves /metrics, /services and /flows (read by `usproxy status` and `flows`) "
+                        f"(default {d.metrics_bind_address})")
     p.add_argument("--hostname-override", metavar="NAME")
     p.add_argument("--nodeport-addresses", metavar="CIDR,...|primary", type=_comma_list,
                    help="addresses that serve NodePorts: local addresses in these CIDRs, or 'primary'")
     p.add_argument("--service-cidr", dest="service_cidrs", metavar="CIDR,...", type=_comma_list,
                    help="the cluster's Service CIDRs: traffic to an unallocated address in them is dropped")
     p.add_argument("--vip-interface", metavar="NAME")
-    p.add_argument("--lb-policy", choices=["roundRobin", "random", "leastConnections"])
+    p.add_argument("--lb-policy", choices=["roundRobin", "random", "leastConnections"],
+                   help="how a new connection picks an endpoint when its Service has no usproxy.io/lb-policy "
+                        "annotation: the relay and the BPF socket LB follow it (BPF picks at random for "
+                        "leastConnections); nftables picks at random and leaves leastConnections to the "
+                        f"relay (default {d.lb_policy})")
     p.add_argument("--sync-period", metavar="DURATION")
     p.add_argument("--min-sync-period", metavar="DURATION")
     p.add_argument("--conntrack-max-per-core", type=int)
@@ -142,7 +155,7 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
         if n < 0:
             raise ConfigError(f"must not be negative, got {n}", obj="usproxy run", field=flag)
     if cfg.detect_local_mode != "NodeCIDR":  # NodeCIDR's pod CIDRs are the Node's, read at start
-        detector_of(cfg)  # detectLocalMode and its CIDR or interface
+        detector_of(cfg, quiet=True)  # detectLocalMode and its CIDR or interface; the agent logs it
     try:
         parse_nodeport_addresses(cfg.nodeport_addresses)
         parse_cidrs(cfg.service_cidrs, "--service-cidr")
@@ -229,6 +242,21 @@ COMMANDS = {"run": cmd_run, "status": cmd_status, "flows": cmd_flows, "check": c
             "explain": cmd_explain}
 
 
+def _error_line(err: ConfigError) -> str:
+    """"usproxy: <err>", once: an error whose object is a command ("usproxy run: ...") names
+    usproxy already."""
+    text = str(err)
+    return text if err.obj.startswith("usproxy") else f"usproxy: {text}"
+
+
+def _stdout_to_devnull() -> None:
+    """Point fd 1 at /dev/null so the interpreter's final flush of a closed pipe stays silent
+    (Python's documented recipe for SIGPIPE, library/signal.html#note-on-sigpipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # argparse's REMAINDER does not take options that come first ("explain --services x"), so
@@ -244,9 +272,15 @@ def main(argv: list[str] | None = None) -> int:
                         args.command == "run" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return COMMANDS[args.command](args)
+        rc = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed stdout fails here, not at exit where it would print a traceback
+        return rc
+    except BrokenPipeError:  # stdout closed by the reader (`| head`): done, quietly; before
+        # ConnectionError, its base class, which means the agent
+        _stdout_to_devnull()
+        return 0
     except ConfigError as err:
-        print(f"usproxy: {err}", file=sys.stderr)
+        print(_error_line(err), file=sys.stderr)
         return 2
     except (urllib.error.URLError, ConnectionError) as err:
         print(f"usproxy: cannot reach the agent: {err}", file=sys.stderr)

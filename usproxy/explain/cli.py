@@ -24,21 +24,27 @@ from usproxy.types import IPAddress
 
 MODES = cost.ALL_MODES
 TITLES = {
-    "userspace": "1. userspace: kube-proxy 1.0 portals and proxy, then usproxy's relay",
-    "iptables": "2. iptables: kube-proxy's iptables mode",
-    "ipvs": "3. ipvs: kube-proxy's IPVS mode",
-    "nftables": "4. nftables: kube-proxy's nftables mode",
-    "bpf": "5. bpf: a BPF socket load balancer (cilium-dbg views)",
+    "userspace": "userspace: kube-proxy 1.0 portals and proxy, then usproxy's relay",
+    "iptables": "iptables: kube-proxy's iptables mode",
+    "ipvs": "ipvs: kube-proxy's IPVS mode",
+    "nftables": "nftables: kube-proxy's nftables mode",
+    "bpf": "bpf: a BPF socket load balancer (cilium-dbg views)",
 }
 
 
+def numbered(modes: tuple[str, ...]) -> dict[str, str]:
+    """The titles of the modes shown, numbered 1.. in the order shown (`--mode bpf` is "1. bpf");
+    the sections after them continue from len(modes) + 1."""
+    return {m: f"{i}. {TITLES[m]}" for i, m in enumerate(modes, start=1)}
+
+
 def _common(p: argparse.ArgumentParser, inputs: bool = True) -> None:
-    """The options every view takes; `inputs`: also where the Services come from (diff takes
-    two paths instead, and always shows nftables as its transaction lines)."""
+    """The options every view takes; `inputs`: also where the Services come from and
+    --nft-format (diff takes two paths instead, and its own --nft-format, dump by default)."""
     if inputs:
         p.add_argument("--services", type=Path, metavar="PATH", help="Kubernetes manifests (file or directory)")
         p.add_argument("--kubeconfig", type=Path, help="list the Services of a live API server instead of --services")
-    p.add_argument("--mode", default="all", choices=[*MODES, "all"])
+    p.add_argument("--mode", default="all", choices=[*MODES, "all"], help="the one mode to show (default all)")
     p.add_argument("--node-ip", action="append", default=[], metavar="IP",
                    help="this node's address (repeat or comma-separate); NodePort addresses")
     p.add_argument("--node-name", metavar="NAME", help="decides which endpoints are local")
@@ -77,7 +83,12 @@ def _scale_count(text: str) -> int:
 def build_trace_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="usproxy explain trace",
                                 description="the path one new connection takes in each mode")
-    p.add_argument("src", metavar="SRC")
+    p.add_argument("src", metavar="SRC",
+                   help="the packet's source address. An address in --node-ip is the node itself (the "
+                        "output hooks); any other is a packet arriving at the node (prerouting), as a pod "
+                        "here and a client elsewhere both look to iptables, ipvs and nftables. bpf alone "
+                        "tells them apart: an address in --cluster-cidr is taken as a pod on this node "
+                        "(served at connect()), any other as traffic from elsewhere")
     p.add_argument("dst", metavar="DST:PORT/PROTO")
     _common(p)
     return p
@@ -129,17 +140,19 @@ def load(args: argparse.Namespace) -> ServiceSet:
     return service_set(m, node_from(args))
 
 
-def render_mode(ss: ServiceSet, mode: str, nft_format: str = "list") -> str:
+def render_mode(ss: ServiceSet, mode: str, nft_format: str = "list", title: str = "") -> str:
+    """One mode's view under the heading `title` (default: the mode's unnumbered title)."""
     renderers: dict[str, Callable[[ServiceSet], str]] = {
         "userspace": userspace.render, "iptables": iptables.render, "ipvs": ipvs.render,
         "nftables": lambda s: nftables.render(s, nft_format), "bpf": bpf.render,
     }
-    return f"==== {TITLES[mode]} ====\n\n{renderers[mode](ss)}"
+    return f"==== {title or TITLES[mode]} ====\n\n{renderers[mode](ss)}"
 
 
 def render_all(ss: ServiceSet, modes: tuple[str, ...], nft_format: str = "list") -> str:
-    parts = [render_mode(ss, m, nft_format) for m in modes]
-    parts.append("==== 6. why, in numbers ====\n\n" + cost.render(ss, modes))
+    titles = numbered(modes)
+    parts = [render_mode(ss, m, nft_format, titles[m]) for m in modes]
+    parts.append(f"==== {len(modes) + 1}. why, in numbers ====\n\n" + cost.render(ss, modes))
     if ss.skipped:
         parts.append("# skipped, as kube-proxy skips them:\n" + "\n".join(f"#   {s}" for s in ss.skipped) + "\n")
     return "\n".join(parts)
@@ -199,6 +212,9 @@ def build_diff_parser() -> argparse.ArgumentParser:
     p.add_argument("--kubeconfig", type=Path,
                    help="OLD is the Services and EndpointSlices a live API server holds now")
     _common(p, inputs=False)
+    p.add_argument("--nft-format", choices=["list", "dump"], default="dump",
+                   help="nftables compared as kube-proxy's transaction lines (default dump), or as "
+                        "`nft list table` text")
     return p
 
 
@@ -222,13 +238,19 @@ def _diff(argv: list[str]) -> int:
     node = node_from(args)
     old, new = (service_set(m, node) for m in _diff_inputs(p, args))
 
-    print(diff.render(old, new, _modes(args.mode), _dump_view, TITLES), end="")
+    modes = _modes(args.mode)
+
+    def view(ss: ServiceSet, mode: str) -> str:
+        return _dump_view(ss, mode, args.nft_format)
+
+    print(diff.render(old, new, modes, view, numbered(modes)), end="")
     return 0
 
 
-def _dump_view(ss: ServiceSet, mode: str) -> str:
-    """One mode's rules as `explain diff` compares them (nftables as transaction lines)."""
-    return render_mode(ss, mode, "dump") if ss.ports else "# no Services with a ClusterIP\n"
+def _dump_view(ss: ServiceSet, mode: str, nft_format: str = "dump") -> str:
+    """One mode's rules as `explain diff` compares them (nftables as transaction lines unless
+    `nft_format` is "list")."""
+    return render_mode(ss, mode, nft_format) if ss.ports else "# no Services with a ClusterIP\n"
 
 
 def main(argv: list[str]) -> int:
@@ -250,17 +272,19 @@ def main(argv: list[str]) -> int:
         args.html.write_text(standalone_page.render(load(args)))
         print(f"usproxy explain: wrote {args.html}")
         return 0
+    shown = 0  # sections printed so far: live is numbered after them
     if args.services is not None or not args.live:
         ss = load(args)
         if empty(ss, args) and not args.live:
             return 1
         if ss.ports:
             print(render_all(ss, _modes(args.mode), args.nft_format), end="")
+            shown = len(_modes(args.mode)) + 1
     if args.live:
         live = read_live(args.metrics_bind_address)
         if live is None:
             print(f"usproxy: --live: no running agent at {args.metrics_bind_address} and no usproxy "
                   "nftables table: nothing to show", file=sys.stderr)
             return 1
-        print("==== 7. live: this node ====\n\n" + live, end="")
+        print(f"==== {shown + 1}. live: this node ====\n\n" + live, end="")
     return 0

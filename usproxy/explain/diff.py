@@ -121,7 +121,8 @@ def render(old: ServiceSet, new: ServiceSet, modes: tuple[str, ...], view: View,
     for mode in modes:
         lines, added, removed = unified(view(old, mode), view(new, mode), mode)
         out.append(f"==== {titles[mode]} ====")
-        out.append(f"# rendered rules: {added + removed} lines changed (+{added} -{removed})")
+        changed = added + removed
+        out.append(f"# rendered rules: {changed} line{'s' * (changed != 1)} changed (+{added} -{removed})")
         out += _sends(old, new, mode)
         out += [*lines, ""]
     deletes = conntrack_deletes(old, new)

@@ -100,7 +100,8 @@ def render(ss: ServiceSet, n: int, modes: tuple[str, ...], view: View) -> str:
             notes.append(f"# {mode}: measuring took {m.seconds:.0f} s at {n} Services: this Python "
                          "renderer is slow at this size (the numbers above are still exact)")
     endpoints = sum(len(eps) for _, eps in big.ports)
-    head = [f"# Why, in numbers, at {n} Services generated like the input's {len(generator.templates(ss))} "
+    k = len(generator.templates(ss))
+    head = [f"# Why, in numbers, at {n} Services generated like the input's {k} Service{'s' * (k != 1)} "
             f"(taken in turn: ports, endpoints, policies; {len(big.ports)} ServicePorts, {endpoints} "
             "endpoints; new ClusterIPs in 10.96.0.0/16, endpoints in 10.244.0.0/16)",
             f"# first packet: a pod's new connection to the last Service generated, {fp.name} at "

@@ -131,20 +131,45 @@ def trace_bpf(ss: ServiceSet, pkt: Packet) -> list[Path]:
     offload/bpf/datapath.py says)."""
     if not _local_process(ss, pkt):
         return _bpf_fallback(ss, pkt)
-    rows = _lb_rows(bpf.lb_list(bpf.frontends(ss)))
+    fes = bpf.frontends(ss)
+    rows = _lb_rows(bpf.lb_list(fes))
+    policies = {fe.text(): fe.fp.sp.lb_policy for fe in fes}
     any_ip = "0.0.0.0" if pkt.dst.version == 4 else "[::]"
     keys = [f"{format_hostport(pkt.dst, pkt.dport)}/{pkt.proto}"]
     keys += [f"{any_ip}:{pkt.dport}/{pkt.proto}"] if pkt.dst_local else []
     p = Path()
+    if not pkt.src_local:
+        p.note(BPF_POD_HERE.format(src=pkt.src))
     for key in keys:
         p.lookups += 1
         if key in rows:
-            return _slots(p, rows[key])
+            return _slots(p, rows[key], _selection_text(policies.get(key)))
     p.result = "no frontend in the services map: connect() goes to the address as given"
     return [p]
 
 
-def _slots(p: Path, slots: dict[int, tuple[str, str]]) -> list[Path]:
+BPF_POD_HERE = (
+    "socket LB: {src} is in --cluster-cidr and is traced as a pod on this node, inside the BPF "
+    "cgroup, whose connect() the socket LB rewrites; a packet from a pod on another node arrives "
+    "from elsewhere instead and is served by usproxy's fallback (trace it without --cluster-cidr)")
+
+
+def _selection_text(policy: str | None) -> str:
+    """How the agent's socket LB picks a slot (usproxy/offload/bpf/datapath.py `_flags`): the
+    Service's usproxy.io/lb-policy, else the agent's --lb-policy, roundRobin unless set
+    (explain cannot know the flag of a running agent)."""
+    if policy == "random":
+        return "slot chosen at random (usproxy.io/lb-policy random)"
+    if policy == "leastConnections":  # the agent leaves such a Service to its relay
+        return ("slot chosen at random, as Cilium's socket LB (usproxy's leaves leastConnections "
+                "Services to its relay)")
+    if policy == "roundRobin":
+        return "slot by round robin, a counter per ServicePort (usproxy.io/lb-policy roundRobin)"
+    return ("slot by round robin, a counter per ServicePort (the agent's default --lb-policy "
+            "roundRobin; with --lb-policy random, or in Cilium, at random)")
+
+
+def _slots(p: Path, slots: dict[int, tuple[str, str]], selection: str) -> list[Path]:
     p.note(f"connect() hook, services map: {slots[0][1]}")
     backends = [slots[s] for s in sorted(slots) if s > 0]
     if not backends:
@@ -154,7 +179,7 @@ def _slots(p: Path, slots: dict[int, tuple[str, str]]) -> list[Path]:
     for backend, line in backends:
         q = p.fork(Fraction(1, len(backends)))
         q.lookups += 2  # the chosen slot, then the backends map
-        q.note(f"slot chosen at random, 1/{len(backends)}: {line}")
+        q.note(f"{selection}, 1/{len(backends)}: {line}")
         q.result = (f"to {backend} (connect() rewrote the socket's destination: no packet is "
                     "translated, no source NAT)")
         q.lands = backend
@@ -163,8 +188,9 @@ def _slots(p: Path, slots: dict[int, tuple[str, str]]) -> list[Path]:
 
 
 BPF_ELSEWHERE = (
-    "socket LB: not here: this connection's connect() ran on another machine, and the cgroup "
-    "connect hook sees only this node's processes",
+    "socket LB: not on this path: it rewrites connect() of processes on this node inside the BPF "
+    "cgroup (a pod here would be served at connect(), no packet translated); SRC is neither a "
+    "--node-ip nor in --cluster-cidr, so this is traced as a packet arriving from elsewhere",
     "served on this node by usproxy's fallback for traffic from elsewhere: its nftables datapath "
     "(traced below with the nftables view's rules), or the relay where nftables is unavailable",
     "(Cilium's kube-proxy replacement serves such packets one by one in BPF at tc/XDP on the "
