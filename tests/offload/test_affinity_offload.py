@@ -236,7 +236,10 @@ def test_c15_affinity_timing_in_the_kernel(topology: Topology, tmp_path: Path, p
                 seen[c.source].add(c.ask())
         assert all(len(s) == 1 for s in seen.values()), f"(4) not sticky: {seen}"
         per_backend = Counter(next(iter(s)) for s in seen.values())
-        assert set(per_backend) == set(BACKENDS15) and min(per_backend.values()) >= 3, f"(4) {per_backend}"
+        # Spread, not balance: each client's first pick is numgen random over 3, so "every backend
+        # holds a client" fails by chance ~2e-5 of runs (3 x (2/3)^30), while "at least 3 each" failed
+        # ~2e-3 (one CI run saw 18/10/2). Uniformity is C17's test, over many more picks.
+        assert set(per_backend) == set(BACKENDS15), f"(4) {per_backend}"
         chosen = []
         for c in sorted(clients, key=lambda c: c.last):
             sleep_until(c.last + 7.0)
