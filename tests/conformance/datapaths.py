@@ -123,8 +123,4 @@ def pending(datapath: str, scenario: Scenario, flow: Flow) -> Pending | None:
     return None
 
 
-_KERNEL = ("relay", "nftables")
-_IEM = ("iem-base", "iem-no-localtrafficdetector", "iem-masqueradeall", "iem-masqueradeall-no-localtrafficdetector")
-_TO_CLUSTER_IP = ("to ClusterIP", "to ClusterIP with eTP:Local", "to ClusterIP with iTP:Local")
-
 PENDING: tuple[Pending, ...] = ()
