@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from usproxy.admin import path_drawing, web_view
+from usproxy.admin import mode_view, path_drawing, web_view
 from usproxy.admin.events import EventHub, Subscription
 from usproxy.app.agent import Agent
 from usproxy.config import ProxyConfig
@@ -205,7 +205,7 @@ def test_the_standalone_page_holds_every_service_and_mode_in_one_file() -> None:
         n_ports = sum(len(one.family_ports(f)) for f in one.families())
         for mode, drawing, rules in modes:
             assert drawing.count("<svg ") == n_ports, (name, mode)
-            assert unescape(rules) == web_view.RENDERERS[mode](one)
+            assert unescape(rules) == mode_view.RENDERERS[mode](one)
     assert standalone_page.render(ServiceSet(())).count("No Services to show.") == 1
 
 

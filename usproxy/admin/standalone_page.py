@@ -1,7 +1,7 @@
 """StandalonePage: the web view's drawings and rules for a set of Services as one self-contained
 HTML file, for people without a running agent (meant for `usproxy explain --html FILE`).
 
-The same content as the live page's "path of a connection" section (web_view.mode_views): per
+The same content as the live page's "path of a connection" section (mode_view.mode_views): per
 Service, per mode, the SVG of the path a new connection takes and the rules usproxy.explain renders
 for that Service. Self-contained: the stylesheet is the package's view.css inlined, the drawings are
 inline SVG, and there is no script and no link to any other file, so it opens from disk as it is.
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from html import escape
 
-from usproxy.admin.web_view import asset, mode_views
+from usproxy.admin.mode_view import mode_views
+from usproxy.admin.web_view import asset
 from usproxy.endpoint import Endpoint
 from usproxy.explain.service_set import ServiceSet
 from usproxy.service_port import ServicePort

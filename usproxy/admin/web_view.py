@@ -10,7 +10,8 @@ Read-only. Routes:
   "offloaded" / "demoted" / "userspace" as the offload manager publishes them
   (usproxy.admin.events); "lagged" with the count of events a slow page missed.
 - GET /view/service?name=NS/NAME: per mode, the SVG drawings of that Service's ports
-  (path_drawing) and the rules the mode holds for it (usproxy.explain's renderers).
+  (path_drawing) and the rules the mode holds for it (usproxy.explain's renderers; mode_view.py,
+  imported on the first such request: an agent nobody asks never loads usproxy.explain).
 
 The data is the agent's own: `services()` and `flows()` are what /services and /flows return. One
 snapshot task serves every open page (flows are dumped once per period, not once per page); it
@@ -26,18 +27,14 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from importlib import resources
 from typing import Any, Protocol, runtime_checkable
 
 from aiohttp import web
 
-from usproxy.admin import path_drawing
 from usproxy.admin.events import Event, EventHub
 from usproxy.admin.snapshot import free, rows_json
 from usproxy.datapath import ServicePortState
-from usproxy.explain import bpf, iptables, ipvs, nftables, userspace
-from usproxy.explain.service_set import Node, ServiceSet
 from usproxy.gc_pause import gc_paused
 from usproxy.node import NodeFacts
 from usproxy.types import NamespacedName
@@ -50,19 +47,6 @@ WRITE_TIMEOUT = 10.0  # seconds one write to a page may take before the page is 
 MAX_WATCHERS = 8  # streams at once
 MAX_FLOWS = 500  # flow rows per snapshot (the total is sent too)
 ASSETS = {"view.js": "application/javascript", "view.css": "text/css"}
-TITLES = {
-    "userspace": "userspace: kube-proxy 1.0's proxy, and usproxy's relay",
-    "iptables": "iptables: kube-proxy's iptables mode",
-    "ipvs": "ipvs: kube-proxy's IPVS mode",
-    "nftables": "nftables: kube-proxy's nftables mode",
-    "bpf": "bpf: a BPF socket load balancer",
-}
-RENDERERS: dict[str, Callable[[ServiceSet], str]] = {
-    "userspace": userspace.render, "iptables": iptables.render, "ipvs": ipvs.render,
-    "nftables": nftables.render, "bpf": bpf.render,
-}
-
-
 @runtime_checkable
 class WebSource(Protocol):
     """What the page reads from the agent (usproxy.app.agent.Agent is one)."""
@@ -80,23 +64,6 @@ class WebSource(Protocol):
 def asset(name: str) -> str:
     """The text of one file of usproxy/admin/static (shipped as package data)."""
     return resources.files("usproxy.admin").joinpath("static", name).read_text(encoding="utf-8")
-
-
-def service_set_of(source: WebSource, namespace: str, name: str) -> ServiceSet | None:
-    """The ServicePorts of one Service with their endpoints now (read on the loop, where the
-    agent's state lives); None when no ServicePort of it is known."""
-    ports = tuple((st.service_port, st.endpoints)
-                  for st in source.service_ports(NamespacedName(namespace, name)))
-    return ServiceSet(ports, Node(name=source.node.name)) if ports else None
-
-
-def mode_views(ss: ServiceSet) -> list[dict[str, Any]]:
-    """Per mode (path_drawing.MODES order): {"mode", "title", "rules": the text usproxy.explain
-    renders for `ss`, "svgs": one drawing per ServicePort and IP family}."""
-    fps = [fp for family in ss.families() for fp in ss.family_ports(family)]
-    return [{"mode": m, "title": TITLES[m], "rules": RENDERERS[m](ss),
-             "svgs": [path_drawing.render(path_drawing.path_of(m, fp)) for fp in fps]}
-            for m in path_drawing.MODES]
 
 
 class WebView:
@@ -126,6 +93,8 @@ class WebView:
 
     async def service(self, request: web.Request) -> web.Response:
         namespace, _, name = request.query.get("name", "").partition("/")
+        from usproxy.admin.mode_view import mode_views, service_set_of  # loads usproxy.explain
+
         ss = service_set_of(self.source, namespace, name)
         if ss is None:
             raise web.HTTPNotFound(text=f"no Service {namespace}/{name}\n")
