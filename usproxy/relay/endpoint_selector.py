@@ -29,6 +29,9 @@ from usproxy.service_port import LBPolicy, SessionAffinity
 FAIL_BACKOFF = 2.0  # seconds a failed endpoint is skipped
 PURGE_MIN = 1024  # affinity entries before expired ones are first purged
 MAX_PINS = 65536  # live affinity entries per ServicePort (~200 B each)
+# One generator for every selector without one of its own: a Random holds ~5 KiB of state, so
+# one per selector cost a 900-listener agent ~4.5 MiB; picks stay uniform and independent.
+_SHARED_RNG = random.Random()
 
 
 @dataclass(slots=True)
@@ -53,7 +56,7 @@ class EndpointSelector:
         self.affinity: SessionAffinity = affinity
         self.timeout = timeout
         self.clock = clock
-        self.rng = rng or random.Random()
+        self.rng = rng or _SHARED_RNG
         self.endpoints: tuple[Endpoint, ...] = ()
         self._next = 0
         self._pins: dict[str, Affinity] = {}
