@@ -43,6 +43,10 @@ class Affinity:
 class EndpointSelector:
     """Picks endpoints for one ServicePort (one traffic kind)."""
 
+    # slotted: two per ServicePort, so per-instance dicts add up on nodes with many Services
+    __slots__ = ("policy", "affinity", "timeout", "clock", "rng", "endpoints", "_next", "_pins",
+                 "_failed_until", "_purge_at", "active")
+
     def __init__(
         self,
         policy: LBPolicy = "roundRobin",

@@ -59,6 +59,9 @@ Listening = set[tuple[str, int, str]]  # (address, port, protocol) of every list
 class ServicePortRelay:
     """Listeners, selectors and flow bookkeeping of one ServicePort."""
 
+    __slots__ = ("spn", "state", "admission", "udp", "listening", "default_policy", "selectors",
+                 "listeners", "errors", "failures", "firewall", "filtered")
+
     def __init__(self, state: ServicePortState, *, admission: FlowAdmission, udp: UdpRelay,
                  listening: Listening, default_policy: LBPolicy) -> None:
         """`default_policy` applies where the ServicePort names no load-balancing policy."""

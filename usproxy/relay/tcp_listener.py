@@ -70,6 +70,8 @@ def accepts_atomically(loop: asyncio.AbstractEventLoop) -> bool:
 class TcpListener:
     """A frontend's listening socket; `factory()` makes the protocol of each connection."""
 
+    __slots__ = ("sock", "factory", "loop", "server", "handing", "retry", "closed")
+
     def __init__(self, sock: socket.socket, factory: ProtocolFactory) -> None:
         self.sock = sock
         self.factory = factory

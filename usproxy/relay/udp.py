@@ -191,6 +191,8 @@ class UdpRelay:
 class UdpListener:
     """A UDP socket bound to one frontend (ClusterIP:port, external IP:port or node IP:NodePort)."""
 
+    __slots__ = ("relay", "owner", "frontend", "kind", "flows", "sources", "sock")
+
     def __init__(self, relay: UdpRelay, owner: FlowOwner, frontend: HostPort, kind: TrafficKind) -> None:
         self.relay = relay
         self.owner = owner
