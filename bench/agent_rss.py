@@ -84,7 +84,8 @@ def one_round(n: int, settle: float, pythonpath: str, env_extra: dict[str, str])
                     "--offload", "none", "--healthz-bind-address", HEALTHZ,
                     "--metrics-bind-address", METRICS, "--vip-interface", "usprss0"]
             with open(Path(d) / "agent.log", "w") as logf:
-                proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT)
+                # cwd: `-m` puts it first on sys.path, and the package measured is PYTHONPATH's
+                proc = subprocess.Popen(argv, env=env, cwd=d, stdout=logf, stderr=subprocess.STDOUT)
             try:
                 t0 = time.monotonic()
                 while not _synced(ns):
