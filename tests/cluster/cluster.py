@@ -126,13 +126,12 @@ class Cluster:
             time.sleep(0.1)
         raise RuntimeError(f"agent n{i} did not sync:\n{self.log(i)}")
 
-    def uplink_napi(self, i: int) -> None:
-        """An XDP program that passes everything at the lan side of node i's eth0: a veth delivers
-        frames its peer sends with XDP_TX only while it runs NAPI, as a NIC's wire always would
-        (GRO alone turns NAPI on too, but here it lost every XDP_TX frame after the first). The
-        program is usproxy's own on fresh, empty maps: it passes every packet. The external
-        client's checksums are made complete (tx checksum offload off): a frame a veth hands to
-        XDP carries the sender's partial checksum, which no wire delivers."""
+    def uplink_xdp(self, i: int) -> None:
+        """An XDP program that passes everything at the lan side of node i's eth0, as the wire of
+        a NIC would take every frame: a veth wakes its peer's NAPI for frames sent with XDP_TX
+        only when the peer runs an XDP program (drivers/net/veth.c veth_xdp_flush; GRO alone
+        leaves them unpolled in the ring, see uplink_gro). The program is usproxy's own on fresh,
+        empty maps: it passes every packet."""
         from usproxy.offload.bpf import libbpf as bpf
         from usproxy.offload.bpf.build import object_path
 
@@ -143,7 +142,19 @@ class Cluster:
                 self.fds.append(bpf.xdp_link_create(obj.prog_fd("usp_xdp"), socket.if_nametoindex(self.uplinks[i])))
         finally:
             obj.close()
-        with inside(self.ns("ext")):
+
+    def uplink_gro(self, i: int) -> None:
+        """GRO on the lan side of node i's eth0: the peer gets a NAPI (xdp-features NDO_XMIT on
+        eth0) but no XDP program, the case where XDP_TX frames are queued and never polled."""
+        with inside(self.ns("lan")):
+            ethtool_set(self.uplinks[i], ETHTOOL_SGRO, True)
+
+    def wire_checksums(self, ns: str) -> None:
+        """Complete checksums from `ns`'s sockets (tx checksum offload off on its eth0), as every
+        frame from a wire has: a veth hands XDP a local sender's partial checksum, which xdp_lb.h
+        leaves to tc (it cannot complete one), so a lab whose senders offload would see XDP serve
+        nothing of their traffic."""
+        with inside(ns):
             ethtool_set("eth0", ETHTOOL_STXCSUM, False)
 
     def stop_agent(self, i: int, sig: int = signal.SIGTERM) -> int:
@@ -204,7 +215,7 @@ class Cluster:
         nsexec(b, "ip", "route", "add", "default", "via", b_gateway)
 
 
-SIOCETHTOOL, ETHTOOL_STXCSUM = 0x8946, 0x00000017
+SIOCETHTOOL, ETHTOOL_STXCSUM, ETHTOOL_SGRO = 0x8946, 0x00000017, 0x0000002c
 
 
 def ethtool_set(ifname: str, cmd: int, on: bool) -> None:
@@ -212,3 +223,22 @@ def ethtool_set(ifname: str, cmd: int, on: bool) -> None:
     value = ctypes.create_string_buffer(struct.pack("=II", cmd, int(on)))
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         fcntl.ioctl(s.fileno(), SIOCETHTOOL, struct.pack("16sP", ifname.encode(), ctypes.addressof(value)))
+
+
+ETHTOOL_GDRVINFO, ETHTOOL_GSTRINGS, ETHTOOL_GSTATS, ETH_SS_STATS, ETH_GSTRING_LEN = 0x3, 0x1b, 0x1d, 1, 32
+
+
+def ethtool_stats(ifname: str) -> dict[str, int]:
+    """`ethtool -S IFNAME` in the current netns (a veth's: rx_queue_0_xdp_tx, peer_tq_0_xdp_xmit_errors,
+    ...; SIOCETHTOOL GDRVINFO for the count, then GSTRINGS and GSTATS, include/uapi/linux/ethtool.h)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        def ask(buf: ctypes.Array[ctypes.c_char]) -> bytes:
+            fcntl.ioctl(s.fileno(), SIOCETHTOOL, struct.pack("16sP", ifname.encode(), ctypes.addressof(buf)))
+            return buf.raw
+
+        info = ask(ctypes.create_string_buffer(struct.pack("=I", ETHTOOL_GDRVINFO), 196))
+        n = struct.unpack_from("=I", info, 180)[0]
+        raw = ask(ctypes.create_string_buffer(struct.pack("=III", ETHTOOL_GSTRINGS, ETH_SS_STATS, n), 12 + n * ETH_GSTRING_LEN))
+        names = [raw[12 + i * ETH_GSTRING_LEN:12 + (i + 1) * ETH_GSTRING_LEN].split(b"\0")[0].decode() for i in range(n)]
+        values = struct.unpack_from(f"={n}Q", ask(ctypes.create_string_buffer(struct.pack("=II", ETHTOOL_GSTATS, n), 8 + 8 * n)), 8)
+        return dict(zip(names, values))

@@ -118,7 +118,8 @@ def probe_bpf_tc() -> Capability:
                                   "IPs and externalIPs can be served at tc (--offload bpf)")
 def probe_xdp() -> Capability:
     """Which interfaces could serve NodePorts at XDP (--bpf-lb-acceleration native): the
-    interfaces the tc programs would hook, by their drivers' xdp-features (nothing attached)."""
+    interfaces the tc programs would hook, by their drivers' xdp-features and, for a veth, whether
+    its peer runs XDP (xdp.py; nothing attached)."""
     try:
         from usproxy.offload.bpf import nodeport, xdp
 

@@ -165,16 +165,23 @@ def test_tc_attach_probe_attaches_detaches_and_reports_a_failure(topology: Topol
             loader.probe_tc_attach(ifindex + 1000)  # no such interface: the probe says no
 
 
-def test_xdp_runs_where_the_driver_has_native_xdp_and_a_veth_peer_runs_napi() -> None:
+def test_xdp_runs_where_the_driver_has_native_xdp_and_a_veth_peer_runs_xdp() -> None:
     from usproxy.offload.bpf import xdp
 
     hooked = nodeport.choose(LINKS, ADDRS, ())  # eth0 (2), cbr0 (3), eth1 (5)
     basic, xmit = xdp.XDP_ACT_BASIC, xdp.XDP_ACT_NDO_XMIT
     kinds = {2: "veth", 3: "bridge", 5: ""}
-    plan = xdp.plan(hooked, kinds, {2: basic | xmit, 3: 0, 5: basic})
+    plan = xdp.plan(hooked, kinds, {2: basic | xmit, 3: 0, 5: basic}, {2: True})
     assert plan.ifindexes == (2, 5)
     assert plan.refused == (("cbr0", "no native XDP in its driver (bridge)"),)
-    no_napi = xdp.plan(hooked, kinds, {2: basic, 3: 0, 5: basic})
-    assert no_napi.ifindexes == (5,) and no_napi.refused[0][0] == "eth0"  # veth: XDP_TX needs the peer's NAPI
-    assert xdp.plan(hooked, kinds, None).ifindexes == ()  # features unreadable: tc only
+    # veth: XDP_TX frames are polled at the peer only when it runs XDP; GRO alone gives NDO_XMIT
+    gro = xdp.plan(hooked, kinds, {2: basic | xmit, 3: 0, 5: basic}, {2: False})
+    assert gro.ifindexes == (5,) and gro.refused[0] == (
+        "eth0", "veth whose peer runs GRO but no XDP program: frames sent with XDP_TX would wait unpolled in the peer's ring")
+    no_napi = xdp.plan(hooked, kinds, {2: basic, 3: 0, 5: basic}, {2: False})
+    assert no_napi.ifindexes == (5,) and no_napi.refused[0] == (
+        "eth0", "veth whose peer runs no XDP program: frames sent with XDP_TX would be dropped")
+    unread = xdp.plan(hooked, kinds, {2: basic | xmit, 3: 0, 5: basic}, {})
+    assert unread.ifindexes == (5,) and "peer is unreadable" in unread.refused[0][1]
+    assert xdp.plan(hooked, kinds, None, {2: True}).ifindexes == ()  # features unreadable: tc only
     assert "XDP (native) on eth0, eth1; tc only on cbr0" in plan.detail({h.ifindex: h.name for h in hooked})

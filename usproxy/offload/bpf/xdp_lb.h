@@ -9,11 +9,13 @@
  * driver's frame before an skb exists, for IPv4 TCP/UDP with a 20-byte IP header, no fragment and
  * no VLAN tag. XDP sends a frame only back out of the interface it came in on (XDP_TX), with the
  * MAC addresses bpf_fib_lookup gives: the common NodePort case (client and remote backend both
- * behind the node's uplink), client to backend. Replies stay with tc (see xdp_reply). Everything else is XDP_PASS, and usp_tc_ingress
- * serves it as without XDP: a backend behind another interface (a pod bridge, which has no native
+ * behind the node's uplink), client to backend (DNAT, SNAT) and backend to client (the reverse
+ * NAT of the reply entry, xdp_reply). Everything else is XDP_PASS, and usp_tc_ingress serves it as
+ * without XDP: a backend or client behind another interface (a pod bridge, which has no native
  * XDP), a next hop without a neighbour entry yet (tc's bpf_redirect_neigh resolves it), an expired
  * or stale ct entry (tc deletes it and selects again), a NodePort without endpoints, a Service
- * with sessionAffinity, LoadBalancer IPs and externalIPs (not usp_tc_addrs destinations).
+ * with sessionAffinity, DSR flows, LoadBalancer IPs and externalIPs (not usp_tc_addrs
+ * destinations), and a frame with a partial L4 checksum (xdp_csum_partial).
  *
  * usp_xdp_stats counts per CPU what XDP did (XDP_STAT_*), for tests and the benchmark.
  *
@@ -26,7 +28,12 @@
 #define XDP_STAT_NEW	0		/* new NodePort flow NATed and sent at XDP */
 #define XDP_STAT_KNOWN	1		/* packet of a known flow sent at XDP */
 #define XDP_STAT_PASS	2		/* a new NodePort flow left to tc */
-#define XDP_STATS	3
+#define XDP_STAT_REPLY	3		/* reply of a known flow reverse-NATed and sent at XDP */
+#define XDP_STAT_PARTIAL 4		/* packet of a known flow with a partial checksum left to tc */
+#define XDP_STATS	8		/* room for more; pins of the 3-entry map from before REPLY
+					 * are reused as they are (bpf_map__reuse_fd takes the pinned
+					 * map's shape): REPLY and PARTIAL stay uncounted there
+					 * (the lookup fails) until --cleanup */
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -118,6 +125,27 @@ static __always_inline void l4_csum(struct xdp_hdrs *h, __u8 proto, __u16 sum)
 	*h->csum = sum;
 }
 
+/* Whether the L4 checksum is a partial one: the folded pseudo-header sum a sender with checksum
+ * offload leaves for the device to complete (__tcp_v4_send_check, udp4_hwcsum; CHECKSUM_PARTIAL).
+ * No wire delivers one, but a veth hands XDP the skb of a local sender as it is, and XDP cannot
+ * finish it: the frame XDP_TX sends becomes an skb with CHECKSUM_NONE at the peer, whose stack
+ * then drops it as corrupt (TcpInCsumErrors). tc can (bpf_l4_csum_replace knows the skb's state),
+ * so such frames pass. A complete checksum equal to the pseudo-header sum (1 in 65536) passes too:
+ * tc serves it as well. */
+static __always_inline int xdp_csum_partial(const struct xdp_hdrs *h)
+{
+	__u32 s, l4len;
+
+	if (!h->csum)
+		return 0;
+	l4len = bpf_ntohs(h->ip->tot_len) - sizeof(struct iphdr);
+	s = (h->ip->saddr & 0xffff) + (h->ip->saddr >> 16) + (h->ip->daddr & 0xffff) +
+	    (h->ip->daddr >> 16) + bpf_htons((__u16)h->ip->protocol) + bpf_htons((__u16)l4len);
+	s = (s & 0xffff) + (s >> 16);
+	s = (s & 0xffff) + (s >> 16);
+	return *h->csum == (__u16)s;
+}
+
 /* Rewrite the frame's tuple to (saddr:sport -> daddr:dport), both checksums updated. */
 static __always_inline void xdp_rewrite(struct xdp_hdrs *h, struct pkt *p, __u32 saddr, __u16 sport,
 					__u32 daddr, __u16 dport)
@@ -136,13 +164,13 @@ static __always_inline void xdp_rewrite(struct xdp_hdrs *h, struct pkt *p, __u32
 
 /* The route to `daddr` when it leaves through the interface the frame came in on and its next
  * hop's MAC is known; 0 and `fib` filled, else -1 (tc's bpf_redirect_neigh does the rest). */
-static __always_inline int xdp_route(struct xdp_md *ctx, struct xdp_hdrs *h, __u32 daddr,
+static __always_inline int xdp_route(struct xdp_md *ctx, struct xdp_hdrs *h, __u32 saddr, __u32 daddr,
 				     struct bpf_fib_lookup *fib)
 {
 	fib->family = AF_INET_;
 	fib->l4_protocol = h->ip->protocol;
 	fib->tot_len = bpf_ntohs(h->ip->tot_len);
-	fib->ipv4_src = h->ip->saddr;
+	fib->ipv4_src = saddr;
 	fib->ipv4_dst = daddr;
 	fib->ifindex = ctx->ingress_ifindex;
 	if (bpf_fib_lookup(ctx, fib, sizeof(*fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
@@ -169,15 +197,29 @@ static __always_inline struct ct_val *ct_peek(struct ct_key *k, __u64 now)
 	return v;
 }
 
-/* A reply of a known flow stays with tc (XDP_PASS, untouched), -1 when the packet is none: sent
- * back out with XDP_TX on a veth, reverse-NATed replies were lost before the peer's stack
- * (forward packets were not); why is open work, and tc's bpf_redirect_neigh delivers them. */
-static __always_inline int xdp_reply(struct pkt *p, __u64 now)
+/* A reply of a known flow, reverse-NATed (backend -> SNAT address becomes NodePort -> client) and
+ * sent back out with XDP_TX, as reply_nat at tc; XDP_PASS when tc must (DSR entries, a client not
+ * behind this interface or without a neighbour entry); -1 when the packet is no reply. */
+static __always_inline int xdp_reply(struct xdp_md *ctx, struct xdp_hdrs *h, struct pkt *p, __u64 now)
 {
+	struct bpf_fib_lookup fib = {};
 	struct ct_key k = p->t;
+	struct ct_val *v;
 
 	k.dir = CT_REPLY;
-	return ct_peek(&k, now) ? XDP_PASS : -1;
+	v = ct_peek(&k, now);
+	if (!v)
+		return -1;
+	if (v->flags & CT_DSR)
+		return XDP_PASS;
+	if (xdp_csum_partial(h)) {
+		xdp_count(XDP_STAT_PARTIAL);
+		return XDP_PASS;
+	}
+	if (xdp_route(ctx, h, v->nat_saddr, v->nat_daddr, &fib) < 0 || !ct_get(&k, p, now))
+		return XDP_PASS;
+	xdp_rewrite(h, p, v->nat_saddr, v->nat_sport, v->nat_daddr, v->nat_dport);
+	return xdp_send(h, &fib, XDP_STAT_REPLY);
 }
 
 /* A packet of a known flow whose backend is still the Service's: -1 when there is none. */
@@ -194,7 +236,11 @@ static __always_inline int xdp_known(struct xdp_md *ctx, struct xdp_hdrs *h, str
 	be = bpf_map_lookup_elem(&usp_backends, &v->backend_id);
 	if (!be || be->addr[3] != v->nat_daddr || (__u16)be->port != v->nat_dport)
 		return XDP_PASS;
-	if (xdp_route(ctx, h, v->nat_daddr, &fib) < 0 || !ct_get(&p->t, p, now))
+	if (xdp_csum_partial(h)) {
+		xdp_count(XDP_STAT_PARTIAL);
+		return XDP_PASS;
+	}
+	if (xdp_route(ctx, h, v->nat_saddr ? v->nat_saddr : p->t.saddr, v->nat_daddr, &fib) < 0 || !ct_get(&p->t, p, now))
 		return XDP_PASS;
 	xdp_rewrite(h, p, v->nat_saddr ? v->nat_saddr : p->t.saddr, v->nat_saddr ? v->nat_sport : p->t.sport,
 		    v->nat_daddr, v->nat_dport);
@@ -217,11 +263,11 @@ static __always_inline int xdp_new(struct xdp_md *ctx, struct xdp_hdrs *h, struc
 	svc = bpf_map_lookup_elem(&usp_services, &key);
 	if (!svc)
 		return XDP_PASS;
-	if (!svc->count || (svc->flags & (F_AFFINITY | F_DSR)))	/* DSR writes an IP option: tc's */
+	if (!svc->count || (svc->flags & (F_AFFINITY | F_DSR)) || xdp_csum_partial(h))	/* DSR writes an IP option: tc's */
 		goto to_tc;
 	id = tc_pick(p, svc);
 	be = backend_of(svc, id);
-	if (!be || !is_v4_mapped(be->addr) || xdp_route(ctx, h, be->addr[3], &fib) < 0)
+	if (!be || !is_v4_mapped(be->addr) || xdp_route(ctx, h, p->t.saddr, be->addr[3], &fib) < 0)
 		goto to_tc;
 	ifaddr = bpf_map_lookup_elem(&usp_tc_ifaces, &fib.ifindex);
 	if (ifaddr && !(svc->flags & F_LOCAL_ONLY)) {
@@ -248,7 +294,7 @@ int usp_xdp(struct xdp_md *ctx)
 
 	if (xdp_parse(ctx, &h, &p) < 0)
 		return XDP_PASS;
-	ret = xdp_reply(&p, now);
+	ret = xdp_reply(ctx, &h, &p, now);
 	if (ret >= 0)
 		return ret;
 	ret = xdp_known(ctx, &h, &p, now);
