@@ -34,7 +34,7 @@ from aiohttp import web
 
 from usproxy.admin import path_drawing
 from usproxy.admin.events import Event, EventHub
-from usproxy.admin.snapshot import free, rows_json
+from usproxy.admin.snapshot import free, rows_json, write_chunked
 from usproxy.datapath import ServicePortState
 from usproxy.explain import bpf, iptables, ipvs, nftables, userspace
 from usproxy.explain.service_set import Node, ServiceSet
@@ -152,7 +152,7 @@ class WebView:
                 if sub.dropped > told:  # the page fell behind: say how many events it missed
                     told = sub.dropped
                     payload += f"event: lagged\ndata: {json.dumps({'dropped': told})}\n\n".encode()
-                await asyncio.wait_for(resp.write(payload), WRITE_TIMEOUT)
+                await asyncio.wait_for(write_chunked(resp, payload), WRITE_TIMEOUT)  # a snapshot is MBs
         except (ConnectionError, TimeoutError):
             pass  # the page went away or stalled: drop it
         finally:
