@@ -85,14 +85,14 @@ async def encoded_rows(rows_of: Callable[[], Awaitable[list[dict[str, Any]]]]) -
         return await asyncio.to_thread(encode_and_free, await rows_of())
 
 
-async def write_chunked(resp: web.StreamResponse, body: bytes | Sequence[bytes]) -> None:
+async def write_chunked(resp: web.StreamResponse, body: bytes | Sequence[bytes | memoryview]) -> None:
     """Write `body` (bytes, or parts to send one after another) to a prepared `resp` at most
     WRITE_CHUNK bytes at a time: one write of a 15 MB view copies it whole on the loop (~10 ms);
     a write that fills the socket's buffer waits for it to drain. Slices are memoryviews: nothing
     is copied before the transport takes it."""
     for part in [body] if isinstance(body, bytes) else body:
         view = memoryview(part)
-        for at in range(0, len(part), WRITE_CHUNK):
+        for at in range(0, view.nbytes, WRITE_CHUNK):
             await resp.write(view[at:at + WRITE_CHUNK])
 
 
