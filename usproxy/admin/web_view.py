@@ -15,8 +15,9 @@ Read-only. Routes:
 The data is the agent's own: `services()` and `flows()` are what /services and /flows return. One
 snapshot task serves every open page (flows are dumped once per period, not once per page); it
 runs only while a page is open. At most MAX_WATCHERS streams at once (503 beyond), so pages never
-take the listener's connections from /metrics; a stream whose write does not finish within
-WRITE_TIMEOUT seconds (a stalled browser) is closed.
+take the listener's connections from /metrics; a stream whose write of a payload (written in
+chunks, snapshot.write_chunked) does not finish within WRITE_TIMEOUT seconds (a stalled browser)
+is closed.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_PERIOD = 0.5  # seconds between two snapshots while a page is open
 HEARTBEAT = 15.0  # seconds of silence after which a comment line keeps the stream open
-WRITE_TIMEOUT = 10.0  # seconds one write to a page may take before the page is dropped
+WRITE_TIMEOUT = 10.0  # seconds writing one payload to a page may take before the page is dropped
 MAX_WATCHERS = 8  # streams at once
 MAX_FLOWS = 500  # flow rows per snapshot (the total is sent too)
 ASSETS = {"view.js": "application/javascript", "view.css": "text/css"}
