@@ -31,6 +31,7 @@ import json
 import sys
 import tempfile
 import time
+import weakref
 from asyncio.subprocess import PIPE
 from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
@@ -41,6 +42,7 @@ import pytest
 
 from tests.sources.conftest import FAST, eps, eventually, svc
 from tests.sources.fake_apiserver import FakeApiServer, kubeconfig_text
+from usproxy import gc_pause
 from usproxy.admin import path_drawing
 from usproxy.admin.events import EventHub
 from usproxy.admin.snapshot import JOIN, SharedBuild, encode_and_free, rows_json, rows_json_pretty
@@ -418,6 +420,30 @@ async def test_event_loop_stalls_full_collection_after_a_large_sync(big_agent: A
     took = time.process_time() - start
     print(f"full collection after a sync of {SERVICES} Services: {took * 1000:.1f} ms CPU")
     assert took < GC_BOUND
+
+
+class Cyclic:
+    """An object in a reference cycle with itself (only the collector frees it)."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_event_loop_stalls_frozen_cycles_reclaimed_after_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cycle alive at a freeze and dropped later survives collections until a freeze
+    RECLAIM_INTERVAL after the last reclaim gives the frozen heap back and collects it."""
+    monkeypatch.setattr(gc_pause, "_last_reclaim", None)
+    now = 1000.0
+    obj = Cyclic()
+    ref = weakref.ref(obj)
+    gc_pause.freeze_heap(lambda: now)
+    del obj
+    gc.collect()
+    assert ref() is not None  # frozen: no collection sees it
+    gc_pause.freeze_heap(lambda: now + gc_pause.RECLAIM_INTERVAL - 1)
+    assert ref() is not None
+    gc_pause.freeze_heap(lambda: now + gc_pause.RECLAIM_INTERVAL)
+    assert ref() is None and gc.get_freeze_count() > 0
 
 
 async def first_event(a: Agent) -> tuple[bytes, float]:
