@@ -233,3 +233,20 @@ async def test_offload_wake_up_is_not_a_source_change_in_programming_latency() -
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
         await p.close()
+
+
+async def test_service_ports_gauge_staged_only_for_its_scrape() -> None:
+    """Metrics.scrape counts placements in chunks before rendering; the counts it staged are
+    dropped after its render, so a later render counts afresh (never a stale scrape's counts)."""
+    from prometheus_client import generate_latest
+
+    p = Proxier([FakeDatapath("userspace")])
+    p.on_services_synced()
+    p.on_endpoint_slices_synced()
+    p.on_service_update(None, service("a", "10.96.0.1"))
+    await p.sync()
+    assert 'usproxy_service_ports{datapath="userspace"} 1.0' in (await p.metrics.scrape()).decode()
+    p.on_service_update(None, service("b", "10.96.0.2"))
+    await p.sync()
+    assert 'usproxy_service_ports{datapath="userspace"} 2.0' in generate_latest(p.metrics.registry).decode()
+    assert (await p.metrics.scrape()) == generate_latest(p.metrics.registry)

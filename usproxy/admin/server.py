@@ -31,11 +31,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from usproxy.admin import web_view
 from usproxy.admin.health import Health
-from usproxy.admin.snapshot import SharedBuild, encoded_rows
+from usproxy.admin.snapshot import SharedBuild, encoded_rows, write_chunked
 from usproxy.metrics import Metrics
 from usproxy.ratelimit import RateLimitedLog
 
@@ -45,7 +45,6 @@ MAX_CONNECTIONS = 64  # per listener; two listeners take at most a half of FD_RE
 FD_SHARE = 16  # and at most 1/16 of the descriptor limit each (FD_RESERVE is at least 1/4 of it)
 IDLE_TIMEOUT = 10.0  # seconds a connection may stay without a complete request head
 MAX_HEAD_LINE = 8190  # bytes of the request line and of each header (aiohttp's default, stated)
-WRITE_CHUNK = 1 << 18  # bytes of a big answer written at a time
 
 
 class AdminView(Protocol):
@@ -64,15 +63,12 @@ def _json(body: object, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(body, indent=1) + "\n", status=status, content_type="application/json")
 
 
-async def _send_json(request: web.Request, body: bytes) -> web.StreamResponse:
-    """Answer with `body` (JSON) WRITE_CHUNK bytes at a time: one write of a 15 MB view copies it
-    whole on the loop (~10 ms); a write that fills the socket's buffer waits for it to drain."""
+async def _send_json(request: web.Request, body: list[bytes]) -> web.StreamResponse:
+    """Answer with `body` (JSON text in parts) a chunk at a time (snapshot.write_chunked)."""
     resp = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
-    resp.content_length = len(body)
+    resp.content_length = sum(len(part) for part in body)
     await resp.prepare(request)
-    view = memoryview(body)
-    for at in range(0, len(body), WRITE_CHUNK):
-        await resp.write(view[at:at + WRITE_CHUNK])
+    await write_chunked(resp, body)
     await resp.write_eof()
     return resp
 
@@ -93,8 +89,10 @@ def health_routes(app: web.Application, view: AdminView) -> None:
 
 
 def metrics_routes(app: web.Application, view: AdminView) -> None:
+    metrics_build = SharedBuild(view.metrics.scrape)
+
     async def metrics(request: web.Request) -> web.Response:
-        body = generate_latest(view.metrics.registry)
+        body = await metrics_build.get()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     services_build = SharedBuild(lambda: encoded_rows(view.services))
