@@ -25,18 +25,25 @@ metric runs for every contender before the next). Metrics with bench.clients: ne
 request/response at c=16, bulk (one stream, `--bulk-mib`). Ratios: the median over rounds of
 (contender ÷ nftables in that round).
 
-CPU per 10,000 new connections: every namespace shares one kernel, and softirq work on a veth runs
-on the CPU that sent the packet, so no CPU belongs to the ingress node alone. The bench reads the
-machine's kernel time (system + irq + softirq of /proc/stat's `cpu` line) over the short-connection
-window and divides by the connections made: `kernel ms /10k`. The same client, server, lan router
-and backend node work is in every contender's figure, and `direct` has all of it but the ingress
-node; so `node ms /10k` = contender − direct of the same round (median over rounds) is the kernel
-time the ingress node's NodePort path adds (the extra hop, the NAT, and in SNAT the reply's hop
-back). Other load on the machine lands in these figures too: read them as ratios.
+CPU per 10,000 new connections on the ingress node: every namespace shares one kernel, and the
+receive work of a veth runs on the CPU that sent into it, so no CPU belongs to a node by itself.
+The bench makes one (Testbed.steer): RPS sends the receive work of the ingress nodes' eth0 to CPU
+1 (NODE_CPU) and that of every other interface (client, lan router, backend node, pod) to CPU 0;
+the forwarding, NAT and tc programs of an ingress node then run in CPU 1's softirq, up to the
+handoff to the lan's veth, whose receive work goes back to CPU 0. XDP runs before RPS, in the NAPI
+poll of the CPU that sent into the veth: the XDP node's eth0 NAPI is made a kernel thread pinned
+to CPU 1, and its lan-side peer's (where XDP_TX lands) a thread pinned to CPU 0. Node CPU = CPU
+1's softirq time (/proc/stat, tick-sampled: this kernel has no IRQ time accounting, HZ 250) plus
+that NAPI thread's time, over the measurement window, per 10,000 connections (and per 10,000
+requests, per GiB). `direct` has no ingress node: its figure is what else lands on CPU 1's
+softirq (other processes' timers, other load on the machine); "over direct" subtracts it, round by
+round. The machine's kernel and busy time per unit are in the JSON as well. Steering applies to
+every contender alike, and it is not how a real node runs: the rates are those of this layout.
 
 XDP on veth needs NAPI at the lan side of n5's eth0 (Cluster.uplink_napi) and complete checksums
 from the client (tx checksum offload off in ext, which also turns off TSO): with XDP included
-every contender shares that client, so bulk is segmented by the client for all. `--no-xdp`
+every contender shares that client, so bulk is segmented by the client for all, and the XDP
+contender runs on threaded NAPI (see above), which costs it a thread wakeup per poll. `--no-xdp`
 leaves n5 out and keeps the client's offloads. Everything (netns, processes, pins under
 /sys/fs/bpf/usproxy-bench16-*, cgroups) is removed on exit, also on failure and Ctrl-C.
 Results: bench/results/<stem>.json (every sample) and .md (the table); reported, never asserted.
@@ -55,7 +62,6 @@ import secrets
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -210,10 +216,18 @@ class Testbed:
             # Short connections leave conntrack entries in TIME_WAIT (nftables node, router): keep
             # them from piling up across rounds. These namespaces only.
             nsexec(ns, "sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_timeout_time_wait=1", check=False)
-        server = self.procs.spawn(pod, [PYTHON, "-m", "bench.servers", "pod"], stdout=subprocess.PIPE)
-        assert server.stdout is not None
-        if server.stdout.readline().strip() != b"ready":
-            raise RuntimeError("bench.servers did not start")
+        # No TIME_WAIT at the server (it closes first): direct and DSR reach it with the same client
+        # address and port, and the SNAT nodes reuse ports across client addresses, each with its
+        # own TCP timestamp offset; a SYN meeting a TIME_WAIT of another path fails PAWS and waits
+        # for its retransmission (1 s and more), which no path's own speed has to do with.
+        nsexec(pod, "sysctl", "-qw", "net.ipv4.tcp_max_tw_buckets=0")
+        self.server_log = self.work / "server.log"
+        self.server = self.procs.spawn(pod, [PYTHON, "-m", "bench.servers", "pod"], log=self.server_log)
+        deadline = time.monotonic() + 10
+        while b"ready" not in self.server_log.read_bytes():
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"bench.servers did not start: {self.server_log.read_text()}")
+            time.sleep(0.05)
         self.api = ApiThread(c.ns("lan"))
         kubeconfig = self.work / "kubeconfig"
         kubeconfig.write_text(self.api.start([("services", service()), ("endpointslices", endpoint_slice())]))
@@ -276,6 +290,16 @@ class Testbed:
                 raise RuntimeError(f"n{i} did not offload to {datapath}: {rows}\n{self.cluster.log(i)}")
             time.sleep(0.2)
 
+    def describe(self, c: Contender) -> str:
+        """The ingress node's view of the Service (its /services rows), for a failed measurement."""
+        if c.node is None:
+            return "direct"
+        try:
+            rows = self.cluster.admin(c.node, "/services")
+        except OSError as err:
+            return f"n{c.node}'s admin API: {err}; agent exit code {self.cluster.agents[c.node].poll()}"
+        return f"n{c.node}: " + json.dumps(rows)[:600]
+
     def xdp_counters(self) -> dict[str, int] | None:
         """n5's usp_xdp_stats (new, known, pass), summed over CPUs: XDP really carried the flows."""
         if self.xdp_node is None:
@@ -290,6 +314,10 @@ class Testbed:
             os.close(fd)
 
     def close(self) -> None:
+        keep = os.environ.get("BENCH_EXTERNAL_LOGS")  # a directory to copy the agents' logs to
+        if keep:
+            for f in [*self.work.glob("agent-*.log"), self.work / "server.log"]:
+                shutil.copy(f, Path(keep) / f.name)
         # the agents' watch streams are cut below: aiohttp would log a traceback for each
         logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
         self.cluster.close()  # agents (SIGTERM), the XDP link fds, every namespace
@@ -408,6 +436,8 @@ class Bench:
         r, cpu = self._windowed(c, {"op": "conn", "conc": self.plan.conn_conc, "sources": SOURCES, "procs": 2})
         self._record("conn_cps", c, r["conns"] / r["seconds"])
         self._record("conn_errors", c, float(r["errors"]))
+        if r["errors"] or not r["conns"]:
+            log(f"  {c.name}: {r['conns']} connections, {r['errors']} errors; {self.bed.describe(c)}")
         if r["conns"]:
             self._record_cpu("conn_ms_per_10k", c, cpu, r["conns"] / 1e7)
 
@@ -545,6 +575,9 @@ def main() -> int:
     args = parse()
     if os.geteuid() != 0:
         print("bench.external needs root (network namespaces, BPF)", file=sys.stderr)
+        return 2
+    if NODE_CPU not in os.sched_getaffinity(0):
+        print(f"bench.external steers the ingress nodes' work to CPU {NODE_CPU}: it needs two CPUs", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
     quick = args.quick
