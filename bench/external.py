@@ -43,7 +43,8 @@ every contender alike, and it is not how a real node runs: the rates are those o
 XDP on veth needs NAPI at the lan side of n5's eth0 (Cluster.uplink_napi) and complete checksums
 from the client (tx checksum offload off in ext, which also turns off TSO): with XDP included
 every contender shares that client, so bulk is segmented by the client for all, and the XDP
-contender runs on threaded NAPI (see above), which costs it a thread wakeup per poll. `--no-xdp`
+contender runs on threaded NAPI (see above), which costs it a thread wakeup per poll. The pod
+keeps no TIME_WAIT (Testbed.build says why). `--no-xdp`
 leaves n5 out and keeps the client's offloads. Everything (netns, processes, pins under
 /sys/fs/bpf/usproxy-bench16-*, cgroups) is removed on exit, also on failure and Ctrl-C.
 Results: bench/results/<stem>.json (every sample) and .md (the table); reported, never asserted.
