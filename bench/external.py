@@ -1,6 +1,6 @@
 """Bench: external traffic to a NodePort, BPF at tc (SNAT, DSR) and XDP against nftables (issue 16).
 
-  sudo .venv/bin/python -m bench.external [--rounds N] [--quick] [--no-xdp] [--stem NAME]
+  sudo .venv/bin/python -m bench.external [--rounds N] [--quick] [--no-xdp] [--stem NAME] [--keep-logs DIR]
 
 Topology (tests/cluster/cluster.py's Cluster with five nodes, every name prefixed `usb…`):
 ```
@@ -111,12 +111,9 @@ class Contender:
     def target(self) -> str:
         return POD if self.node is None else node_ip(self.node)
 
-    @property
-    def bpf(self) -> bool:
-        return "bpf" in self.flags
-
 
 def contenders(xdp: bool) -> list[Contender]:
+    """direct, then one ingress node per datapath (n2..n5; n1 is the backend node)."""
     out = [Contender("direct", None),
            Contender("nftables", 2, ("--offload", "nftables"), "nftables"),
            Contender("bpf-tc-snat", 3, ("--offload", "bpf", "--bpf-lb-mode", "snat")),
@@ -129,6 +126,8 @@ def contenders(xdp: bool) -> list[Contender]:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
+    """Rounds; bulk bytes per run; measurement window and warm-up of rr and conn (s); concurrency."""
+
     rounds: int
     bulk_bytes: int
     duration: float
@@ -186,8 +185,8 @@ class ApiThread:
 class Testbed:
     """Namespaces, the fake API server, the agents and the bench server; `close()` removes them all."""
 
-    def __init__(self, work: Path, cast: list[Contender], procs: Procs) -> None:
-        self.work, self.cast, self.procs = work, cast, procs
+    def __init__(self, work: Path, cast: list[Contender], procs: Procs, keep_logs: Path | None = None) -> None:
+        self.work, self.cast, self.procs, self.keep_logs = work, cast, procs, keep_logs
         self.nodes = max([BACKEND_NODE] + [c.node for c in cast if c.node is not None])
         self.cluster = Cluster(work, nodes=self.nodes, prefix="usb" + secrets.token_hex(3))
         self.tag = secrets.token_hex(3)
@@ -315,10 +314,11 @@ class Testbed:
             os.close(fd)
 
     def close(self) -> None:
-        keep = os.environ.get("BENCH_EXTERNAL_LOGS")  # a directory to copy the agents' logs to
-        if keep:
+        if self.keep_logs is not None:
+            self.keep_logs.mkdir(parents=True, exist_ok=True)
             for f in [*self.work.glob("agent-*.log"), self.work / "server.log"]:
-                shutil.copy(f, Path(keep) / f.name)
+                with contextlib.suppress(OSError):
+                    shutil.copy(f, self.keep_logs / f.name)
         # the agents' watch streams are cut below: aiohttp would log a traceback for each
         logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
         self.cluster.close()  # agents (SIGTERM), the XDP link fds, every namespace
@@ -553,6 +553,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--bulk-mib", type=int, help="bulk transfer per run, MiB (default 128 quick, 512 full)")
     ap.add_argument("--no-xdp", dest="xdp", action="store_false", help="leave the XDP contender out")
     ap.add_argument("--stem", help="results file name (default <date>-external[-quick])")
+    ap.add_argument("--keep-logs", type=Path, metavar="DIR", help="copy the agents' and the server's logs to DIR at the end")
     return ap.parse_args()
 
 
@@ -561,9 +562,10 @@ def _interrupt(signum: int, frame: Any) -> NoReturn:
 
 
 @contextlib.contextmanager
-def testbed(cast: list[Contender]) -> Iterator[Testbed]:
+def testbed(cast: list[Contender], keep_logs: Path | None) -> Iterator[Testbed]:
+    """A Testbed (not built yet) whose processes, namespaces, pins and files go at the block's end."""
     procs, work = Procs(), Path(tempfile.mkdtemp(prefix="usproxy-bench16-"))
-    bed = Testbed(work, cast, procs)
+    bed = Testbed(work, cast, procs, keep_logs)
     try:
         yield bed
     finally:
@@ -596,7 +598,7 @@ def main() -> int:
         "contenders": [c.name for c in cast], "flags": {c.name: list(c.flags) for c in cast},
         "left_out": {} if args.xdp else {"bpf-xdp-snat": "--no-xdp"}}
     try:
-        with testbed(cast) as bed:
+        with testbed(cast, args.keep_logs) as bed:
             log(f"building {bed.cluster.prefix}-*: {bed.nodes} nodes, contenders {', '.join(c.name for c in cast)}")
             bed.build()
             bench = Bench(bed, plan)
