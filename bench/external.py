@@ -63,6 +63,7 @@ import secrets
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -88,6 +89,10 @@ PIN_PREFIX = "usproxy-bench16-"
 COMMON = ("--offload-after", "0.5", "--min-sync-period", "200ms")
 SYSCTLS = ("net.ipv4.ip_local_port_range=1024 65535", "net.ipv4.tcp_tw_reuse=1",
            "net.core.somaxconn=65535", "net.ipv4.tcp_max_syn_backlog=65535")
+# bench.servers' main() ends with os._exit, which would swallow the error that ended it: print it
+SERVE = ("import sys, traceback\nfrom bench.servers import Server, raise_nofile\nraise_nofile()\n"
+         "srv = Server('pod')\nsrv.listen()\nprint('ready', flush=True)\ntry:\n    srv.serve()\n"
+         "except BaseException:\n    traceback.print_exc()\n    sys.stdout.flush()\n    raise\n")
 NODE_CPU = 1  # the CPU the ingress nodes' receive work is steered to (see Testbed.steer)
 GiB = 1 << 30
 T0 = time.monotonic()
@@ -194,6 +199,7 @@ class Testbed:
         self.dirs: dict[int, tuple[Path, Path]] = {}
         self.xdp_node = next((c.node for c in cast if "native" in c.flags), None)
         self.napi: list[int] = []
+        self.server: subprocess.Popen[bytes] | None = None
 
     @property
     def client(self) -> str:
@@ -203,6 +209,24 @@ class Testbed:
         return loader.BPFFS / f"{PIN_PREFIX}{self.tag}-n{i}"
 
     def build(self) -> None:
+        """Namespaces, the bench server in the pod, the API server, every agent offloaded, steering."""
+        pod = self._network()
+        self._serve(pod)
+        self.api = ApiThread(self.cluster.ns("lan"))
+        kubeconfig = self.work / "kubeconfig"
+        kubeconfig.write_text(self.api.start([("services", service()), ("endpointslices", endpoint_slice())]))
+        agents: dict[int, tuple[str, ...]] = {BACKEND_NODE: ("--offload", "bpf", "--bpf-lb-mode", "dsr")}
+        agents.update({x.node: x.flags for x in self.cast if x.node is not None})
+        for i, flags in sorted(agents.items()):
+            self._start_agent(i, kubeconfig, flags)
+        for x in self.cast:
+            if x.node is not None:
+                self._wait_datapath(x.node, x.datapath)
+        self._wait_datapath(BACKEND_NODE, "bpf")
+        self.steer()
+
+    def _network(self) -> str:
+        """The cluster's namespaces, the client's extra addresses, the pod; returns the pod's netns."""
         c = self.cluster
         c.build()
         if self.xdp_node is not None:
@@ -221,25 +245,18 @@ class Testbed:
         # own TCP timestamp offset; a SYN meeting a TIME_WAIT of another path fails PAWS and waits
         # for its retransmission (1 s and more), which no path's own speed has to do with.
         nsexec(pod, "sysctl", "-qw", "net.ipv4.tcp_max_tw_buckets=0")
-        self.server_log = self.work / "server.log"
-        self.server = self.procs.spawn(pod, [PYTHON, "-m", "bench.servers", "pod"], log=self.server_log)
+        return pod
+
+    def _serve(self, pod: str) -> None:
+        """bench.servers in the pod, its output in work/server.log; returns once it listens."""
+        out = self.work / "server.log"
+        server = self.procs.spawn(pod, [PYTHON, "-c", SERVE], log=out)
+        self.server = server
         deadline = time.monotonic() + 10
-        while b"ready" not in self.server_log.read_bytes():
-            if self.server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"bench.servers did not start: {self.server_log.read_text()}")
+        while b"ready" not in out.read_bytes():
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"bench.servers did not start: {out.read_text()}")
             time.sleep(0.05)
-        self.api = ApiThread(c.ns("lan"))
-        kubeconfig = self.work / "kubeconfig"
-        kubeconfig.write_text(self.api.start([("services", service()), ("endpointslices", endpoint_slice())]))
-        agents: dict[int, tuple[str, ...]] = {BACKEND_NODE: ("--offload", "bpf", "--bpf-lb-mode", "dsr")}
-        agents.update({x.node: x.flags for x in self.cast if x.node is not None})
-        for i, flags in sorted(agents.items()):
-            self._start_agent(i, kubeconfig, flags)
-        for x in self.cast:
-            if x.node is not None:
-                self._wait_datapath(x.node, x.datapath)
-        self._wait_datapath(BACKEND_NODE, "bpf")
-        self.steer()
 
     def steer(self) -> None:
         """Receive work of the ingress nodes' eth0 on NODE_CPU, every other interface's on CPU 0
@@ -292,13 +309,20 @@ class Testbed:
 
     def describe(self, c: Contender) -> str:
         """The ingress node's view of the Service (its /services rows), for a failed measurement."""
+        server = "server " + ("up" if self.server is not None and self.server.poll() is None
+                              else f"gone: {self.server and self.server.returncode} {self._server_tail()}")
         if c.node is None:
-            return "direct"
+            return server
         try:
             rows = self.cluster.admin(c.node, "/services")
         except OSError as err:
             return f"n{c.node}'s admin API: {err}; agent exit code {self.cluster.agents[c.node].poll()}"
-        return f"n{c.node}: " + json.dumps(rows)[:600]
+        return f"{server}; n{c.node}: " + json.dumps(rows)[:300]
+
+    def _server_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return (self.work / "server.log").read_text()[-1500:]
+        return ""
 
     def xdp_counters(self) -> dict[str, int] | None:
         """n5's usp_xdp_stats (new, known, pass), summed over CPUs: XDP really carried the flows."""
