@@ -4,7 +4,7 @@
 
 Topology (tests/cluster/cluster.py's Cluster with five nodes, every name prefixed `usb…`):
 ```
- ext 203.0.113.10-25 (bench.clients) ── lan router/bridge 192.0.2.1 (fake API server) ──┬── n1 192.0.2.11: backend node,
+ ext 203.0.113.10-25,40-55 (bench.clients) ── lan router/bridge 192.0.2.1 (fake API server) ┬── n1 192.0.2.11: backend node,
                                                                                          │     pod 10.244.1.10 (bench.servers)
    n2 192.0.2.12 --offload nftables      n3 --offload bpf (tc, SNAT)                     │     agent: bpf, DSR mode
    n4 --offload bpf --bpf-lb-mode dsr    n5 --offload bpf --bpf-lb-acceleration native (XDP, SNAT)
@@ -14,9 +14,9 @@ request/response), 5003 (short connections) with nodePort = port (bench.clients 
 ports), one endpoint: the pod on n1. Every ingress node n2..n5 sees the same Service and the same
 endpoint on another node; each contender is one ingress node, so all run side by side and no
 agent restarts between rounds. `direct` dials the pod address (routed lan → n1 → pod), the path
-without any NodePort. In SNAT modes the reply comes back through the ingress node; in DSR the
-ingress node hands the client's address to n1 (IP option) and the reply leaves n1 straight to the
-lan router. n1 runs a BPF agent in DSR mode (DSR needs it to answer with the NodePort address);
+without any NodePort, from client addresses of its own (DIRECT_SOURCES says why). In SNAT modes
+the reply comes back through the ingress node; in DSR the ingress node hands the client's
+address to n1 (IP option) and the reply leaves n1 straight to the lan router. n1 runs a BPF agent in DSR mode (DSR needs it to answer with the NodePort address);
 its tc programs see every contender's packets alike, `direct` included.
 
 Method: rounds interleaved as bench/dataplane.py (the contender order rotates per round; each
@@ -84,6 +84,11 @@ from usproxy.offload.bpf import loader
 POD = "10.244.1.10"
 BACKEND_NODE = 1
 SOURCES = [EXT] + [f"203.0.113.{11 + i}" for i in range(15)]
+# direct's own client addresses (the route to the pod's /24 prefers the first): the backend
+# node's DSR reply entries, keyed by client address and port and kept 10 s past the close (each
+# hit renews them), rewrite the pod's answers to a direct connection that reuses a DSR flow's
+# client port, and that connection stalls; one client shared by both paths makes this frequent.
+DIRECT_SOURCES = [f"203.0.113.{40 + i}" for i in range(16)]
 CGROUP2 = Path("/sys/fs/cgroup/unified")
 PIN_PREFIX = "usproxy-bench16-"
 COMMON = ("--offload-after", "0.5", "--min-sync-period", "200ms")
@@ -231,8 +236,9 @@ class Testbed:
         c.build()
         if self.xdp_node is not None:
             c.uplink_napi(self.xdp_node)  # also: the client's tx checksum offload off (see the docstring)
-        for src in SOURCES[1:]:
+        for src in SOURCES[1:] + DIRECT_SOURCES:
             nsexec(self.client, "ip", "addr", "add", f"{src}/24", "dev", "eth0")
+        nsexec(self.client, "ip", "route", "add", "10.244.1.0/24", "via", "203.0.113.1", "src", DIRECT_SOURCES[0])
         pod = c.add_pod(BACKEND_NODE, "pod", POD, serve=False)
         for ns in c.namespaces:
             for kv in SYSCTLS:
@@ -458,7 +464,8 @@ class Bench:
             self._record_cpu("rr_ms_per_10k", c, cpu, r["requests"] / 1e7)
 
     def conn(self, c: Contender) -> None:
-        r, cpu = self._windowed(c, {"op": "conn", "conc": self.plan.conn_conc, "sources": SOURCES, "procs": 2})
+        sources = DIRECT_SOURCES if c.node is None else SOURCES
+        r, cpu = self._windowed(c, {"op": "conn", "conc": self.plan.conn_conc, "sources": sources, "procs": 2})
         self._record("conn_cps", c, r["conns"] / r["seconds"])
         self._record("conn_errors", c, float(r["errors"]))
         if r["errors"] or not r["conns"]:
