@@ -111,6 +111,8 @@ class Server:
 
     def _close(self, c: Conn) -> None:
         fd = c.sock.fileno()
+        if fd < 0:  # closed already (a failed send closes; its caller may close again)
+            return
         self.conns.pop(fd, None)
         try:
             self.ep.unregister(fd)
