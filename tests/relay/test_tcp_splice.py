@@ -30,6 +30,7 @@ from usproxy.conntrack.flow_table import Flow, HostPort
 from usproxy.endpoint import Endpoint
 from usproxy.relay import tcp_splice
 from usproxy.relay.flow_owner import TrafficKind
+from usproxy.relay import tcp
 from usproxy.relay.tcp import ClientSide
 from usproxy.types import ServicePortName
 
@@ -41,6 +42,13 @@ T = TypeVar("T")
 @pytest.fixture(params=["uvloop", "asyncio"])
 def loop_name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def patient_dials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One dial of 10 s: a loaded machine must not time the loopback dial out (the tests'
+    endpoints accept one connection)."""
+    monkeypatch.setattr(tcp, "DIAL_TIMEOUTS", (10.0,))
 
 
 def run(loop_name: str, coro: Coroutine[Any, Any, T]) -> T:
@@ -314,6 +322,30 @@ def test_idle_timeout_closer_resets_a_spliced_flow(loop_name: str) -> None:
             lsock.close()
 
     run(loop_name, main())
+
+
+def test_a_client_that_reads_only_after_writing_everything_is_not_stalled(loop_name: str) -> None:
+    """The endpoint sends its bulk at once; the client first uploads its own and reads only then.
+    The reply fills the client leg's buffer (no pipes while it does: the reply's own streak would
+    splice the flow at once), which cannot empty while the client writes, so the upload's
+    hand-over (which pauses both directions until both buffers are empty) is given up after
+    HANDOVER_WAIT and the upload goes on: no deadlock, every byte each way."""
+    def backend(conn: socket.socket) -> None:
+        t = sender_thread(conn, DOWN, fin=True)
+        assert read_to_eof(conn) == UP
+        t.join()
+
+    def client(c: socket.socket, owner: Owner) -> tuple[bytes, bool]:
+        time.sleep(0.5)  # the reply stalls on the client leg first
+        owner.pipes = True
+        c.sendall(UP)
+        c.shutdown(socket.SHUT_WR)
+        return read_to_eof(c), owner.sides[0].stays
+
+    (got, stayed), owner = run(loop_name, relayed(backend, client, pipes=False))
+    assert got == DOWN and stayed
+    assert (owner.flows[0].bytes_in, owner.flows[0].bytes_out) == (len(UP), len(DOWN))
+    assert owner.pipes_held == 0
 
 
 def test_refused_pipes_keep_the_flow_on_the_event_loop(loop_name: str) -> None:

@@ -30,7 +30,9 @@ Events in, writes out; no Streams on the hot path. Invariants:
   dup()'d and the transports, switched to a protocol that ignores their end, aborted (an abort
   of an empty buffer sends nothing and closes only the transport's descriptor; uvloop's
   transports own their descriptor, so readiness is then watched on the dup). Small messages never
-  make a streak and keep this path.
+  make a streak and keep this path. A hand-over still waiting after HANDOVER_WAIT (a peer that
+  reads only after it wrote everything keeps its leg's buffer full, and the paused other direction
+  would then never drain) is given up: both legs resume, and the flow stays here for good.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ HIGH_WATER = 64 * 1024  # per leg, as HAProxy's 16 KiB buffers: the kernel's soc
 LOW_WATER = 16 * 1024
 BULK_READ = 64 * 1024  # a read this large means the sender outruns us: both loops read up to 256 KiB
 BULK_STREAK = 4  # such reads in a row in one direction make the flow bulk (spliced)
+HANDOVER_WAIT = 1.0  # seconds a hand-over to splice may wait for empty buffers
 SPLICE = tcp_splice.available()  # tests may turn it off
 TCPI_LAST_ACK_RECV = 56  # offset of tcpi_last_ack_recv (u32, ms) in Linux's struct tcp_info
 
@@ -137,6 +140,8 @@ class ClientSide(asyncio.Protocol):
         self.splicing = False  # handing over to splice: both legs paused, waiting for empty buffers
         self.pipes_held = False  # the pipes' descriptors are reserved (`owner.reserve_pipes`)
         self.spliced: SplicedFlow | None = None
+        self.handover_timer: asyncio.TimerHandle | None = None
+        self.stays = False  # a hand-over was given up: no other
 
     # -- client events -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -313,7 +318,7 @@ class ClientSide(asyncio.Protocol):
         here, and tries again after another streak)."""
         self.streak_in = self.streak_out = 0
         up, t = self.upstream, self.transport
-        if (self.splicing or not SPLICE or up is None or up.transport is None or t is None
+        if (self.splicing or self.stays or not SPLICE or up is None or up.transport is None or t is None
                 or self.eof_in or self.eof_out or t.is_closing() or up.transport.is_closing()):
             return
         if not self.owner.reserve_pipes():
@@ -322,6 +327,8 @@ class ClientSide(asyncio.Protocol):
         for leg in (t, up.transport):
             leg.pause_reading()
             leg.set_write_buffer_limits(high=0, low=0)  # resume_writing once it is empty
+        loop = asyncio.get_running_loop()
+        self.handover_timer = loop.call_later(HANDOVER_WAIT, self._cancel_handover)
         self._handover_soon()
 
     def _handover_soon(self) -> None:
@@ -347,6 +354,7 @@ class ClientSide(asyncio.Protocol):
             name = ut.get_extra_info("sockname")
             self.flow.local, self.flow.local_of = ((name[0], name[1]) if name else None), None
         up.attached = False  # the endpoint side hears nothing more
+        self._stop_handover_timer()
         self.spliced = SplicedFlow(asyncio.get_running_loop(), _take(t), _take(ut), self.flow, pipes, self._spliced_done)
         self.splicing = False
         if self.flow is not None and self.flow.settle is not None:
@@ -354,12 +362,25 @@ class ClientSide(asyncio.Protocol):
         self.spliced.start()
 
     def _cancel_handover(self) -> None:
+        """Give the hand-over up (no pipe, or HANDOVER_WAIT passed): both legs as before."""
+        self._stop_handover_timer()
+        if not self.splicing or self.closed:
+            return
         self.splicing = False
+        self.stays = True
         self._give_back_pipes()
-        for leg in (self.transport, self.upstream.transport if self.upstream else None):
-            if leg is not None and not leg.is_closing():
-                leg.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+        legs = [t for t in (self.transport, self.upstream.transport if self.upstream else None)
+                if t is not None and not t.is_closing()]
+        for leg in legs:
+            leg.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+        for leg in legs:  # unless the other is over its mark: its resume_writing resumes this one
+            if all(o is leg or o.get_write_buffer_size() < HIGH_WATER for o in legs):
                 leg.resume_reading()
+
+    def _stop_handover_timer(self) -> None:
+        if self.handover_timer is not None:
+            self.handover_timer.cancel()
+            self.handover_timer = None
 
     def _spliced_done(self) -> None:
         self._release()
@@ -408,6 +429,7 @@ class ClientSide(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        self._stop_handover_timer()
         self._give_back_pipes()
         if self.flow is not None:
             self.owner.end_flow(self.flow)
