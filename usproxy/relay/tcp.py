@@ -92,7 +92,7 @@ def ack_age(transport: asyncio.BaseTransport | None) -> float | None:
 
 def socket_ack_age(sock: socket.socket | None) -> float | None:
     """`ack_age` of a socket (None: none, or the kernel does not say)."""
-    if sock is None or sock.fileno() == -1:
+    if sock is None:
         return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
@@ -141,7 +141,7 @@ class ClientSide(asyncio.Protocol):
         self.pipes_held = False  # the pipes' descriptors are reserved (`owner.reserve_pipes`)
         self.spliced: SplicedFlow | None = None
         self.handover_timer: asyncio.TimerHandle | None = None
-        self.stays = False  # a hand-over was given up: no other
+        self.stays = False  # a hand-over was given up: no second try
 
     # -- client events -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
