@@ -329,7 +329,8 @@ def test_a_client_that_reads_only_after_writing_everything_is_not_stalled(loop_n
     The reply fills the client leg's buffer (no pipes while it does: the reply's own streak would
     splice the flow at once), which cannot empty while the client writes, so the upload's
     hand-over (which pauses both directions until both buffers are empty) is given up after
-    HANDOVER_WAIT and the upload goes on: no deadlock, every byte each way."""
+    HANDOVER_WAIT and the upload goes on: no deadlock, every byte each way, and the reply's
+    direction still stops reading at the client leg's high-water mark."""
     def backend(conn: socket.socket) -> None:
         t = sender_thread(conn, DOWN, fin=True)
         assert read_to_eof(conn) == UP
@@ -340,6 +341,8 @@ def test_a_client_that_reads_only_after_writing_everything_is_not_stalled(loop_n
         owner.pipes = True
         c.sendall(UP)
         c.shutdown(socket.SHUT_WR)
+        leg = owner.sides[0].transport  # backpressure held after the hand-over was given up:
+        assert leg is not None and leg.get_write_buffer_size() <= tcp.HIGH_WATER + (256 << 10)
         return read_to_eof(c), owner.sides[0].stays
 
     (got, stayed), owner = run(loop_name, relayed(backend, client, pipes=False))

@@ -373,8 +373,11 @@ class ClientSide(asyncio.Protocol):
                 if t is not None and not t.is_closing()]
         for leg in legs:
             leg.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
-        for leg in legs:  # unless the other is over its mark: its resume_writing resumes this one
-            if all(o is leg or o.get_write_buffer_size() < HIGH_WATER for o in legs):
+        # A leg with bytes left is paused in its transport's eyes since the limits were 0: its
+        # resume_writing (at LOW_WATER now) resumes the other, and no new pause_writing would
+        # come if that one read on now. A leg with none is not paused: the other may read.
+        for leg in legs:
+            if all(o is leg or not o.get_write_buffer_size() for o in legs):
                 leg.resume_reading()
 
     def _stop_handover_timer(self) -> None:
