@@ -10,7 +10,7 @@ import errno
 import pytest
 
 from usproxy.conntrack.flow_table import FlowTableFull
-from usproxy.relay.flow_admission import FD_RESERVE, FlowAdmission
+from usproxy.relay.flow_admission import FD_RESERVE, PRESSURE, FlowAdmission
 from usproxy.types import ServicePortName
 
 SPN = ServicePortName("default", "web", "http", "TCP")
@@ -40,3 +40,25 @@ def test_everything_withdrawn_on_a_local_error_listeners_count_against_the_flow_
     adm.release(flows[0])
     adm.reserve_listener()  # two descriptors are free again
     assert adm.admit("UDP", SPN, CLIENT, FRONTEND) is not None
+
+
+def test_spliced_flows_pipes_count_against_the_budget_and_stop_short_of_its_pressure_mark() -> None:
+    """A spliced TCP flow's two pipes are four more descriptors (usproxy/relay/tcp_splice.py):
+    counted while held, refused once they would take the budget past its pressure mark (splicing
+    is optional: the flow stays on the event loop, and new flows keep their room), given back."""
+    adm = FlowAdmission.within(1_000_000, 1024, lambda: False)
+    budget = adm.descriptors
+    assert budget is not None
+    flows = [adm.admit("TCP", SPN, ("10.0.0.1", 40000 + i), FRONTEND) for i in range(100)]
+    assert adm.descriptors_held() == 200
+    granted = 0
+    while adm.reserve_pipes():
+        granted += 1
+    assert adm.descriptors_held() == 200 + 4 * granted
+    assert budget * PRESSURE - 4 < adm.descriptors_held() <= budget * PRESSURE
+    adm.release_pipes()
+    assert adm.descriptors_held() == 200 + 4 * (granted - 1)
+    assert adm.reserve_pipes()  # the four given back fit again
+    for f in flows:
+        adm.release(f)
+    assert adm.descriptors_held() == 4 * granted

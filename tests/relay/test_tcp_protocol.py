@@ -95,6 +95,12 @@ class FakeOwner:
     def closed(self, kind: TrafficKind, ep: Endpoint) -> None:
         self.events.append("closed")
 
+    def reserve_pipes(self) -> bool:
+        return False
+
+    def release_pipes(self) -> None:
+        self.events.append("pipes released")
+
 
 async def accepted(owner: FlowOwner | None = None) -> tuple[ClientSide, FakeTransport]:
     """A ClientSide whose own dial is stopped, so the test plays the endpoint's part."""

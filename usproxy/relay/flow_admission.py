@@ -11,7 +11,9 @@ stop it reading manifests).
 
 Descriptor budget: every descriptor the relay holds counts against one budget, `descriptors` (the
 limit less FD_RESERVE): each listener (the shared set of every listening socket, `listeners`) one,
-each TCP flow two, each UDP flow one. A flow that would go over it is refused like a full table;
+each TCP flow two, each UDP flow one, and a spliced TCP flow's two pipes four more (`reserve_pipes`:
+splicing is optional, so the pipes are refused, and the flow stays on the event loop, once the
+budget is under pressure). A flow that would go over it is refused like a full table;
 a listener that would go over it fails with EMFILE (`reserve_listener`) and is retried at the next
 sync. FD_RESERVE is left for what the relay does not count: the admin servers (bounded by their
 own connection limits), manifest reads, the API watch, libnftables and the event loop itself.
@@ -36,6 +38,7 @@ import errno
 from collections.abc import Callable, Sized
 
 from usproxy.conntrack.flow_table import Flow, FlowTable, FlowTableFull, HostPort
+from usproxy.relay.tcp_splice import PIPE_FDS
 from usproxy.types import ServicePortName
 
 FD_RESERVE = 256  # descriptors kept for the admin servers, manifest reads, the API watch, libnftables
@@ -56,6 +59,7 @@ class FlowAdmission:
         self.evict_idle = evict_idle
         self.descriptors = descriptors
         self.listeners = listeners
+        self.pipe_fds = 0  # descriptors of the spliced TCP flows' pipes
 
     @classmethod
     def within(cls, conntrack_max: int, nofile: int, evict_idle: Callable[[], bool],
@@ -69,9 +73,11 @@ class FlowAdmission:
                    descriptors=budget, listeners=listeners)
 
     def descriptors_held(self) -> int:
-        """Descriptors the relay holds now: one per listener and UDP flow, two per TCP flow."""
+        """Descriptors the relay holds now: one per listener and UDP flow, two per TCP flow, four
+        per spliced TCP flow's pipes."""
         live = self.table.live
-        return len(self.listeners) + 2 * live.get("TCP", 0) + sum(n for p, n in live.items() if p != "TCP")
+        return (len(self.listeners) + 2 * live.get("TCP", 0) + sum(n for p, n in live.items() if p != "TCP")
+                + self.pipe_fds)
 
     def _over_budget(self, need: int) -> bool:
         return self.descriptors is not None and self.descriptors_held() + need > self.descriptors
@@ -115,6 +121,18 @@ class FlowAdmission:
             pressed = self.descriptors_held() + need > self.descriptors * PRESSURE
             mark = min(mark, int(self.descriptors * PRESSURE) // 2)  # in flows: two descriptors each
         return pressed and held >= max(1, mark // len(self.table.per_client))
+
+    def reserve_pipes(self) -> bool:
+        """Count a spliced flow's pipes (PIPE_FDS descriptors), unless that takes the budget to
+        its pressure mark (PRESSURE of it): False then, and nothing counted."""
+        if self.descriptors is not None and self.descriptors_held() + PIPE_FDS > self.descriptors * PRESSURE:
+            return False
+        self.pipe_fds += PIPE_FDS
+        return True
+
+    def release_pipes(self) -> None:
+        """Give back one `reserve_pipes` that returned True."""
+        self.pipe_fds -= PIPE_FDS
 
     def release(self, flow: Flow) -> None:
         """The flow ended (idempotent)."""

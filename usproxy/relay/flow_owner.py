@@ -59,3 +59,12 @@ class FlowOwner(Protocol):
     def end_flow(self, flow: Flow) -> None:
         """The flow ended: out of the flow table."""
         ...
+
+    def reserve_pipes(self) -> bool:
+        """Count a spliced TCP flow's two pipes (four descriptors) against the descriptor budget;
+        False when they do not fit (the flow then stays on the event loop's path)."""
+        ...
+
+    def release_pipes(self) -> None:
+        """Give back what one `reserve_pipes` that returned True counted."""
+        ...

@@ -242,6 +242,12 @@ class ServicePortRelay:
     def end_flow(self, flow: Flow) -> None:
         self.admission.release(flow)
 
+    def reserve_pipes(self) -> bool:
+        return self.admission.reserve_pipes()
+
+    def release_pipes(self) -> None:
+        self.admission.release_pipes()
+
 
 def firewall(sp: ServicePort, node_ips: Collection[str]) -> dict[str, tuple[IPNetwork, ...]]:
     """Allowed sources by LoadBalancer IP (text) of the IPs that are filtered, as nftables

@@ -22,12 +22,24 @@ Events in, writes out; no Streams on the hot path. Invariants:
   upstream.
 - Data that arrived during the dial is written first, then the client's FIN if it came; reading
   resumes only if the dial buffer paused it and the endpoint leg is under its high-water mark.
+- Bulk flows leave the transports for splice(2) (tcp_splice.py, issue 17): after BULK_STREAK reads
+  in a row of BULK_READ bytes or more in one direction, with no FIN seen yet and the pipes' four
+  descriptors within the budget (`FlowOwner.reserve_pipes`; else the flow stays here). Both legs
+  stop reading and their write limits drop to 0, so `resume_writing` says when a leg's buffer is
+  empty; with both empty (no byte left in userspace: every read was written), the sockets are
+  dup()'d and the transports, switched to a protocol that ignores their end, aborted (an abort
+  of an empty buffer sends nothing and closes only the transport's descriptor; uvloop's
+  transports own their descriptor, so readiness is then watched on the dup). Small messages never
+  make a streak and keep this path. A hand-over still waiting after HANDOVER_WAIT (a peer that
+  reads only after it wrote everything keeps its leg's buffer full, and the paused other direction
+  would then never drain) is given up: both legs resume, and the flow stays here for good.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import struct
 from typing import cast
@@ -35,7 +47,9 @@ from typing import cast
 from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
+from usproxy.relay import tcp_splice
 from usproxy.relay.flow_owner import FlowOwner, SourceRefused, TrafficKind
+from usproxy.relay.tcp_splice import LINGER_ZERO, SplicedFlow
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
@@ -44,7 +58,10 @@ DIAL_TIMEOUTS = (0.25, 0.5, 1.0, 2.0)
 DIAL_BUFFER = 256 * 1024
 HIGH_WATER = 64 * 1024  # per leg, as HAProxy's 16 KiB buffers: the kernel's socket buffers (bounded by tcp_mem) hold the rest
 LOW_WATER = 16 * 1024
-LINGER_ZERO = struct.pack("ii", 1, 0)  # SO_LINGER on with 0 s: close() sends RST
+BULK_READ = 64 * 1024  # a read this large means the sender outruns us: both loops read up to 256 KiB
+BULK_STREAK = 4  # such reads in a row in one direction make the flow bulk (spliced)
+HANDOVER_WAIT = 1.0  # seconds a hand-over to splice may wait for empty buffers
+SPLICE = tcp_splice.available()  # tests may turn it off
 TCPI_LAST_ACK_RECV = 56  # offset of tcpi_last_ack_recv (u32, ms) in Linux's struct tcp_info
 
 
@@ -70,7 +87,11 @@ def keepalive(transport: asyncio.BaseTransport) -> None:
 def ack_age(transport: asyncio.BaseTransport | None) -> float | None:
     """Seconds since the connection last received an ACK (keepalive answers count, as they keep a
     kernel conntrack entry alive), from TCP_INFO; None when the kernel does not say."""
-    sock = transport.get_extra_info("socket") if transport is not None else None
+    return socket_ack_age(transport.get_extra_info("socket") if transport is not None else None)
+
+
+def socket_ack_age(sock: socket.socket | None) -> float | None:
+    """`ack_age` of a socket (None: none, or the kernel does not say)."""
     if sock is None:
         return None
     try:
@@ -91,13 +112,6 @@ def reset(transport: asyncio.WriteTransport) -> None:
     except OSError:
         pass
     transport.close()
-
-
-def reset_socket(sock: socket.socket) -> None:
-    """Close a socket no transport owns with RST (SO_LINGER 0); a closed one is left alone."""
-    if sock.fileno() != -1:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_ZERO)
-        sock.close()
 
 
 class ClientSide(asyncio.Protocol):
@@ -122,6 +136,12 @@ class ClientSide(asyncio.Protocol):
         self.deadline: asyncio.Timeout | None = None  # the running dial's timeout
         self.endpoint: Endpoint | None = None
         self.closed = False
+        self.streak_in = self.streak_out = 0  # reads of BULK_READ or more in a row, each way
+        self.splicing = False  # handing over to splice: both legs paused, waiting for empty buffers
+        self.pipes_held = False  # the pipes' descriptors are reserved (`owner.reserve_pipes`)
+        self.spliced: SplicedFlow | None = None
+        self.handover_timer: asyncio.TimerHandle | None = None
+        self.stays = False  # a hand-over was given up: no second try
 
     # -- client events -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -150,6 +170,12 @@ class ClientSide(asyncio.Protocol):
             self.flow.seen_in(len(data))
         if self.upstream is not None:
             self.upstream.send(data)
+            if len(data) >= BULK_READ:
+                self.streak_in += 1
+                if self.streak_in >= BULK_STREAK:
+                    self.go_bulk()
+            elif self.streak_in:
+                self.streak_in = 0
             return
         self.pending += data
         if len(self.pending) >= DIAL_BUFFER and self.transport is not None and not self.held:
@@ -178,12 +204,18 @@ class ClientSide(asyncio.Protocol):
 
     def ack_age(self) -> float | None:
         """Seconds since either leg last received an ACK (None: unknown)."""
-        ages = [a for a in (ack_age(self.transport), ack_age(self.upstream.transport if self.upstream else None))
-                if a is not None]
+        if self.spliced is not None:
+            both = [socket_ack_age(s) for s in self.spliced.sockets]
+        else:
+            both = [ack_age(self.transport), ack_age(self.upstream.transport if self.upstream else None)]
+        ages = [a for a in both if a is not None]
         return min(ages) if ages else None
 
     def expire(self) -> None:
         """The flow idled past its timeout: reset both legs (each then sees connection_lost)."""
+        if self.spliced is not None:
+            self.spliced.expire()
+            return
         if self.upstream is not None:
             self.upstream.reset()
         if self.transport is not None and not self.transport.is_closing():
@@ -194,7 +226,9 @@ class ClientSide(asyncio.Protocol):
             self.upstream.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.upstream is not None:
+        if self.splicing:
+            self._handover_soon()
+        elif self.upstream is not None:
             self.upstream.resume_reading()
 
     # -- what its EndpointSide may ask ---------------------------------------------------------
@@ -241,6 +275,12 @@ class ClientSide(asyncio.Protocol):
             self.flow.seen_out(len(data))
         if self.transport is not None:
             self.transport.write(data)
+        if len(data) >= BULK_READ:
+            self.streak_out += 1
+            if self.streak_out >= BULK_STREAK:
+                self.go_bulk()
+        elif self.streak_out:
+            self.streak_out = 0
 
     def reply_eof(self) -> None:
         """The endpoint sent FIN: pass it on after the bytes before it."""
@@ -266,8 +306,93 @@ class ClientSide(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self.transport is not None:
+        if self.splicing:
+            self._handover_soon()
+        elif self.transport is not None:
             self.transport.resume_reading()
+
+    # -- splice (see the module docstring) -----------------------------------------------------
+    def go_bulk(self) -> None:
+        """The flow is bulk: start handing it over to splice, unless it is half-closed, closing,
+        handing over already, or the pipes' descriptors do not fit the budget (then it stays
+        here, and tries again after another streak)."""
+        self.streak_in = self.streak_out = 0
+        up, t = self.upstream, self.transport
+        if (self.splicing or self.stays or not SPLICE or up is None or up.transport is None or t is None
+                or self.eof_in or self.eof_out or t.is_closing() or up.transport.is_closing()):
+            return
+        if not self.owner.reserve_pipes():
+            return
+        self.pipes_held = self.splicing = True
+        for leg in (t, up.transport):
+            leg.pause_reading()
+            leg.set_write_buffer_limits(high=0, low=0)  # resume_writing once it is empty
+        loop = asyncio.get_running_loop()
+        self.handover_timer = loop.call_later(HANDOVER_WAIT, self._cancel_handover)
+        self._handover_soon()
+
+    def _handover_soon(self) -> None:
+        # Out of the transport's own callback: its write path still runs after resume_writing.
+        asyncio.get_running_loop().call_soon(self._handover)
+
+    def _handover(self) -> None:
+        """Both legs' buffers empty: take the sockets and start splicing. A leg closing meanwhile
+        ends the hand-over: its connection_lost tears the flow down as usual."""
+        up, t = self.upstream, self.transport
+        if self.spliced is not None or self.closed or up is None or up.transport is None or t is None:
+            return
+        ut = up.transport
+        if t.is_closing() or ut.is_closing() or t.get_write_buffer_size() or ut.get_write_buffer_size():
+            return  # a resume_writing comes when it is empty
+        try:
+            pipes = (tcp_splice.pipe(), tcp_splice.pipe())
+        except OSError as err:
+            limited.warning("%s: no pipe for a bulk flow (%s); it stays on the event loop", self.owner.spn, err)
+            self._cancel_handover()
+            return
+        if self.flow is not None and self.flow.local is None:
+            name = ut.get_extra_info("sockname")
+            self.flow.local, self.flow.local_of = ((name[0], name[1]) if name else None), None
+        up.attached = False  # the endpoint side hears nothing more
+        self._stop_handover_timer()
+        self.spliced = SplicedFlow(asyncio.get_running_loop(), _take(t), _take(ut), self.flow, pipes, self._spliced_done)
+        self.splicing = False
+        if self.flow is not None and self.flow.settle is not None:
+            self.flow.settle = self.spliced.keepalive
+        self.spliced.start()
+
+    def _cancel_handover(self) -> None:
+        """Give the hand-over up (no pipe, or HANDOVER_WAIT passed): both legs as before."""
+        self._stop_handover_timer()
+        if not self.splicing or self.closed:
+            return
+        self.splicing = False
+        self.stays = True
+        self._give_back_pipes()
+        legs = [t for t in (self.transport, self.upstream.transport if self.upstream else None)
+                if t is not None and not t.is_closing()]
+        for leg in legs:
+            leg.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+        # A leg with bytes left is paused in its transport's eyes since the limits were 0: its
+        # resume_writing (at LOW_WATER now) resumes the other, and no new pause_writing would
+        # come if that one read on now. A leg with none is not paused: the other may read.
+        for leg in legs:
+            if all(o is leg or not o.get_write_buffer_size() for o in legs):
+                leg.resume_reading()
+
+    def _stop_handover_timer(self) -> None:
+        if self.handover_timer is not None:
+            self.handover_timer.cancel()
+            self.handover_timer = None
+
+    def _spliced_done(self) -> None:
+        self._release()
+        self.upstream = None  # break the cycle: neither transport calls back any more
+
+    def _give_back_pipes(self) -> None:
+        if self.pipes_held:
+            self.pipes_held = False
+            self.owner.release_pipes()
 
     # -- dialing -------------------------------------------------------------------------------
     async def _dial(self, client_ip: str) -> None:
@@ -307,10 +432,28 @@ class ClientSide(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        self._stop_handover_timer()
+        self._give_back_pipes()
         if self.flow is not None:
             self.owner.end_flow(self.flow)
         if self.endpoint is not None:
             self.owner.closed(self.kind, self.endpoint)
+
+
+class _Detached(asyncio.Protocol):
+    """The protocol of a transport whose socket was taken for splicing: its end is no news."""
+
+
+def _take(transport: asyncio.Transport) -> socket.socket:
+    """The transport's socket as a socket of our own (a dup of its descriptor), and the transport
+    aborted: its write buffer is empty (the caller checked), so no byte is lost, and closing its
+    descriptor leaves the connection open (the dup holds it)."""
+    sock = transport.get_extra_info("socket")
+    mine = socket.socket(sock.family, sock.type, sock.proto, os.dup(sock.fileno()))
+    mine.setblocking(False)
+    transport.set_protocol(_Detached())
+    transport.abort()
+    return mine
 
 
 class EndpointSide(asyncio.Protocol):

@@ -32,7 +32,7 @@ import socket
 from collections.abc import Callable
 
 from usproxy.ratelimit import RateLimitedLog
-from usproxy.relay.tcp import reset_socket
+from usproxy.relay.tcp_splice import reset_socket
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
