@@ -13,15 +13,18 @@ a source ("SNATted to the LB IP") are node addresses on lo.
 Netns "peer" is a second node on the node bridge (addresses.PEER_NODE) with its own pod bridge
 holding the pods of addresses.PEER_PODS; the node routes them through it. It forwards and answers
 ARP for its pods (proxy ARP: node-bridge pods see 10.244.0.0/16 as on-link, and the socket LB
-connects them straight to an endpoint), sends everything else back through the node, except the
-external clients' network, which it reaches directly on the shared bridge (as a backend node reaches
-the client through the router, not through the node the client addressed). For "bpf-tc-dsr" it runs
-an agent of its own with the tc programs in DSR mode (PeerAgent), as the endpoint's node must.
+connects them straight to an endpoint), reaches the node-bridge pods on-link as they reach each
+other, the external clients' network directly on the shared bridge too (as a backend's node
+reaches a client through the router, not through the node the client addressed), and everything
+else through the node. Other datapaths see no difference: the node's masquerade and SNAT sources
+are those of the bridge, as for its own pods. For "bpf-tc-dsr" the peer runs an agent of its own
+with the tc programs in DSR mode, as the endpoint's node must; it is started once and follows the
+groups' manifests (`Lab._peer_follows`).
 
-`Lab.use(datapath, group, phase)` stops the running agents when the datapath or group changes
-(and removes what they left in the kernel with `usproxy run --cleanup`), starts the next ones on
-the group's manifests and KubeProxyConfiguration, writes phase 1's manifests when asked, and
-returns once the datapath under test holds every ServicePort it serves. Everything is stopped and deleted
+`Lab.use(datapath, group, phase)` stops the running agent when the datapath or group changes
+(and removes what it left in the kernel with `usproxy run --cleanup`), starts the next one on the
+group's manifests and KubeProxyConfiguration, writes phase 1's manifests when asked, and returns
+once the datapath under test holds every ServicePort it serves. Everything is stopped and deleted
 by `close()`, whatever happened.
 """
 
@@ -38,7 +41,7 @@ import time
 import urllib.request
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -66,11 +69,10 @@ class BpfAgent(AgentProc):
     pin directory; /healthz and /services as AgentProc reads them, in that netns."""
 
     def __init__(self, topo: Topology, manifests: Manifests, config: Path, cgroup: Path, pins: Path,
-                 lb_mode: str = "snat", ns: str = "", log: Path | None = None) -> None:
+                 lb_mode: str = "snat", ns: str = "") -> None:
         super().__init__(topo, manifests)
         self.config, self.cgroup, self.pins, self.lb_mode = config, cgroup, pins, lb_mode
         self.ns = ns or topo.node
-        self.log = log or self.log
 
     def _cmd(self, *args: str) -> list[str]:
         return ["nsenter", f"--net=/run/netns/{self.ns}", USPROXY, "-v", "run", *args]
@@ -377,7 +379,7 @@ def _placed(row: dict[str, Any], want: str, tc: bool, mode: str) -> bool:
     return not tc or (row["external"] in ("tc", None) and row["bpfLbMode"] in (mode, None))
 
 
-def _not_placed(want: str, rows: list[dict[str, Any]], agent: AgentProc) -> None:
+def _not_placed(want: str, rows: list[dict[str, Any]], agent: AgentProc) -> NoReturn:
     log = agent.log.read_text()[-3000:]
     raise AssertionError(f"not all on {want}: {[(r['servicePortName'], r['datapath'], r['reason'], r.get('external'), r.get('externalReason'), r.get('bpfLbMode')) for r in rows]}"
                          f"\n{log}")
