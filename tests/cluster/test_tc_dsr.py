@@ -11,7 +11,10 @@ only backend, web-b, runs on n2:
   only the ORIGINAL (DSR) entry of the flow, n2's the REPLY entry the IP option told it;
 - UDP: the same for datagrams (the option rides on every one);
 - externalTrafficPolicy Local keeps the client address; a backend on the ingress node itself is
-  served as in SNAT mode (DSR only applies to backends on other nodes).
+  served as in SNAT mode (DSR only applies to backends on other nodes);
+- a LoadBalancer IP and an externalIP (the lan router routes them to n1) take DSR as the NodePort
+  does, as Cilium's: the backend on n2 sees the client, the replies leave n2 with the LB IP or
+  externalIP and the port as their source, and n2's REPLY entry names that address.
 SNAT mode is test_tc_nodeport.py, unchanged.
 """
 
@@ -37,7 +40,8 @@ from usproxy.offload.bpf.layout import CT_DSR, CT_ORIGINAL, CT_REPLY
 
 pytestmark = pytest.mark.netns
 
-DSR_NP, LOCAL_NP, UDP_NP, HERE_NP = 30090, 30091, 30092, 30093
+DSR_NP, LOCAL_NP, UDP_NP, HERE_NP, LB_NP = 30090, 30091, 30092, 30093, 30094
+LB_IP, EXTERNAL_IP = "198.51.100.20", "198.51.100.21"
 N1 = node_ip(1)
 WEB_B = "10.244.2.10"
 
@@ -66,6 +70,10 @@ async def dsr_cluster(tmp_path: Path) -> AsyncIterator[tuple[Cluster, DsrAgents]
                                               ("here", "10.96.30.13", HERE_NP, "Cluster", [("10.244.1.10", 1)])):
                 api.apply("services", service(name, ip, port, etp))
                 api.apply("endpointslices", slice_of(name, pods))
+            lb = service("dsrlb", "10.96.30.14", LB_NP, "Cluster", type="LoadBalancer", externalIPs=[EXTERNAL_IP])
+            lb["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
+            api.apply("services", lb)
+            api.apply("endpointslices", slice_of("dsrlb", [(WEB_B, 2)]))
             api.apply("services", udp_service("dsru", "10.96.30.12", UDP_NP))
             api.apply("endpointslices", udp_slice("dsru", [(WEB_B, 2)]))
             kc = tmp_path / "kubeconfig"
@@ -224,3 +232,29 @@ async def test_udp_datagrams_that_do_not_fit_with_the_option(dsr_cluster: tuple[
     finally:
         first_big.close()
         small_first.close()
+
+
+async def test_dsr_for_a_load_balancer_ip_and_an_external_ip(dsr_cluster: tuple[Cluster, DsrAgents]) -> None:
+    c, agents = dsr_cluster
+    for ip in (LB_IP, EXTERNAL_IP):  # the cloud's load balancer, or the operator, sends them to n1
+        nsexec(c.ns("lan"), "ip", "route", "replace", f"{ip}/32", "via", N1)
+    count_replies_by_sender(c, "tcp", 80)
+    ports = {}
+    for ip in (LB_IP, EXTERNAL_IP):
+        s, name, peer = await asyncio.to_thread(connect, c.ns("ext"), ip, 80)
+        try:
+            assert (name, peer) == ("web-b", EXT), ip  # the backend on n2 sees the client's address
+            assert s.getpeername() == (ip, 80)  # the handshake's answer came from the frontend
+            assert await asyncio.to_thread(echo, s, b"ping\n") == b"ping\n"
+            ports[ip] = s.getsockname()[1]
+        finally:
+            s.close()
+    counts = reply_counts(c)
+    assert counts["n1"] == 0 and counts["n2"] >= 4 and counts["n3"] == 0, counts  # straight from n2
+    n1 = {str(e.daddr): (str(e.nat_saddr), str(e.nat_daddr), bool(e.flags & CT_DSR))
+          for e in ct_entries(agents.dirs[1][0]) if e.direction == CT_ORIGINAL and str(e.saddr) == EXT
+          and e.sport in ports.values()}
+    assert n1 == {ip: ("0.0.0.0", WEB_B, True) for ip in (LB_IP, EXTERNAL_IP)}, n1  # DNAT, no SNAT
+    n2 = {e.dport: (str(e.nat_saddr), e.nat_sport, bool(e.flags & CT_DSR))
+          for e in ct_entries(agents.dirs[2][0]) if e.direction == CT_REPLY and e.dport in ports.values()}
+    assert n2 == {ports[ip]: (ip, 80, True) for ip in (LB_IP, EXTERNAL_IP)}, n2  # from the IP option

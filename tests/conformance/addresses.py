@@ -13,6 +13,7 @@ not collide, so ClusterIPs, LoadBalancer/external IPs and NodePorts carry the sc
 | 172.30.1.1                   | 10.96.k.201                            | ClusterIP                  |
 | 172.30.0.0/16                | 10.96.0.0/16                           | Service CIDR               |
 | 10.180.A.B                   | 10.244.(100+A).B                       | pods (endpoints, clients)  |
+| 10.180.1.B ("remote" node)   | 10.244.101.B, behind netns "peer"      | pods on another node       |
 | 10.0.A.B                     | 10.244.A.B                             | pods; 10.0.0.2 the client  |
 | 192.168.0.2 / 192.168.1.2    | 192.0.2.10 / 192.0.2.11                | node IP / alternate node IP|
 | 192.168.0.0/24, .1.0/24      | 192.0.2.0/24                           | node networks (CIDRs)      |
@@ -26,6 +27,12 @@ not collide, so ClusterIPs, LoadBalancer/external IPs and NodePorts carry the sc
 The node also holds 203.0.113.1/24 (the external clients' gateway) and reaches the rest of the
 world through netns "world" (10.255.255.2), which answers every packet it is sent with ICMP host
 unreachable: traffic the proxy does not handle gets a fast error there, never a silent loss.
+
+The pods of TestInternalExternalMasquerade's "remote" node (kube-proxy's 10.180.1.B, its only
+endpoints on another node that no scenario also names local) live behind netns "peer", a second
+node on the node bridge (PEER_NODE) with a pod bridge of its own (PEER_PODS): the node routes them
+through it, so a datapath that returns directly from the endpoint's node (DSR) really has one.
+Every other pod address sits on the node's bridge, whatever node its slice names.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ import ipaddress
 NODE_ADDRESSES = ("192.0.2.10", "192.0.2.11", "10.244.0.1", "203.0.113.1")
 EXT_GATEWAY = "203.0.113.1"
 WORLD_LINK = ("10.255.255.1", "10.255.255.2")  # node side, world side (/30)
+PEER_NODE = "10.244.0.250"  # the peer node's address on the node bridge: the node's route to PEER_PODS
+PEER_PODS = "10.244.101.0/24"  # kube-proxy's 10.180.1.0/24, the "remote" node's pods
+PEER_BRIDGE = "10.244.101.254"  # the peer node's pod bridge, its pods' gateway
 MAX_K = 24  # 10k+6 must stay within 198.51.100.0/24
 
 _LB = {"1.2.3.4": 1, "5.6.7.8": 2, "9.10.11.12": 3, "192.168.99.11": 4, "192.168.99.22": 5, "192.168.99.33": 6}
@@ -85,6 +95,11 @@ def is_node(ip: str) -> bool:
 
 def is_external_client(ip: str) -> bool:
     return ipaddress.ip_address(ip) in ipaddress.ip_network("203.0.113.0/24") and ip != EXT_GATEWAY
+
+
+def on_peer_node(ip: str) -> bool:
+    """Whether pod address `ip` (mapped) lives behind the peer node, not on the node's bridge."""
+    return ipaddress.ip_address(ip) in ipaddress.ip_network(PEER_PODS)
 
 
 def _fail(kp: str) -> str:

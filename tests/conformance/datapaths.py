@@ -7,7 +7,8 @@ sendmsg() of processes in its cgroup, so it serves only ClusterIP flows from thi
 processes, node and pods alike; everything else goes to the relay and is judged there), and
 "bpf-tc" (the same `--offload bpf` agent, judged on the flows its tc programs serve: an external
 client to a NodePort, a LoadBalancer IP or an externalIP; ClusterIPs from outside and every other
-source are not tc's and are judged in the other datapaths).
+source are not tc's and are judged in the other datapaths), and "bpf-tc-dsr" (the same flows, the
+agent with `--bpf-lb-mode dsr`, the peer node running one too: lab.py).
 
 Differences by nature (`expectation`):
 - relay: it re-originates every connection from the node, so every endpoint sees a node address:
@@ -22,24 +23,36 @@ Differences by nature (`expectation`):
   the client's address kept for Local), filters loadBalancerSourceRanges by dropping, drops when
   eTP=Local leaves no local endpoint, and refuses a Service without usable endpoints by passing
   the packet to the stack, where no listener answers but the kernel's RST.
+- bpf-tc-dsr: as bpf-tc, but a flow to an externalTrafficPolicy Cluster NodePort, LoadBalancer IP
+  or externalIP whose endpoint lives on another node (the peer node's pods, addresses.PEER_PODS)
+  takes DSR, as Cilium's bpf-lb-mode=dsr: the endpoint gets the client's packet unSNATed, so it
+  sees the client's own address where kube-proxy masquerades, and answers the client directly
+  with the address and port the client addressed as its source (the probe's connected socket takes
+  no other: an answer proves it). The node's own endpoints of the same flow are SNATed as in bpf-tc
+  (there is no other node to return from; dsr.h).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tests.conformance import addresses as A
 from tests.conformance.reference import Flow, Scenario
 
-DATAPATHS = ("relay", "nftables", "bpf", "bpf-tc")
+DATAPATHS = ("relay", "nftables", "bpf", "bpf-tc", "bpf-tc-dsr")
+TC_DATAPATHS = ("bpf-tc", "bpf-tc-dsr")
 
 
 @dataclass(frozen=True, slots=True)
 class Expectation:
-    """`output` as kube-proxy's plus "BLOCKED" (REJECT or DROP); `masq` None: not judged."""
+    """`output` as kube-proxy's plus "BLOCKED" (REJECT or DROP); `masq` None: not judged;
+    `client_kept`: endpoints of `output` ("ip:port" as kube-proxy writes them) that see the client's
+    own address whatever `masq` says of the others."""
 
     output: str
     masq: bool | None
     why: str = ""  # the reason where this differs from kube-proxy
+    client_kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +76,10 @@ NO_SERVICE_CIDR_VERDICT = ("only the nftables datapath checks the Service CIDR: 
                            "alone an unallocated address is routed as the routing table says (here: unreachable)")
 RELAY_NO_SHORT_CIRCUIT = ("the relay cannot tell pods and the node from outside clients: an externalTrafficPolicy "
                           "Local frontend gets the local endpoints only (kube-proxy short-circuits them to all)")
+DSR_CLIENT_KEPT = ("DSR (as Cilium's bpf-lb-mode=dsr): an endpoint on another node gets the client's packet "
+                   "to a NodePort, LB IP or externalIP unSNATed and answers the client directly, so it sees the "
+                   "client's address where kube-proxy masquerades (externalTrafficPolicy Cluster); the node's "
+                   "own endpoints are SNATed")
 BPF_NO_DROP = "the socket LB refuses connect() when a Local policy leaves no endpoint; it cannot drop"
 
 _UNALLOCATED = ("clusterip-general", "packet to unallocated cluster ip")
@@ -103,13 +120,26 @@ def expectation(datapath: str, scenario: Scenario, flow: Flow) -> Expectation:
             return Expectation(flow.output, True, RELAY_MASQ)
     if datapath == "bpf" and served and flow.masq:
         return Expectation(flow.output, False, BPF_NO_MASQ)
+    if datapath == "bpf-tc-dsr" and served and _cluster_frontend(scenario, flow):
+        remote = tuple(e for e in flow.output.split(", ") if A.on_peer_node(A.addr(e.rsplit(":", 1)[0], 1)))
+        if remote:
+            return Expectation(flow.output, masq, DSR_CLIENT_KEPT, remote)
     return Expectation(flow.output, masq)
+
+
+def _cluster_frontend(scenario: Scenario, flow: Flow) -> bool:
+    """Whether `flow` comes from an external client to a NodePort, LoadBalancer IP or externalIP
+    of an externalTrafficPolicy Cluster Service."""
+    if not A.is_external_client(A.addr(flow.source, 1)):
+        return False
+    return any(s.etp == "Cluster" and (p.node_port == flow.port or (
+        p.port == flow.port and flow.dest in (*s.lb_ips, *s.external_ips))) for s in scenario.services for p in s.ports)
 
 
 def serves(datapath: str, source: str, dest: str) -> bool:
     """Whether `datapath` is the one judged for traffic from `source` to `dest` (mapped addresses)."""
     external = source.startswith("203.0.113.")
-    if datapath == "bpf-tc":  # the tc programs: external clients to NodePorts, LB IPs, externalIPs
+    if datapath in TC_DATAPATHS:  # the tc programs: external clients to NodePorts, LB IPs, externalIPs
         return external and not dest.startswith("10.96.")
     if datapath != "bpf":
         return True

@@ -5,8 +5,9 @@ One test per (datapath, scenario, flow), ids "datapath/scenario/flow name". Test
 that each (datapath, group) runs on one agent and phase 1 flows (after endpoints or a Service are
 deleted) follow phase 0; `Lab.use` switches agents and phases. A flow is judged by its attempts:
 - endpoints "a:p, b:p": every attempt answered, the set of endpoints that answered equals the
-  expected set, and the peer each endpoint saw is the client's own address (not masqueraded) or a
-  node address other than the client's (masqueraded);
+  expected set, and the peer each endpoint saw is the client's own address (not masqueraded, and
+  always for the expectation's `client_kept` endpoints) or a node address other than the client's
+  (masqueraded);
 - REJECT: every attempt refused (ECONNREFUSED, TCP RST or ICMP port unreachable) within 0.5 s;
 - DROP: no answer and no error before the 1 s timeout;
 - BLOCKED: no endpoint reached, refused or silent;
@@ -68,7 +69,7 @@ def test_flow(lab: Lab, case: Case) -> None:
     port = A.node_port(flow.port, k) if flow.port >= 3000 else flow.port
     wanted = _endpoints(exp.output, k)
     attempts = lab.probe(datapath, _spec(exp, flow, src, dst, port, wanted))
-    problems = judge(exp, attempts, src, wanted)
+    problems = judge(exp, attempts, src, wanted, _endpoints(", ".join(exp.client_kept), k))
     assert not problems, f"{sc.test}: {flow.name!r} {src} -> {dst}:{port}/{flow.protocol} " \
                          f"expected {exp}: {problems}; attempts {[_short(a) for a in attempts[:6]]}"
 
@@ -92,8 +93,10 @@ def _spec(exp: Expectation, flow: Flow, src: str, dst: str, port: int, wanted: s
     return Spec(mode, src, dst, port, 1, DROP_TIMEOUT if exp.output in ("DROP", "BLOCKED", "") else 2.0)
 
 
-def judge(exp: Expectation, attempts: list[Attempt], src: str, wanted: set[str]) -> list[str]:
-    """What is wrong with `attempts` under `exp` (empty: conforms)."""
+def judge(exp: Expectation, attempts: list[Attempt], src: str, wanted: set[str],
+          kept: set[str] | None = None) -> list[str]:
+    """What is wrong with `attempts` under `exp` (empty: conforms); `kept`: the mapped endpoints
+    that must see `src` whatever exp.masq says."""
     answered = [a for a in attempts if not a.error]
     errors = sorted({a.error for a in attempts if a.error})
     if wanted:
@@ -101,10 +104,14 @@ def judge(exp: Expectation, attempts: list[Attempt], src: str, wanted: set[str])
         seen = {a.endpoint for a in answered}
         if seen != wanted:
             problems.append(f"endpoints {sorted(seen)} != {sorted(wanted)}")
-        if exp.masq is True and any(a.peer == src or not A.is_node(a.peer) for a in answered):
-            problems.append(f"not masqueraded: peers {sorted({a.peer for a in answered})}")
-        if exp.masq is False and any(a.peer != src for a in answered):
-            problems.append(f"masqueraded: peers {sorted({a.peer for a in answered})}")
+        kept = kept or set()
+        if any(a.peer != src for a in answered if a.endpoint in kept):
+            problems.append(f"client address lost: {sorted({(a.endpoint, a.peer) for a in answered if a.endpoint in kept})}")
+        others = [a for a in answered if a.endpoint not in kept]
+        if exp.masq is True and any(a.peer == src or not A.is_node(a.peer) for a in others):
+            problems.append(f"not masqueraded: peers {sorted({a.peer for a in others})}")
+        if exp.masq is False and any(a.peer != src for a in others):
+            problems.append(f"masqueraded: peers {sorted({a.peer for a in others})}")
         return problems
     if exp.output == "ACCEPT":
         return [] if answered and all(a.endpoint.startswith("HTTP/") for a in answered) and not errors \

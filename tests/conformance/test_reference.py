@@ -73,4 +73,24 @@ def test_relay_and_bpf_expectations_state_their_reason() -> None:
                 for dp in DATAPATHS:
                     exp = expectation(dp, sc, f)
                     differs = (exp.output, exp.masq) != (f.output, f.masq if exp.masq is not None else None)
-                    assert not differs or exp.why, (dp, sc.key, f.name)
+                    assert not (differs or exp.client_kept) or exp.why, (dp, sc.key, f.name)
+
+
+def test_dsr_keeps_the_client_address_where_an_endpoint_is_on_another_node() -> None:
+    """bpf-tc-dsr expects the client's address at exactly the peer node's endpoints of the external
+    flows to a Cluster-policy NodePort or LB IP: TestInternalExternalMasquerade's svc1 and svc3 (eTP
+    Cluster, one endpoint on "remote"), in each of its five configurations; nowhere else, no other
+    datapath."""
+    kept = {(dp, sc.key, f.name, e) for g in GROUPS for sc in g.scenarios for f in sc.flows for dp in DATAPATHS
+            for e in expectation(dp, sc, f).client_kept}
+    iem = ("iem-base", "iem-no-localtrafficdetector", "iem-masqueradeall",
+           "iem-masqueradeall-no-localtrafficdetector", "iem-base-nodecidr")
+    assert kept == {("bpf-tc-dsr", k, n, e) for k in iem for n, e in
+                    (("external to NodePort", "10.180.1.1:80"), ("external to NodePort with iTP:Local", "10.180.1.3:80"),
+                     ("external to LB", "10.180.1.1:80"), ("external to LB with iTP:Local", "10.180.1.3:80"))}
+    assert {ip for ip in _pod_ips() if A.on_peer_node(ip)} == {"10.244.101.1", "10.244.101.2", "10.244.101.3"}
+
+
+def _pod_ips() -> set[str]:
+    from tests.conformance.manifests import pod_addresses
+    return set(pod_addresses())

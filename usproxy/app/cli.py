@@ -70,7 +70,7 @@ def _run_parser(sub: Any) -> None:
                    help="a half-closed relayed TCP connection idle this long is reset (default 1h)")
     p.add_argument("--bpf-cgroup", type=Path)
     p.add_argument("--bpf-lb-mode", choices=["snat", "dsr"],
-                   help="NodePorts at tc (--offload bpf), backend on another node: SNAT to the node "
+                   help="NodePorts, LB IPs and externalIPs at tc (--offload bpf), backend on another node: SNAT to the node "
                         "(default) or direct server return, the client's address kept (Cilium's)")
     p.add_argument("--bpf-lb-acceleration", choices=["native", "disabled"],
                    help="--offload bpf: serve NodePorts at XDP on interfaces with native XDP, tc elsewhere "

@@ -1,5 +1,6 @@
-"""DSR mode below the three-node test (tests/cluster/test_tc_dsr.py): which NodePort groups the
-datapath flags F_DSR, and how a DSR conntrack entry shows in /flows."""
+"""DSR mode below the three-node test (tests/cluster/test_tc_dsr.py): which tc groups (NodePorts
+with externalIPs, LoadBalancer IPs) the datapath flags F_DSR, and how a DSR conntrack entry shows
+in /flows."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from tests.offload.bpf.builders import ep, spn, state
 from usproxy.offload.bpf import nodeport
-from usproxy.offload.bpf.datapath import NODEPORT_GROUP, BpfDatapath
+from usproxy.offload.bpf.datapath import LB_GROUP, NODEPORT_GROUP, BpfDatapath
 from usproxy.offload.bpf.layout import CT_DSR, CT_ORIGINAL, F_DSR, F_LOCAL_ONLY, CtEntry
 from usproxy.config import BpfLbMode
 
@@ -19,15 +20,17 @@ V4 = ipaddress.IPv4Address
 
 @pytest.mark.parametrize("mode, etp, dsr", [("snat", "Cluster", False), ("dsr", "Cluster", True),
                                             ("dsr", "Local", False), ("snat", "Local", False)])
-def test_only_cluster_policy_nodeports_in_dsr_mode_are_flagged(mode: BpfLbMode, etp: str, dsr: bool) -> None:
+def test_only_cluster_policy_tc_frontends_in_dsr_mode_are_flagged(mode: BpfLbMode, etp: str, dsr: bool) -> None:
     dp = BpfDatapath(nodeport_cidrs=(), lb_mode=mode)
     dp.traffic = frozenset({"local", "forwarded"})
     st = state(spn("web"), "10.96.0.10", 80, [ep("10.244.1.5", node_name="node")], node_port=30080,
-               external_traffic_policy=etp)
+               external_traffic_policy=etp, external_ips=(V4("198.51.100.21"),),
+               load_balancer_ips=(V4("198.51.100.20"),))
     want = dp._wants(spn("web"), st)
-    assert bool(want[NODEPORT_GROUP].flags & F_DSR) == dsr
-    assert bool(want[NODEPORT_GROUP].flags & F_LOCAL_ONLY) == (etp == "Local")
-    assert not any(w.flags & F_DSR for k, w in want.items() if k != NODEPORT_GROUP)  # ClusterIPs: never
+    for group in (NODEPORT_GROUP, LB_GROUP):  # NodePort and externalIP; LB IP: DSR as Cilium's
+        assert bool(want[group].flags & F_DSR) == dsr, group
+        assert bool(want[group].flags & F_LOCAL_ONLY) == (etp == "Local")
+    assert not any(w.flags & F_DSR for k, w in want.items() if k not in (NODEPORT_GROUP, LB_GROUP))  # ClusterIPs
 
 
 def test_a_dsr_entry_shows_as_dsr_in_flows() -> None:

@@ -21,10 +21,10 @@ endpoints only elsewhere, as kube-proxy). The datapath then claims "forwarded" t
 tc programs cannot be loaded (probe) or attached (open), it serves "local" only, says why in its
 capability, and external traffic stays with the relay, whose listeners stay up under the tc hooks
 in every case: whatever tc passes (IPv6, fragments, refusals) is served there.
-With `lb_mode` "dsr" (--bpf-lb-mode) the Cluster-policy NodePort groups are flagged F_DSR: a backend
-on another node gets the client's packet unSNATed with the service address in an IP option and
-answers the client directly (dsr.h; NodePorts only: the backend's node finds the Service by the
-NodePort the option names, so externalIPs and LB IPs keep SNAT).
+With `lb_mode` "dsr" (--bpf-lb-mode) the Cluster-policy tc groups (NodePorts, externalIPs, LB IPs)
+are flagged F_DSR: a backend on another node gets the client's packet unSNATed with the service
+address in an IP option and answers the client directly (dsr.h; the backend's node finds the
+frontend the option names in its own maps, as Cilium does for every external frontend).
 Every tc group is selected through a Maglev table over the flow's tuple without the node address
 (F_MAGLEV, as Cilium's bpf-lb-algorithm=maglev does for traffic from outside): every node builds the
 same table from the same endpoints, so a flow picks the same backend whichever node it enters, and
@@ -307,17 +307,17 @@ class BpfDatapath:
         eps = tuple(sorted({ep.address for ep in state.external_endpoints if address_family(ep.ip) == 4}))
         # Maglev: the same backend through every node (round robin would differ per node)
         flags = (self._flags(state) & ~F_ROUND_ROBIN) | F_MAGLEV | F_TC_ONLY | self._empty_flags(state, eps)
+        dsr = F_DSR if self.lb_mode == "dsr" and not flags & F_LOCAL_ONLY else 0  # as Cilium: every frontend
         out: dict[int, Want] = {}
         ext = {SvcKey(ip, sp.port, proto) for ip in sp.external_ips if address_family(ip) == 4}
         if sp.node_port:
             ext.add(SvcKey(NODEPORT_ANY, sp.node_port, proto))
         if ext:
-            dsr = F_DSR if self.lb_mode == "dsr" and sp.node_port and not flags & F_LOCAL_ONLY else 0
             out[NODEPORT_GROUP] = Want(spn.key(), frozenset(ext), eps, sp.affinity_timeout, flags | dsr)
         lb_ips = [ip for ip in sp.load_balancer_ips if isinstance(ip, ipaddress.IPv4Address)]
         if lb_ips:
             sources = self._lb_sources(state, lb_ips)
-            lb_flags = flags | F_LB_IPS | (F_SOURCE_RANGES if sources else 0)
+            lb_flags = flags | dsr | F_LB_IPS | (F_SOURCE_RANGES if sources else 0)
             out[LB_GROUP] = Want(spn.key(), frozenset(SvcKey(ip, sp.port, proto) for ip in lb_ips), eps,
                                  sp.affinity_timeout, lb_flags, sources)
         return out

@@ -1,16 +1,18 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /*
- * Direct server return for NodePorts at tc (--bpf-lb-mode dsr), included by sock_lb.c after its
- * tc section: it uses that section's struct pkt, usp_ct, rewrite() and send().
+ * Direct server return at tc (--bpf-lb-mode dsr) for NodePorts, LoadBalancer IPs and externalIPs,
+ * as Cilium's, included by sock_lb.c after its tc section: it uses that section's struct pkt,
+ * usp_ct, rewrite() and send().
  *
  * The shape is Cilium's IPv4 DSR with an IP option (bpf/lib/nodeport.h: dsr_set_opt4 and
  * handle_dsr_v4, option type IPOPT_COPY | 26, 8 bytes: type, length, port, address); the code is
  * usproxy's.
  *
- * Ingress node (the node the client addressed): a new flow to a NodePort flagged F_DSR whose
+ * Ingress node (the node the client addressed): a new flow to a frontend flagged F_DSR whose
  * backend is reached through a gateway (another node: the route to its pod network goes via that
  * node) is DNATed without SNAT, so the client's address stays; the packet gets the service address
- * (node address and NodePort) as an IP option after the 20-byte header and leaves through
+ * (the address and port the client addressed: node address and NodePort, or an LB IP or externalIP
+ * and the Service's port) as an IP option after the 20-byte header and leaves through
  * bpf_fib_lookup + bpf_redirect_neigh. Only an ORIGINAL usp_ct entry (flag CT_DSR) is written:
  * the reply never comes back through this node. TCP carries the option on SYNs only (a SYN has no
  * payload, so the 8 bytes never push a segment past the MTU); the backend node remembers the flow
@@ -20,12 +22,13 @@
  * backend's node knows the flow from the earlier ones, while its entry lives). Cilium answers
  * ICMP fragmentation-needed there instead.
  *
- * Backend node: a packet carrying the option (first option of the header) to a NodePort this node
- * also serves with F_DSR records a REPLY usp_ct entry (backend:port -> client) that names the
- * service address; the existing reverse NAT (reply_nat) then rewrites the reply's source to
- * node:NodePort where the reply first meets a hooked interface (the pod bridge's ingress) and
- * sends it straight to the client. An option naming a NodePort this node does not serve in DSR
- * mode is ignored: nobody can make a pod answer as an arbitrary address.
+ * Backend node: a packet carrying the option (first option of the header) naming a frontend this
+ * node also serves with F_DSR (an LB IP or externalIP entry of its own for that address and port,
+ * else a NodePort for that port) records a REPLY usp_ct entry (backend:port -> client) that names
+ * the service address; the existing reverse NAT (reply_nat) then rewrites the reply's source to
+ * it where the reply first meets a hooked interface (the pod bridge's ingress) and sends it
+ * straight to the client. An option naming a frontend this node does not serve in DSR mode is
+ * ignored: nobody can make a pod answer as an arbitrary address.
  */
 #ifndef USP_DSR_H
 #define USP_DSR_H
@@ -41,8 +44,8 @@
 struct dsr_opt {
 	__u8 type;
 	__u8 len;
-	__u16 port;			/* NodePort, network order */
-	__u32 addr;			/* node address the client addressed, network order */
+	__u16 port;			/* the port the client addressed (NodePort or Service port), network order */
+	__u32 addr;			/* the address the client addressed (node, LB IP, externalIP), network order */
 };
 
 struct dsr_iphdr {
@@ -126,19 +129,23 @@ static __always_inline int dsr_forward(struct __sk_buff *skb, struct pkt *p, __u
 	return send(skb, p->t.saddr, be_addr);
 }
 
-/* Whether `p` addresses the NodePort of `svc` (not one of its externalIPs or LB IPs): the backend's
- * node finds the Service by the NodePort the option names (dsr_recv), so only NodePorts use DSR. */
-static __always_inline int dsr_is_nodeport(struct pkt *p, struct svc_val *svc)
+/* The DSR frontend an option names, as this node serves it: the LB IP or externalIP entry for
+ * (addr, port), else the NodePort `port`; NULL when neither is flagged F_DSR here. */
+static __always_inline struct svc_val *dsr_frontend(__u32 addr, __u16 port, __u8 proto)
 {
 	struct svc_key key = {};
-	struct svc_val *np;
+	struct svc_val *svc;
 
-	key_from_v4(&key, 0, p->t.dport, p->t.proto);
-	np = bpf_map_lookup_elem(&usp_services, &key);
-	return np && np->id == svc->id;
+	key_from_v4(&key, addr, port, proto);
+	svc = bpf_map_lookup_elem(&usp_services, &key);
+	if (svc && (svc->flags & F_TC_ONLY) && (svc->flags & F_DSR))
+		return svc;
+	key_from_v4(&key, 0, port, proto);
+	svc = bpf_map_lookup_elem(&usp_services, &key);
+	return svc && (svc->flags & F_DSR) ? svc : NULL;
 }
 
-/* A new flow to a DSR NodePort (nodeport_new's hook): -1 when DSR does not apply (the backend is
+/* A new flow to a DSR frontend (nodeport_new's hook): -1 when DSR does not apply (the backend is
  * on this node, the packet already has IP options or would not fit with the option) and the SNAT
  * path goes on. */
 static __always_inline int dsr_new(struct __sk_buff *skb, struct pkt *p, struct svc_val *svc,
@@ -150,8 +157,6 @@ static __always_inline int dsr_new(struct __sk_buff *skb, struct pkt *p, struct 
 	int via_gw = 0;
 
 	if (!(svc->flags & F_DSR) || (svc->flags & F_LOCAL_ONLY) || p->l4_off != IP_OFF + IP_HLEN_BASE)
-		return -1;
-	if (!dsr_is_nodeport(p, svc))
 		return -1;
 	if (!dsr_opt_fits(skb, p, be->addr[3], &via_gw) || !via_gw)
 		return -1;
@@ -185,7 +190,6 @@ static __always_inline int dsr_recv(struct __sk_buff *skb, struct pkt *p, __u64 
 			     .dport = p->t.sport, .proto = p->t.proto, .dir = CT_REPLY };
 	struct ct_val rv = { .nat_daddr = p->t.saddr, .nat_dport = p->t.sport, .flags = CT_DSR,
 			     .created = now, .last = now };
-	struct svc_key key = {};
 	struct dsr_opt opt;
 	struct svc_val *svc;
 
@@ -195,9 +199,8 @@ static __always_inline int dsr_recv(struct __sk_buff *skb, struct pkt *p, __u64 
 		return -1;
 	if (opt.type != DSR_OPT_TYPE || opt.len != DSR_OPT_LEN)
 		return -1;
-	key_from_v4(&key, 0, opt.port, p->t.proto);
-	svc = bpf_map_lookup_elem(&usp_services, &key);
-	if (!svc || !(svc->flags & F_DSR))
+	svc = dsr_frontend(opt.addr, opt.port, p->t.proto);
+	if (!svc)
 		return -1;
 	rv.nat_saddr = opt.addr;
 	rv.nat_sport = opt.port;
