@@ -247,6 +247,7 @@ async def hog_on_the_probers_address(idle_count: int) -> None:
         for _, writer in [busy, *idle]:
             writer.close()
     finally:
+        view.release.set()  # else stopping waits for the request in flight
         await admin.stop()
 
 
@@ -270,6 +271,7 @@ async def every_connection_busy_refuses_the_next() -> None:
             assert status == 200 and len(json.loads(body)) == 1000
             writer.close()
     finally:
+        view.release.set()
         await admin.stop()
 
 
