@@ -144,18 +144,23 @@ async def test_no_node_address_in_nodeport_cidrs_is_an_error_not_a_wildcard() ->
         await hcs.close()
 
 
-async def test_connections_over_the_service_share_are_refused() -> None:
+async def test_connections_over_the_service_share_make_room_for_a_probe() -> None:
+    """A Service's share full of idle connections (a hog, perhaps behind the load balancer's own
+    address): a probe is still answered at once, the connection idle the longest closed to make
+    room, the hog's others kept; another Service still answers."""
     hcs = ServiceHealthServer(LOOPBACK, lambda: True, max_connections=8)  # 2 per Service
     port = free_port()
     try:
         await hcs.sync({AB: port}, {AB: 1})
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         await asyncio.sleep(0.05)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        assert await closed(reader)  # reset at once, never served
+        status, _, body = await asyncio.wait_for(probe(port), 1.0)
+        assert status == 200 and body["localEndpoints"] == 1
+        assert await closed(held[0][0])  # idle the longest: closed to make room
+        assert not held[1][0].at_eof()
         await hcs.sync({AB: port, CD: free_port()}, {AB: 1})
         assert (await probe(hcs.listening(CD)[0][1]))[0] == 503  # another Service still answers
-        for w in [writer, *(w for _, w in held)]:
+        for _, w in held:
             await shut(w)
     finally:
         await hcs.close()

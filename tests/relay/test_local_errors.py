@@ -33,7 +33,8 @@ def web(cluster_ip: str) -> list[dict[str, object]]:
 
 
 def flood_health_port(ns: str, count: int) -> list[socket.socket]:
-    """`count` idle connections to the agent's health port (those over its limit are reset)."""
+    """`count` idle connections to the agent's health port (over its limit the agent closes the
+    one idle the longest)."""
     held = []
     deadline = time.monotonic() + 10.0
     with inside(ns):
@@ -98,7 +99,9 @@ def test_everything_withdrawn_on_a_local_error_and_a_file_rewritten_in_place(
         assert wait_until(lambda: attempt_in(cli, "10.96.10.11", 80) == "ok", timeout=3.0)
         log = agent.log.read_text()
         assert "withdrawing" not in log and "Too many open files" not in log
-        assert "refusing more" in log  # the health port's limit was what held
+        # the health port's limit was what held: over it, idle connections closed to make room
+        # (or, in a burst of accepts none of which had started, the new one reset)
+        assert "closing the one idle the longest" in log or "refusing more" in log
     finally:
         for s in held:
             s.close()

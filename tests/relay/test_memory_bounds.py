@@ -12,10 +12,13 @@ most LEG_BOUND bytes in userspace (its bytes_out less the client leg's kernel qu
 the endpoint wrote that are in no kernel queue are at most LEG_BOUND per flow, and VmRSS grew by
 less than 2 × LEG_BOUND per flow (a 1 MiB leg buffer fails all three). After the clients closed
 and the heap trim ran, VmRSS is within 16 MiB of its size before (it kept 60 MiB without the trim).
+The kernel memory of the agent's own two sockets per flow (`ss -m`) is reported, not bounded: the
+relay cannot bound it without stalling flows that resume (README, Semantics, the memory item).
 """
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from pathlib import Path
@@ -86,6 +89,36 @@ def queued(*namespaces: str) -> int:
     return sum(r + s for ns in namespaces for r, s in queues(ns).values())
 
 
+def skmem(ns: str) -> dict[tuple[str, str], int]:
+    """(local, peer) → kernel memory of every TCP socket in `ns` that is not listening, in bytes:
+    its receive queue's (skmem r, rmem_alloc) plus its send queue's (skmem w, wmem_queued), from
+    `ss -m`, both counted with their buffers' overhead as tcp_mem counts them."""
+    out: dict[tuple[str, str], int] = {}
+    key: tuple[str, str] | None = None
+    for line in nsexec(ns, "ss", "-tnmH", "state", "connected").stdout.splitlines():
+        if "skmem:(" in line and key is not None:
+            fields = {k: int(v) for k, v in re.findall(r"([a-z]+)(\d+)", line.split("skmem:(")[1].split(")")[0])}
+            out[key] = fields["r"] + fields["w"]
+            key = None
+        elif line and not line[0].isspace():
+            cols = line.split()
+            if not cols[0].isdigit():
+                cols = cols[1:]  # the state column
+            key = (cols[2], cols[3])
+    return out
+
+
+def kernel_held(flows: list[dict[str, object]], node: str) -> list[int]:
+    """Kernel memory each flow pins in the agent's own two sockets (client leg, endpoint leg)."""
+    mem = skmem(node)
+    out = []
+    for f in flows:
+        orig, rep = f["original"], f["reply"]
+        assert isinstance(orig, dict) and isinstance(rep, dict)
+        out.append(mem[(str(orig["dst"]), str(orig["src"]))] + mem[(str(rep["dst"]), str(rep["src"]))])
+    return out
+
+
 def buffered(flows: list[dict[str, object]], node: str, cli: str) -> list[int]:
     """Bytes each flow holds in the agent's userspace: what it read from the endpoint
     (bytes_out) less what the kernel holds on the client leg (the agent's Send-Q, the client's
@@ -145,6 +178,7 @@ def test_clients_that_never_read_cost_a_bounded_buffer_and_give_it_back(
         flows = agent.flows()
         assert len(flows) == FLOWS
         held = buffered(flows, topology.node, cli)
+        kernel = kernel_held(flows, topology.node)
 
         for s in clients:
             s.close()  # unread data: each close is a reset
@@ -156,7 +190,9 @@ def test_clients_that_never_read_cost_a_bounded_buffer_and_give_it_back(
         print(f"\n{loop_name}, {FLOWS} flows: RSS before {before / MIB:.1f} MiB, stuck {during / MIB:.1f} MiB "
               f"({rss / 1024:.0f} KiB/flow), after {after / MIB:.1f} MiB; buffered per flow: mean "
               f"{sum(held) / FLOWS / 1024:.0f} KiB, most {max(held) / 1024:.0f} KiB; the endpoint wrote "
-              f"{wrote / MIB:.2f} MiB/conn (most {most / MIB:.2f}), {unsent / 1024:.0f} KiB/conn outside the kernel")
+              f"{wrote / MIB:.2f} MiB/conn (most {most / MIB:.2f}), {unsent / 1024:.0f} KiB/conn outside the kernel; "
+              f"kernel memory per flow in the agent's sockets: mean {sum(kernel) / FLOWS / 1024:.0f} KiB, "
+              f"most {max(kernel) / 1024:.0f} KiB")
         assert max(held) <= LEG_BOUND, f"a flow buffered {max(held)} bytes"
         assert unsent <= LEG_BOUND, f"{unsent:.0f} bytes per flow written by the endpoint, in no kernel queue"
         assert wrote < LENGTH * 3 / 4, "the endpoint's writes did not stall"

@@ -11,12 +11,20 @@ while a build runs (usproxy.admin.snapshot).
 
 Bounded, so that no client can take the node's descriptors (issue 18: idle connections to the
 health port exhausted them, and the manifest directory then read as empty): each listener holds
-at most MAX_CONNECTIONS connections, fewer under a low descriptor limit (`connection_limit`; one more
-is reset at once), one client address at most half of them (`client_share`: one client's idle
-connections leave room for a load balancer's probe), and a connection that has not sent
+at most MAX_CONNECTIONS connections, fewer under a low descriptor limit (`connection_limit`), one
+client address at most half of them (`client_share`), and a connection that has not sent
 a complete request head IDLE_TIMEOUT seconds after it opened or after its last response is closed
 (aiohttp's keep-alive timer, which also runs before the first request). Both listeners together stay
 within the relay's descriptor reserve (FlowAdmission.FD_RESERVE).
+
+A bound never starves a probe: a new connection over the listener's limit, or over its address's
+share, is served by closing the connection idle the longest (of that address when its share is
+full; of all otherwise), as nginx reuses idle keep-alive connections when out of
+worker_connections (ngx_drain_connections). Idle means no request in flight: between requests or
+before the first, a partial request head included (aiohttp's own idle rule). A connection with a
+request in flight is never closed; only when every connection that could make room has one is
+the new one reset at once. So idle connections from the load balancer's own address (a health
+checker behind the same NAT, or 127.0.0.1) cannot keep its probe out until the idle timeout.
 """
 
 from __future__ import annotations
@@ -145,9 +153,34 @@ def _peer_ip(handler: object) -> str | None:
     return str(peer[0]) if peer else None
 
 
+def idle_deadline(handler: object) -> float | None:
+    """When aiohttp's idle timer would close `handler`'s connection (loop time, seconds): IDLE_TIMEOUT
+    after it opened or answered its last request. None while it has a request in flight (a complete
+    head read, its answer not yet written), before its handler started, or once it is closing.
+    Read from aiohttp's RequestHandler as its keep-alive timer reads it (web_protocol.py,
+    `_process_keepalive`: idle while `_waiter`, the wait for the next head, is pending); an aiohttp
+    without those fields reads as in flight: nothing is closed early, the bound still holds."""
+    if getattr(handler, "transport", None) is None:
+        return None
+    waiter = getattr(handler, "_waiter", None)
+    deadline = getattr(handler, "_next_keepalive_close_time", None)
+    if not isinstance(waiter, asyncio.Future) or waiter.done() or not isinstance(deadline, float):
+        return None
+    return deadline
+
+
+def longest_idle(handlers: list[web.RequestHandler]) -> web.RequestHandler | None:
+    """The handler of `handlers` idle the longest (earliest `idle_deadline`); None when every one
+    has a request in flight."""
+    idle = [(d, i) for i, h in enumerate(handlers) if (d := idle_deadline(h)) is not None]
+    return handlers[min(idle)[1]] if idle else None
+
+
 class Gate(asyncio.Protocol):
     """A new admin connection, admitted in `connection_made` once its peer is known: handed to
-    aiohttp's handler (`set_protocol`, before any byte is read) or reset (`Refused`)."""
+    aiohttp's handler (`set_protocol`, before any byte is read), after closing the connection idle
+    the longest when the listener's limit or the address's share is full; reset (`Refused`) when
+    no such connection is idle."""
 
     def __init__(self, server: web.Server, limit: int, where: str) -> None:
         self.server = server
@@ -157,23 +190,35 @@ class Gate(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
         ip = str(peer[0]) if peer else None
-        held = self.server.connections
-        if len(held) >= self.limit:
-            limited.warning("admin %s: %d connections open; refusing more", self.where, self.limit)
-            Refused().connection_made(transport)
-        elif sum(1 for h in held if _peer_ip(h) == ip) >= client_share(self.limit):
-            limited.warning("admin %s: %s holds %d connections; refusing more from it", self.where, ip,
-                            client_share(self.limit))
-            Refused().connection_made(transport)
+        held = [h for h in self.server.connections if h.transport is not None]  # not closing
+        mine = [h for h in held if _peer_ip(h) == ip]
+        if len(mine) >= client_share(self.limit):
+            room = self._make_room(mine, f"{ip} holds {client_share(self.limit)} connections")
+        elif len(held) >= self.limit:
+            room = self._make_room(held, f"{self.limit} connections open")
         else:
-            handler = self.server()
-            transport.set_protocol(handler)
-            handler.connection_made(transport)
+            room = True
+        if not room:
+            Refused().connection_made(transport)
+            return
+        handler = self.server()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+
+    def _make_room(self, candidates: list[web.RequestHandler], why: str) -> bool:
+        """Close the connection of `candidates` idle the longest; False when none is idle."""
+        victim = longest_idle(candidates)
+        if victim is None:
+            limited.warning("admin %s: %s, each with a request in flight; refusing more", self.where, why)
+            return False
+        limited.warning("admin %s: %s; closing the one idle the longest", self.where, why)
+        victim.force_close()
+        return True
 
 
 def bounded(server: web.Server, limit: int, where: str) -> Callable[[], asyncio.Protocol]:
-    """A protocol factory serving through `server` while it holds fewer than `limit` connections,
-    and fewer than `client_share(limit)` from the new connection's address."""
+    """A protocol factory serving through `server`, within `limit` connections and
+    `client_share(limit)` per address, making room by closing idle connections (`Gate`)."""
     return lambda: Gate(server, limit, where)
 
 

@@ -17,7 +17,9 @@ to decide which nodes get traffic, so:
   at most `connection_limit(RLIMIT_NOFILE)` (64) connections and one Service at most a quarter
   of them, so a flood on one port cannot starve the probes of the others nor take the relay's
   descriptor reserve; a connection without a complete request head IDLE_TIMEOUT seconds after
-  it opened or its last answer is closed.
+  it opened or its last answer is closed. A bound never starves a probe: over it, the connection
+  idle the longest (of that Service when its share is full) is closed to make room, as the admin
+  servers do (`longest_idle`); only when each has a request in flight is the new one reset.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from usproxy.admin.server import IDLE_TIMEOUT, MAX_HEAD_LINE, Refused, connection_limit
+from usproxy.admin.server import IDLE_TIMEOUT, MAX_HEAD_LINE, Refused, connection_limit, longest_idle
 from usproxy.node import NodeFacts
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.types import IPAddress, NamespacedName, format_hostport
@@ -160,14 +162,19 @@ class ServiceHealthServer:
         total, per_service = self._limits()
 
         def factory() -> asyncio.Protocol:
-            if len(server.connections) >= per_service or self._open_connections() >= total:
-                limited.warning("health check of %s: connection limit reached; refusing more", name)
-                return Refused()
+            mine = _live(server)
+            every = [h for c in self.checks.values() for h in _live(c.server)]
+            if len(mine) >= per_service or len(every) >= total:
+                victim = longest_idle(mine if len(mine) >= per_service else every)
+                if victim is None:
+                    limited.warning("health check of %s: connection limit reached, each with a request in "
+                                    "flight; refusing more", name)
+                    return Refused()
+                limited.warning("health check of %s: connection limit reached; closing the one idle the longest",
+                                name)
+                victim.force_close()
             return server()
         return factory
-
-    def _open_connections(self) -> int:
-        return sum(len(c.server.connections) for c in self.checks.values())
 
     async def _open(self, name: NamespacedName, check: _Check) -> None:
         """Listen on every NodePort address, or on none (closing what opened) and record why."""
@@ -248,6 +255,11 @@ def _local_addresses(exclude: str | None) -> list[IPAddress]:
             if names.get(a["index"]) != exclude and not ip.is_link_local:
                 out.append(ip)
         return out
+
+
+def _live(server: web.Server) -> list[web.RequestHandler]:
+    """`server`'s connections that are not closing."""
+    return [h for h in server.connections if h.transport is not None]
 
 
 async def _close_listeners(check: _Check) -> None:
