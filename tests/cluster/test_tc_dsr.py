@@ -15,6 +15,8 @@ only backend, web-b, runs on n2:
 - a LoadBalancer IP and an externalIP (the lan router routes them to n1) take DSR as the NodePort
   does, as Cilium's: the backend on n2 sees the client, the replies leave n2 with the LB IP or
   externalIP and the port as their source, and n2's REPLY entry names that address.
+- a closed DSR flow's REPLY entry on n2 rewrites nothing of a later connection that is not DSR
+  from the same client address and port (dialled straight to the pod): its SYN removes the entry.
 SNAT mode is test_tc_nodeport.py, unchanged.
 """
 
@@ -258,3 +260,52 @@ async def test_dsr_for_a_load_balancer_ip_and_an_external_ip(dsr_cluster: tuple[
     n2 = {e.dport: (str(e.nat_saddr), e.nat_sport, bool(e.flags & CT_DSR))
           for e in ct_entries(agents.dirs[2][0]) if e.direction == CT_REPLY and e.dport in ports.values()}
     assert n2 == {ports[ip]: (ip, 80, True) for ip in (LB_IP, EXTERNAL_IP)}, n2  # from the IP option
+
+
+def dial_from(ns: str, port: int, addr: str, dport: int) -> tuple[socket.socket, str, str]:
+    """connect() from EXT:`port` (0: any) with SO_REUSEADDR, so a later socket may take the port
+    while this one's connection is in TIME_WAIT; the greeting's (pod name, peer) with it."""
+    with inside(ns):
+        s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.settimeout(3.0)
+    try:
+        s.bind((EXT, port))
+        s.connect((addr, dport))
+        name, peer = s.recv(128).decode().split()[:2]
+    except BaseException:
+        s.close()
+        raise
+    return s, name, peer
+
+
+async def test_a_direct_connection_from_a_closed_dsr_flows_client_port(dsr_cluster: tuple[Cluster, DsrAgents]) -> None:
+    """Issue 16: n2's REPLY entry of a DSR flow outlives the close (10 s) and is keyed by the
+    tuple, which a connection straight to the pod from the same client port reuses; that
+    connection's SYN (no DSR option) must remove it, or the pod's SYN-ACK leaves as n1:NodePort
+    and the connection stalls."""
+    c, agents = dsr_cluster
+    ext = c.ns("ext")
+    # the client closes first; no TIME_WAIT in the pod either way, as bench/external.py
+    nsexec(c.ns("web-b"), "sysctl", "-qw", "net.ipv4.tcp_max_tw_buckets=0")
+    s, name, peer = await asyncio.to_thread(dial_from, ext, 0, N1, DSR_NP)
+    port = s.getsockname()[1]
+    try:
+        assert (name, peer) == ("web-b", EXT) and s.getpeername() == (N1, DSR_NP)
+        assert await asyncio.to_thread(echo, s, b"ping\n") == b"ping\n"
+    finally:
+        s.close()
+
+    def n2_dsr_replies() -> list[tuple[str, int, str]]:
+        return [(str(e.saddr), e.sport, str(e.nat_saddr)) for e in ct_entries(agents.dirs[2][0])
+                if e.direction == CT_REPLY and str(e.daddr) == EXT and e.dport == port and e.flags & CT_DSR]
+
+    assert n2_dsr_replies() == [(WEB_B, 8080, N1)]  # the closed flow's entry is still there
+    s, name, peer = await asyncio.to_thread(dial_from, ext, port, WEB_B, 8080)  # routed, no Service
+    try:
+        assert s.getsockname() == (EXT, port) and (name, peer) == ("web-b", EXT)
+        assert s.getpeername() == (WEB_B, 8080)  # the pod's real address answered
+        assert await asyncio.to_thread(echo, s, b"direct\n") == b"direct\n"
+    finally:
+        s.close()
+    assert n2_dsr_replies() == []  # the direct SYN removed it

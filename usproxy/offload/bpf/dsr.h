@@ -29,6 +29,19 @@
  * it where the reply first meets a hooked interface (the pod bridge's ingress) and sends it
  * straight to the client. An option naming a frontend this node does not serve in DSR mode is
  * ignored: nobody can make a pod answer as an arbitrary address.
+ *
+ * A REPLY entry rewrites only the connection that wrote it. It outlives its connection
+ * (CT_LIFETIME_CLOSING past the last FIN or RST, the NONTCP lifetime for UDP), and its key is the
+ * whole tuple (pod address and port, client address and port, protocol), which a later connection
+ * from the same client port to the same pod reuses: dialled straight to the pod, or DNATed
+ * without SNAT by another node. So, on the backend node, a TCP SYN without the option (a new
+ * connection that is not DSR) deletes the DSR entry of its tuple, as Cilium's
+ * nodeport_extract_dsr_v4 clears the entry's DSR flag on a SYN without DSR info, and a SYN with
+ * it rewrites the entry (dsr_recv); a FIN or RST from the client marks the entry closing as the
+ * pod's own do in reply_nat, so it ends CT_LIFETIME_CLOSING after the close of either side. A
+ * UDP datagram without the option leaves the entry alone, as Cilium's does (it only acts on
+ * SYNs): UDP has no handshake telling a new flow from the datagrams of a DSR flow sent without
+ * the option because they would not fit with it.
  */
 #ifndef USP_DSR_H
 #define USP_DSR_H
@@ -40,6 +53,7 @@
 #define DSR_OPT_LEN	8
 #define IP_HLEN_BASE	20
 #define TCP_SYN		0x02
+#define TCP_ACK		0x10
 
 struct dsr_opt {
 	__u8 type;
@@ -182,26 +196,57 @@ static __always_inline int dsr_known(struct __sk_buff *skb, struct pkt *p, struc
 	return dsr_forward(skb, p, v->nat_daddr, v->nat_dport, opt);
 }
 
+/* The DSR frontend the packet's option (first of its header) names, as this node serves it, with
+ * the option in `opt`; NULL when the packet carries no option of ours. */
+static __always_inline struct svc_val *dsr_opt_frontend(struct __sk_buff *skb, struct pkt *p,
+							 struct dsr_opt *opt)
+{
+	if (p->l4_off < IP_OFF + IP_HLEN_BASE + DSR_OPT_LEN)
+		return NULL;
+	if (bpf_skb_load_bytes(skb, IP_OFF + IP_HLEN_BASE, opt, sizeof(*opt)) < 0)
+		return NULL;
+	if (opt->type != DSR_OPT_TYPE || opt->len != DSR_OPT_LEN)
+		return NULL;
+	return dsr_frontend(opt->addr, opt->port, p->t.proto);
+}
+
+/* A client packet without our option on the backend node, `rk` the REPLY key of its tuple: a SYN
+ * opens a connection that is not DSR, so a DSR entry of the tuple is an earlier connection's and
+ * goes; a FIN or RST marks it closing. UDP: kept (see the top of this file). */
+static __always_inline void dsr_plain(struct pkt *p, struct ct_key *rk)
+{
+	struct ct_val *v;
+
+	if (!(p->tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST)))
+		return;		/* UDP has no flags (parse leaves 0); most TCP packets none of these */
+	v = bpf_map_lookup_elem(&usp_ct, rk);
+	if (!v || !(v->flags & CT_DSR))
+		return;
+	if (p->tcp_flags & TCP_SYN) {
+		if (!(p->tcp_flags & TCP_ACK))	/* a SYN-ACK is no client's */
+			bpf_map_delete_elem(&usp_ct, rk);
+		return;
+	}
+	v->flags |= CT_CLOSING;
+}
+
 /* The backend node's side (usp_tc_ingress's hook, before nodeport_new): record the service
- * address a packet carries. -1 when the packet carries no option of ours (the caller goes on). */
+ * address a packet carries, or forget a stale entry (dsr_plain). -1 when the packet carries no
+ * option of ours (the caller goes on). */
 static __always_inline int dsr_recv(struct __sk_buff *skb, struct pkt *p, __u64 now)
 {
 	struct ct_key rk = { .saddr = p->t.daddr, .daddr = p->t.saddr, .sport = p->t.dport,
 			     .dport = p->t.sport, .proto = p->t.proto, .dir = CT_REPLY };
 	struct ct_val rv = { .nat_daddr = p->t.saddr, .nat_dport = p->t.sport, .flags = CT_DSR,
 			     .created = now, .last = now };
-	struct dsr_opt opt;
+	struct dsr_opt opt = {};
 	struct svc_val *svc;
 
-	if (p->l4_off < IP_OFF + IP_HLEN_BASE + DSR_OPT_LEN)
+	svc = dsr_opt_frontend(skb, p, &opt);
+	if (!svc) {
+		dsr_plain(p, &rk);
 		return -1;
-	if (bpf_skb_load_bytes(skb, IP_OFF + IP_HLEN_BASE, &opt, sizeof(opt)) < 0)
-		return -1;
-	if (opt.type != DSR_OPT_TYPE || opt.len != DSR_OPT_LEN)
-		return -1;
-	svc = dsr_frontend(opt.addr, opt.port, p->t.proto);
-	if (!svc)
-		return -1;
+	}
 	rv.nat_saddr = opt.addr;
 	rv.nat_sport = opt.port;
 	rv.svc_id = svc->id;
