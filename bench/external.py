@@ -84,10 +84,10 @@ from usproxy.offload.bpf import loader
 POD = "10.244.1.10"
 BACKEND_NODE = 1
 SOURCES = [EXT] + [f"203.0.113.{11 + i}" for i in range(15)]
-# direct's own client addresses (the route to the pod's /24 prefers the first): the backend
-# node's DSR reply entries, keyed by client address and port and kept 10 s past the close (each
-# hit renews them), rewrite the pod's answers to a direct connection that reuses a DSR flow's
-# client port, and that connection stalls; one client shared by both paths makes this frequent.
+# direct's own client addresses (the route to the pod's /24 prefers the first), so no state one
+# path leaves on the backend node (TIME_WAIT, the DSR reply entries kept 10 s past a close) meets
+# another path's connection from the same address and port. (Until dsr.h dropped a stale DSR
+# reply entry on a SYN without the option, such a direct connection stalled: found by this bench.)
 DIRECT_SOURCES = [f"203.0.113.{40 + i}" for i in range(16)]
 CGROUP2 = Path("/sys/fs/cgroup/unified")
 PIN_PREFIX = "usproxy-bench16-"
