@@ -146,10 +146,12 @@ def _translate(ss: ServiceSet, pkt: Packet, fe: bpf.Frontend, ep: Endpoint, q: P
         q.result = (f"{TC_RESULT}DNAT to {ep} ({where}) and SNAT to this node's address on the interface "
                     "toward it (usp_tc_ifaces), sent with bpf_fib_lookup + bpf_redirect_neigh")
         q.masquerade = True
-    else:
-        q.result = (f"{TC_RESULT}DNAT to {ep} ({where}); SNAT to the address of the interface it is "
-                    "reached through when tc runs there too (usp_tc_ifaces: a pod bridge holding a "
-                    "node address), else the client's address is kept")
+    else:  # tc is on every interface holding a node address by default: the pod bridge too
+        q.result = (f"{TC_RESULT}DNAT to {ep} ({where}) and SNAT to the address of the interface it is "
+                    "reached through (usp_tc_ifaces: the pod bridge, hooked as every interface holding "
+                    "a node address is without --nodeport-addresses; behind an interface tc does not "
+                    "run on, the client's address is kept)")
+        q.masquerade = True
 
 
 def reply_lines(pkt: Packet, p: Path) -> list[str]:
@@ -170,11 +172,15 @@ def reply_lines(pkt: Packet, p: Path) -> list[str]:
         return [f"{ct}: the ORIGINAL entry ({client} -> {orig} => {p.lands}) carries later packets "
                 f"without a lookup; the REPLY entry ({p.lands} -> this node's address:SNAT port) is "
                 "the reverse NAT (the SNAT port is the client's own unless taken, else a hashed one)",
-                f"the backend {p.lands} sees this node's address, never the client's",
-                f"reply from {p.lands} reaches this node: tc ingress finds the REPLY entry, turns the "
-                f"destination back to {client} and the source to {orig}, and sends it on"]
+                f"the backend {p.lands} sees the connection from this node's address (the SNAT address "
+                "above), never the client's",
+                f"reply from {p.lands} comes back to that address: tc ingress there finds the REPLY entry, turns the "
+                f"destination back to {client} (un-SNAT) and the source to {orig} (un-DNAT), and sends "
+                "it on"]
     return [f"{ct}: the ORIGINAL entry ({client} -> {orig} => {p.lands}) carries later packets; the "
             f"REPLY entry ({p.lands} -> {client}) is the reverse NAT",
-            f"the backend {p.lands} sees the client's own address {pkt.src} unless SNATed as above",
-            f"reply from {p.lands}: tc (at ingress when SNATed, else at egress toward the client) "
-            f"turns its source back to {orig}, so the client gets its reply from the address it used"]
+            f"the backend {p.lands} sees the connection from the client's own address {pkt.src}: "
+            "no source NAT (F_LOCAL_ONLY)",
+            f"reply from {p.lands}: the first tc hook it meets (the ingress of a hooked interface such "
+            f"as the pod bridge, else the egress toward the client) finds the REPLY entry and turns "
+            f"its source back to {orig} (un-DNAT), so the client gets its reply from the address it used"]

@@ -154,7 +154,8 @@ def trace_bpf(ss: ServiceSet, pkt: Packet, lb_mode: str = "snat") -> list[Path]:
 BPF_POD_HERE = (
     "socket LB: {src} is in --cluster-cidr and is traced as a pod on this node, inside the BPF "
     "cgroup, whose connect() the socket LB rewrites; a packet from a pod on another node arrives "
-    "from elsewhere instead and is served by usproxy's fallback (trace it without --cluster-cidr)")
+    "from elsewhere instead: usproxy's tc program serves it when it is addressed to a NodePort, LB IP or "
+    "externalIP, its fallback otherwise (trace it without --cluster-cidr)")
 
 
 def _selection_text(policy: str | None) -> str:
