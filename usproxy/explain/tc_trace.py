@@ -46,7 +46,7 @@ def trace(ss: ServiceSet, pkt: Packet, lb_mode: str) -> list[Path] | str:
         return ("no tc frontend for this destination (not a NodePort at a --nodeport-addresses "
                 "address, an LB IP or an externalIP): passed to the stack")
     p = Path()
-    p.note(f"tc ingress (tcx) on the interface that received it: usp_tc_ingress; no usp_ct entry for "
+    p.note("tc ingress (tcx) on the interface that received it: usp_tc_ingress; no usp_ct entry for "
            "a new flow (a fragment would be passed to the stack, to nftables or the relay)")
     p.note(XDP_NOTE)
     p.lookups += 2  # usp_ct, then usp_services for (destination, port, protocol)

@@ -19,6 +19,7 @@ the connection lands (DNAT); filter checks after DNAT are not walked.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from fractions import Fraction
 
 from usproxy.explain import bpf, iptables, iptables_entry, nftables, reply, tc_trace, userspace
@@ -308,7 +309,8 @@ TRACERS = {"userspace": trace_userspace, "iptables": trace_iptables, "ipvs": tra
 
 def render(ss: ServiceSet, pkt: Packet, modes: tuple[str, ...], lb_mode: str = "snat") -> str:
     """Every mode's paths for `pkt`; `lb_mode` is the bpf mode's --bpf-lb-mode (snat or dsr)."""
-    tracers = {**TRACERS, "bpf": functools.partial(trace_bpf, lb_mode=lb_mode)}
+    tracers: dict[str, Callable[[ServiceSet, Packet], list[Path]]] = {
+        **TRACERS, "bpf": functools.partial(trace_bpf, lb_mode=lb_mode)}
     head = f"{pkt.src} -> {format_hostport(pkt.dst, pkt.dport)}/{pkt.proto}"
     out = []
     for mode in modes:
