@@ -194,7 +194,8 @@ def _slots(p: Path, slots: dict[int, tuple[str, str]], selection: str) -> list[P
 
 BPF_ELSEWHERE = (
     "socket LB: not on this path: it rewrites connect() of processes on this node inside the BPF "
-    "cgroup (a pod here would be served at connect(), no packet translated); SRC is neither a "
+    "cgroup (a pod here connecting to a ClusterIP would be served at connect(), no packet "
+    "translated); SRC is neither a "
     "--node-ip nor in --cluster-cidr, so this is traced as a packet arriving from elsewhere")
 
 
