@@ -132,10 +132,10 @@ def test_ipvs_hairpin_is_masqueraded_by_the_loop_back_ipset() -> None:
     assert p.masquerade and "KUBE-LOOP-BACK" in p.hops[-1]
 
 
-def test_bpf_external_nodeport_is_not_rewritten_at_connect() -> None:
+def test_bpf_external_nodeport_is_served_at_tc_not_at_connect() -> None:
     for p in _trace("bpf", "TestExternalTrafficPolicyCluster", "203.0.113.2", "192.168.0.2:3001/TCP"):
-        assert "connect() rewrote" not in p.result and "nftables fallback" in p.result
-        assert any("tc/XDP" in h for h in p.hops) and any("fallback" in h for h in p.hops)
+        assert "connect() rewrote" not in p.result and p.result.startswith("tc: DNAT to ")
+        assert any("usp_tc_ingress" in h for h in p.hops) and not any("fallback" in h for h in p.hops)
     for p in _trace("bpf", "TestExternalTrafficPolicyCluster", "10.0.0.2", "172.30.0.41:80/TCP"):
         assert "connect() rewrote" in p.result and p.rules == 0
 

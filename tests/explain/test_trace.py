@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import ipaddress
+from collections import Counter
 from dataclasses import replace
 from fractions import Fraction
 
 import pytest
 
-from tests.explain.conftest import NODE, load
+from tests.explain.conftest import FIXTURES, NODE, load
 from usproxy.errors import ConfigError
-from usproxy.explain import iptables_trace, nftables_trace, trace
+from usproxy.explain import iptables_trace, nftables_trace, reply, trace
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.service_set import Node, ServiceSet
+from usproxy.offload.bpf import maglev
+from usproxy.offload.bpf.layout import MAGLEV_M
 
 
 def landings(mode: str, fixture: str, src: str, dst: str) -> dict[str, Fraction]:
@@ -140,3 +143,88 @@ def test_bpf_slot_selection_is_the_agents_round_robin_unless_annotated() -> None
                for h in _bpf_hops("10.244.9.9")) == 3
     assert sum(h.startswith("slot chosen at random (usproxy.io/lb-policy random)")
                for h in _bpf_hops("10.244.9.9", annotations="random")) == 3
+
+
+# --- bpf: a packet from elsewhere through usproxy's tc program (usproxy/offload/bpf/tc_frontends.h)
+
+EXTERNAL = "203.0.113.7"
+
+
+def _tc(fixture: str, dst: str, src: str = EXTERNAL, lb_mode: str = "snat",
+        ss: ServiceSet | None = None) -> list[Path]:
+    ss = ss or load(fixture)
+    paths = trace.trace_bpf(ss, trace.parse_packet(src, dst, ss), lb_mode)
+    assert sum(p.share for p in paths) == 1
+    return paths
+
+
+def _by_backend(paths: list[Path]) -> dict[str, Path]:
+    return {p.lands: p for p in paths}
+
+
+def test_bpf_external_nodeport_snat_is_served_at_tc_with_maglev_shares() -> None:
+    """eTP=Cluster: the Maglev table's own shares; the backend on node-b is SNATed to this node
+    and its reply reverse-NATed here; nothing goes to the nftables fallback."""
+    paths = _by_backend(_tc("nodeport", "192.168.0.2:30080/TCP"))
+    owned = Counter(maglev.table(["10.244.1.30:8080", "10.244.2.30:8080"], MAGLEV_M))
+    assert {k: p.share for k, p in paths.items()} == {
+        "10.244.1.30:8080": Fraction(owned[0], MAGLEV_M), "10.244.2.30:8080": Fraction(owned[1], MAGLEV_M)}
+    remote = paths["10.244.2.30:8080"]
+    text = "\n".join(remote.hops)
+    assert "usp_tc_ingress" in text and "usp_services[0.0.0.0:30080/TCP]" in text and "F_TC_ONLY" in text
+    assert f"usp_maglev[1], a table of {MAGLEV_M}" in text and "fallback" not in text
+    assert remote.masquerade and "SNAT to this node's address" in remote.result
+    ss = load("nodeport")
+    pkt = trace.parse_packet(EXTERNAL, "192.168.0.2:30080/TCP", ss)
+    after = "\n".join(reply.lines("bpf", ss, pkt, remote))
+    assert "usp_ct" in after and "sees the connection from this node's address" in after
+    assert f"destination back to {EXTERNAL}:<port> (un-SNAT)" in after
+
+
+def test_bpf_external_nodeport_dsr_keeps_the_client_and_replies_from_the_backend_node() -> None:
+    paths = _by_backend(_tc("nodeport", "192.168.0.2:30080/TCP", lb_mode="dsr"))
+    remote, local = paths["10.244.2.30:8080"], paths["10.244.1.30:8080"]
+    assert remote.result.startswith("tc: DSR: DNAT to 10.244.2.30:8080") and "0x9a" in remote.result
+    assert "192.168.0.2:30080 to the backend's node" in remote.result and not remote.masquerade
+    assert "DSR" not in local.result and local.masquerade  # a local backend is served as in SNAT mode
+    ss = load("nodeport")
+    after = "\n".join(reply.lines("bpf", ss, trace.parse_packet(EXTERNAL, "192.168.0.2:30080/TCP", ss), remote))
+    assert f"sees the client's own address {EXTERNAL}" in after and "it never passes this node" in after
+    assert "only the ORIGINAL entry" in after and "REPLY entry 10.244.2.30:8080" in after
+
+
+def test_bpf_lb_ip_outside_source_ranges_is_dropped_at_tc() -> None:
+    (p,) = _tc("kube_proxy_overall", "5.6.7.8:80/TCP", src="198.51.100.1")
+    assert p.lands == "DROP" and p.result.startswith("tc: dropped")
+    assert any("usp_tc_sources" in h and "203.0.113.0/25" in h and "outside" in h for h in p.hops)
+    assert any("usp_services[5.6.7.8:80/TCP] (LoadBalancer)" in h for h in p.hops)
+    (inside,) = _tc("kube_proxy_overall", "5.6.7.8:80/TCP", src="203.0.113.1")
+    assert inside.lands == "10.180.0.3:80" and any("usp_affinity" in h for h in inside.hops)
+
+
+def test_bpf_external_local_policy_keeps_the_client_and_drops_without_local_endpoint() -> None:
+    (p,) = _tc("nodeport", "192.168.0.2:30081/TCP")
+    assert p.lands == "10.244.1.31:8080" and not p.masquerade and "client's address is kept" in p.result
+    (dsr,) = _tc("nodeport", "192.168.0.2:30081/TCP", lb_mode="dsr")
+    assert "DSR" not in dsr.result  # eTP=Local never leaves the node
+    (drop,) = _tc("nodeport", "192.168.0.2:30082/TCP")
+    assert drop.lands == "DROP" and "F_DROP_EMPTY" in drop.result
+
+
+def test_bpf_external_ipv6_keeps_the_nftables_fallback() -> None:
+    ss = load("dualstack")
+    ss = replace(ss, ports=tuple((replace(sp, node_port=30090), eps) for sp, eps in ss.ports))
+    v6 = _tc("", "[2001:db8::2]:30090/TCP", src="2001:db8::7", ss=ss)
+    assert all(p.result.startswith("nftables fallback: ") for p in v6)
+    assert all(any(h.startswith("tc ingress: IPv6") for h in p.hops) for p in v6)
+    v4 = _tc("", "192.168.0.2:30090/TCP", ss=ss)
+    assert all(p.result.startswith("tc: DNAT to ") for p in v4)
+
+
+def test_bpf_lb_mode_reaches_the_rendered_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    from usproxy.explain import cli
+
+    argv = ["trace", EXTERNAL, "192.168.0.2:30080/TCP", "--services", str(FIXTURES / "nodeport.yaml"),
+            "--mode", "bpf", "--node-ip", "192.168.0.2", "--node-name", "node-a"]
+    assert cli.main(argv) == 0 and "tc: DSR" not in capsys.readouterr().out
+    assert cli.main([*argv, "--bpf-lb-mode", "dsr"]) == 0 and "tc: DSR" in capsys.readouterr().out

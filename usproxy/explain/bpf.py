@@ -7,6 +7,12 @@ per services-map key "addr:port/PROTO (slot)"; slot 0 is the master entry "0.0.0
 ExternalIPs, LoadBalancer, NodePort on 0.0.0.0 (the surrogate) and on each node address. Service
 IDs (= reverse-NAT IDs) and backend IDs are allocated in sorted order here; Cilium allocates them
 in arrival order, so only the shape, not the numbers, is what a live node shows.
+
+`tc_list` adds what usproxy's own tc programs read for traffic from outside the node (IPv4 only):
+the frontends flagged tc-only (the NodePort at 0.0.0.0, LB IPs, externalIPs), their flags, the
+usp_tc_sources LPM entries of LB IPs with loadBalancerSourceRanges, the size of each usp_maglev
+table, and usp_tc_addrs, as usproxy/offload/bpf/datapath.py `_external_wants` writes them. The
+per-backend Maglev shares are left to `explain trace` (a table costs 16381 steps to build).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from dataclasses import dataclass
 
 from usproxy.endpoint import Endpoint
 from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.offload.bpf.layout import MAGLEV_M
+from usproxy.source_ranges import allowed_sources
 from usproxy.types import IPAddress, format_hostport
 
 
@@ -106,9 +114,50 @@ def lb_list(fes: list[Frontend]) -> str:
     return _tabulate(rows)
 
 
+TC_TYPES = ("NodePort", "ExternalIPs", "LoadBalancer")
+
+
+def tc_sources(ss: ServiceSet, fe: Frontend) -> tuple[str, ...]:
+    """usp_tc_sources for an LB IP frontend (empty: every source), as the datapath computes them."""
+    if fe.type != "LoadBalancer" or not fe.fp.firewalled:
+        return ()
+    return tuple(map(str, allowed_sources(fe.fp.source_ranges, 4, fe.fp.lb_ips, ss.node.ips)))
+
+
+def _tc_flags(ss: ServiceSet, fe: Frontend) -> str:
+    fp = fe.fp
+    out = ["tc-only", "maglev"]
+    if fp.external_policy_local:
+        out.append("local-only")
+        if not fe.backends and fp.cluster:
+            out.append("drop-empty")
+    if fp.sp.session_affinity == "ClientIP":
+        out.append("affinity")
+    if tc_sources(ss, fe):
+        out.append("source-ranges")
+    return ", ".join(out)
+
+
+def tc_list(ss: ServiceSet, fes: list[Frontend]) -> str:
+    """usproxy's tc frontends: one row per usp_services entry flagged tc-only (see the docstring)."""
+    rows = [["SERVICE ADDRESS", "FLAGS", "SOURCES (usp_tc_sources)", "MAGLEV (usp_maglev)"]]
+    for fe in fes:
+        if fe.address.version != 4 or fe.type not in TC_TYPES or (
+                fe.type == "NodePort" and fe.address != ipaddress.IPv4Address(0)):
+            continue
+        n = len(fe.backends)
+        rows.append([fe.text(), f"[{_tc_flags(ss, fe)}]", ", ".join(tc_sources(ss, fe)) or "any",
+                     f"[{fe.id}] {MAGLEV_M} slots over {n} backend{'' if n == 1 else 's'}" if n
+                     else "none (no backend)"])
+    addrs = ", ".join(str(ip) for ip in ss.node.ips_of(4)) or "(none: no --node-ip)"
+    return _tabulate(rows) + f"usp_tc_addrs (the destinations NodePorts are served on): {addrs}\n"
+
+
 def render(ss: ServiceSet) -> str:
     fes = frontends(ss)
     return (f"# cilium-dbg service list\n{service_list(fes)}\n"
             f"# cilium-dbg bpf lb list\n{lb_list(fes)}\n"
+            f"# usproxy's tc frontends (traffic from outside the node, IPv4; --bpf-lb-mode dsr adds "
+            f"dsr to every one without local-only)\n{tc_list(ss, fes)}\n"
             f"# usproxy's own BPF maps: rendered by `--live` from a running agent once the BPF "
             f"offload (usproxy/offload/bpf) is active\n")

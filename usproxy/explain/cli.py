@@ -90,6 +90,10 @@ def build_trace_parser() -> argparse.ArgumentParser:
                         "tells them apart: an address in --cluster-cidr is taken as a pod on this node "
                         "(served at connect()), any other as traffic from elsewhere")
     p.add_argument("dst", metavar="DST:PORT/PROTO")
+    p.add_argument("--bpf-lb-mode", choices=["snat", "dsr"], default="snat",
+                   help="as `usproxy run --bpf-lb-mode`: how the bpf mode's tc program serves a packet "
+                        "from elsewhere to a NodePort, LB IP or externalIP whose backend is on another "
+                        "node: SNAT to the node (default) or direct server return")
     _common(p)
     return p
 
@@ -198,7 +202,7 @@ def _trace(argv: list[str]) -> int:
     pkt = trace.parse_packet(args.src, args.dst, ss)
     if empty(ss, args):
         return 1
-    print(nodeport_hint(ss, pkt) + trace.render(ss, pkt, _modes(args.mode)), end="")
+    print(nodeport_hint(ss, pkt) + trace.render(ss, pkt, _modes(args.mode), args.bpf_lb_mode), end="")
     return 0
 
 

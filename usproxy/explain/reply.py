@@ -12,7 +12,7 @@ rules quoted are the views' own (iptables.build, nftables.build, ipvs.iptables_h
 
 from __future__ import annotations
 
-from usproxy.explain import iptables, ipvs, nftables
+from usproxy.explain import iptables, ipvs, nftables, tc_trace
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.service_set import ServiceSet
 from usproxy.types import format_hostport
@@ -29,6 +29,8 @@ def lines(mode: str, ss: ServiceSet, pkt: Packet, p: Path) -> list[str]:
                 f"{_orig(pkt)} (the service health server), and its replies come from there"]
     if mode == "bpf" and p.result.startswith("nftables fallback"):
         return ["(usproxy's nftables fallback, as nftables mode:)", *_conntrack(ss, pkt, p, "nftables")]
+    if mode == "bpf" and p.result.startswith(tc_trace.TC_RESULT):
+        return tc_trace.reply_lines(pkt, p)
     if mode in ("iptables", "nftables"):
         return _conntrack(ss, pkt, p, mode)
     return {"ipvs": _ipvs, "bpf": _socket_lb, "userspace": _relay}[mode](ss, pkt, p)
@@ -48,7 +50,8 @@ def _no_connection(mode: str, pkt: Packet, p: Path) -> list[str]:
         return ["no packet leaves: connect() itself fails with ECONNREFUSED"]
     # iptables `-j REJECT` and nft `reject` answer with ICMP port unreachable (their default), as
     # IPVS with no real server; only a closed port with no listener (the relay's) gets a TCP RST
-    answer = "a TCP RST" if mode == "userspace" and pkt.proto == "TCP" else "ICMP port unreachable"
+    closed_port = mode == "userspace" or p.result.startswith(tc_trace.TC_RESULT)  # tc: to the stack
+    answer = "a TCP RST" if closed_port and pkt.proto == "TCP" else "ICMP port unreachable"
     return [f"no connection: this node answers the first packet with {answer}, from "
             f"{_orig(pkt)}, so the client fails at once instead of timing out"]
 

@@ -18,9 +18,11 @@ the connection lands (DNAT); filter checks after DNAT are not walked.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from fractions import Fraction
 
-from usproxy.explain import bpf, iptables, iptables_entry, nftables, reply, userspace
+from usproxy.explain import bpf, iptables, iptables_entry, nftables, reply, tc_trace, userspace
 from usproxy.explain.iptables_trace import Walker, parse_restore
 from usproxy.explain.ipvs_trace import trace_ipvs
 from usproxy.explain.nftables_trace import Walker as NftWalker
@@ -125,12 +127,14 @@ def _local_process(ss: ServiceSet, pkt: Packet) -> bool:
     return pkt.src_local or (cidr is not None and pkt.src in cidr)
 
 
-def trace_bpf(ss: ServiceSet, pkt: Packet) -> list[Path]:
-    """Socket LB for this node's processes (connect() rewritten, no per-packet NAT); traffic from
-    elsewhere never calls connect() here, so usproxy's fallback serves it (as usproxy's
-    offload/bpf/datapath.py says)."""
+def trace_bpf(ss: ServiceSet, pkt: Packet, lb_mode: str = "snat") -> list[Path]:
+    """Socket LB for this node's processes (connect() rewritten, no per-packet NAT); a packet from
+    elsewhere meets usproxy's tc program (tc_trace, `lb_mode` as --bpf-lb-mode), or, where tc
+    passes it to the stack untouched (IPv6, SCTP, no tc frontend), usproxy's fallback."""
     if not _local_process(ss, pkt):
-        return _bpf_fallback(ss, pkt)
+        served = tc_trace.trace(ss, pkt, lb_mode)
+        return _bpf_fallback(ss, pkt, served) if isinstance(served, str) else [
+            _elsewhere(p) for p in served]
     fes = bpf.frontends(ss)
     rows = _lb_rows(bpf.lb_list(fes))
     policies = {fe.text(): fe.fp.sp.lb_policy for fe in fes}
@@ -151,7 +155,8 @@ def trace_bpf(ss: ServiceSet, pkt: Packet) -> list[Path]:
 BPF_POD_HERE = (
     "socket LB: {src} is in --cluster-cidr and is traced as a pod on this node, inside the BPF "
     "cgroup, whose connect() the socket LB rewrites; a packet from a pod on another node arrives "
-    "from elsewhere instead and is served by usproxy's fallback (trace it without --cluster-cidr)")
+    "from elsewhere instead: usproxy's tc program serves it when it is addressed to a NodePort, LB IP or "
+    "externalIP, its fallback otherwise (trace it without --cluster-cidr)")
 
 
 def _selection_text(policy: str | None) -> str:
@@ -189,19 +194,25 @@ def _slots(p: Path, slots: dict[int, tuple[str, str]], selection: str) -> list[P
 
 BPF_ELSEWHERE = (
     "socket LB: not on this path: it rewrites connect() of processes on this node inside the BPF "
-    "cgroup (a pod here would be served at connect(), no packet translated); SRC is neither a "
-    "--node-ip nor in --cluster-cidr, so this is traced as a packet arriving from elsewhere",
-    "served on this node by usproxy's fallback for traffic from elsewhere: its nftables datapath "
-    "(traced below with the nftables view's rules), or the relay where nftables is unavailable",
-    "(Cilium's kube-proxy replacement serves such packets one by one in BPF at tc/XDP on the "
-    "node's device: DNAT to a backend, plus SNAT for externalTrafficPolicy Cluster, or DSR)",
-)
+    "cgroup (a pod here connecting to a ClusterIP would be served at connect(), no packet "
+    "translated); SRC is neither a "
+    "--node-ip nor in --cluster-cidr, so this is traced as a packet arriving from elsewhere")
 
 
-def _bpf_fallback(ss: ServiceSet, pkt: Packet) -> list[Path]:
+def _elsewhere(p: Path) -> Path:
+    p.hops = [BPF_ELSEWHERE, *p.hops]
+    return p
+
+
+def _bpf_fallback(ss: ServiceSet, pkt: Packet, why: str) -> list[Path]:
+    """What tc passes to the stack goes to usproxy's nftables datapath, or the relay where
+    nftables is unavailable (README "Kernel offload": "What tc passes goes to the relay")."""
     paths = trace_nftables(ss, pkt)
     for p in paths:
-        p.hops = [*BPF_ELSEWHERE, *(f"nftables: {h}" for h in p.hops)]
+        p.hops = [BPF_ELSEWHERE, f"tc ingress: {why}",
+                  "served on this node by usproxy's fallback: its nftables datapath (traced below "
+                  "with the nftables view's rules), or the relay where nftables is unavailable",
+                  *(f"nftables: {h}" for h in p.hops)]
         p.result = f"nftables fallback: {p.result}"
     return paths
 
@@ -297,11 +308,14 @@ TRACERS = {"userspace": trace_userspace, "iptables": trace_iptables, "ipvs": tra
            "nftables": trace_nftables, "bpf": trace_bpf}
 
 
-def render(ss: ServiceSet, pkt: Packet, modes: tuple[str, ...]) -> str:
+def render(ss: ServiceSet, pkt: Packet, modes: tuple[str, ...], lb_mode: str = "snat") -> str:
+    """Every mode's paths for `pkt`; `lb_mode` is the bpf mode's --bpf-lb-mode (snat or dsr)."""
+    tracers: dict[str, Callable[[ServiceSet, Packet], list[Path]]] = {
+        **TRACERS, "bpf": functools.partial(trace_bpf, lb_mode=lb_mode)}
     head = f"{pkt.src} -> {format_hostport(pkt.dst, pkt.dport)}/{pkt.proto}"
     out = []
     for mode in modes:
-        paths = TRACERS[mode](ss, pkt)
+        paths = tracers[mode](ss, pkt)
         out.append(f"## {mode}: {head}")
         for n, p in enumerate(paths, start=1):
             masq = ", masqueraded" if p.masquerade else ""
