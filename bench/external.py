@@ -40,7 +40,7 @@ softirq (other processes' timers, other load on the machine); "over direct" subt
 round. The machine's kernel and busy time per unit are in the JSON as well. Steering applies to
 every contender alike, and it is not how a real node runs: the rates are those of this layout.
 
-XDP on veth needs NAPI at the lan side of n5's eth0 (Cluster.uplink_napi) and complete checksums
+XDP on veth needs an XDP program at the lan side of n5's eth0 (Cluster.uplink_xdp) and complete checksums
 from the client (tx checksum offload off in ext, which also turns off TSO): with XDP included
 every contender shares that client, so bulk is segmented by the client for all, and the XDP
 contender runs on threaded NAPI (see above), which costs it a thread wakeup per poll. The pod
@@ -235,7 +235,8 @@ class Testbed:
         c = self.cluster
         c.build()
         if self.xdp_node is not None:
-            c.uplink_napi(self.xdp_node)  # also: the client's tx checksum offload off (see the docstring)
+            c.uplink_xdp(self.xdp_node)
+            c.wire_checksums(c.ns("ext"))  # the client's tx checksum offload off (see the docstring)
         for src in SOURCES[1:] + DIRECT_SOURCES:
             nsexec(self.client, "ip", "addr", "add", f"{src}/24", "dev", "eth0")
         nsexec(self.client, "ip", "route", "add", "10.244.1.0/24", "via", "203.0.113.1", "src", DIRECT_SOURCES[0])
