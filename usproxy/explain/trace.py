@@ -136,8 +136,9 @@ def trace_bpf(ss: ServiceSet, pkt: Packet, lb_mode: str = "snat") -> list[Path]:
     to usproxy's fallback."""
     if not _local_process(ss, pkt):
         served = tc_trace.trace(ss, pkt, lb_mode)
-        return _bpf_fallback(ss, pkt, [BPF_ELSEWHERE, f"tc ingress: {served}"]) if isinstance(
-            served, str) else [_elsewhere(p) for p in served]
+        if isinstance(served, str):
+            return _bpf_fallback(ss, pkt, [BPF_ELSEWHERE, f"tc ingress: {served}"])
+        return [_elsewhere(p) for p in served]
     external = _tc_only_frontend(ss, pkt)
     if external is not None:
         return _local_to_tc_only(ss, pkt, external, lb_mode)
