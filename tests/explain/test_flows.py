@@ -140,6 +140,43 @@ def test_bpf_external_nodeport_is_served_at_tc_not_at_connect() -> None:
         assert "connect() rewrote" in p.result and p.rules == 0
 
 
+def test_bpf_pod_here_to_nodeport_is_served_at_tc_on_the_pod_bridge() -> None:
+    """usproxy's socket LB makes ClusterIP frontends only (datapath.py _wants): a pod's packet to a
+    NodePort leaves through the pod bridge and usp_tc_ingress there DNATs and SNATs it."""
+    paths = _trace("bpf", "TestExternalTrafficPolicyCluster", "10.0.0.2", "192.168.0.2:3001/TCP")
+    assert sorted(p.lands for p in paths) == ["10.180.0.1:80", "10.180.2.1:80"]
+    for p in paths:
+        assert p.result.startswith("tc: DNAT to ") and "SNAT" in p.result and p.masquerade
+        assert "connect() rewrote" not in p.result and not any("fallback" in h for h in p.hops)
+        assert p.hops[0].startswith("socket LB: not on this path") and "F_TC_ONLY" in p.hops[0]
+        assert p.hops[1].startswith("pod bridge: 10.0.0.2") and "usp_tc_ingress" in p.hops[2]
+
+
+def test_bpf_pod_here_to_etp_local_nodeport_reaches_local_endpoints_only() -> None:
+    paths = _trace("bpf", "TestExternalTrafficPolicyLocal", "10.0.0.2", "192.168.0.2:3001/TCP")
+    assert [p.lands for p in paths] == ["10.180.2.1:80"] and not paths[0].masquerade
+    assert any(h.startswith("externalTrafficPolicy Local holds for a pod here") for h in paths[0].hops)
+
+
+def test_bpf_node_to_nodeport_goes_through_the_fallback_not_connect_or_tc() -> None:
+    for dst in ("192.168.0.2:3001/TCP", "192.168.99.11:80/TCP", "1.2.3.4:80/TCP"):
+        paths = _trace("bpf", "TestExternalTrafficPolicyCluster", "192.168.0.2", dst)
+        assert sorted(p.lands for p in paths) == ["10.180.0.1:80", "10.180.2.1:80"], dst
+        for p in paths:
+            assert p.result.startswith("nftables fallback: ") and "connect() rewrote" not in p.result
+            assert p.hops[0].startswith("socket LB: not on this path") and "F_TC_ONLY" in p.hops[0]
+            assert p.hops[1].startswith("tc: not on this path: 192.168.0.2 is this node")
+            assert not any(h.startswith("tc ingress") for h in p.hops)
+
+
+def test_bpf_pod_here_to_clusterip_is_still_served_at_connect() -> None:
+    paths = _trace("bpf", "TestExternalTrafficPolicyCluster", "10.0.0.2", "172.30.0.41:80/TCP")
+    assert sorted(p.lands for p in paths) == ["10.180.0.1:80", "10.180.2.1:80"]
+    for p in paths:
+        assert "connect() rewrote" in p.result and not p.masquerade
+        assert not any(h.startswith(("tc ingress", "served on this node by")) for h in p.hops)
+
+
 def test_userspace_from_the_node_walks_kube_portals_host_dnat() -> None:
     ss = flow_set("TestNodePorts")
     port = userspace.proxy_port(ss.family_ports(4)[0])

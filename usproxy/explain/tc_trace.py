@@ -1,4 +1,4 @@
-"""A packet from elsewhere to a NodePort, LoadBalancer IP or externalIP through usproxy's tc program.
+"""A packet from elsewhere or a pod here to a NodePort, LB IP or externalIP, through usproxy's tc program.
 
 What `usp_tc_ingress` (usproxy/offload/bpf/sock_lb.c, tc_frontends.h, dsr.h) does with the first
 packet of a new flow, in its order: the frontend in usp_services (an LB IP or externalIP entry of
@@ -77,7 +77,8 @@ def _lookup_note(ss: ServiceSet, pkt: Packet, fe: bpf.Frontend, p: Path) -> None
         return
     p.note(f"frontend usp_services[{fe.text()}] ({fe.type}): {zero}; an entry of its own flagged "
            "tc-only (F_TC_ONLY), so a connect() on this node to it is never rewritten by the socket "
-           "LB (nftables or the relay serve that, with their source-range checks)")
+           "LB (a pod's packet is served here at tc; the node's own, which no tc ingress sees, by "
+           "nftables or the relay, with their source-range checks)")
 
 
 def _refused(ss: ServiceSet, pkt: Packet, fe: bpf.Frontend, p: Path) -> Path | None:

@@ -128,35 +128,77 @@ def _local_process(ss: ServiceSet, pkt: Packet) -> bool:
 
 
 def trace_bpf(ss: ServiceSet, pkt: Packet, lb_mode: str = "snat") -> list[Path]:
-    """Socket LB for this node's processes (connect() rewritten, no per-packet NAT); a packet from
-    elsewhere meets usproxy's tc program (tc_trace, `lb_mode` as --bpf-lb-mode), or, where tc
-    passes it to the stack untouched (IPv6, SCTP, no tc frontend), usproxy's fallback."""
+    """Socket LB for this node's processes connecting to a ClusterIP (connect() rewritten, no
+    per-packet NAT). NodePorts, LB IPs and externalIPs are tc-only frontends (F_TC_ONLY,
+    usproxy/offload/bpf/datapath.py `_wants`): a packet from elsewhere or from a pod here meets
+    usproxy's tc program (tc_trace, `lb_mode` as --bpf-lb-mode); the node's own connection, which
+    no tc ingress sees, and what tc passes to the stack untouched (IPv6, SCTP, no tc frontend) go
+    to usproxy's fallback."""
     if not _local_process(ss, pkt):
         served = tc_trace.trace(ss, pkt, lb_mode)
-        return _bpf_fallback(ss, pkt, served) if isinstance(served, str) else [
-            _elsewhere(p) for p in served]
-    fes = bpf.frontends(ss)
+        if isinstance(served, str):
+            return _bpf_fallback(ss, pkt, [BPF_ELSEWHERE, f"tc ingress: {served}"])
+        return [_elsewhere(p) for p in served]
+    external = _tc_only_frontend(ss, pkt)
+    if external is not None:
+        return _local_to_tc_only(ss, pkt, external, lb_mode)
+    fes = [fe for fe in bpf.frontends(ss) if fe.type == "ClusterIP"]
     rows = _lb_rows(bpf.lb_list(fes))
     policies = {fe.text(): fe.fp.sp.lb_policy for fe in fes}
-    any_ip = "0.0.0.0" if pkt.dst.version == 4 else "[::]"
-    keys = [f"{format_hostport(pkt.dst, pkt.dport)}/{pkt.proto}"]
-    keys += [f"{any_ip}:{pkt.dport}/{pkt.proto}"] if pkt.dst_local else []
+    key = f"{format_hostport(pkt.dst, pkt.dport)}/{pkt.proto}"
     p = Path()
     if not pkt.src_local:
         p.note(BPF_POD_HERE.format(src=pkt.src))
-    for key in keys:
-        p.lookups += 1
-        if key in rows:
-            return _slots(p, rows[key], _selection_text(policies.get(key)))
+    p.lookups += 1
+    if key in rows:
+        return _slots(p, rows[key], _selection_text(policies.get(key)))
     p.result = "no frontend in the services map: connect() goes to the address as given"
     return [p]
 
 
 BPF_POD_HERE = (
     "socket LB: {src} is in --cluster-cidr and is traced as a pod on this node, inside the BPF "
-    "cgroup, whose connect() the socket LB rewrites; a packet from a pod on another node arrives "
-    "from elsewhere instead: usproxy's tc program serves it when it is addressed to a NodePort, LB IP or "
-    "externalIP, its fallback otherwise (trace it without --cluster-cidr)")
+    "cgroup, whose connect() to a ClusterIP the socket LB rewrites; a packet from a pod on another "
+    "node arrives from elsewhere instead: usproxy's tc program serves it when it is addressed to a "
+    "NodePort, LB IP or externalIP, its fallback otherwise (trace it without --cluster-cidr)")
+BPF_TC_ONLY = (
+    "socket LB: not on this path: {dst} is a {type} frontend, flagged tc-only (F_TC_ONLY); "
+    "usproxy's socket LB rewrites connect() to ClusterIPs only (usproxy/offload/bpf/datapath.py "
+    "`_wants`), so the connection leaves with {dst} as its destination (Cilium's socket LB also "
+    "rewrites connect() to NodePorts, LB IPs and externalIPs; usproxy's does not)")
+BPF_POD_BRIDGE = (
+    "pod bridge: {src} is in --cluster-cidr and is traced as a pod on this node: its packet leaves "
+    "the pod by its veth into the pod bridge, a hooked interface (it holds a node address; with "
+    "--nodeport-addresses, only when one of its addresses is inside them), so usp_tc_ingress there "
+    "serves it as a packet from outside")
+BPF_POD_LOCAL = (
+    "externalTrafficPolicy Local holds for a pod here too: tc sends it to this node's endpoints "
+    "only (kube-proxy short-circuits pod traffic to every endpoint)")
+BPF_NODE_NO_TC = (
+    "tc: not on this path: {src} is this node, and no usp_tc_ingress sees a packet the node sends "
+    "(tc ingress runs on the interfaces holding node addresses and the pod bridge; a packet to a "
+    "node address goes through lo, never hooked, and usp_tc_egress only reverse-NATs replies)")
+
+
+def _tc_only_frontend(ss: ServiceSet, pkt: Packet) -> bpf.Frontend | None:
+    """The NodePort (at a node address), LB IP or externalIP frontend `pkt` is addressed to."""
+    return next((fe for fe in bpf.frontends(ss) if fe.type in bpf.TC_TYPES and fe.address == pkt.dst
+                 and fe.port == pkt.dport and fe.proto == pkt.proto), None)
+
+
+def _local_to_tc_only(ss: ServiceSet, pkt: Packet, fe: bpf.Frontend, lb_mode: str) -> list[Path]:
+    """A pod here: its packet meets tc on the pod bridge; the node itself: the fallback."""
+    head = BPF_TC_ONLY.format(dst=format_hostport(pkt.dst, pkt.dport), type=fe.type)
+    if pkt.src_local:
+        return _bpf_fallback(ss, pkt, [head, BPF_NODE_NO_TC.format(src=pkt.src)])
+    pod = [head, BPF_POD_BRIDGE.format(src=pkt.src)]
+    served = tc_trace.trace(ss, pkt, lb_mode)
+    if isinstance(served, str):
+        return _bpf_fallback(ss, pkt, [*pod, f"tc ingress: {served}"])
+    local = [BPF_POD_LOCAL] if fe.fp.external_policy_local else []
+    for p in served:
+        p.hops = [*pod, *p.hops[:1], *local, *p.hops[1:]]
+    return served
 
 
 def _selection_text(policy: str | None) -> str:
@@ -204,12 +246,13 @@ def _elsewhere(p: Path) -> Path:
     return p
 
 
-def _bpf_fallback(ss: ServiceSet, pkt: Packet, why: str) -> list[Path]:
-    """What tc passes to the stack goes to usproxy's nftables datapath, or the relay where
-    nftables is unavailable (README "Kernel offload": "What tc passes goes to the relay")."""
+def _bpf_fallback(ss: ServiceSet, pkt: Packet, why: list[str]) -> list[Path]:
+    """What tc passes to the stack, or never sees, goes to usproxy's nftables datapath, or the
+    relay where nftables is unavailable (README "Kernel offload": "What tc passes goes to the
+    relay"); `why` are the hops that say how the packet got there."""
     paths = trace_nftables(ss, pkt)
     for p in paths:
-        p.hops = [BPF_ELSEWHERE, f"tc ingress: {why}",
+        p.hops = [*why,
                   "served on this node by usproxy's fallback: its nftables datapath (traced below "
                   "with the nftables view's rules), or the relay where nftables is unavailable",
                   *(f"nftables: {h}" for h in p.hops)]
