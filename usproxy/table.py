@@ -24,13 +24,19 @@ def render_services(rows: list[dict[str, Any]]) -> str:
                          "DATAPATH", "EXTERNAL", "WHY"], out)
 
 
+def _seconds(value: float | None) -> str:
+    """A flow's age or idle time; `-` where the datapath does not know it (a kernel conntrack
+    entry carries no start time unless nf_conntrack_timestamp is on)."""
+    return "-" if value is None else f"{value:.1f}s"
+
+
 def render_flows(rows: list[dict[str, Any]]) -> str:
     """One line per flow, in the manner of `conntrack -L`."""
     lines = []
     for f in rows:
         o, r = f["original"], f["reply"]
         lines.append(
-            f"{f['protocol'].lower():<4} {f['state']:<12} age={f['age']:.1f}s idle={f['idle']:.1f}s "
+            f"{f['protocol'].lower():<4} {f['state']:<12} age={_seconds(f['age'])} idle={_seconds(f['idle'])} "
             f"src={o['src']} dst={o['dst']} packets={f['packets_in']} bytes={f['bytes_in']} "
             f"src={r['src']} dst={r['dst']} packets={f['packets_out']} bytes={f['bytes_out']} "
             f"[{f['datapath']}] {f['service']}")

@@ -172,7 +172,7 @@ def _row(e: Any, frontends: dict[FrontendKey, str], datapath: str) -> dict[str, 
         return None
     state = e.protoinfo.state_name() if e.protoinfo is not None else ("ASSURED" if e.status & 0x4 else "UNREPLIED")
     return {
-        "id": f"ct-{e.id}", "protocol": proto, "state": state, "age": 0.0, "idle": 0.0, "timeout": e.timeout,
+        "id": f"ct-{e.id}", "protocol": proto, "state": state, "age": None, "idle": None, "timeout": e.timeout,
         "original": {"src": format_hostport(str(o.saddr), o.sport), "dst": format_hostport(str(o.daddr), o.dport)},
         "reply": {"src": format_hostport(str(r.saddr), r.sport), "dst": format_hostport(str(r.daddr), r.dport)},
         "packets_in": 0, "bytes_in": 0, "packets_out": 0, "bytes_out": 0,
