@@ -158,9 +158,10 @@ def trace_bpf(ss: ServiceSet, pkt: Packet, lb_mode: str = "snat") -> list[Path]:
 
 BPF_POD_HERE = (
     "socket LB: {src} is in --cluster-cidr and is traced as a pod on this node, inside the BPF "
-    "cgroup, whose connect() to a ClusterIP the socket LB rewrites; a packet from a pod on another "
-    "node arrives from elsewhere instead: usproxy's tc program serves it when it is addressed to a "
-    "NodePort, LB IP or externalIP, its fallback otherwise (trace it without --cluster-cidr)")
+    "cgroup, whose connect() to a ClusterIP the socket LB rewrites; a pod on another node has its "
+    "ClusterIP connections translated by its own node's proxy (they never arrive here addressed to "
+    "a ClusterIP), while its packets to this node's NodePorts, LB IPs or externalIPs arrive from "
+    "elsewhere and meet usproxy's tc program (trace them without --cluster-cidr)")
 BPF_TC_ONLY = (
     "socket LB: not on this path: {dst} is a {type} frontend, flagged tc-only (F_TC_ONLY); "
     "usproxy's socket LB rewrites connect() to ClusterIPs only (usproxy/offload/bpf/datapath.py "
