@@ -251,7 +251,10 @@ class Demo:
               f"{self.relay_flows_total() - before:.0f} (the kernel carried them)")
         title("The kernel's view: nft list table ip usproxy (ServicePort maps and endpoint slots)")
         out = in_ns(NODE, "nft", "list", "table", "ip", "usproxy", check=False).stdout
-        print(excerpt(out, ("map service-ips", "map service-nodeports", "map slot-0", "map slot-1", "chain g-2")))
+        heads = ("map service-ips", "map service-nodeports", "map slot-0", "map slot-1", "chain g-2")
+        print(excerpt(out, heads))
+        print(f"(an excerpt: {len(heads)} of the table's {blocks(out)} maps, sets and chains; other "
+              "chains these maps jump to, such as the other g-N and the affinity chains, are not shown)")
 
     def stop_agent(self) -> None:
         if self.agent is not None and self.agent.poll() is None:
@@ -346,6 +349,11 @@ def excerpt(table: str, heads: tuple[str, ...]) -> str:
         if keep:
             out.append(line)
     return "\n".join(out)
+
+
+def blocks(table: str) -> int:
+    """How many maps, sets and chains `nft list table` output holds."""
+    return sum(1 for line in table.splitlines() if line.strip().startswith(("map ", "set ", "chain ")))
 
 
 def show(counts: Counter[str], via: str = "") -> None:
