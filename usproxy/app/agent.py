@@ -276,6 +276,8 @@ class Agent:
         asyncio.get_running_loop().set_exception_handler(_loop_exception_handler)
         for lock in self._locks:
             lock.acquire()
+        if self._locks:  # real datapaths, in this network namespace
+            await self._remove_leftovers()
         source = self.source = self._make_source()
         await self.admin.start()
         for role, addr in self.admin.bound.items():
@@ -285,6 +287,32 @@ class Agent:
         if self._locks:  # real datapaths: they follow this node's NodePort addresses
             self._guard("nodeport-addresses", watch_nodeport_addresses(
                 self.node, self.cfg.vip_interface, self.proxier.request_full_sync))
+
+    async def _remove_leftovers(self) -> None:
+        """Remove an earlier run's kernel state for the datapaths this run does not use
+        (cleanup.remove_leftovers, as kube-proxy's platformCleanup), holding this netns's offload
+        lock: with --offload none it is taken just for this, and when another agent holds it
+        (it offloads here: the tables are its own) nothing is removed."""
+        from usproxy.app.cleanup import remove_leftovers
+
+        lock = NetnsLock("offload") if self.cfg.offload == "none" else None
+        try:
+            if lock is not None:
+                lock.acquire()
+        except AlreadyRunning as err:
+            log.info("kept the kernel tables of this network namespace: %s", err)
+            return
+        try:
+            await remove_leftovers(self._kernel_names())
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _kernel_names(self) -> frozenset[str]:
+        """The kernel datapaths this run built (empty with --offload none)."""
+        from usproxy.offload.manager import OffloadManager
+
+        return frozenset(k.name for d in self.datapaths if isinstance(d, OffloadManager) for k in d.kernels)
 
     def _make_source(self) -> Source:
         if self.cfg.services is not None:
