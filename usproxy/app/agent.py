@@ -276,9 +276,9 @@ class Agent:
         asyncio.get_running_loop().set_exception_handler(_loop_exception_handler)
         for lock in self._locks:
             lock.acquire()
-        if self._locks:  # real datapaths, in this network namespace
-            await self._remove_leftovers()
         source = self.source = self._make_source()
+        if self._locks:  # real datapaths, and their input parsed: clear what they will not use
+            await self._remove_leftovers()
         await self.admin.start()
         for role, addr in self.admin.bound.items():
             log.info("serving %s on %s", role, format_hostport(addr[0], addr[1]))
