@@ -177,6 +177,38 @@ def test_restart_keeps_offloaded_traffic_and_the_table(topology: Topology, tmp_p
         s.close()
 
 
+def test_offload_none_removes_the_tables_an_nftables_run_left(topology: Topology, tmp_path: Path, pods: Pods,
+                                                                agent_factory: Any) -> None:
+    """An agent with --offload none over an earlier nftables run's tables removes them (as
+    kube-proxy's platformCleanup) and logs it; the relay then serves new connections."""
+    pods.add("be-a", "10.244.1.50")
+    cli = topology.add_host("cli", "10.244.9.10")
+    wait_listening(cli, "10.244.1.50", 8080)
+    m = Manifests(tmp_path / "m")
+    m.write(*web(["10.244.1.50"]))
+    agent = agent_factory(m)
+    agent.start()
+    wait_for(lambda: placement(agent)[0] == "nftables", what="offload")
+    agent.stop()
+    assert "table ip usproxy" in nft_list(topology.node)  # left on exit, as today
+    relay_only = AgentProc(topology, m, "uvloop", "--offload", "none")
+    try:
+        relay_only.start()
+        assert "table ip usproxy" not in nft_list(topology.node)
+        assert "table ip6 usproxy" not in nft_list(topology.node)
+        assert placement(relay_only)[0] == "userspace"
+        with inside(cli):
+            held = socket.create_connection((VIP, 80), timeout=3)
+        held.settimeout(3)
+        assert held.recv(64).startswith(b"be-a")
+        wait_for(lambda: [f["datapath"] for f in relay_only.flows()] == ["userspace"], what="a relayed flow")
+        held.close()
+    finally:
+        relay_only.stop()
+    log = relay_only.log.read_text()
+    assert "removed nftables table ip usproxy: left by an earlier run with another --offload" in log
+
+
 def test_c01_refused_while_empty_in_offload_mode(topology: Topology, tmp_path: Path, pods: Pods,
                                                  agent_factory: Any) -> None:
     pods.add("be-a", "10.244.1.5")

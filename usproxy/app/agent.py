@@ -277,6 +277,8 @@ class Agent:
         for lock in self._locks:
             lock.acquire()
         source = self.source = self._make_source()
+        if self._locks:  # real datapaths, and their input parsed: clear what they will not use
+            await self._remove_leftovers()
         await self.admin.start()
         for role, addr in self.admin.bound.items():
             log.info("serving %s on %s", role, format_hostport(addr[0], addr[1]))
@@ -285,6 +287,32 @@ class Agent:
         if self._locks:  # real datapaths: they follow this node's NodePort addresses
             self._guard("nodeport-addresses", watch_nodeport_addresses(
                 self.node, self.cfg.vip_interface, self.proxier.request_full_sync))
+
+    async def _remove_leftovers(self) -> None:
+        """Remove an earlier run's kernel state for the datapaths this run does not use
+        (cleanup.remove_leftovers, as kube-proxy's platformCleanup), holding this netns's offload
+        lock: with --offload none it is taken just for this, and when another agent holds it
+        (it offloads here: the tables are its own) nothing is removed."""
+        from usproxy.app.cleanup import remove_leftovers
+
+        lock = NetnsLock("offload") if self.cfg.offload == "none" else None
+        try:
+            if lock is not None:
+                lock.acquire()
+        except AlreadyRunning as err:
+            log.info("kept the kernel tables of this network namespace: %s", err)
+            return
+        try:
+            await remove_leftovers(self._kernel_names())
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _kernel_names(self) -> frozenset[str]:
+        """The kernel datapaths this run built (empty with --offload none)."""
+        from usproxy.offload.manager import OffloadManager
+
+        return frozenset(k.name for d in self.datapaths if isinstance(d, OffloadManager) for k in d.kernels)
 
     def _make_source(self) -> Source:
         if self.cfg.services is not None:

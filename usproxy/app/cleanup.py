@@ -3,13 +3,16 @@
 As kube-proxy's CleanupLeftovers (pkg/proxy/nftables/proxier.go): delete the usproxy nftables
 tables of both families (absent tables are fine), the BPF datapath's programs and pins when
 that datapath is present, and the ClusterIP interface (usproxy0) with its addresses. Returns the exit code: 0 when everything was removed, 1 otherwise.
+
+remove_leftovers: at agent start, the nftables tables of an earlier run when this run does not
+use nftables (kube-proxy's platformCleanup, cmd/kube-proxy/app/server_linux.go).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from usproxy.config import ProxyConfig
 from usproxy.offload.kernel_datapath import KernelDatapath
@@ -68,3 +71,43 @@ async def _cleanup(cfg: ProxyConfig) -> int:
 def cleanup(cfg: ProxyConfig) -> int:
     """Remove usproxy's kernel state (nftables tables, BPF programs and pins). Exit code."""
     return asyncio.run(_cleanup(cfg))
+
+
+async def remove_leftovers(used: Collection[str]) -> list[str]:
+    """At agent start: remove the nftables tables when this run does not use the nftables
+    datapath (`used`: the names of the kernel datapaths this run built, e.g. {"bpf"}; empty with
+    --offload none), so an earlier run's tables (possibly stale endpoints) do not stay the
+    datapath under the relay. As kube-proxy's platformCleanup (cmd/kube-proxy/app/
+    server_linux.go), which at start runs the CleanupLeftovers of the modes it is not running.
+    Tradeoff, as kube-proxy's mode switch: connections the removed tables were NATing end.
+    Returns what was removed, e.g. ["nftables table ip usproxy"]; never raises (a failure is
+    logged). Same-mode restarts are untouched: the datapaths in `used` adopt their state.
+    BPF pins are not removed here: their root (/sys/fs/bpf/usproxy, USPROXY_BPF_PINS) is
+    node-wide, not per network namespace; `usproxy run --cleanup` removes them."""
+    if "nftables" in used:
+        return []
+    try:
+        removed = await _nftables_leftovers()
+    except Exception as err:
+        log.error("removing nftables tables left by an earlier run: %s", err)
+        return []
+    for what in removed:
+        log.warning("removed %s: left by an earlier run with another --offload (this run does not use nftables)",
+                    what)
+    return removed
+
+
+async def _nftables_leftovers() -> list[str]:
+    """Delete the usproxy tables of both families if any exists; the tables that existed."""
+    from usproxy.offload.nftables.datapath import NftablesDatapath
+    from usproxy.offload.nftables.names import FAMILIES, TABLE, nft_family
+
+    dp = NftablesDatapath()
+    try:
+        present = [f"nftables table {nft_family(f)} {TABLE}" for f in FAMILIES
+                   if await dp.transport.list_table(nft_family(f), TABLE) is not None]
+        if present:
+            await dp.cleanup()
+        return present
+    finally:
+        dp.close()
