@@ -1,7 +1,9 @@
 """A static-manifest, relay-only agent (`usproxy run --services DIR --offload none`) loads no
-module it never uses: not the Kubernetes API client, not the kernel datapaths, not `usproxy
-explain` (the web view loads it on its first /view/service request). pyroute2 is used: the
-ClusterIP interface is managed through it. Each costs RSS on small nodes (issue 17); the modes that use them
+module it never uses: not the Kubernetes API client, not the BPF datapath or the offload manager,
+not `usproxy explain` (the web view loads it on its first /view/service request). pyroute2 is
+used (the ClusterIP interface is managed through it), and so is the nftables datapath, once at
+start: it looks for an earlier run's tables to remove them (app/cleanup.remove_leftovers, as
+kube-proxy's platformCleanup). Each costs RSS on small nodes (issue 17); the modes that use them
 import them when used, which their own tests exercise.
 
 The agent runs in a subprocess in a throwaway network namespace; a thread in that process waits
@@ -46,8 +48,8 @@ sys.exit(main())
 """
 
 NEVER = ("kubernetes_asyncio", "usproxy.sources.kube", "usproxy.sources.reflector",
-         "usproxy.sources.api_list_watch", "usproxy.offload.manager", "usproxy.offload.nftables",
-         "usproxy.offload.bpf", "usproxy.offload.kernel_conntrack", "usproxy.explain",
+         "usproxy.sources.api_list_watch", "usproxy.offload.manager",
+         "usproxy.offload.bpf", "usproxy.explain",
          "usproxy.admin.mode_view", "usproxy.admin.path_drawing")
 
 

@@ -310,6 +310,8 @@ class Agent:
 
     def _kernel_names(self) -> frozenset[str]:
         """The kernel datapaths this run built (empty with --offload none)."""
+        if self.cfg.offload == "none":
+            return frozenset()
         from usproxy.offload.manager import OffloadManager
 
         return frozenset(k.name for d in self.datapaths if isinstance(d, OffloadManager) for k in d.kernels)
