@@ -222,7 +222,7 @@ def test_endpoint_add_and_remove(topology: Topology, tmp_path: Path, pods: Pods)
 def test_agent_restart_keeps_kernel_flows(topology: Topology, tmp_path: Path, pods: Pods, node: str,
                                           sig: signal.Signals) -> None:
     """Kernel flows keep talking while the agent is down and after it has read the table back;
-    the relay's connections end with its process (SIGTERM closes them, kill -9 too: the kernel
+    the relay's connections end with its process (SIGTERM resets them; after kill -9 the kernel
     closes a dead process's sockets); a relayed UDP session is answered again once it is back."""
     cli = start_pods(topology, pods)
     m = Manifests(tmp_path / "m")

@@ -234,9 +234,12 @@ class Relay:
         return self.admission.table.view_chunks(size)
 
     async def close(self) -> None:
+        """Stop relaying (the agent's exit): reset every relayed TCP connection on both legs, close
+        the listeners and UDP flows, give up the VIP interface's addresses."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
+        self.reset_tcp_flows()
         for port in list(self.ports.values()):
             await port.close()
         self.ports.clear()
@@ -273,6 +276,19 @@ class Relay:
             assert settle is not None
             settle()
         return len(pending)
+
+    def reset_tcp_flows(self) -> int:
+        """Reset every relayed TCP connection on both legs (SO_LINGER 0, so even the process's exit
+        right after sends RST): a stream the relay stops carrying must not look complete. Closed
+        with FIN, a client without its own length framing (HTTP/1.0, a download to EOF) would take
+        a cut stream for the whole one. Returns how many flows were reset."""
+        flows = [f for f in self.admission.table if f.protocol == "TCP" and f.closer is not None]
+        for f in flows:
+            assert f.closer is not None
+            f.closer()
+        if flows:
+            log.info("reset %d relayed TCP connections: the relay stops", len(flows))
+        return len(flows)
 
     def expire_tcp(self, now: float | None = None) -> int:
         """Reset relayed TCP flows idle past their timeout: established ones after
