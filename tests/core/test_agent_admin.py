@@ -5,6 +5,7 @@ manifest edit (atomic rename) visible within 1 s, a broken edit keeping the last
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -16,9 +17,9 @@ import pytest
 import uvloop
 
 from usproxy.admin.health import Health, evaluate
-from usproxy.app.agent import Agent
+from usproxy.app.agent import Agent, bpf_lb_mode
 from usproxy.config import ProxyConfig
-from usproxy.datapath import FakeDatapath
+from usproxy.datapath import FakeDatapath, Placement
 from usproxy.metrics import Metrics
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
@@ -297,3 +298,15 @@ def test_everything_withdrawn_on_a_local_error_admin_connections_scale_with_the_
 
     assert connection_limit(256) == 16 and 2 * connection_limit(256) <= 256 // 8
     assert connection_limit(1 << 20) == MAX_CONNECTIONS
+
+
+def test_bpf_lb_mode_is_said_for_every_frontend_served_at_tc(tmp_path: Path) -> None:
+    """/services' bpfLbMode follows where external traffic goes, not whether a NodePort exists:
+    a ServicePort with only externalIPs or LoadBalancer IPs served at tc takes DSR too."""
+    dsr = ProxyConfig(services=tmp_path, offload="bpf", bpf_lb_mode="dsr")
+    assert bpf_lb_mode(dsr, Placement("tc", "externalIPs only")) == "dsr"
+    assert bpf_lb_mode(dataclasses.replace(dsr, bpf_lb_mode="snat"), Placement("tc", "")) == "snat"
+    assert bpf_lb_mode(dsr, Placement("nftables", "IPv6 frontends")) is None  # the fallback has no mode
+    assert bpf_lb_mode(dsr, Placement("relay", "not offloaded")) is None
+    assert bpf_lb_mode(dsr, None) is None  # no frontend outside the node
+    assert bpf_lb_mode(dataclasses.replace(dsr, offload="nftables"), Placement("tc", "")) is None

@@ -194,18 +194,11 @@ class Agent:
             "internalTrafficPolicy": sp.internal_traffic_policy,
             "endpoints": endpoints,
             "datapath": where.datapath, "reason": where.reason,
-            "bpfLbMode": self._bpf_lb_mode(sp.node_port, where.datapath),
+            "bpfLbMode": bpf_lb_mode(self.cfg, ext),
             "external": ext.datapath if ext else None, "externalReason": ext.reason if ext else "",
             "healthCheckNodePort": sp.health_check_node_port,
             "healthCheckError": self.service_health.error_of(spn.service),
         }
-
-    def _bpf_lb_mode(self, node_port: int | None, datapath: str) -> str | None:
-        """--bpf-lb-mode for a NodePort the BPF datapath holds (its tc programs serve NodePorts
-        only with --offload bpf), else None: "snat" or "dsr" (usproxy/offload/bpf/dsr.h)."""
-        if not node_port or datapath != "bpf" or self.cfg.offload != "bpf":
-            return None
-        return self.cfg.bpf_lb_mode
 
     def _external_view(self) -> ExternalView | None:
         """The datapath that tells external placements, looked up once per view: a runtime
@@ -357,6 +350,15 @@ class Agent:
         await self.admin.stop()
         for lock in self._locks:
             lock.release()
+
+
+def bpf_lb_mode(cfg: ProxyConfig, external: Placement | None) -> str | None:
+    """/services' bpfLbMode: --bpf-lb-mode ("snat" or "dsr", usproxy/offload/bpf/dsr.h) for a
+    ServicePort whose traffic from outside the node the tc programs serve (its NodePort, externalIPs
+    and LoadBalancer IPs alike, as Cilium's bpf-lb-mode), else None."""
+    if external is None or external.datapath != "tc" or cfg.offload != "bpf":
+        return None
+    return cfg.bpf_lb_mode
 
 
 _limited = RateLimitedLog(log)
