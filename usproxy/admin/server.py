@@ -25,6 +25,8 @@ before the first, a partial request head included (aiohttp's own idle rule). A c
 request in flight is never closed; only when every connection that could make room has one is
 the new one reset at once. So idle connections from the load balancer's own address (a health
 checker behind the same NAT, or 127.0.0.1) cannot keep its probe out until the idle timeout.
+A request in flight whose answer waits SEND_TIMEOUT for a client that does not read is given up
+(send_watch.py), so neither can a client that asks and never reads.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from usproxy.admin import web_view
 from usproxy.admin.health import Health
+from usproxy.admin.send_watch import SendWatch
 from usproxy.admin.snapshot import SharedBuild, encoded_rows, write_chunked
 from usproxy.metrics import Metrics
 from usproxy.ratelimit import RateLimitedLog
@@ -236,6 +239,7 @@ class AdminServer:
                       "metrics": split_hostport(metrics, "--metrics-bind-address") if metrics else None}
         self._runners: list[web.AppRunner] = []
         self.bound: dict[str, tuple[str, int]] = {}
+        self.send_watch = SendWatch(self._connections, "healthz/metrics")
 
     async def start(self) -> None:
         apps: dict[tuple[str, int], web.Application] = {}
@@ -250,6 +254,11 @@ class AdminServer:
             for role, a in self.addrs.items():
                 if a == addr:
                     self.bound[role] = real
+        if apps:
+            self.send_watch.start()
+
+    def _connections(self) -> list[web.RequestHandler]:
+        return [h for r in self._runners if r.server is not None for h in r.server.connections]
 
     async def _serve(self, addr: tuple[str, int], app: web.Application, limit: int) -> tuple[str, int]:
         """Serve `app` on `addr`, at most `limit` connections; returns the bound address."""
@@ -267,6 +276,7 @@ class AdminServer:
         return (str(real[0]), int(real[1]))
 
     async def stop(self) -> None:
+        await self.send_watch.stop()
         for listener in self._listeners:
             listener.close()
         self._listeners.clear()

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from usproxy.admin.send_watch import SendWatch
 from usproxy.admin.server import IDLE_TIMEOUT, MAX_HEAD_LINE, Refused, connection_limit, longest_idle
 from usproxy.node import NodeFacts
 from usproxy.ratelimit import RateLimitedLog
@@ -102,6 +103,7 @@ class ServiceHealthServer:
         self.max_connections = max_connections
         self.checks: dict[NamespacedName, _Check] = {}
         self.counts: dict[NamespacedName, int] = {}
+        self.send_watch = SendWatch(self._connections, "health checks")
 
     # -- sync ---------------------------------------------------------------------------------
     async def sync(self, ports: Mapping[NamespacedName, int], counts: Mapping[NamespacedName, int]) -> None:
@@ -109,6 +111,8 @@ class ServiceHealthServer:
         has one, `counts` the local ready endpoints per Service (others are ignored, a missing
         one is 0). Never raises for a port it cannot bind (see `errors`)."""
         self.counts = {name: counts.get(name, 0) for name in ports}
+        if ports and not self.send_watch.running:
+            self.send_watch.start()
         for name, check in list(self.checks.items()):
             if ports.get(name) != check.port:
                 del self.checks[name]
@@ -139,9 +143,13 @@ class ServiceHealthServer:
         return out
 
     async def close(self) -> None:
+        await self.send_watch.stop()
         for check in self.checks.values():
             await _close(check)
         self.checks.clear()
+
+    def _connections(self) -> list[web.RequestHandler]:
+        return [h for c in self.checks.values() for h in c.server.connections]
 
     # -- serving ------------------------------------------------------------------------------
     def _web_server(self, name: NamespacedName) -> web.Server:
