@@ -80,6 +80,7 @@ from bench.servers import BULK, CONN, RR
 from tests.cluster.cluster import EXT, LAN, Cluster, node_ip
 from tests.netns import inside, nsexec
 from usproxy.offload.bpf import loader
+from usproxy.offload.pin_root import PIN_ROOT_ENV
 
 POD = "10.244.1.10"
 BACKEND_NODE = 1
@@ -298,7 +299,7 @@ class Testbed:
             pins, cg = self.pins(i), CGROUP2 / f"{PIN_PREFIX}{self.tag}-n{i}"
             cg.mkdir()
             self.dirs[i] = (pins, cg)
-            env[loader.PIN_ROOT_ENV] = str(pins)
+            env[PIN_ROOT_ENV] = str(pins)
             extra = ("--bpf-cgroup", str(cg))
         log(f"agent n{i}: {' '.join(flags)}")
         self.cluster.start_agent(i, kubeconfig, *COMMON, *flags, *extra, use_nsenter=True, env=env)

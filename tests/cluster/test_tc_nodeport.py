@@ -40,6 +40,7 @@ from tests.relay.harness import USPROXY
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf import loader, nodeport, view
 from usproxy.offload.bpf.layout import CT_ORIGINAL, AffinityEntry, CtEntry
+from usproxy.offload.pin_root import PIN_ROOT_ENV
 
 pytestmark = pytest.mark.netns
 
@@ -124,7 +125,7 @@ class Agents:
                 "--bpf-cgroup", str(self.dirs[i][1]))
 
     def env(self, i: int) -> dict[str, str]:
-        return {loader.PIN_ROOT_ENV: str(self.dirs[i][0])}
+        return {PIN_ROOT_ENV: str(self.dirs[i][0])}
 
     def start(self, i: int) -> None:
         self.c.start_agent(i, self.kc, *self.flags(i), use_nsenter=True, env=self.env(i))

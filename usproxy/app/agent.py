@@ -35,6 +35,7 @@ from usproxy.errors import AlreadyRunning, ConfigError
 from usproxy.node import NodeFacts, PodCIDRsChanged, node_name, resolve_node, watch_nodeport_addresses
 from usproxy.offload import external_route
 from usproxy.offload.external_route import ExternalView
+from usproxy.offload.pin_root import default_pin_root, has_pins, lock_name
 from usproxy.proxier import Proxier
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.sources import NodeEligibility, Source
@@ -114,7 +115,8 @@ class Agent:
         # Real datapaths: one agent per ClusterIP interface, and one offloading agent (the
         # kernel tables are per namespace), in this network namespace.
         self._locks = [] if datapaths is not None else [NetnsLock(cfg.vip_interface)] + (
-            [NetnsLock("offload")] if cfg.offload != "none" else [])
+            [NetnsLock("offload")] if cfg.offload != "none" else []) + (
+            [PinsLock(default_pin_root())] if cfg.offload == "bpf" else [])  # pins are node-wide
         self.metrics = Metrics()
         self.events = EventHub()
         self.node = node or resolve_node(cfg, kubernetes=uses_api_server(cfg))
@@ -300,6 +302,28 @@ class Agent:
         finally:
             if lock is not None:
                 lock.release()
+        if self.cfg.offload != "bpf":
+            await self._remove_bpf_leftovers()
+
+    async def _remove_bpf_leftovers(self) -> None:
+        """Remove an earlier `--offload bpf` run's programs and pins (cleanup.remove_bpf_leftovers)
+        when there are any, holding their pin root's lock: when a running agent holds it (another
+        network namespace offloads to BPF with this pin root), nothing is removed."""
+        root = default_pin_root()
+        if not has_pins(root):
+            return
+        from usproxy.app.cleanup import remove_bpf_leftovers
+
+        lock = PinsLock(root)
+        try:
+            lock.acquire()
+        except AlreadyRunning as err:
+            log.info("kept the BPF programs and pins under %s: %s", root, err)
+            return
+        try:
+            await remove_bpf_leftovers(self.cfg.bpf_cgroup, root)
+        finally:
+            lock.release()
 
     def _kernel_names(self) -> frozenset[str]:
         """The kernel datapaths this run built (empty with --offload none)."""
@@ -373,6 +397,11 @@ class NetnsLock:
         self.what = what
         self.path = LOCK_DIR / f"netns-{os.stat('/proc/self/ns/net').st_ino}-{what}.lock"
 
+    def held_by(self, holder: str) -> str:
+        """Why acquiring failed, with the holder's pid."""
+        return (f"another usproxy agent (pid {holder}) runs in this network namespace "
+                f"({'with kernel offload' if self.what == 'offload' else 'on ' + self.what})")
+
     def acquire(self) -> None:
         LOCK_DIR.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -381,8 +410,7 @@ class NetnsLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise AlreadyRunning(f"another usproxy agent (pid {holder}) runs in this network namespace "
-                                 f"({'with kernel offload' if self.what == 'offload' else 'on ' + self.what})") from None
+            raise AlreadyRunning(self.held_by(holder)) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
@@ -398,6 +426,20 @@ class NetnsLock:
             pass
         os.close(self.fd)
         self.fd = None
+
+
+class PinsLock(NetnsLock):
+    """An flock on /run/usproxy/bpf-pins-<hash>.lock for the BPF pin root `root` (node-wide):
+    held by the agent that runs `--offload bpf` with it, taken briefly by an agent without BPF that
+    removes an earlier run's pins."""
+
+    def __init__(self, root: Path) -> None:
+        self.fd = None
+        self.what = f"BPF pins under {root}"
+        self.path = LOCK_DIR / lock_name(root)
+
+    def held_by(self, holder: str) -> str:
+        return f"another usproxy agent (pid {holder}) uses the {self.what}"
 
 
 def _endpoint_row(ep: Endpoint, usable: set[Endpoint]) -> dict[str, Any]:

@@ -4,8 +4,9 @@ As kube-proxy's CleanupLeftovers (pkg/proxy/nftables/proxier.go): delete the usp
 tables of both families (absent tables are fine), the BPF datapath's programs and pins when
 that datapath is present, and the ClusterIP interface (usproxy0) with its addresses. Returns the exit code: 0 when everything was removed, 1 otherwise.
 
-remove_leftovers: at agent start, the nftables tables of an earlier run when this run does not
-use nftables (kube-proxy's platformCleanup, cmd/kube-proxy/app/server_linux.go).
+remove_leftovers and remove_bpf_leftovers: at agent start, the nftables tables, or the BPF programs
+and pins, of an earlier run when this run does not use that datapath (kube-proxy's platformCleanup,
+cmd/kube-proxy/app/server_linux.go).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Collection, Sequence
+from pathlib import Path
 
 from usproxy.config import ProxyConfig
 from usproxy.offload.kernel_datapath import KernelDatapath
@@ -82,8 +84,7 @@ async def remove_leftovers(used: Collection[str]) -> list[str]:
     Tradeoff, as kube-proxy's mode switch: connections the removed tables were NATing end.
     Returns what was removed, e.g. ["nftables table ip usproxy"]; never raises (a failure is
     logged). Same-mode restarts are untouched: the datapaths in `used` adopt their state.
-    BPF pins are not removed here: their root (/sys/fs/bpf/usproxy, USPROXY_BPF_PINS) is
-    node-wide, not per network namespace; `usproxy run --cleanup` removes them."""
+    BPF pins: remove_bpf_leftovers (their root is node-wide: the agent takes its lock first)."""
     if "nftables" in used:
         return []
     try:
@@ -111,3 +112,25 @@ async def _nftables_leftovers() -> list[str]:
         return present
     finally:
         dp.close()
+
+
+async def remove_bpf_leftovers(cgroup: Path, root: Path) -> list[str]:
+    """At the start of an agent without `--offload bpf`: detach the programs an earlier BPF run
+    pinned under `root` (socket LB on `cgroup`, tc, XDP) and remove its pins, as remove_leftovers
+    does for nftables: otherwise the socket LB would go on translating ClusterIPs to that run's
+    endpoints ahead of this run's datapath. The caller holds `root`'s lock (agent.PinsLock).
+    Returns what was removed (["BPF programs and pins under <root>"] or []); never raises."""
+    try:
+        from usproxy.offload.bpf.datapath import BpfDatapath
+    except Exception as err:  # no libbpf here: nothing this host could have pinned with it either
+        log.error("removing BPF pins under %s left by an earlier run: %s", root, err)
+        return []
+    dp = BpfDatapath(cgroup, root)
+    try:
+        await dp.cleanup()
+    except Exception as err:
+        log.error("removing BPF pins under %s left by an earlier run: %s", root, err)
+        return []
+    what = f"BPF programs and pins under {root}"
+    log.warning("removed %s: left by an earlier run with another --offload (this run does not use bpf)", what)
+    return [what]

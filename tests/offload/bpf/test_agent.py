@@ -128,3 +128,94 @@ def test_agent_offloads_to_bpf_and_survives_restart(bpf_env: Env, tmp_path: Path
     assert agent.cleanup().returncode == 0
     assert attached_programs(bpf_env.cgroup) == {}
     assert not bpf_env.pin_root.exists()
+
+
+class RelayAgent(Agent):
+    """An agent without BPF (`--offload none`) in netns `ns`, with the same pin root."""
+
+    def __init__(self, env: Env, manifests: Path, log: Path, ns: str) -> None:
+        super().__init__(env, manifests, log)
+        self.ns = ns
+
+    def _cmd(self, *args: str) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{self.ns}", USPROXY, "-v", "run", *args]
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self._cmd(
+                "--services", str(self.manifests), "--offload", "none", "--bpf-cgroup", str(self.env.cgroup),
+                "--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249"),
+                env=self._environ(), stdout=out, stderr=out)
+        self.env.procs.append(self.proc)  # type: ignore[arg-type]
+
+    def wait_relay(self, timeout: float = 20) -> None:
+        """Until the relay listens for web (its /services reason says so)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if any(r["servicePortName"] == "default/web:http" and "listening on" in r["reason"]
+                       for r in self.get("/services")):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"web never relayed:\n{self.log.read_text()[-3000:]}")
+
+    def wait_log(self, text: str, timeout: float = 20) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
+            if text in (log := self.log.read_text()):
+                return log
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} never logged:\n{self.log.read_text()[-3000:]}")
+
+
+def test_an_agent_without_bpf_removes_an_earlier_runs_programs_and_pins(bpf_env: Env, tmp_path: Path) -> None:
+    """As kube-proxy's platformCleanup: left in place, the socket LB would go on translating the
+    ClusterIP to the earlier run's endpoints ahead of the relay."""
+    bpf_env.server("be-a", "10.244.1.5", 8080)
+    bpf_env.server("be-b", "10.244.2.5", 8080)
+    cli = bpf_env.client_ns("cli", "10.244.9.10")
+    _manifests(tmp_path / "services.yaml")
+    bpf_agent = Agent(bpf_env, tmp_path / "services.yaml", tmp_path / "bpf.log")
+    bpf_agent.start()
+    bpf_agent.wait_bpf()
+    bpf_agent.stop()  # SIGTERM: programs and pins stay, as for a restart
+    assert set(attached_programs(bpf_env.cgroup)) == set(loader.PROGRAMS)
+
+    relay = RelayAgent(bpf_env, tmp_path / "services.yaml", tmp_path / "relay.log", bpf_env.topo.node)
+    relay.start()
+    log = relay.wait_log("removed BPF programs and pins under")
+    assert str(bpf_env.pin_root) in log and "left by an earlier run with another --offload" in log
+    assert attached_programs(bpf_env.cgroup) == {} and not bpf_env.pin_root.exists()
+    relay.wait_relay()
+    before = relay.relay_flows()
+    out = bpf_env.run(cli, "tcp", "10.96.10.10", 80, 10)
+    assert out["errors"] == {} and set(out["names"]) <= {"be-a", "be-b"}, out
+    assert relay.relay_flows() == before + 10  # the relay carries them: no socket LB left
+    relay.stop()
+
+
+def test_pins_a_running_bpf_agent_holds_are_kept(bpf_env: Env, tmp_path: Path) -> None:
+    """The pin root is node-wide: an agent without BPF in another network namespace, with the same
+    pin root, leaves a running BPF agent's programs and pins alone (its lock is held)."""
+    bpf_env.server("be-a", "10.244.1.5", 8080)
+    bpf_env.server("be-b", "10.244.2.5", 8080)
+    cli = bpf_env.client_ns("cli", "10.244.9.10")
+    other = bpf_env.client_ns("other", "10.244.9.11")
+    _manifests(tmp_path / "services.yaml")
+    bpf_agent = Agent(bpf_env, tmp_path / "services.yaml", tmp_path / "bpf.log")
+    bpf_agent.start()
+    bpf_agent.wait_bpf()
+    relay = RelayAgent(bpf_env, tmp_path / "services.yaml", tmp_path / "relay.log", other)
+    relay.start()
+    log = relay.wait_log("kept the BPF programs and pins under")
+    assert f"uses the BPF pins under {bpf_env.pin_root}" in log, log
+    assert set(attached_programs(bpf_env.cgroup)) == set(loader.PROGRAMS)
+    relayed = bpf_agent.relay_flows()
+    assert bpf_env.run(cli, "tcp", "10.96.10.10", 80, 10)["errors"] == {}
+    assert bpf_agent.relay_flows() == relayed  # still the socket LB's
+    relay.stop()
+    bpf_agent.stop()
+    assert bpf_agent.cleanup().returncode == 0

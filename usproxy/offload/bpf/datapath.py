@@ -59,6 +59,7 @@ from usproxy.types import IPNetwork
 from usproxy.offload.bpf import loader, nodeport, view, xdp
 from usproxy.offload.bpf.build import object_path
 from usproxy.offload.bpf import libbpf as bpf
+from usproxy.offload.pin_root import default_pin_root
 from usproxy.offload.bpf.layout import (
     CT_ORIGINAL,
     F_AFFINITY,
@@ -107,7 +108,7 @@ class BpfDatapath:
                  *, selection: str = "random", nodeport_cidrs: tuple[IPNetwork, ...] | None = None,
                  lb_mode: BpfLbMode = "snat", acceleration: str = "disabled") -> None:
         self.cgroup = cgroup
-        self.pins = loader.PinLayout(pin_root or loader.default_pin_root())
+        self.pins = loader.PinLayout(pin_root or default_pin_root())
         self.selection: Selection = _selection(selection)
         self.nodeport_cidrs = nodeport_cidrs  # None: no tc programs
         self.lb_mode: BpfLbMode = lb_mode  # NodePorts at tc: SNAT or DSR to other nodes' backends

@@ -36,12 +36,10 @@ from pathlib import Path
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf.build import object_path
 from usproxy.offload.bpf.layout import LAYOUT_VERSION
+from usproxy.offload.pin_root import BPFFS as BPFFS  # re-exported: loader.BPFFS
 
 log = logging.getLogger(__name__)
 
-BPFFS = Path("/sys/fs/bpf")
-DEFAULT_PIN_ROOT = BPFFS / "usproxy"
-PIN_ROOT_ENV = "USPROXY_BPF_PINS"  # another pin root: tests, or two agents on one node
 
 PROGRAMS: dict[str, int] = {
     "usp_connect4": bpf.BPF_CGROUP_INET4_CONNECT,
@@ -109,10 +107,6 @@ def ensure_bpffs(where: Path = BPFFS) -> bool:
         raise bpf.BpfError(f"mount bpffs at {where}: {os.strerror(err)}", err)
     log.info("mounted bpffs at %s", where)
     return True
-
-
-def default_pin_root() -> Path:
-    return Path(os.environ.get(PIN_ROOT_ENV) or DEFAULT_PIN_ROOT)
 
 
 def cgroup_id(cgroup: Path) -> int:

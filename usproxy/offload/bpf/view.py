@@ -16,6 +16,7 @@ from typing import Any
 
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf import loader, nodeport
+from usproxy.offload.pin_root import default_pin_root
 from usproxy.offload.bpf.layout import (
     CT_ORIGINAL,
     F_AFFINITY,
@@ -97,7 +98,7 @@ def affinity_row(e: AffinityEntry, groups: Mapping[int, Group], now: int) -> dic
 
 def render_pinned(pin_root: Path | None = None) -> str | None:
     """The pinned socket LB as text, or None when nothing is pinned at `pin_root`."""
-    pins = loader.PinLayout(pin_root or loader.default_pin_root())
+    pins = loader.PinLayout(pin_root or default_pin_root())
     if not pins.exists():
         return None
     fds: dict[str, int] = {}
