@@ -31,7 +31,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -200,10 +200,11 @@ def _pod_cidr_texts(spec: Mapping[str, Any], obj: str) -> tuple[str, list[object
     return "spec.podCIDRs", texts
 
 
-async def watch_nodeport_addresses(node: NodeFacts, clusterip_interface: str, on_change: Callable[[], None], *,
+async def watch_nodeport_addresses(node: NodeFacts, clusterip_interface: str,
+                                   on_change: Callable[[], Awaitable[None] | None], *,
                                    interval: float = 1.0,
                                    read: Callable[[], LocalAddresses] | None = None) -> None:
-    """Call `on_change()` whenever the NodePort addresses (node.nodeport_ips over the local
+    """Call `on_change()` (awaited when it returns an awaitable) whenever the NodePort addresses (node.nodeport_ips over the local
     addresses `read` returns, default read_local_addresses: ~12 ms of CPU at 10,000 Services)
     polled every `interval` seconds in a worker thread differ from the last ones seen: the agent
     then hands every datapath a full sync, so the relay's listeners and nftables' set
@@ -223,7 +224,8 @@ async def watch_nodeport_addresses(node: NodeFacts, clusterip_interface: str, on
             ips = node.nodeport_ips(local, clusterip_interface)
             if last is not None and ips != last:
                 log.info("NodePort addresses now: %s", ", ".join(str(ip) for ip in ips) or "none")
-                on_change()
+                if (pending := on_change()) is not None:
+                    await pending
             last = ips
         await asyncio.sleep(interval)
 

@@ -27,7 +27,7 @@ import secrets
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -260,6 +260,41 @@ async def test_a_nodeport_without_endpoints_is_refused_at_once(bpf_cluster: tupl
     rows = await asyncio.to_thread(c.admin, 1, "/services")
     empty = next(r for r in rows if r["servicePortName"].startswith("default/empty"))
     assert empty["external"] == "tc" and "refuses" in empty["externalReason"], empty
+
+
+def tc_addrs(pins: Path) -> set[str]:
+    """The addresses in usp_tc_addrs: where the tc programs serve NodePorts."""
+    fd = bpf.obj_get(str(loader.PinLayout(pins).maps / "usp_tc_addrs"))
+    try:
+        return {socket.inet_ntoa(k) for k in bpf.map_keys(fd, 4)}
+    finally:
+        os.close(fd)
+
+
+async def wait_until(what: str, ok: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(what)
+        await asyncio.sleep(0.1)
+
+
+async def test_an_address_added_while_running_is_served_at_tc(bpf_cluster: tuple[Cluster, Agents]) -> None:
+    """The tc programs follow the NodePort addresses of the interfaces they run on: an address
+    added to eth0 while the agent runs is served at tc (not by the nftables fallback), and one
+    removed leaves usp_tc_addrs."""
+    c, agents = bpf_cluster
+    pins, extra = agents.dirs[1][0], "192.0.2.91"
+    assert extra not in tc_addrs(pins) and N1 in tc_addrs(pins)
+    nsexec(c.node(1), "ip", "addr", "add", f"{extra}/24", "dev", "eth0")
+    await wait_until(f"{extra} never entered usp_tc_addrs\n{c.log(1)[-2000:]}", lambda: extra in tc_addrs(pins))
+    name, peer = await asyncio.to_thread(ask, c.ns("ext"), extra, WEB_NP)
+    assert name.startswith("web-"), (name, peer)
+    flows = [e for e in ct_entries(pins) if e.direction == CT_ORIGINAL and str(e.daddr) == extra]
+    assert flows and all(e.dport == WEB_NP and str(e.saddr) == EXT for e in flows), flows  # NATed at tc
+    nsexec(c.node(1), "ip", "addr", "del", f"{extra}/24", "dev", "eth0")
+    await wait_until(f"{extra} never left usp_tc_addrs", lambda: extra not in tc_addrs(pins))
+    assert N1 in tc_addrs(pins) and await asyncio.to_thread(ask, c.ns("ext"), N1, WEB_NP)
 
 
 async def test_restart_keeps_established_flows_and_cleanup_detaches(bpf_cluster: tuple[Cluster, Agents]) -> None:

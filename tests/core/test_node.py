@@ -100,3 +100,29 @@ async def test_watch_calls_back_once_per_change_of_the_nodeport_addresses() -> N
     assert not task.done()
     task.cancel()
     assert calls == [1]  # 192.0.2.10 -> 192.0.2.11, once
+
+
+async def test_watch_awaits_an_async_callback_before_it_polls_again() -> None:
+    """The agent's callback lets the BPF datapath read the addresses again before the full sync."""
+    facts = NodeFacts()
+    seen: list[str] = []
+    reads = iter([[("eth0", ip("192.0.2.10"))], [("eth0", ip("192.0.2.11"))]])
+    done = asyncio.Event()
+
+    def read() -> LocalAddresses:
+        seen.append("read")
+        try:
+            return next(reads)
+        except StopIteration:
+            done.set()
+            return [("eth0", ip("192.0.2.11"))]
+
+    async def changed() -> None:
+        seen.append("changed")
+        await asyncio.sleep(0.05)  # several poll intervals: no read meanwhile
+        seen.append("followed")
+
+    task = asyncio.create_task(watch_nodeport_addresses(facts, "usproxy0", changed, interval=0.01, read=read))
+    await asyncio.wait_for(done.wait(), 5)
+    task.cancel()
+    assert seen[:5] == ["read", "read", "changed", "followed", "read"], seen

@@ -281,7 +281,7 @@ class Agent:
         self._guard("source", source.run())
         if self._locks:  # real datapaths: they follow this node's NodePort addresses
             self._guard("nodeport-addresses", watch_nodeport_addresses(
-                self.node, self.cfg.vip_interface, self.proxier.request_full_sync))
+                self.node, self.cfg.vip_interface, self._nodeport_addresses_changed))
 
     async def _remove_leftovers(self) -> None:
         """Remove an earlier run's kernel state for the datapaths this run does not use
@@ -324,6 +324,20 @@ class Agent:
             await remove_bpf_leftovers(self.cfg.bpf_cgroup, root)
         finally:
             lock.release()
+
+    async def _nodeport_addresses_changed(self) -> None:
+        """The NodePort addresses changed: the kernel datapaths that read them themselves read
+        them again (NodeAddressFollower), then every datapath gets a full sync (the relay's
+        listeners, nftables' nodeport-ips)."""
+        if self.cfg.offload != "none":
+            from usproxy.offload.kernel_datapath import NodeAddressFollower
+            from usproxy.offload.manager import OffloadManager
+
+            for d in self.datapaths:
+                for k in d.kernels if isinstance(d, OffloadManager) else ():
+                    if isinstance(k, NodeAddressFollower):
+                        await k.node_addresses_changed()
+        self.proxier.request_full_sync()
 
     def _kernel_names(self) -> frozenset[str]:
         """The kernel datapaths this run built (empty with --offload none)."""

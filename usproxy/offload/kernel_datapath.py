@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from usproxy.datapath import ServicePortState
 from usproxy.endpoint import Endpoint
@@ -65,3 +65,12 @@ class KernelDatapath(Protocol):
 
     def close(self) -> None:
         """Release this process's threads and descriptors; what is installed stays (C20)."""
+
+
+@runtime_checkable
+class NodeAddressFollower(Protocol):
+    """A kernel datapath that reads the node's addresses itself and must read them again when the
+    NodePort addresses change (BPF's tc programs: usp_tc_addrs); the agent awaits it before the
+    full sync that change asks for."""
+
+    async def node_addresses_changed(self) -> None: ...

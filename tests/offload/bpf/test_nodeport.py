@@ -32,6 +32,16 @@ def test_without_cidrs_every_interface_with_a_non_loopback_address_is_hooked() -
         ("eth0", ["192.0.2.11"]), ("cbr0", ["10.244.1.1"]), ("eth1", ["198.51.100.4", "198.51.100.5"])]
 
 
+def test_hooked_interfaces_follow_their_addresses_and_new_ones_are_named() -> None:
+    hooked = nodeport.choose(LINKS, ADDRS, ())
+    later = [(2, V4("192.0.2.11")), (2, V4("192.0.2.91")), (5, V4("198.51.100.4")), (6, V4("203.0.113.9"))]
+    now = nodeport.choose({**LINKS, 6: "eth2"}, later, ())
+    followed = nodeport.follow(hooked, now)
+    assert [(h.name, [str(a) for a in h.addresses]) for h in followed] == [
+        ("eth0", ["192.0.2.11", "192.0.2.91"]), ("cbr0", []), ("eth1", ["198.51.100.4"])]
+    assert [h.name for h in nodeport.unhooked(followed, now)] == ["eth2"]  # no tc program until a restart
+
+
 def test_cidrs_choose_the_interfaces_as_nodeport_addresses_choose_addresses() -> None:
     cidrs = (ipaddress.ip_network("192.0.2.0/24"), ipaddress.ip_network("198.51.100.5/32"))
     hooked = nodeport.choose(LINKS, ADDRS, cidrs)

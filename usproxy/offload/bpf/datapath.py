@@ -43,6 +43,7 @@ with ECONNREFUSED at once (field case C01).
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
@@ -228,6 +229,29 @@ class BpfDatapath:
         lb = loader.SockLB(self.pins, self.cgroup)
         lb.open()
         return lb
+
+    async def node_addresses_changed(self) -> None:
+        """The NodePort addresses changed (the agent's poll, node.watch_nodeport_addresses, before
+        the full sync it asks for): the interfaces the tc programs run on are read again and
+        usp_tc_addrs and usp_tc_ifaces follow their addresses (nodeport.follow). An interface
+        that newly holds a NodePort address gets no tc program until a restart (logged); nftables
+        or the relay serve its NodePorts meanwhile. Never raises (a failed read is logged and
+        the maps stay)."""
+        if not self.hooked or self._lb is None or self._lb.tc_ifindexes is None:
+            return
+        try:
+            now = await asyncio.to_thread(nodeport.interfaces, self.nodeport_cidrs or ())
+            hooked = nodeport.follow(self.hooked, now)
+            nodeport.write_maps(self._lb.maps, hooked)
+        except Exception as err:  # noqa: BLE001 - the next change or a restart retries
+            log.warning("bpf: following the NodePort addresses at tc: %s", err)
+            return
+        self.hooked = hooked
+        log.info("bpf: NodePort addresses at tc now %s", "; ".join(
+            f"{h.name} {','.join(map(str, h.addresses)) or 'none'}" for h in hooked))
+        for h in nodeport.unhooked(hooked, now):
+            log.warning("bpf: %s holds NodePort addresses (%s) but runs no tc program until the agent "
+                        "restarts; nftables or the relay serve them", h.name, ", ".join(map(str, h.addresses)))
 
     def _xdp_attached(self, lb: loader.SockLB) -> None:
         """The plan as the attach left it: an interface that refused the program is tc only."""

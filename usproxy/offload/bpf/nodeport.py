@@ -6,8 +6,11 @@ inside one of the CIDRs, or, without CIDRs, any IPv4 address but loopback; link-
 never count, and the relay's VIP interface (it holds Service addresses, not node addresses) is
 skipped. usp_tc_addrs gets every chosen address (the destinations that serve NodePorts),
 usp_tc_ifaces each hooked interface with its first chosen address (the SNAT source for backends
-reached through it). Interfaces are read once when the datapath opens: an address added later is
-served by nftables or the relay until the agent restarts (open work).
+reached through it). Interfaces are chosen when the datapath opens; their addresses are followed
+afterwards (`follow`, when the agent sees the NodePort addresses change): an address added to or
+removed from a hooked interface enters or leaves both maps. An interface that holds a NodePort
+address only later gets no tc program until the agent restarts: its NodePorts are served by
+nftables or the relay meanwhile.
 """
 
 from __future__ import annotations
@@ -71,11 +74,25 @@ def _dump() -> tuple[dict[int, str], list[tuple[int, ipaddress.IPv4Address]]]:
     return links, addrs
 
 
+def follow(hooked: list[HookedInterface], now: list[HookedInterface]) -> list[HookedInterface]:
+    """`hooked` (the interfaces the tc programs run on) with the addresses `now` (interfaces()
+    read again) gives them: none for an interface that lost its NodePort addresses or is gone."""
+    current = {h.ifindex: h.addresses for h in now}
+    return [HookedInterface(h.ifindex, h.name, current.get(h.ifindex, ())) for h in hooked]
+
+
+def unhooked(hooked: list[HookedInterface], now: list[HookedInterface]) -> list[HookedInterface]:
+    """The interfaces of `now` that hold NodePort addresses but run no tc program."""
+    have = {h.ifindex for h in hooked}
+    return [h for h in now if h.ifindex not in have]
+
+
 def write_maps(fds: Mapping[str, int], hooked: list[HookedInterface]) -> None:
     """Make usp_tc_addrs and usp_tc_ifaces hold exactly `hooked` (new entries before stale ones
-    go, so a restart never leaves a moment without them)."""
+    go, so a restart never leaves a moment without them); an interface without addresses has no
+    usp_tc_ifaces entry (the tc program passes its packets)."""
     addrs = {ip.packed: pack_u32(h.ifindex) for h in hooked for ip in h.addresses}
-    ifaces = {pack_u32(h.ifindex): h.addresses[0].packed for h in hooked}
+    ifaces = {pack_u32(h.ifindex): h.addresses[0].packed for h in hooked if h.addresses}
     _sync(fds["usp_tc_addrs"], addrs)
     _sync(fds["usp_tc_ifaces"], ifaces)
 
