@@ -113,7 +113,8 @@ class Agent:
                  node: NodeFacts | None = None) -> None:
         self.cfg = cfg
         # Real datapaths: one agent per ClusterIP interface, and one offloading agent (the
-        # kernel tables are per namespace), in this network namespace.
+        # kernel tables are per namespace), in this network namespace; one BPF agent per pin root
+        # (bpffs is node-wide).
         self._locks = [] if datapaths is not None else [NetnsLock(cfg.vip_interface)] + (
             [NetnsLock("offload")] if cfg.offload != "none" else []) + (
             [PinsLock(default_pin_root())] if cfg.offload == "bpf" else [])  # pins are node-wide
