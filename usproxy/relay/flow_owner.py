@@ -26,6 +26,13 @@ class SourceRefused(Exception):
     reaches an endpoint (TCP: reset without a dial; UDP: the datagram is dropped, no flow)."""
 
 
+class RelayStopping(SourceRefused):
+    """The relay is stopping (Relay.close, the agent's exit): a connection accepted before its
+    listener closed but handed to its protocol only after the relayed flows were reset is refused
+    as a SourceRefused one (TCP: reset without a dial), never relayed until the exit ends it
+    with FIN."""
+
+
 class FlowOwner(Protocol):
     """The ServicePort side of a flow: endpoint choice and flow admission."""
 

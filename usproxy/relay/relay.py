@@ -234,11 +234,15 @@ class Relay:
         return self.admission.table.view_chunks(size)
 
     async def close(self) -> None:
-        """Stop relaying (the agent's exit): reset every relayed TCP connection on both legs, close
-        the listeners and UDP flows, give up the VIP interface's addresses."""
+        """Stop relaying (the agent's exit): refuse new flows (a connection the loop accepted but
+        hands to its protocol only later is reset, not relayed into the exit's FIN), reset every
+        relayed TCP connection on both legs, close the listeners and UDP flows, give up the VIP
+        interface's addresses."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
+        for port in self.ports.values():
+            port.stop()  # a connection accepted but not yet handed over must not start a flow now
         self.reset_tcp_flows()
         for port in list(self.ports.values()):
             await port.close()

@@ -38,7 +38,7 @@ from usproxy.endpoint import Endpoint
 from usproxy.ratelimit import RateLimitedLog
 from usproxy.relay.endpoint_selector import EndpointSelector
 from usproxy.relay.flow_admission import FlowAdmission
-from usproxy.relay.flow_owner import SourceRefused, TrafficKind
+from usproxy.relay.flow_owner import RelayStopping, SourceRefused, TrafficKind
 from usproxy.relay.port_holder import describe_holder
 from usproxy.relay.source_filter import allows, attach
 from usproxy.relay.tcp import ClientSide
@@ -60,7 +60,7 @@ class ServicePortRelay:
     """Listeners, selectors and flow bookkeeping of one ServicePort."""
 
     __slots__ = ("spn", "state", "admission", "udp", "listening", "default_policy", "selectors",
-                 "listeners", "errors", "failures", "firewall", "filtered")
+                 "listeners", "errors", "failures", "firewall", "filtered", "stopping")
 
     def __init__(self, state: ServicePortState, *, admission: FlowAdmission, udp: UdpRelay,
                  listening: Listening, default_policy: LBPolicy) -> None:
@@ -80,6 +80,7 @@ class ServicePortRelay:
         # `new_flow` costs them one falsy test), and the filter each listener socket carries
         self.firewall: dict[str, tuple[IPNetwork, ...]] = {}
         self.filtered: dict[ListenerKey, tuple[IPNetwork, ...]] = {}
+        self.stopping = False  # the relay stops: no new flow (`stop`)
 
     # -- configuration -------------------------------------------------------------------------
     def desired(self, state: ServicePortState, node_ips: Collection[str]) -> set[ListenerKey]:
@@ -232,9 +233,16 @@ class ServicePortRelay:
     def closed(self, kind: TrafficKind, ep: Endpoint) -> None:
         self.selectors[kind].closed(ep)
 
+    def stop(self) -> None:
+        """The relay stops (Relay.close): every flow from now on is refused (`new_flow`)."""
+        self.stopping = True
+
     def new_flow(self, protocol: str, client: HostPort, frontend: HostPort) -> Flow:
         """Admit a flow (FlowAdmission: may evict an idle UDP flow; raises FlowTableFull), unless
-        the client is outside the LB IP's loadBalancerSourceRanges (raises SourceRefused)."""
+        the client is outside the LB IP's loadBalancerSourceRanges (raises SourceRefused) or the
+        relay stops (raises RelayStopping)."""
+        if self.stopping:
+            raise RelayStopping(f"{self.spn}: the relay stops")
         if self.firewall and not allows(self.firewall.get(frontend[0], ()), client[0]):
             raise SourceRefused(f"{client[0]} is outside loadBalancerSourceRanges of {frontend[0]}")
         return self.admission.admit(protocol, self.spn, client, frontend)
