@@ -19,6 +19,7 @@ import ipaddress
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -271,7 +272,7 @@ class Agent:
         """List the source, bind admin, start tasks. Raises ConfigError on unparsable input."""
         asyncio.get_running_loop().set_exception_handler(_loop_exception_handler)
         for lock in self._locks:
-            lock.acquire()
+            await lock.acquire_within(lock.wait)
         source = self.source = self._make_source()
         if self._locks:  # real datapaths, and their input parsed: clear what they will not use
             await self._remove_leftovers()
@@ -407,6 +408,8 @@ LOCK_DIR = Path("/run/usproxy")
 class NetnsLock:
     """An flock on /run/usproxy/netns-<inode>-<what>.lock for this network namespace."""
 
+    wait = 0.0  # seconds acquire_within retries while another holds it (a running agent: none)
+
     def __init__(self, what: str) -> None:
         self.fd: int | None = None
         self.what = what
@@ -417,15 +420,32 @@ class NetnsLock:
         return (f"another usproxy agent (pid {holder}) runs in this network namespace "
                 f"({'with kernel offload' if self.what == 'offload' else 'on ' + self.what})")
 
+    async def acquire_within(self, wait: float) -> None:
+        """`acquire`, retried every 0.1 s for up to `wait` seconds while another holds the lock
+        (one held briefly, e.g. by an agent removing leftovers, is waited for)."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self.acquire()
+            except AlreadyRunning:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.1)
+
     def acquire(self) -> None:
+        """Take the lock now; raises AlreadyRunning naming the holder's pid."""
         LOCK_DIR.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise AlreadyRunning(self.held_by(holder)) from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise AlreadyRunning(self.held_by(holder)) from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # its holder released it (and unlinked the file) as we opened it: again
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
@@ -443,10 +463,20 @@ class NetnsLock:
         self.fd = None
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open at `fd` (release() unlinks it)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        return False
+
+
 class PinsLock(NetnsLock):
     """An flock on /run/usproxy/bpf-pins-<hash>.lock for the BPF pin root `root` (node-wide):
     held by the agent that runs `--offload bpf` with it, taken briefly by an agent without BPF that
-    removes an earlier run's pins."""
+    removes an earlier run's pins (which a starting BPF agent waits for: `wait`)."""
+
+    wait = 5.0
 
     def __init__(self, root: Path) -> None:
         self.fd = None
