@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0)
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
-    e = sub.add_parser("explain", help="render Services as each kube-proxy mode would hold them")
+    e = sub.add_parser("explain", help="render Services as each kube-proxy mode would hold them; "
+                       "`explain trace`: one connection's path, `explain diff`: what one change does")
     e.add_argument("rest", nargs=argparse.REMAINDER)
     for name, helptext in (("flows", "print the running agent's flow table"),
                            ("status", "print the running agent's ServicePorts")):
