@@ -204,11 +204,12 @@ async def watch_nodeport_addresses(node: NodeFacts, clusterip_interface: str,
                                    on_change: Callable[[], Awaitable[None] | None], *,
                                    interval: float = 1.0,
                                    read: Callable[[], LocalAddresses] | None = None) -> None:
-    """Call `on_change()` (awaited when it returns an awaitable) whenever the NodePort addresses (node.nodeport_ips over the local
-    addresses `read` returns, default read_local_addresses: ~12 ms of CPU at 10,000 Services)
-    polled every `interval` seconds in a worker thread differ from the last ones seen: the agent
-    then hands every datapath a full sync, so the relay's listeners and nftables' set
-    nodeport-ips follow addresses as they come and go. A failed read is logged (once while it
+    """Call `on_change()` (awaited when it returns an awaitable) whenever the NodePort addresses
+    (node.nodeport_ips over the local addresses `read` returns, default read_local_addresses:
+    ~12 ms of CPU at 10,000 Services) polled every `interval` seconds in a worker thread differ
+    from the last ones seen: the agent then has the BPF datapath read its tc addresses again and
+    hands every datapath a full sync, so the relay's listeners, nftables' set nodeport-ips and
+    BPF's usp_tc_addrs follow addresses as they come and go. A failed read is logged (once while it
     keeps failing the same way) and retried; runs until cancelled."""
     last: tuple[IPAddress, ...] | None = None
     failing = ""
