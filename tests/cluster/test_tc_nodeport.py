@@ -281,19 +281,25 @@ async def wait_until(what: str, ok: Callable[[], bool], timeout: float = 10.0) -
 
 async def test_an_address_added_while_running_is_served_at_tc(bpf_cluster: tuple[Cluster, Agents]) -> None:
     """The tc programs follow the NodePort addresses of the interfaces they run on: an address
-    added to eth0 while the agent runs is served at tc (not by the nftables fallback), and one
-    removed leaves usp_tc_addrs."""
+    added to eth0 while the agent runs is served at tc (not by the nftables fallback), one removed
+    leaves usp_tc_addrs, and a connection through the node's first address talks across both."""
     c, agents = bpf_cluster
     pins, extra = agents.dirs[1][0], "192.0.2.91"
     assert extra not in tc_addrs(pins) and N1 in tc_addrs(pins)
-    nsexec(c.node(1), "ip", "addr", "add", f"{extra}/24", "dev", "eth0")
-    await wait_until(f"{extra} never entered usp_tc_addrs\n{c.log(1)[-2000:]}", lambda: extra in tc_addrs(pins))
-    name, peer = await asyncio.to_thread(ask, c.ns("ext"), extra, WEB_NP)
-    assert name.startswith("web-"), (name, peer)
-    flows = [e for e in ct_entries(pins) if e.direction == CT_ORIGINAL and str(e.daddr) == extra]
-    assert flows and all(e.dport == WEB_NP and str(e.saddr) == EXT for e in flows), flows  # NATed at tc
-    nsexec(c.node(1), "ip", "addr", "del", f"{extra}/24", "dev", "eth0")
-    await wait_until(f"{extra} never left usp_tc_addrs", lambda: extra not in tc_addrs(pins))
+    s, _, _ = await asyncio.to_thread(connect, c.ns("ext"), N1, WEB_NP)  # long-lived, across both changes
+    try:
+        nsexec(c.node(1), "ip", "addr", "add", f"{extra}/24", "dev", "eth0")
+        await wait_until(f"{extra} never entered usp_tc_addrs\n{c.log(1)[-2000:]}", lambda: extra in tc_addrs(pins))
+        assert await asyncio.to_thread(echo, s, b"after the add\n") == b"after the add\n"
+        name, peer = await asyncio.to_thread(ask, c.ns("ext"), extra, WEB_NP)
+        assert name.startswith("web-"), (name, peer)
+        flows = [e for e in ct_entries(pins) if e.direction == CT_ORIGINAL and str(e.daddr) == extra]
+        assert flows and all(e.dport == WEB_NP and str(e.saddr) == EXT for e in flows), flows  # NATed at tc
+        nsexec(c.node(1), "ip", "addr", "del", f"{extra}/24", "dev", "eth0")
+        await wait_until(f"{extra} never left usp_tc_addrs", lambda: extra not in tc_addrs(pins))
+        assert await asyncio.to_thread(echo, s, b"after the del\n") == b"after the del\n"
+    finally:
+        s.close()
     assert N1 in tc_addrs(pins) and await asyncio.to_thread(ask, c.ns("ext"), N1, WEB_NP)
 
 

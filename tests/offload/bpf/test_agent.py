@@ -181,6 +181,8 @@ def test_an_agent_without_bpf_removes_an_earlier_runs_programs_and_pins(bpf_env:
     bpf_agent = Agent(bpf_env, tmp_path / "services.yaml", tmp_path / "bpf.log")
     bpf_agent.start()
     bpf_agent.wait_bpf()
+    hold = bpf_env.start(cli, "hold", "10.96.10.10", 80, "-", 0)  # translated at connect(), long-lived
+    assert hold.stdout is not None and hold.stdout.readline().strip() == "tick"
     bpf_agent.stop()  # SIGTERM: programs and pins stay, as for a restart
     assert set(attached_programs(bpf_env.cgroup)) == set(loader.PROGRAMS)
 
@@ -194,6 +196,10 @@ def test_an_agent_without_bpf_removes_an_earlier_runs_programs_and_pins(bpf_env:
     out = bpf_env.run(cli, "tcp", "10.96.10.10", 80, 10)
     assert out["errors"] == {} and set(out["names"]) <= {"be-a", "be-b"}, out
     assert relay.relay_flows() == before + 10  # the relay carries them: no socket LB left
+    time.sleep(1)
+    out_text, _ = hold.communicate(input="", timeout=10)
+    summary = json.loads(out_text.strip().splitlines()[-1])
+    assert summary["fails"] == 0 and summary["tcp_ok"] > 20, summary  # connected to its pod: kept
     relay.stop()
 
 
