@@ -35,17 +35,15 @@ import asyncio
 import json
 import logging
 import resource
-import socket
-import struct
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from usproxy.admin import web_view
 from usproxy.admin.health import Health
-from usproxy.admin.send_watch import SendWatch
+from usproxy.admin.send_watch import SendWatch, reset
 from usproxy.admin.snapshot import SharedBuild, encoded_rows, write_chunked
 from usproxy.metrics import Metrics
 from usproxy.ratelimit import RateLimitedLog
@@ -138,10 +136,7 @@ class Refused(asyncio.Protocol):
     """A connection over the limit: reset at once (SO_LINGER 0), holding nothing."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        transport.close()
+        reset(cast(asyncio.Transport, transport))  # a TCP connection's: it has abort()
 
 
 def client_share(limit: int) -> int:
