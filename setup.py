@@ -30,7 +30,7 @@ class BuildPyWithBpf(build_py):
             return  # an editable checkout builds it in place (python -m usproxy.offload.bpf.build)
         sys.path.insert(0, str(ROOT))  # the source tree's own build module (stdlib-only imports)
         try:
-            from usproxy.errors import OffloadError
+            from usproxy.util.errors import OffloadError
             from usproxy.offload.bpf import build
         finally:
             sys.path.remove(str(ROOT))

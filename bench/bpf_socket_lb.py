@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from tests.netns import Topology
-from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.endpoint import Endpoint
 from usproxy.offload.bpf import loader
 from usproxy.offload.bpf.datapath import BpfDatapath
-from usproxy.service_port import ServicePort
-from usproxy.types import Protocol, ServicePortName
+from usproxy.model.service_port import ServicePort
+from usproxy.model.types import Protocol, ServicePortName
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = str(Path(__file__).with_name("bpf_client.py"))

@@ -123,10 +123,10 @@ class _NftSink:
 
 
 async def _usproxy_nft(ns: str, n: int, changes: int) -> dict[str, Any]:
-    from usproxy.manifest import objects_from
-    from usproxy.node import NodeFacts
+    from usproxy.model.manifest import objects_from
+    from usproxy.model.node import NodeFacts
     from usproxy.offload.nftables.datapath import NftablesDatapath
-    from usproxy.proxier import Proxier
+    from usproxy.core.proxier import Proxier
 
     from usproxy.offload.nftables.rules import _TEXT
 

@@ -36,14 +36,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint
-from usproxy.node import NodeFacts
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.endpoint import Endpoint
+from usproxy.model.node import NodeFacts
 from usproxy.offload.nftables.client import NftClient
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.rules import _TEXT
-from usproxy.service_port import ServicePort
-from usproxy.types import ServicePortName
+from usproxy.model.service_port import ServicePort
+from usproxy.model.types import ServicePortName
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -8,13 +8,13 @@ import ipaddress
 
 import pytest
 
-from usproxy.endpoint import Endpoint
-from usproxy.endpoint_slice import EndpointSlice
-from usproxy.endpoints_change_tracker import EndpointsChangeTracker, EndpointsMap
-from usproxy.service import Service
-from usproxy.service_change_tracker import ServiceChangeTracker, ServicePortMap
-from usproxy.service_port import ServicePort
-from usproxy.types import NamespacedName, ServicePortName
+from usproxy.model.endpoint import Endpoint
+from usproxy.model.endpoint_slice import EndpointSlice
+from usproxy.core.endpoints_change_tracker import EndpointsChangeTracker, EndpointsMap
+from usproxy.model.service import Service
+from usproxy.core.service_change_tracker import ServiceChangeTracker, ServicePortMap
+from usproxy.model.service_port import ServicePort
+from usproxy.model.types import NamespacedName, ServicePortName
 
 NN = NamespacedName("default", "web")
 HTTP = ServicePortName("default", "web", "http", "TCP")

@@ -10,12 +10,12 @@ import logging
 
 import pytest
 
-from usproxy.datapath import FakeDatapath
-from usproxy.frontend_claims import CLUSTER_IP, EXTERNAL, NODE_PORT, FrontendClaims
-from usproxy.proxier import Proxier
-from usproxy.service import Service
-from usproxy.service_port import ServicePort
-from usproxy.types import NamespacedName, ServicePortName
+from usproxy.core.datapath import FakeDatapath
+from usproxy.core.frontend_claims import CLUSTER_IP, EXTERNAL, NODE_PORT, FrontendClaims
+from usproxy.core.proxier import Proxier
+from usproxy.model.service import Service
+from usproxy.model.service_port import ServicePort
+from usproxy.model.types import NamespacedName, ServicePortName
 
 
 def spn(name: str) -> ServicePortName:

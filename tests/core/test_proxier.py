@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from usproxy.metrics import Metrics
-from usproxy.datapath import FakeDatapath
-from usproxy.endpoint import Endpoint, categorize
-from usproxy.endpoint_slice import EndpointSlice
-from usproxy.node import NodeFacts
+from usproxy.util.metrics import Metrics
+from usproxy.core.datapath import FakeDatapath
+from usproxy.model.endpoint import Endpoint, categorize
+from usproxy.model.endpoint_slice import EndpointSlice
+from usproxy.model.node import NodeFacts
 from usproxy.offload.fake import FakeKernelDatapath
 from usproxy.offload.manager import OffloadManager, OffloadSettings
-from usproxy.proxier import Proxier
-from usproxy.service import Service
-from usproxy.service_port import ServicePort
-from usproxy.types import NamespacedName, ServicePortName
+from usproxy.core.proxier import Proxier
+from usproxy.model.service import Service
+from usproxy.model.service_port import ServicePort
+from usproxy.model.types import NamespacedName, ServicePortName
 
 
 def spn(name: str) -> ServicePortName:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from usproxy.sync_runner import FakeClock, SyncRunner
+from usproxy.core.sync_runner import FakeClock, SyncRunner
 
 
 async def started(min_interval: float = 1.0, max_interval: float = 30.0, fail: int = 0,

@@ -81,7 +81,7 @@ def test_exec_start_runs_the_static_source_over_the_default_layout(tmp_path: Pat
     assert (cfg.sync_period, cfg.min_sync_period) == (30.0, 1.0)
     assert str(cfg.bpf_cgroup) == env["USPROXY_BPF_CGROUP"] == "/sys/fs/cgroup"
     # services.d ships without manifests: nothing in it is one (the README is not read)
-    from usproxy.manifest import manifest_files
+    from usproxy.model.manifest import manifest_files
 
     assert manifest_files(LAYOUT / "services.d") == []
 
@@ -109,8 +109,8 @@ def test_only_the_daemonsets_capabilities_a_read_only_system_and_the_journal() -
     caps = sorted(f"CAP_{c}" for c in container(daemonset())["securityContext"]["capabilities"]["add"])
     assert sorted(e["AmbientCapabilities"][0].split()) == sorted(e["CapabilityBoundingSet"][0].split()) == caps
     assert e["NoNewPrivileges"] == ["yes"] and e["ProtectSystem"] == ["strict"]
-    # what the agent writes under a read-only system: its lock files (agent.LOCK_DIR) and the cache
-    from usproxy.app.agent import LOCK_DIR
+    # what the agent writes under a read-only system: its lock files (usproxy/util/locks.py LOCK_DIR) and the cache
+    from usproxy.util.locks import LOCK_DIR
 
     assert e["RuntimeDirectory"] == [LOCK_DIR.name] and str(LOCK_DIR) == "/run/usproxy"
     assert unit_environment()["USPROXY_BPF_CACHE"].startswith(f"/var/cache/{e['CacheDirectory'][0]}/")

@@ -8,9 +8,9 @@ import ipaddress
 
 import pytest
 
-from usproxy.endpoint import Endpoint
+from usproxy.model.endpoint import Endpoint
 from usproxy.explain import chain_names as names
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 
 def spn(ns: str, name: str, port: str = "p80") -> ServicePortName:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.explain.conftest import FIXTURES
 from usproxy.app import cli as top
-from usproxy.errors import ConfigError
+from usproxy.util.errors import ConfigError
 from usproxy.explain import cli, live
 from usproxy.offload.bpf import view
 

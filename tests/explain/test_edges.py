@@ -83,7 +83,7 @@ def test_parse_errors_name_file_line_and_column(name: str, text: str, where: str
 def stub_pins(monkeypatch: pytest.MonkeyPatch, own_pin_root: Path, tmp_path: Path) -> Path:
     """Pins "left" under the test's own pin root (the reader is replaced: it answers only for that
     root), no nftables table, and the agent's lock directory moved under tmp_path."""
-    from usproxy.app import agent
+    from usproxy.util import locks
     from usproxy.explain import live
     from usproxy.offload.bpf import view
 
@@ -92,7 +92,7 @@ def stub_pins(monkeypatch: pytest.MonkeyPatch, own_pin_root: Path, tmp_path: Pat
 
     monkeypatch.setattr(view, "render_pinned", render_pinned)
     monkeypatch.setattr(live, "_nft_tables", lambda: [])
-    monkeypatch.setattr(agent, "LOCK_DIR", tmp_path / "run")
+    monkeypatch.setattr(locks, "LOCK_DIR", tmp_path / "run")
     return tmp_path / "run"
 
 
@@ -110,7 +110,7 @@ def test_live_marks_pins_of_the_agent_holding_the_offload_lock_as_owned(
     import os
 
     from tests.explain.test_cli import dead_address
-    from usproxy.app.agent import NetnsLock
+    from usproxy.util.locks import NetnsLock
 
     lock = NetnsLock("offload")  # what a running offloading agent holds
     lock.acquire()

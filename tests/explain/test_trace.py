@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 
 from tests.explain.conftest import FIXTURES, NODE, load
-from usproxy.errors import ConfigError
+from usproxy.util.errors import ConfigError
 from usproxy.explain import iptables_trace, nftables_trace, reply, trace
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.service_set import Node, ServiceSet

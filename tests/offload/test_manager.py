@@ -9,14 +9,14 @@ import errno
 from collections.abc import Mapping
 from pathlib import Path
 
-from usproxy.metrics import Metrics
+from usproxy.util.metrics import Metrics
 from usproxy.app.cleanup import remove_kernel_state
-from usproxy.datapath import Placement, ServicePortState, SyncRequest
-from usproxy.endpoint import Endpoint
-from usproxy.errors import OffloadError
+from usproxy.core.datapath import Placement, ServicePortState, SyncRequest
+from usproxy.model.endpoint import Endpoint
+from usproxy.util.errors import OffloadError
 from usproxy.offload.fake import FakeKernelDatapath
 from usproxy.offload.manager import OffloadManager, OffloadSettings
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 from tests.offload.helpers import ep, spn, state
 
@@ -339,7 +339,7 @@ async def test_dump_text() -> None:
 
 async def test_offloads_and_demotions_are_published_as_they_happen() -> None:
     """The web view's events: one per change of datapath, with the reason /services shows."""
-    from usproxy.admin.events import EventHub
+    from usproxy.core.events import EventHub
 
     hub = EventHub()
     sub = hub.subscribe()

@@ -1,7 +1,7 @@
 """Class "nftables command injection" (issue 18, item 4), against a real `nft` in a throwaway
 namespace: an element whose comment is a hostile name (a quote, tabs, newlines, an `add table`)
 is loaded as one element of the usproxy table, and no foreign table or element appears. The
-parsing side (names refused naming the field) is tests/core/test_nftables_command_injection.py.
+parsing side (names refused naming the field) is tests/model/test_name_validation.py.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import json
 
 import pytest
 
-from tests.core.test_nftables_command_injection import HOSTILE
+from tests.model.test_name_validation import HOSTILE
 from tests.netns import Topology, nsexec
 from usproxy.offload.nftables.client import NftClient
 from usproxy.offload.nftables.commands import Command, Elem, base_commands
 from usproxy.offload.nftables.names import comment_of
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 pytestmark = pytest.mark.netns
 

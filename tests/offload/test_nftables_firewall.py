@@ -14,12 +14,12 @@ import ipaddress
 
 import pytest
 
-from usproxy.datapath import ServicePortState
+from usproxy.core.datapath import ServicePortState
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
 from usproxy.offload.nftables.names import firewall_chain
 from usproxy.offload.nftables.transaction import TableState, Transaction
-from usproxy.source_ranges import parse_source_ranges
+from usproxy.model.source_ranges import parse_source_ranges
 
 from tests.offload.helpers import ep, spn, state
 from tests.offload.nft_trace import trace

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from usproxy.datapath import ServicePortState
+from usproxy.core.datapath import ServicePortState
 from usproxy.offload.nftables.datapath import NftablesDatapath
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 from tests.netns import Topology, nsexec
 from tests.offload.harness import Pods, tcp_name, udp_socket, wait_listening

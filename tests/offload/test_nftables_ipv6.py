@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from usproxy.datapath import ServicePortState
+from usproxy.core.datapath import ServicePortState
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.rules import port_rules
 from usproxy.offload.nftables.transaction import Transaction

@@ -13,8 +13,8 @@ import pytest
 from scipy.stats import chisquare
 
 from usproxy.app.capabilities import probe_nftables
-from usproxy.datapath import ServicePortState
-from usproxy.errors import OffloadError
+from usproxy.core.datapath import ServicePortState
+from usproxy.util.errors import OffloadError
 from usproxy.offload import kernel_conntrack
 from usproxy.offload.nftables.client import NftClient
 from usproxy.offload.nftables.datapath import NftablesDatapath

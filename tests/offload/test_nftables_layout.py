@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from usproxy.app.capabilities import probe_nftables
-from usproxy.errors import OffloadError
-from usproxy.node import NodeFacts
+from usproxy.util.errors import OffloadError
+from usproxy.model.node import NodeFacts
 from usproxy.offload.nftables.datapath import NftablesDatapath, probe_capability
 from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
 from usproxy.offload.nftables.names import comment_of, parse_comment

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from usproxy.local_detector import LocalDetector, local_detector
-from usproxy.node import NodeFacts
+from usproxy.model.local_detector import LocalDetector, local_detector
+from usproxy.model.node import NodeFacts
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
 from usproxy.offload.nftables.readback import read_table

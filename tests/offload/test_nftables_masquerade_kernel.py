@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from usproxy.local_detector import LocalDetector, local_detector
-from usproxy.node import NodeFacts
+from usproxy.model.local_detector import LocalDetector, local_detector
+from usproxy.model.node import NodeFacts
 from usproxy.offload.nftables.datapath import NftablesDatapath
 
 from tests.netns import Topology, nsexec

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import ipaddress
 
-from usproxy.datapath import ServicePortState
-from usproxy.node import LocalAddresses, NodeFacts
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.node import LocalAddresses, NodeFacts
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 from tests.offload.helpers import ep, spn, state
 from tests.offload.nft_trace import trace

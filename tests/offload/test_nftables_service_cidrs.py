@@ -10,13 +10,13 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from usproxy.datapath import ServicePortState
-from usproxy.node import NodeFacts
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.node import NodeFacts
 from usproxy.offload.manager import OffloadManager, OffloadSettings
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
-from usproxy.proxier import Proxier
-from usproxy.types import IPNetwork, ServicePortName
+from usproxy.core.proxier import Proxier
+from usproxy.model.types import IPNetwork, ServicePortName
 
 from tests.offload.helpers import ep, spn, state
 from tests.offload.nft_trace import trace

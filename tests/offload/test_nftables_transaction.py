@@ -4,12 +4,12 @@ and a change after either path is the same change."""
 
 from __future__ import annotations
 
-from usproxy.datapath import ServicePortState
+from usproxy.core.datapath import ServicePortState
 from usproxy.offload.nftables.fake import FakeNft
 from usproxy.offload.nftables.names import FAMILIES
 from usproxy.offload.nftables.rules import port_rules
 from usproxy.offload.nftables.transaction import TableState, Transaction
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 from tests.offload.helpers import ep, every_feature, spn, state
 

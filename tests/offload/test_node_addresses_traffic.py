@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from usproxy.node import read_local_addresses
+from usproxy.model.node import read_local_addresses
 
 from tests.netns import Topology, inside, nsexec
 from tests.offload.harness import OFFLOAD, Pods, conntrack, nft_list, tcp_name, wait_listening

@@ -21,9 +21,9 @@ from collections.abc import Callable
 import pytest
 from scipy.stats import chisquare
 
-from usproxy.endpoint import Endpoint
+from usproxy.model.endpoint import Endpoint
 from usproxy.relay.endpoint_selector import FAIL_BACKOFF, MAX_PINS, EndpointSelector
-from usproxy.service_port import LBPolicy
+from usproxy.model.service_port import LBPolicy
 
 
 def endpoints(n: int, base: str = "10.244.200.0", port: int = 8080) -> tuple[Endpoint, ...]:

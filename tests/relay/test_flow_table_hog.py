@@ -20,11 +20,11 @@ import pytest
 from tests.netns import Topology, inside
 from tests.relay.harness import AgentProc, Backends, Manifests, slice_, svc
 from tests.relay.tcp_clients import attempt, start_server
-from usproxy.conntrack.flow_table import Flow, FlowTableFull
+from usproxy.flows.flow_table import Flow, FlowTableFull
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.relay import Relay, RelaySettings
 from usproxy.relay.tcp import ack_age
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 A = ServicePortName("default", "a", "http", "TCP")
 B = ServicePortName("default", "b", "http", "TCP")

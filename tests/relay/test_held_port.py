@@ -17,14 +17,14 @@ import socket
 
 import pytest
 
-from usproxy.conntrack.flow_table import FlowTable
-from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint
+from usproxy.flows.flow_table import FlowTable
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.endpoint import Endpoint
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.service_port_relay import ServicePortRelay
 from usproxy.relay.udp import UdpRelay
-from usproxy.service_port import ServicePort
-from usproxy.types import ServicePortName
+from usproxy.model.service_port import ServicePort
+from usproxy.model.types import ServicePortName
 
 
 def wildcard_listener() -> socket.socket:

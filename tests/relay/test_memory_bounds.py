@@ -4,7 +4,7 @@ Tried: 1 MiB of userspace buffer per leg for a client that does not read; 2,000 
 agent's RSS from 53 MiB to 2.2 GiB, and it stayed there after they closed. Now each leg buffers at
 most HIGH_WATER bytes plus the read that crossed it before the other side stops reading
 (usproxy/relay/tcp.py), so the stall reaches the endpoint, whose writes stop; and freed buffers go
-back to the system (usproxy/heap.py).
+back to the system (usproxy/util/heap.py).
 
 Here, for real: an endpoint writes 16 MiB to every connection as fast as it is taken, FLOWS clients
 connect through the ClusterIP and never read. Once every write has stalled: each flow holds at
@@ -30,7 +30,7 @@ from tests.relay.harness import AgentProc, Backends, Manifests, slice_, svc
 from tests.relay.tcp_clients import start_server, wait_until
 from tests.relay.tcp_servers import MIB
 from tests.relay.test_bulk_transfer import vm_status
-from usproxy.heap import MIN_INTERVAL
+from usproxy.util.heap import MIN_INTERVAL
 
 pytestmark = pytest.mark.netns
 

@@ -14,12 +14,12 @@ from collections.abc import Iterable, Iterator
 import pytest
 
 import usproxy.relay.relay as relay_mod
-from usproxy.config import ProxyConfig
-from usproxy.datapath import ServicePortState, SyncRequest
-from usproxy.node import NodeFacts
+from usproxy.model.config import ProxyConfig
+from usproxy.core.datapath import ServicePortState, SyncRequest
+from usproxy.model.node import NodeFacts
 from usproxy.relay.relay import MAX_RELEASED, RELEASE_AFTER, Relay, RelaySettings
-from usproxy.service_port import ServicePort
-from usproxy.types import IPAddress, ServicePortName
+from usproxy.model.service_port import ServicePort
+from usproxy.model.types import IPAddress, ServicePortName
 
 
 class FakeVip:

@@ -15,9 +15,9 @@ import asyncio
 import ipaddress
 
 from tests.relay.test_tcp_listener import CLIENTS, connected, free_port, outcome, run, state
-from usproxy.config import ProxyConfig
-from usproxy.endpoint import Endpoint
-from usproxy.node import NodeFacts
+from usproxy.model.config import ProxyConfig
+from usproxy.model.endpoint import Endpoint
+from usproxy.model.node import NodeFacts
 from usproxy.relay.relay import Relay, RelaySettings
 from usproxy.relay.service_port_relay import ServicePortRelay
 

@@ -15,11 +15,11 @@ import socket
 from collections.abc import Collection
 from typing import Any
 
-from usproxy.conntrack.flow_table import Flow, HostPort
-from usproxy.endpoint import Endpoint
+from usproxy.flows.flow_table import Flow, HostPort
+from usproxy.model.endpoint import Endpoint
 from usproxy.relay.flow_owner import FlowOwner, TrafficKind
 from usproxy.relay.tcp import DIAL_BUFFER, HIGH_WATER, ClientSide, EndpointSide
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 EP = Endpoint(ipaddress.ip_address("10.244.1.5"), 8080)
 

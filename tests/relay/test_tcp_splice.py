@@ -26,13 +26,13 @@ from typing import Any, TypeVar
 import pytest
 import uvloop
 
-from usproxy.conntrack.flow_table import Flow, HostPort
-from usproxy.endpoint import Endpoint
+from usproxy.flows.flow_table import Flow, HostPort
+from usproxy.model.endpoint import Endpoint
 from usproxy.relay import tcp_splice
 from usproxy.relay.flow_owner import TrafficKind
 from usproxy.relay import tcp
 from usproxy.relay.tcp import ClientSide
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 MIB = 1 << 20
 SIOCINQ, SIOCOUTQ = 0x541B, 0x5411  # FIONREAD, TIOCOUTQ (Linux)

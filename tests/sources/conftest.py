@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from tests.sources.fake_apiserver import FakeApiServer, kubeconfig_text
-from usproxy.endpoint_slice import EndpointSlice, parse_endpoint_slice
-from usproxy.service import Service, parse_service, skip_reason
+from usproxy.model.endpoint_slice import EndpointSlice, parse_endpoint_slice
+from usproxy.model.service import Service, parse_service, skip_reason
 from usproxy.sources.kube import slice_skip_reason
 from usproxy.sources.reflector import ReflectorOptions
-from usproxy.types import NamespacedName
+from usproxy.model.types import NamespacedName
 
 # Everything short, so each fault resolves in well under a second.
 FAST = ReflectorOptions(min_watch_timeout=1.0, read_timeout=0.5, list_timeout=0.5, backoff_initial=0.05,

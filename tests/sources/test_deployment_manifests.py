@@ -18,9 +18,9 @@ import yaml
 from aiohttp import web
 
 from usproxy.admin.server import health_routes, split_hostport
-from usproxy.app.agent import LOCK_DIR
+from usproxy.util.locks import LOCK_DIR
 from usproxy.app.cli import build_parser, config_from_args
-from usproxy.node import resolve_node
+from usproxy.model.node import resolve_node
 from usproxy.offload.bpf.loader import BPFFS
 from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICES
 

@@ -24,8 +24,8 @@ from tests.sources.conftest import eps, eventually, svc
 from tests.sources.fake_apiserver import FakeApiServer
 from usproxy.app.agent import Agent
 from usproxy.app.cli import build_parser, config_from_args
-from usproxy.config import ProxyConfig
-from usproxy.datapath import FakeDatapath
+from usproxy.model.config import ProxyConfig
+from usproxy.core.datapath import FakeDatapath
 from usproxy.offload.manager import OffloadManager
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.relay.relay import Relay

@@ -18,10 +18,10 @@ import pytest
 from tests.sources.conftest import FAST, Recorder, eventually, eps, node, svc
 from tests.sources.fake_apiserver import FakeApiServer
 from usproxy.app.agent import Agent, node_facts
-from usproxy.config import ProxyConfig
-from usproxy.datapath import FakeDatapath
-from usproxy.errors import SourceError
-from usproxy.node import PodCIDRsChanged
+from usproxy.model.config import ProxyConfig
+from usproxy.core.datapath import FakeDatapath
+from usproxy.util.errors import SourceError
+from usproxy.model.node import PodCIDRsChanged
 from usproxy.sources.kube import KubeSource, wait_for_pod_cidrs
 
 POD_V4 = ipaddress.ip_network("10.244.1.0/24")

@@ -16,16 +16,16 @@ import pytest
 from tests.sources.conftest import FAST, Recorder, converged, eventually, eps, node, server_state, svc
 from tests.sources.fake_apiserver import FakeApiServer, kubeconfig_text
 from usproxy.admin.health import evaluate
-from usproxy.metrics import Metrics
-from usproxy.config import ProxyConfig
-from usproxy.datapath import FakeDatapath
-from usproxy.endpoint_slice import EndpointSlice
-from usproxy.errors import ConfigError
-from usproxy.node import NodeFacts
-from usproxy.proxier import Proxier
-from usproxy.service import Service
+from usproxy.util.metrics import Metrics
+from usproxy.model.config import ProxyConfig
+from usproxy.core.datapath import FakeDatapath
+from usproxy.model.endpoint_slice import EndpointSlice
+from usproxy.util.errors import ConfigError
+from usproxy.model.node import NodeFacts
+from usproxy.core.proxier import Proxier
+from usproxy.model.service import Service
 from usproxy.sources.kube import KubeSource, NodeAwareProvider
-from usproxy.types import IPNetwork, NamespacedName
+from usproxy.model.types import IPNetwork, NamespacedName
 
 A = NamespacedName("default", "a")
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from usproxy.admin import path_drawing
 from usproxy.explain import bpf, iptables, ipvs, nftables, userspace
 from usproxy.explain.service_set import Node, ServiceSet
-from usproxy.types import NamespacedName
+from usproxy.model.types import NamespacedName
 
 if TYPE_CHECKING:
     from usproxy.admin.web_view import WebSource

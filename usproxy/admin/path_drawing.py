@@ -32,11 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from html import escape
 
-from usproxy.endpoint import Endpoint
+from usproxy.model.endpoint import Endpoint
 from usproxy.explain import chain_names
 from usproxy.explain.service_set import FamilyPort
 from usproxy.explain.userspace import proxy_port
-from usproxy.types import format_hostport
+from usproxy.model.types import format_hostport
 
 MODES = ("userspace", "iptables", "ipvs", "nftables", "bpf")
 BOX_W, BOX_H, GAP, PAD = 180, 96, 24, 12  # pixels

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 
 from aiohttp import web
 
-from usproxy.ratelimit import RateLimitedLog
+from usproxy.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)

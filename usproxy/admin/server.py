@@ -45,8 +45,8 @@ from usproxy.admin import web_view
 from usproxy.admin.health import Health
 from usproxy.admin.send_watch import SendWatch, reset
 from usproxy.admin.snapshot import SharedBuild, encoded_rows, write_chunked
-from usproxy.metrics import Metrics
-from usproxy.ratelimit import RateLimitedLog
+from usproxy.util.metrics import Metrics
+from usproxy.util.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)

@@ -37,9 +37,9 @@ from aiohttp import web
 
 from usproxy.admin.send_watch import SendWatch
 from usproxy.admin.server import IDLE_TIMEOUT, MAX_HEAD_LINE, Refused, connection_limit, longest_idle
-from usproxy.node import NodeFacts
-from usproxy.ratelimit import RateLimitedLog
-from usproxy.types import IPAddress, NamespacedName, format_hostport
+from usproxy.model.node import NodeFacts
+from usproxy.util.ratelimit import RateLimitedLog
+from usproxy.model.types import IPAddress, NamespacedName, format_hostport
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)

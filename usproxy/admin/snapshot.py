@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
-from usproxy.gc_pause import gc_paused
+from usproxy.util.gc_pause import gc_paused
 
 T = TypeVar("T")
 Rows = Sequence[dict[str, Any]]

@@ -14,9 +14,9 @@ from html import escape
 
 from usproxy.admin.mode_view import mode_views
 from usproxy.admin.web_view import asset
-from usproxy.endpoint import Endpoint
+from usproxy.model.endpoint import Endpoint
 from usproxy.explain.service_set import ServiceSet
-from usproxy.service_port import ServicePort
+from usproxy.model.service_port import ServicePort
 
 
 def _by_service(ss: ServiceSet) -> dict[str, list[tuple[ServicePort, tuple[Endpoint, ...]]]]:

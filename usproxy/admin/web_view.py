@@ -8,7 +8,7 @@ Read-only. Routes:
   SNAPSHOT_PERIOD seconds while some page is open (longer when building one takes long; built
   in chunks on the loop and encoded in a worker thread, as /services), and
   "offloaded" / "demoted" / "userspace" as the offload manager publishes them
-  (usproxy.admin.events); "lagged" with the count of events a slow page missed.
+  (usproxy.core.events); "lagged" with the count of events a slow page missed.
 - GET /view/service?name=NS/NAME: per mode, the SVG drawings of that Service's ports
   (path_drawing) and the rules the mode holds for it (usproxy.explain's renderers; mode_view.py,
   imported on the first such request: an agent nobody asks never loads usproxy.explain).
@@ -33,12 +33,12 @@ from typing import Any, Protocol, runtime_checkable
 
 from aiohttp import web
 
-from usproxy.admin.events import Event, EventHub
+from usproxy.core.events import Event, EventHub
 from usproxy.admin.snapshot import free, rows_json, write_chunked
-from usproxy.datapath import ServicePortState
-from usproxy.gc_pause import gc_paused
-from usproxy.node import NodeFacts
-from usproxy.types import NamespacedName
+from usproxy.core.datapath import ServicePortState
+from usproxy.util.gc_pause import gc_paused
+from usproxy.model.node import NodeFacts
+from usproxy.model.types import NamespacedName
 
 log = logging.getLogger(__name__)
 

@@ -14,33 +14,31 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import fcntl
 import ipaddress
 import logging
 import os
 import signal
-import time
 from collections.abc import Callable, Coroutine, Iterator
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from usproxy.admin.events import EventHub
+from usproxy.core.events import EventHub
 from usproxy.admin.health import Health, evaluate
-from usproxy.metrics import Metrics
+from usproxy.util.metrics import Metrics
 from usproxy.admin.server import AdminServer
 from usproxy.admin.service_health import ServiceHealthServer
-from usproxy.config import ProxyConfig
-from usproxy.datapath import Datapath, FlowsView, Placement, ServicePortState
-from usproxy.endpoint import Endpoint
-from usproxy.errors import AlreadyRunning, ConfigError
-from usproxy.node import NodeFacts, PodCIDRsChanged, node_name, resolve_node, watch_nodeport_addresses
+from usproxy.model.config import ProxyConfig
+from usproxy.core.datapath import Datapath, FlowsView, Placement, ServicePortState
+from usproxy.model.endpoint import Endpoint
+from usproxy.util.errors import AlreadyRunning, ConfigError
+from usproxy.model.node import NodeFacts, PodCIDRsChanged, node_name, resolve_node, watch_nodeport_addresses
 from usproxy.offload import external_route
 from usproxy.offload.external_route import ExternalView
-from usproxy.offload.pin_root import default_pin_root, has_pins, lock_name
-from usproxy.proxier import Proxier
-from usproxy.ratelimit import RateLimitedLog
+from usproxy.offload.pin_root import PinsLock, default_pin_root, has_pins
+from usproxy.core.proxier import Proxier
+from usproxy.util.locks import NetnsLock
+from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.sources import NodeEligibility, Source
-from usproxy.types import NamespacedName, ServicePortName, format_hostport
+from usproxy.model.types import NamespacedName, ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)
 
@@ -402,91 +400,6 @@ def bpf_lb_mode(cfg: ProxyConfig, external: Placement | None) -> str | None:
 
 
 _limited = RateLimitedLog(log)
-LOCK_DIR = Path("/run/usproxy")
-
-
-class NetnsLock:
-    """An flock on /run/usproxy/netns-<inode>-<what>.lock for this network namespace."""
-
-    wait = 0.0  # seconds acquire_within retries while another holds it (a running agent: none)
-
-    def __init__(self, what: str) -> None:
-        self.fd: int | None = None
-        self.what = what
-        self.path = LOCK_DIR / f"netns-{os.stat('/proc/self/ns/net').st_ino}-{what}.lock"
-
-    def held_by(self, holder: str) -> str:
-        """Why acquiring failed, with the holder's pid."""
-        return (f"another usproxy agent (pid {holder}) runs in this network namespace "
-                f"({'with kernel offload' if self.what == 'offload' else 'on ' + self.what})")
-
-    async def acquire_within(self, wait: float) -> None:
-        """`acquire`, retried every 0.1 s for up to `wait` seconds while another holds the lock
-        (one held briefly, e.g. by an agent removing leftovers, is waited for)."""
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                return self.acquire()
-            except AlreadyRunning:
-                if time.monotonic() >= deadline:
-                    raise
-            await asyncio.sleep(0.1)
-
-    def acquire(self) -> None:
-        """Take the lock now; raises AlreadyRunning naming the holder's pid."""
-        LOCK_DIR.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                raise AlreadyRunning(self.held_by(holder)) from None
-            if _same_file(fd, self.path):
-                break
-            os.close(fd)  # its holder released it (and unlinked the file) as we opened it: again
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
-
-    def release(self) -> None:
-        """Unlock and remove the file (if it is still ours), so no lock files pile up."""
-        if self.fd is None:
-            return
-        try:
-            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
-                os.unlink(self.path)
-        except OSError:
-            pass
-        os.close(self.fd)
-        self.fd = None
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    """Whether `path` still names the file open at `fd` (release() unlinks it)."""
-    try:
-        return os.stat(path).st_ino == os.fstat(fd).st_ino
-    except OSError:
-        return False
-
-
-class PinsLock(NetnsLock):
-    """An flock on /run/usproxy/bpf-pins-<hash>.lock for the BPF pin root `root` (node-wide):
-    held by the agent that runs `--offload bpf` with it, taken briefly by an agent without BPF that
-    removes an earlier run's pins (which a starting BPF agent waits for: `wait`)."""
-
-    wait = 5.0
-
-    def __init__(self, root: Path) -> None:
-        self.fd = None
-        self.what = f"BPF pins under {root}"
-        self.path = LOCK_DIR / lock_name(root)
-
-    def held_by(self, holder: str) -> str:
-        return f"another usproxy agent (pid {holder}) uses the {self.what}"
-
-
 def _endpoint_row(ep: Endpoint, usable: set[Endpoint]) -> dict[str, Any]:
     return {"address": str(ep), "ready": ep.ready, "serving": ep.serving, "terminating": ep.terminating,
             "nodeName": ep.node_name, "usable": ep in usable}

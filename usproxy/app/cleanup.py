@@ -16,7 +16,7 @@ import logging
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from usproxy.config import ProxyConfig
+from usproxy.model.config import ProxyConfig
 from usproxy.offload.kernel_datapath import KernelDatapath
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ async def remove_bpf_leftovers(cgroup: Path, root: Path) -> list[str]:
     """At the start of an agent without `--offload bpf`: detach the programs an earlier BPF run
     pinned under `root` (socket LB on `cgroup`, tc, XDP) and remove its pins, as remove_leftovers
     does for nftables: otherwise the socket LB would go on translating ClusterIPs to that run's
-    endpoints ahead of this run's datapath. The caller holds `root`'s lock (agent.PinsLock).
+    endpoints ahead of this run's datapath. The caller holds `root`'s lock (pin_root.PinsLock).
     Returns what was removed (["BPF programs and pins under <root>"] or []); never raises."""
     try:
         from usproxy.offload.bpf.datapath import BpfDatapath

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from usproxy.config import (
+from usproxy.model.config import (
     ProxyConfig,
     load_kube_proxy_configuration,
     parse_cidrs,
@@ -25,7 +25,7 @@ from usproxy.config import (
     parse_nodeport_addresses,
     with_overrides,
 )
-from usproxy.errors import AlreadyRunning, ConfigError, SourceError
+from usproxy.util.errors import AlreadyRunning, ConfigError, SourceError
 
 log = logging.getLogger("usproxy")
 
@@ -131,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) -> None:
     """Reject settings that cannot work before anything starts."""
     from usproxy.admin.server import split_hostport
-    from usproxy.node import detector_of
+    from usproxy.model.node import detector_of
 
     if given_services and given_kubeconfig:
         raise ConfigError("give --services or --kubeconfig, not both", obj="usproxy run")
@@ -205,7 +205,7 @@ def _get_json(addr: str, path: str) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from usproxy.table import render_services
+    from usproxy.util.table import render_services
 
     rows = _get_json(args.metrics_bind_address, "/services")
     print(json.dumps(rows, indent=1) if args.json else render_services(rows))
@@ -213,7 +213,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_flows(args: argparse.Namespace) -> int:
-    from usproxy.table import render_flows
+    from usproxy.util.table import render_flows
 
     rows = _get_json(args.metrics_bind_address, "/flows")
     print(json.dumps(rows, indent=1) if args.json else render_flows(rows))
@@ -222,7 +222,7 @@ def cmd_flows(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from usproxy.app.capabilities import probe_all
-    from usproxy.table import render_table
+    from usproxy.util.table import render_table
 
     caps = probe_all()
     if args.json:

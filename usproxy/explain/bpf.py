@@ -20,11 +20,11 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from usproxy.endpoint import Endpoint
+from usproxy.model.endpoint import Endpoint
 from usproxy.explain.service_set import FamilyPort, ServiceSet
 from usproxy.offload.bpf.layout import MAGLEV_M
-from usproxy.source_ranges import allowed_sources
-from usproxy.types import IPAddress, format_hostport
+from usproxy.model.source_ranges import allowed_sources
+from usproxy.model.types import IPAddress, format_hostport
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,9 @@ Invariant: pure functions of their arguments.
 
 from __future__ import annotations
 
-from usproxy.endpoint import Endpoint
-from usproxy.name_hash import name_hash
-from usproxy.types import ServicePortName
+from usproxy.model.endpoint import Endpoint
+from usproxy.util.name_hash import name_hash
+from usproxy.model.types import ServicePortName
 
 NFT_NAME_MAX = 256  # knftables.NameLengthMax
 NFT_PREFIX_MAX = 16  # chainNamePrefixLengthMax

@@ -13,14 +13,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from usproxy.errors import ConfigError
+from usproxy.util.errors import ConfigError
 from usproxy.explain import bpf, cost, diff, iptables, ipvs, nftables, scale, trace, userspace
 from usproxy.explain.live import read_live
 from usproxy.explain.packet import Packet
 from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
-from usproxy.types import IPNetwork
-from usproxy.manifest import Manifests, objects_from
-from usproxy.types import IPAddress
+from usproxy.model.types import IPNetwork
+from usproxy.model.manifest import Manifests, objects_from
+from usproxy.model.types import IPAddress
 
 MODES = cost.ALL_MODES
 TITLES = {

@@ -29,8 +29,8 @@ from usproxy.explain.chain_names import nft_base, nft_endpoint_base
 from usproxy.explain.ipvs_trace import parse_ipsets, parse_ipvsadm
 from usproxy.explain.service_set import Family, FamilyPort, ServiceSet
 from usproxy.explain.trace import Packet, Path, trace_bpf, trace_iptables, trace_ipvs, trace_nftables
-from usproxy.table import render_table
-from usproxy.types import IPAddress
+from usproxy.util.table import render_table
+from usproxy.model.types import IPAddress
 
 POD_SOURCE_V4 = ipaddress.ip_address("10.255.255.254")
 POD_SOURCE_V6 = ipaddress.ip_address("fd00:ffff::fffe")

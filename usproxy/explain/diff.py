@@ -17,11 +17,11 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 
-from usproxy.endpoint import Endpoint, usable
+from usproxy.model.endpoint import Endpoint, usable
 from usproxy.explain import cost, iptables, nftables
 from usproxy.explain.service_set import Family, ServiceSet
-from usproxy.service_port import ServicePort
-from usproxy.types import ServicePortName
+from usproxy.model.service_port import ServicePort
+from usproxy.model.types import ServicePortName
 
 View = Callable[[ServiceSet, str], str]  # (service set, mode) -> that mode's rendered text
 

@@ -17,11 +17,11 @@ import ipaddress
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from usproxy.endpoint import Endpoint
-from usproxy.errors import ConfigError
+from usproxy.model.endpoint import Endpoint
+from usproxy.util.errors import ConfigError
 from usproxy.explain.service_set import ServiceSet
-from usproxy.service_port import ServicePort
-from usproxy.types import IPAddress, IPNetwork, ServicePortName
+from usproxy.model.service_port import ServicePort
+from usproxy.model.types import IPAddress, IPNetwork, ServicePortName
 
 NAMESPACE = "scale"
 POOLS: dict[tuple[str, int], IPNetwork] = {

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from usproxy.endpoint import Endpoint
+from usproxy.model.endpoint import Endpoint
 from usproxy.explain import chain_names as names
 from usproxy.explain import iptables_entry
 from usproxy.explain.service_set import Family, FamilyPort, Node, ServiceSet
-from usproxy.types import IPNetwork
+from usproxy.model.types import IPNetwork
 
 Table = Literal["filter", "nat"]
 MARK_MASQ = "KUBE-MARK-MASQ"

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from usproxy.endpoint import Endpoint
+from usproxy.model.endpoint import Endpoint
 from usproxy.explain.service_set import Family, FamilyPort, Node, ServiceSet
-from usproxy.types import IPAddress, format_hostport
+from usproxy.model.types import IPAddress, format_hostport
 
 DUMMY = "kube-ipvs0"
 PROXY_FIREWALL = "KUBE-PROXY-FIREWALL"

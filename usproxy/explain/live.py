@@ -1,6 +1,6 @@
 """`--live`: this node's real state, read (never changed) from a running agent and the kernel.
 
-Reads GET http://<metrics address>/services and /flows (JSON, see usproxy/table.py), every
+Reads GET http://<metrics address>/services and /flows (JSON, see usproxy/util/table.py), every
 usproxy nftables table that exists (`nft list table ip usproxy`, then `ip6`: the offload keeps one
 table per IP family, usproxy/offload/nftables) and the pinned BPF maps. Best effort: each source
 that cannot be read is reported as such; `read_live` returns None only when nothing at all could
@@ -8,7 +8,7 @@ be read, so the command can exit 1 with a clear message.
 
 Kernel state (the nftables tables, the BPF pins) outlives its agent on purpose (an agent restart
 adopts it, field case C20), so it is marked with its owner: the pid holding this network
-namespace's offload lock (usproxy/app/agent.py NetnsLock, found in /proc/locks without taking it,
+namespace's offload lock (usproxy/util/locks.py NetnsLock, found in /proc/locks without taking it,
 so an agent starting meanwhile is never refused), or "orphaned" when no running agent holds it.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from usproxy.offload.nftables.names import FAMILIES, TABLE, nft_family
-from usproxy.table import render_flows, render_services
+from usproxy.util.table import render_flows, render_services
 
 TIMEOUT = 3.0
 
@@ -55,7 +55,7 @@ def offload_owner(proc_locks: Path = Path("/proc/locks")) -> int | None:
     """The pid of the agent holding this network namespace's offload lock, or None (no lock
     file, or nobody holds it). `/proc/locks` lines read "1: FLOCK ADVISORY WRITE <pid>
     <major>:<minor>:<inode> 0 EOF" (device numbers in hex, as the kernel's fs/locks.c prints)."""
-    from usproxy.app.agent import NetnsLock
+    from usproxy.util.locks import NetnsLock
 
     try:
         st = os.stat(NetnsLock("offload").path)

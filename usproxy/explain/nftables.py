@@ -22,11 +22,11 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from usproxy.endpoint import Endpoint
+from usproxy.model.endpoint import Endpoint
 from usproxy.explain import chain_names as names
 from usproxy.explain.iptables import Match, Plan, plan
 from usproxy.explain.service_set import Family, FamilyPort, ServiceSet
-from usproxy.types import format_hostport
+from usproxy.model.types import format_hostport
 
 TABLE = "kube-proxy"
 REJECT_CHAIN = "reject-chain"

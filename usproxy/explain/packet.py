@@ -19,9 +19,9 @@ import ipaddress
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from usproxy.errors import ConfigError
+from usproxy.util.errors import ConfigError
 from usproxy.explain.service_set import ServiceSet
-from usproxy.types import IPAddress
+from usproxy.model.types import IPAddress
 
 
 @dataclass(frozen=True, slots=True)

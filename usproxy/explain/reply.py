@@ -15,7 +15,7 @@ from __future__ import annotations
 from usproxy.explain import iptables, ipvs, nftables, tc_trace
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.service_set import ServiceSet
-from usproxy.types import format_hostport
+from usproxy.model.types import format_hostport
 
 NODE_SOURCE = "this node's address on the interface toward the backend"
 

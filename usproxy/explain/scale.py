@@ -21,8 +21,8 @@ from fractions import Fraction
 from usproxy.explain import cost, diff, generator, trace
 from usproxy.explain.diff import View
 from usproxy.explain.service_set import FamilyPort, ServiceSet
-from usproxy.table import render_table
-from usproxy.types import format_hostport
+from usproxy.util.table import render_table
+from usproxy.model.types import format_hostport
 
 MAX_SERVICES = 60_000  # 10.96.0.0/16 holds 65,534 ClusterIPs
 SLOW_SECONDS = 30.0  # a mode slower than this is flagged in the output

@@ -4,7 +4,7 @@ kube-proxy runs one proxier per IP family; `FamilyPort` is one ServicePort as th
 family sees it: that family's ClusterIP, externalIPs and LoadBalancer IPs, and that family's
 endpoints in kube-proxy's order (sorted by "ip:port" text, as pkg/proxy/endpointslicecache.go
 sorts them). Endpoint categories follow kube-proxy pkg/proxy/topology.go CategorizeEndpoints,
-computed with `usproxy.endpoint.categorize`. Invariant: values only, nothing here does I/O except
+computed with `usproxy.model.endpoint.categorize`. Invariant: values only, nothing here does I/O except
 `load_service_set`, which reads manifest files.
 """
 
@@ -15,13 +15,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, TypeAlias
 
-from usproxy.types import IPNetwork
-from usproxy.endpoint import Endpoint, categorize, usable
-from usproxy.errors import ConfigError
-from usproxy.manifest import Manifests, load_file, manifest_files
-from usproxy.service_port import ServicePort
-from usproxy.source_ranges import family_ranges
-from usproxy.types import IPAddress, ServicePortName
+from usproxy.model.types import IPNetwork
+from usproxy.model.endpoint import Endpoint, categorize, usable
+from usproxy.util.errors import ConfigError
+from usproxy.model.manifest import Manifests, load_file, manifest_files
+from usproxy.model.service_port import ServicePort
+from usproxy.model.source_ranges import family_ranges
+from usproxy.model.types import IPAddress, ServicePortName
 
 Family: TypeAlias = Literal[4, 6]
 FAMILIES: tuple[Family, ...] = (4, 6)
@@ -61,7 +61,7 @@ class FamilyPort:
     `cluster` are the endpoints for "Cluster" policy, `local` for "Local" policy (this node's),
     `reachable` the union of the two that are in use; `has_endpoints` is true when the Service has
     a usable endpoint anywhere (kube-proxy's hasAnyEndpoints). `source_ranges` are this family's
-    loadBalancerSourceRanges (empty: LB IPs take any source; usproxy.source_ranges.family_ranges).
+    loadBalancerSourceRanges (empty: LB IPs take any source; usproxy.model.source_ranges.family_ranges).
     """
 
     sp: ServicePort
@@ -114,7 +114,7 @@ class FamilyPort:
         """The sources a firewalled LB IP accepts, as kube-proxy writes them: each range, then
         each LB IP when a range holds one of the node's addresses (a node reaching a VIP-style LB
         IP is looped back with the LB IP as its source). The same set as
-        usproxy.source_ranges.allowed_sources, which the datapaths enforce."""
+        usproxy.model.source_ranges.allowed_sources, which the datapaths enforce."""
         lb_ips = self.lb_ips if self.allows_from_node(node) else ()
         return (*map(str, self.source_ranges), *map(str, lb_ips))
 

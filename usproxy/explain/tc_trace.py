@@ -17,14 +17,14 @@ import ipaddress
 from collections import Counter
 from fractions import Fraction
 
-from usproxy.endpoint import Endpoint
+from usproxy.model.endpoint import Endpoint
 from usproxy.explain import bpf
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.service_set import ServiceSet
 from usproxy.offload.bpf import maglev
 from usproxy.offload.bpf.layout import MAGLEV_M
-from usproxy.source_ranges import allowed_sources, allows
-from usproxy.types import format_hostport
+from usproxy.model.source_ranges import allowed_sources, allows
+from usproxy.model.types import format_hostport
 
 TC_RESULT = "tc: "  # every result of a path the tc program decided starts so (reply.py reads it)
 XDP_NOTE = (

@@ -30,8 +30,8 @@ from usproxy.explain.nftables_trace import parse_dump
 from usproxy.explain.packet import Packet, Path, parse_packet
 from usproxy.explain.service_set import FamilyPort, ServiceSet
 from usproxy.explain.userspace import proxy_port
-from usproxy.source_ranges import allowed_sources, allows
-from usproxy.types import format_hostport
+from usproxy.model.source_ranges import allowed_sources, allows
+from usproxy.model.types import format_hostport
 
 __all__ = ["Packet", "Path", "TRACERS", "parse_packet", "render", "trace_bpf", "trace_iptables",
            "trace_ipvs", "trace_nftables", "trace_userspace"]
@@ -331,7 +331,7 @@ def _relay(ss: ServiceSet, pkt: Packet, p: Path) -> list[Path]:
 
 def _relay_blocks(ss: ServiceSet, fp: FamilyPort, pkt: Packet) -> bool:
     """Whether the relay's socket filter drops `pkt` (usproxy/relay/source_filter.py), with the
-    sources usproxy.source_ranges.allowed_sources gives the relay."""
+    sources usproxy.model.source_ranges.allowed_sources gives the relay."""
     if not fp.firewalled or pkt.dst not in fp.lb_ips or pkt.dport != fp.sp.port:
         return False
     sources = allowed_sources(fp.source_ranges, fp.family, fp.lb_ips, ss.node.ips)

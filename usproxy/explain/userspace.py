@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 
 from usproxy.explain.service_set import FamilyPort, ServiceSet
-from usproxy.table import render_table
-from usproxy.types import format_hostport
+from usproxy.util.table import render_table
+from usproxy.model.types import format_hostport
 
 VIP_INTERFACE = "usproxy0"
 

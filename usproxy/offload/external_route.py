@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from usproxy.datapath import Placement, ServicePortState
+from usproxy.core.datapath import Placement, ServicePortState
 from usproxy.offload.kernel_datapath import KernelDatapath
-from usproxy.service_port import ServicePort
-from usproxy.types import ServicePortName
+from usproxy.model.service_port import ServicePort
+from usproxy.model.types import ServicePortName
 
 RELAY = "relay"
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint
-from usproxy.errors import OffloadError
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.endpoint import Endpoint
+from usproxy.util.errors import OffloadError
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
-from usproxy.types import ServicePortName, format_hostport
+from usproxy.model.types import ServicePortName, format_hostport
 
 
 class FakeKernelDatapath:

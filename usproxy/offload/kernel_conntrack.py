@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from usproxy.offload.netns_worker import NetnsWorker
-from usproxy.types import format_hostport
+from usproxy.model.types import format_hostport
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint
-from usproxy.types import ServicePortName
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.endpoint import Endpoint
+from usproxy.model.types import ServicePortName
 
 TrafficKind = Literal["local", "forwarded"]
 """local: connections made by processes on this node; forwarded: packets routed through it."""

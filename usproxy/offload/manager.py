@@ -32,20 +32,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from usproxy.admin.events import EventHub
-from usproxy.metrics import Metrics
-from usproxy.config import BpfLbMode, OffloadMode, ProxyConfig, parse_cidrs
-from usproxy.types import IPNetwork
-from usproxy.datapath import Placement, ServicePortState, SyncRequest
-from usproxy.endpoint import Endpoint
-from usproxy.errors import OffloadError
-from usproxy.node import NodeFacts
+from usproxy.core.events import EventHub
+from usproxy.util.metrics import Metrics
+from usproxy.model.config import BpfLbMode, OffloadMode, ProxyConfig, parse_cidrs
+from usproxy.model.types import IPNetwork
+from usproxy.core.datapath import Placement, ServicePortState, SyncRequest
+from usproxy.model.endpoint import Endpoint
+from usproxy.util.errors import OffloadError
+from usproxy.model.node import NodeFacts
 from usproxy.offload import external_route
 from usproxy.offload.kernel_datapath import Capability, KernelDatapath, TrafficKind
 from usproxy.offload.reason import ESTABLISHED, ESTABLISHING, NO_DATAPATH, PINNED, REMOVED, Cause, Fault, Phase, Reason
-from usproxy.service_cidr import ServiceCIDRHandler
-from usproxy.service_port import LBPolicy
-from usproxy.types import IPAddress, ServicePortName
+from usproxy.model.service_cidr import ServiceCIDRHandler
+from usproxy.model.service_port import LBPolicy
+from usproxy.model.types import IPAddress, ServicePortName
 
 log = logging.getLogger(__name__)
 

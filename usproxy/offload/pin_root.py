@@ -12,6 +12,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from usproxy.util import locks
+
 BPFFS = Path("/sys/fs/bpf")
 DEFAULT_PIN_ROOT = BPFFS / "usproxy"
 PIN_ROOT_ENV = "USPROXY_BPF_PINS"  # another pin root: tests, or two agents on one node
@@ -35,3 +37,19 @@ def lock_name(root: Path) -> str:
     """The lock file name (under /run/usproxy) of the agent that owns the pins under `root`."""
     digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
     return f"bpf-pins-{digest}.lock"
+
+
+class PinsLock(locks.NetnsLock):
+    """An flock on /run/usproxy/bpf-pins-<hash>.lock for the BPF pin root `root` (node-wide):
+    held by the agent that runs `--offload bpf` with it, taken briefly by an agent without BPF that
+    removes an earlier run's pins (which a starting BPF agent waits for: `wait`)."""
+
+    wait = 5.0
+
+    def __init__(self, root: Path) -> None:
+        self.fd = None
+        self.what = f"BPF pins under {root}"
+        self.path = locks.LOCK_DIR / lock_name(root)
+
+    def held_by(self, holder: str) -> str:
+        return f"another usproxy agent (pid {holder}) uses the {self.what}"

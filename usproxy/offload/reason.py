@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from usproxy.service import DATAPATH_ANNOTATION
+from usproxy.model.service import DATAPATH_ANNOTATION
 
 NO_DATAPATH = "none"  # the datapath label when no kernel datapath is configured at all
 

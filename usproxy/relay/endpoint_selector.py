@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from usproxy.endpoint import Endpoint
-from usproxy.service_port import LBPolicy, SessionAffinity
+from usproxy.model.endpoint import Endpoint
+from usproxy.model.service_port import LBPolicy, SessionAffinity
 
 FAIL_BACKOFF = 2.0  # seconds a failed endpoint is skipped
 PURGE_MIN = 1024  # affinity entries before expired ones are first purged

@@ -37,9 +37,9 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable, Sized
 
-from usproxy.conntrack.flow_table import Flow, FlowTable, FlowTableFull, HostPort
+from usproxy.flows.flow_table import Flow, FlowTable, FlowTableFull, HostPort
 from usproxy.relay.tcp_splice import PIPE_FDS
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 FD_RESERVE = 256  # descriptors kept for the admin servers, manifest reads, the API watch, libnftables
 MIN_FLOWS = 16  # bounds never go below this, whatever the descriptor limit

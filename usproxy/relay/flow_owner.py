@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Literal, Protocol, TypeAlias
 
-from usproxy.conntrack.flow_table import Flow, HostPort
-from usproxy.endpoint import Endpoint
-from usproxy.types import ServicePortName
+from usproxy.flows.flow_table import Flow, HostPort
+from usproxy.model.endpoint import Endpoint
+from usproxy.model.types import ServicePortName
 
 # Which endpoints a frontend may use: "cluster" for ClusterIPs, "external" for NodePorts, external
 # IPs and load-balancer IPs (those obey externalTrafficPolicy).

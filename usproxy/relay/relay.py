@@ -26,20 +26,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from usproxy.heap import HeapTrim
-from usproxy.metrics import Metrics
-from usproxy.config import ProxyConfig
-from usproxy.conntrack.flow_table import Flow
-from usproxy.conntrack.metrics import FlowTableCollector
-from usproxy.datapath import Placement, ServicePortState, SyncRequest
-from usproxy.endpoint import usable
-from usproxy.node import NodeFacts
+from usproxy.util.heap import HeapTrim
+from usproxy.util.metrics import Metrics
+from usproxy.model.config import ProxyConfig
+from usproxy.flows.flow_table import Flow
+from usproxy.flows.metrics import FlowTableCollector
+from usproxy.core.datapath import Placement, ServicePortState, SyncRequest
+from usproxy.model.endpoint import usable
+from usproxy.model.node import NodeFacts
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.service_port_relay import Listening, ServicePortRelay
 from usproxy.relay.udp import UdpRelay
 from usproxy.relay.vip_interface import VipInterface
-from usproxy.service_port import LBPolicy
-from usproxy.types import IPAddress, ServicePortName, format_hostport
+from usproxy.model.service_port import LBPolicy
+from usproxy.model.types import IPAddress, ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)
 RELEASE_AFTER = 60.0  # seconds an address no Service uses stays local (refused), covering DNS TTLs

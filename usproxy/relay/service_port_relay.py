@@ -32,10 +32,10 @@ import logging
 from collections.abc import Collection
 from typing import Union
 
-from usproxy.conntrack.flow_table import Flow, HostPort
-from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint
-from usproxy.ratelimit import RateLimitedLog
+from usproxy.flows.flow_table import Flow, HostPort
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.endpoint import Endpoint
+from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.relay.endpoint_selector import EndpointSelector
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.flow_owner import RelayStopping, SourceRefused, TrafficKind
@@ -44,10 +44,10 @@ from usproxy.relay.source_filter import allows, attach
 from usproxy.relay.tcp import ClientSide
 from usproxy.relay.tcp_listener import TcpListener
 from usproxy.relay.udp import UdpListener, UdpRelay
-from usproxy.service_port import LBPolicy, ServicePort
-from usproxy.source_ranges import allowed_sources
-from usproxy.types import IPNetwork
-from usproxy.types import ServicePortName, format_hostport
+from usproxy.model.service_port import LBPolicy, ServicePort
+from usproxy.model.source_ranges import allowed_sources
+from usproxy.model.types import IPNetwork
+from usproxy.model.types import ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
@@ -259,7 +259,7 @@ class ServicePortRelay:
 
 def firewall(sp: ServicePort, node_ips: Collection[str]) -> dict[str, tuple[IPNetwork, ...]]:
     """Allowed sources by LoadBalancer IP (text) of the IPs that are filtered, as nftables
-    (usproxy.source_ranges.allowed_sources; `node_ips` stand for kube-proxy's node IP)."""
+    (usproxy.model.source_ranges.allowed_sources; `node_ips` stand for kube-proxy's node IP)."""
     if not sp.source_ranges or not sp.load_balancer_ips:
         return {}
     nodes = [ipaddress.ip_address(ip) for ip in node_ips]

@@ -23,7 +23,7 @@ import socket
 import struct
 from collections.abc import Sequence
 
-from usproxy.types import IPNetwork
+from usproxy.model.types import IPNetwork
 
 SO_ATTACH_FILTER, SO_DETACH_FILTER = 26, 27  # asm-generic/socket.h
 SKF_NET_OFF = -0x100000  # linux/filter.h: offsets from the network header

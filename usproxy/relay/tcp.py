@@ -44,9 +44,9 @@ import socket
 import struct
 from typing import cast
 
-from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
-from usproxy.endpoint import Endpoint
-from usproxy.ratelimit import RateLimitedLog
+from usproxy.flows.flow_table import Flow, FlowTableFull, HostPort
+from usproxy.model.endpoint import Endpoint
+from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.relay import tcp_splice
 from usproxy.relay.flow_owner import FlowOwner, SourceRefused, TrafficKind
 from usproxy.relay.tcp_splice import LINGER_ZERO, SplicedFlow

@@ -31,7 +31,7 @@ import logging
 import socket
 from collections.abc import Callable
 
-from usproxy.ratelimit import RateLimitedLog
+from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.relay.tcp_splice import reset_socket
 
 log = logging.getLogger(__name__)

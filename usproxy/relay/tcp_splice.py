@@ -30,7 +30,7 @@ import socket
 import struct
 from collections.abc import Callable
 
-from usproxy.conntrack.flow_table import Flow
+from usproxy.flows.flow_table import Flow
 
 PIPE_SIZE = 256 * 1024  # per direction: the relay's bound per leg (HIGH_WATER plus one read), in the kernel
 READS_PER_WAKEUP = 8

@@ -25,14 +25,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
-from usproxy.conntrack.flow_table import Flow, FlowTableFull, HostPort
-from usproxy.endpoint import Endpoint
-from usproxy.ratelimit import RateLimitedLog
+from usproxy.flows.flow_table import Flow, FlowTableFull, HostPort
+from usproxy.model.endpoint import Endpoint
+from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.relay.flow_owner import FlowOwner, SourceRefused, TrafficKind
 from usproxy.relay.source_filter import allows
 from usproxy.relay.udp_batch import MAX_DATAGRAM, MIN_SEGMENT, UdpBatch, refused, send_segments
-from usproxy.types import IPNetwork
-from usproxy.types import format_hostport
+from usproxy.model.types import IPNetwork
+from usproxy.model.types import format_hostport
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)

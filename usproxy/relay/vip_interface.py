@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from usproxy.types import IPAddress
+from usproxy.model.types import IPAddress
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol, runtime_checkable
 
-from usproxy.endpoint_slice import EndpointSlice
-from usproxy.service import Service
+from usproxy.model.endpoint_slice import EndpointSlice
+from usproxy.model.service import Service
 
 
 class Provider(Protocol):

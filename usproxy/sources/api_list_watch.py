@@ -26,8 +26,8 @@ from typing import Any, cast
 
 import aiohttp
 
-from usproxy.errors import SourceError
-from usproxy.gc_pause import gc_paused, promote_survivors
+from usproxy.util.errors import SourceError
+from usproxy.util.gc_pause import gc_paused, promote_survivors
 from usproxy.sources.reflector import ApiError, Gone, ListBody, ListResult, ReflectorOptions, WatchEvent, status_error
 
 SERVICES = "/api/v1/services"

@@ -46,19 +46,19 @@ from typing import Any, Generic, Protocol, TypeVar
 import aiohttp
 import yaml
 
-from usproxy.metrics import Metrics
-from usproxy.config import ProxyConfig
-from usproxy.node import PodCIDRsChanged, parse_node_pod_cidrs
-from usproxy.endpoint_slice import EndpointSlice, parse_endpoint_slice
-from usproxy.errors import ConfigError, SourceError
-from usproxy.gc_pause import gc_paused, promote_survivors
-from usproxy.service import PROXY_NAME, PROXY_NAME_LABEL, Service, parse_service, skip_reason
+from usproxy.util.metrics import Metrics
+from usproxy.model.config import ProxyConfig
+from usproxy.model.node import PodCIDRsChanged, parse_node_pod_cidrs
+from usproxy.model.endpoint_slice import EndpointSlice, parse_endpoint_slice
+from usproxy.util.errors import ConfigError, SourceError
+from usproxy.util.gc_pause import gc_paused, promote_survivors
+from usproxy.model.service import PROXY_NAME, PROXY_NAME_LABEL, Service, parse_service, skip_reason
 from usproxy.sources import Provider, hold_syncs
-from usproxy.service_cidr import ServiceCIDR, ServiceCIDRHandler, ServiceCIDRTracker, parse_service_cidr
+from usproxy.model.service_cidr import ServiceCIDR, ServiceCIDRHandler, ServiceCIDRTracker, parse_service_cidr
 from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICE_CIDRS, SERVICES, ApiListWatch
 from usproxy.sources.reflector import ApiError, ListResult, ListWatch, RawObject, WatchEvent, Reflector, ReflectorOptions
-from usproxy.time_slice import TimeSlice
-from usproxy.types import IPNetwork, NamespacedName
+from usproxy.util.time_slice import TimeSlice
+from usproxy.model.types import IPNetwork, NamespacedName
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypedDict
 
 import aiohttp
 
-from usproxy.errors import SourceError
+from usproxy.util.errors import SourceError
 
 log = logging.getLogger(__name__)
 

@@ -37,17 +37,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from usproxy.endpoint_slice import EndpointSlice
-from usproxy.errors import ConfigError
-from usproxy.gc_pause import gc_paused, promote_survivors
-from usproxy.manifest import ManifestReadError, Manifests, load_file, manifest_files
-from usproxy.node import NodeFacts
-from usproxy.ratelimit import RateLimitedLog
-from usproxy.service import Service
-from usproxy.service_cidr import ServiceCIDRHandler, ServiceCIDRTracker
+from usproxy.model.endpoint_slice import EndpointSlice
+from usproxy.util.errors import ConfigError
+from usproxy.util.gc_pause import gc_paused, promote_survivors
+from usproxy.model.manifest import ManifestReadError, Manifests, load_file, manifest_files
+from usproxy.model.node import NodeFacts
+from usproxy.util.ratelimit import RateLimitedLog
+from usproxy.model.service import Service
+from usproxy.model.service_cidr import ServiceCIDRHandler, ServiceCIDRTracker
 from usproxy.sources import Provider, hold_syncs
-from usproxy.time_slice import TimeSlice
-from usproxy.types import IPNetwork, NamespacedName
+from usproxy.util.time_slice import TimeSlice
+from usproxy.model.types import IPNetwork, NamespacedName
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
-from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint, categorize
-from usproxy.service_port import ServicePort
-from usproxy.types import Protocol, ServicePortName
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.endpoint import Endpoint, categorize
+from usproxy.model.service_port import ServicePort
+from usproxy.model.types import Protocol, ServicePortName
 
 
 def spn(name: str, port: str = "", proto: Protocol = "TCP", ns: str = "default") -> ServicePortName:

@@ -13,7 +13,7 @@ from tests.offload.bpf.builders import ep, spn, state
 from usproxy.offload.bpf import nodeport
 from usproxy.offload.bpf.datapath import LB_GROUP, NODEPORT_GROUP, BpfDatapath
 from usproxy.offload.bpf.layout import CT_DSR, CT_ORIGINAL, F_DSR, F_LOCAL_ONLY, CtEntry
-from usproxy.config import BpfLbMode
+from usproxy.model.config import BpfLbMode
 
 V4 = ipaddress.IPv4Address
 

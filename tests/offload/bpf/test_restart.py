@@ -19,10 +19,10 @@ import pytest
 from tests.offload.bpf.builders import ep, spn, state
 from tests.offload.bpf.conftest import Env, attached_programs
 from usproxy.offload.bpf import loader
-from usproxy.datapath import ServicePortState
+from usproxy.core.datapath import ServicePortState
 from usproxy.offload.bpf.datapath import BpfDatapath
 from usproxy.offload.bpf.view import render_pinned
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 pytestmark = pytest.mark.netns
 

@@ -10,10 +10,10 @@ import pytest
 
 from tests.offload.bpf.builders import ep, spn, state
 from tests.offload.bpf.conftest import Env
-from usproxy.errors import OffloadError
+from usproxy.util.errors import OffloadError
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf.datapath import BpfDatapath
-from usproxy.datapath import ServicePortState
+from usproxy.core.datapath import ServicePortState
 from usproxy.offload.bpf.layout import MAGLEV_M, SRC_RANGE_KEY_SIZE, unpack_src_range
 
 pytestmark = pytest.mark.netns

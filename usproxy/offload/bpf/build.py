@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from usproxy.errors import OffloadError
+from usproxy.util.errors import OffloadError
 
 SOURCE = Path(__file__).with_name("sock_lb.c")
 HEADERS = ("dsr.h", "tc_frontends.h", "xdp_lb.h")  # included by SOURCE: part of what the object is named after

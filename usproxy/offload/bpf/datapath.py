@@ -52,11 +52,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from usproxy.datapath import Placement, ServicePortState
-from usproxy.endpoint import Endpoint, usable
-from usproxy.config import BpfLbMode
-from usproxy.source_ranges import allowed_sources
-from usproxy.types import IPNetwork
+from usproxy.core.datapath import Placement, ServicePortState
+from usproxy.model.endpoint import Endpoint, usable
+from usproxy.model.config import BpfLbMode
+from usproxy.model.source_ranges import allowed_sources
+from usproxy.model.types import IPNetwork
 from usproxy.offload.bpf import loader, nodeport, view, xdp
 from usproxy.offload.bpf.build import object_path
 from usproxy.offload.bpf import libbpf as bpf
@@ -81,7 +81,7 @@ from usproxy.offload.bpf.layout import (
 from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want, address_family
 from usproxy.offload.external_route import RELAY
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
-from usproxy.types import ServicePortName, format_hostport
+from usproxy.model.types import ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +382,7 @@ class BpfDatapath:
 
     def _lb_sources(self, state: ServicePortState, lb_ips: list[ipaddress.IPv4Address]) -> tuple[ipaddress.IPv4Network, ...]:
         """The IPv4 sources allowed to reach `lb_ips` (empty: any), as every datapath computes
-        them (usproxy.source_ranges.allowed_sources; the hooked addresses stand for the node's)."""
+        them (usproxy.model.source_ranges.allowed_sources; the hooked addresses stand for the node's)."""
         nodes = [ip for h in self.hooked for ip in h.addresses]
         nets = allowed_sources(state.service_port.source_ranges, 4, lb_ips, nodes)
         return tuple(n for n in nets if isinstance(n, ipaddress.IPv4Network))

@@ -34,7 +34,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from usproxy.types import IPAddress, Protocol
+from usproxy.model.types import IPAddress, Protocol
 
 LAYOUT_VERSION = 1
 MAGLEV_M = 16381

@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from usproxy.errors import OffloadError
+from usproxy.util.errors import OffloadError
 
 log = logging.getLogger(__name__)
 

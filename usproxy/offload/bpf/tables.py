@@ -38,7 +38,7 @@ from usproxy.offload.bpf.layout import (
     unpack_src_range,
     unpack_u32,
 )
-from usproxy.types import IPAddress
+from usproxy.model.types import IPAddress
 
 Address = tuple[IPAddress, int]
 

@@ -32,7 +32,7 @@ from usproxy.offload.bpf.layout import (
     FlowVal,
 )
 from usproxy.offload.bpf.tables import Group, Tables
-from usproxy.types import ServicePortName, format_hostport
+from usproxy.model.types import ServicePortName, format_hostport
 
 
 def spn_text(key: str) -> str:
@@ -74,7 +74,7 @@ def _group_lines(g: Group, selected: Mapping[int, int]) -> list[str]:
 
 
 def flow_row(f: FlowVal, groups: Mapping[int, Group], now: int) -> dict[str, Any]:
-    """One steered socket in the /flows row format (usproxy/table.py render_flows). The client is
+    """One steered socket in the /flows row format (usproxy/util/table.py render_flows). The client is
     named by its netns cookie: at connect() the socket has no source address yet."""
     g = groups.get(f.svc_id)
     proto = PROTO_NAMES.get(f.proto, str(f.proto))

@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from usproxy.errors import OffloadError
+from usproxy.util.errors import OffloadError
 from usproxy.offload.netns_worker import NetnsWorker
 from usproxy.offload.nftables.commands import Command, render
 

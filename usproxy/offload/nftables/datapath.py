@@ -16,12 +16,12 @@ import threading
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from usproxy.types import IPNetwork
-from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint
-from usproxy.errors import OffloadError
-from usproxy.gc_pause import LARGE, gc_paused
-from usproxy.node import LocalAddresses, NodeFacts, read_local_addresses
+from usproxy.model.types import IPNetwork
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.endpoint import Endpoint
+from usproxy.util.errors import OffloadError
+from usproxy.util.gc_pause import LARGE, gc_paused
+from usproxy.model.node import LocalAddresses, NodeFacts, read_local_addresses
 from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.offload.netns_worker import NetnsWorker
@@ -31,8 +31,8 @@ from usproxy.offload.nftables.pins import Pin, parse_pins
 from usproxy.offload.nftables.readback import read_table
 from usproxy.offload.nftables.rules import ClusterMasq, PortRules, ip_text, port_rules
 from usproxy.offload.nftables.transaction import TableState, Transaction
-from usproxy.service_cidr import union
-from usproxy.types import IPAddress, ServicePortName
+from usproxy.model.service_cidr import union
+from usproxy.model.types import IPAddress, ServicePortName
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from usproxy.errors import OffloadError
+from usproxy.util.errors import OffloadError
 from usproxy.offload.nftables.commands import MARK_MASQ, Command
 from usproxy.offload.nftables.names import Family, nft_family
 

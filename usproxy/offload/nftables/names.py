@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from typing import Literal, TypeAlias
 
-from usproxy.name_hash import name_hash
-from usproxy.types import ServicePortName
+from usproxy.util.name_hash import name_hash
+from usproxy.model.types import ServicePortName
 
 Family: TypeAlias = Literal[4, 6]
 Scope: TypeAlias = Literal["cluster", "external"]

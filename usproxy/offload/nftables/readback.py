@@ -32,7 +32,7 @@ from usproxy.offload.nftables.names import (
 )
 from usproxy.offload.nftables.rules import Backend, Frontend, PortRules, Target, frontend_order, norm_ip, source_text
 from usproxy.offload.nftables.transaction import TableState
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 _VERDICT_MAPS: dict[str, Kind] = {"service-ips": "ip", "no-endpoint-services": "ip",
                                   "service-nodeports": "np", "no-endpoint-nodeports": "np"}

@@ -13,8 +13,8 @@ import socket
 from collections.abc import Collection, Iterable, Sequence
 from typing import Literal, NamedTuple
 
-from usproxy.datapath import ServicePortState
-from usproxy.endpoint import Endpoint, usable
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.endpoint import Endpoint, usable
 from usproxy.offload.nftables.names import (
     Family,
     Kind,
@@ -24,9 +24,9 @@ from usproxy.offload.nftables.names import (
     rr_chain,
     short_circuit_chain,
 )
-from usproxy.service_port import ServicePort
-from usproxy.source_ranges import allowed_sources
-from usproxy.types import IPAddress, ServicePortName, format_hostport
+from usproxy.model.service_port import ServicePort
+from usproxy.model.source_ranges import allowed_sources
+from usproxy.model.types import IPAddress, ServicePortName, format_hostport
 
 _TEXT: dict[int, str] = {}
 # Builds a NamedTuple from a tuple of every field without NamedTuple's Python-level __new__: a
@@ -230,7 +230,7 @@ def port_rules(state: ServicePortState, family: Family, previous: PortRules | No
     endpoint (`state.short_circuit_endpoints`, Backend.short).
 
     `node_ips` are this node's addresses: a source range holding one also allows the LB IPs as
-    sources (usproxy.source_ranges.allowed_sources)."""
+    sources (usproxy.model.source_ranges.allowed_sources)."""
     sp = state.service_port
     v4 = family == 4
     cluster_ips = [ip for ip in sp.cluster_ips if isinstance(ip, ipaddress.IPv4Address) is v4]

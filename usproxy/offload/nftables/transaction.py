@@ -40,7 +40,7 @@ from usproxy.offload.nftables.names import (
 )
 from usproxy.offload.nftables.pins import Pin, retimed
 from usproxy.offload.nftables.rules import Frontend, PortRules, new_tuple, verdict_of, verdict_text
-from usproxy.types import ServicePortName
+from usproxy.model.types import ServicePortName
 
 
 @dataclass

@@ -1,0 +1,227 @@
+"""The web view without a browser: the EventHub's bounds (a subscriber that never reads holds at
+most LIMIT events and one snapshot), a stalled page dropped without delaying /metrics, the page
+and its assets served from the package with nothing from the internet, /view/service giving the
+five modes' drawings and explain's own rules for the agent's current Service, the stream's first
+snapshot equal to /services, and each mode's drawing naming kube-proxy's chains."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from usproxy.admin import mode_view, path_drawing, web_view
+from usproxy.core.events import EventHub, Subscription
+from usproxy.app.agent import Agent
+from usproxy.model.config import ProxyConfig
+from usproxy.core.datapath import FakeDatapath
+from usproxy.explain import chain_names, iptables, nftables
+from usproxy.explain.service_set import ServiceSet
+
+from tests.app.test_agent_admin import SVC, write
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+@pytest.fixture
+async def agent(tmp_path: Path) -> Any:
+    write(tmp_path / "svc.yaml", SVC.format(port=80))
+    cfg = ProxyConfig(services=tmp_path, healthz_bind_address="127.0.0.1:0",
+                      metrics_bind_address="127.0.0.1:0", min_sync_period=0.05)
+    a = Agent(cfg, datapaths=[FakeDatapath("userspace")])
+    await a.start()
+    try:
+        while a.proxier.last_updated is None:
+            await asyncio.sleep(0.02)
+        yield a
+    finally:
+        await a.shutdown()
+
+
+def url(a: Agent, path: str) -> str:
+    host, port = a.admin.bound["metrics"]
+    return f"http://{host}:{port}{path}"
+
+
+async def test_a_subscriber_that_never_reads_holds_a_bounded_queue() -> None:
+    hub = EventHub()
+    slow = hub.subscribe()
+    for i in range(3 * Subscription.LIMIT):
+        hub.publish("demoted", n=i)
+        hub.publish("snapshot", n=i)
+    assert len(slow.events) == Subscription.LIMIT and slow.dropped == 2 * Subscription.LIMIT
+    got = await slow.next(0)
+    assert [e.data["n"] for e in got[:-1]] == list(range(2 * Subscription.LIMIT, 3 * Subscription.LIMIT))
+    assert got[-1].kind == "snapshot" and got[-1].data["n"] == 3 * Subscription.LIMIT - 1  # only the latest
+    assert await slow.next(0.01) == []
+    late = hub.subscribe()  # a page opened later sees the recent events, not the snapshots
+    assert [e.data["n"] for e in await late.next(0)] == list(range(3 * Subscription.LIMIT - EventHub.RECENT,
+                                                                  3 * Subscription.LIMIT))
+    late.close()
+    slow.close()
+    assert not hub.subscribers
+
+
+async def test_a_stalled_page_is_dropped_and_metrics_stay_fast(agent: Agent, monkeypatch: Any) -> None:
+    """A page that stops reading its stream: the server's writes stall, the stream is closed after
+    WRITE_TIMEOUT, and /metrics answers quickly all along."""
+    monkeypatch.setattr(web_view, "WRITE_TIMEOUT", 0.5)
+    host, port = agent.admin.bound["metrics"]
+    reader, writer = await asyncio.open_connection(host, port, limit=1024)
+    writer.transport.set_write_buffer_limits(0)
+    writer.write(b"GET /view/stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    big = "x" * 300_000
+    async with aiohttp.ClientSession() as s:
+        for _ in range(60):  # ~18 MB for a page that reads nothing
+            agent.events.publish("demoted", servicePortName="default/web:http", datapath="userspace", reason=big)
+            start = time.monotonic()
+            async with s.get(url(agent, "/metrics")) as r:
+                assert r.status == 200
+            assert time.monotonic() - start < 0.5
+            await asyncio.sleep(0.02)
+        deadline = time.monotonic() + 5
+        while agent.events.subscribers and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not agent.events.subscribers  # dropped, its queue released
+    writer.close()
+
+
+async def test_a_page_that_falls_behind_is_told_how_many_events_it_missed(agent: Agent, monkeypatch: Any) -> None:
+    monkeypatch.setattr(Subscription, "LIMIT", 4)
+    async with aiohttp.ClientSession() as s, s.get(url(agent, "/view/stream")) as r:
+        assert (await asyncio.wait_for(r.content.readline(), 2)) == b"event: snapshot\n"
+        while agent.events.subscribers and next(iter(agent.events.subscribers)).events:
+            await asyncio.sleep(0.01)  # the server has written everything queued so far
+        for i in range(10):  # published between two reads of the server: 6 dropped
+            agent.events.publish("demoted", servicePortName="default/web:http", datapath="userspace", reason=str(i))
+        seen: list[str] = []
+        while "event: lagged" not in seen:
+            seen.append((await asyncio.wait_for(r.content.readline(), 2)).decode().strip())
+        lagged = json.loads((await r.content.readline()).decode().removeprefix("data: "))
+    reasons = [json.loads(x.removeprefix("data: "))["reason"] for x in seen if '"demoted"' in x]
+    assert reasons == ["6", "7", "8", "9"] and lagged == {"dropped": 6}
+
+
+async def test_page_and_assets_come_from_the_package_only(agent: Agent) -> None:
+    async with aiohttp.ClientSession() as s:
+        texts = []
+        for path in ("/view", "/view/static/view.js", "/view/static/view.css"):
+            async with s.get(url(agent, path)) as r:
+                assert r.status == 200
+                texts.append(await r.text())
+        for path in ("/view/static/..%2fserver.py", "/view/static/view.html.bak"):
+            async with s.get(url(agent, path)) as r:
+                assert r.status == 404
+    refs = re.findall(r'(?:src|href)="([^"]+)"', texts[0])
+    assert refs == ["/view/static/view.css", "/view/static/view.js"]
+    assert not any(re.search(r"https?://|//[a-z]", t.replace("http://www.w3.org", "")) for t in texts[1:])
+
+
+async def test_service_detail_draws_every_mode_next_to_explains_rules(agent: Agent) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url(agent, "/view/service?name=default/web")) as r:
+            body = await r.json()
+        async with s.get(url(agent, "/view/service?name=default/nothing")) as r:
+            assert r.status == 404
+    assert [m["mode"] for m in body["modes"]] == ["userspace", "iptables", "ipvs", "nftables", "bpf"]
+    st = agent.service_ports()[0]
+    ss = ServiceSet(((st.service_port, st.endpoints),))
+    rules = {m["mode"]: m["rules"] for m in body["modes"]}
+    assert rules["iptables"] == iptables.render(ss) and rules["nftables"] == nftables.render(ss)
+    for m in body["modes"]:
+        (svg,) = m["svgs"]
+        root = ET.fromstring(svg)
+        backends = [g.get("data-endpoint") for g in root.iter(f"{SVG}g") if g.get("class") == "backend"]
+        assert root.get("data-mode") == m["mode"] and backends == ["10.244.1.5:8080"]
+
+
+async def test_the_stream_starts_with_a_snapshot_of_services_and_flows(agent: Agent) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url(agent, "/services")) as r:
+            services = await r.json()
+        async with s.get(url(agent, "/view/stream")) as r:
+            assert r.headers["Content-Type"] == "text/event-stream"
+            lines = []
+            while len(lines) < 2:
+                lines.append((await asyncio.wait_for(r.content.readline(), 2)).decode().strip())
+    assert lines[0] == "event: snapshot"
+    snap = json.loads(lines[1].removeprefix("data: "))
+    for row in (*snap["services"], *services):
+        row.pop("reason")  # the fake datapath's reason carries no clock, but stay safe
+    assert snap["services"] == services and snap["flows"] == [] and snap["flowCount"] == 0
+
+
+def test_each_modes_drawing_names_its_own_chains() -> None:
+    from usproxy.model.endpoint import Endpoint
+    from usproxy.explain.service_set import family_port
+    from usproxy.model.service_port import ServicePort
+    from usproxy.model.types import ServicePortName
+    import ipaddress
+
+    name = ServicePortName("default", "web", "http", "TCP")
+    sp = ServicePort(name=name, cluster_ips=(ipaddress.ip_address("10.96.10.10"),), port=80, target_port=8080)
+    eps = tuple(Endpoint(ipaddress.ip_address(ip), 8080, ready=True) for ip in ("10.244.1.5", "10.244.2.5"))
+    fp = family_port(sp, eps, 4, None)
+    assert fp is not None
+    svgs = {m: path_drawing.render(path_drawing.path_of(m, fp)) for m in path_drawing.MODES}
+    texts = {m: " ".join(ET.fromstring(svg).itertext()) for m, svg in svgs.items()}
+    assert chain_names.svc_chain(name) in texts["iptables"]
+    assert all(chain_names.sep_chain(name, e) in texts["iptables"] for e in eps)
+    assert "service-" + chain_names.nft_base(name)[:9] in texts["nftables"]
+    assert "numgen random mod 2" in texts["nftables"]
+    assert "Masq = DNAT, not SNAT" in texts["ipvs"] and "no NAT" in texts["bpf"]
+    assert "2nd connection" in texts["userspace"] and "the node's address" in texts["userspace"]
+    for m, svg in svgs.items():
+        root = ET.fromstring(svg)
+        assert any(line.get("class") == "reply" for line in root.iter(f"{SVG}line")), m
+
+
+def test_the_standalone_page_holds_every_service_and_mode_in_one_file() -> None:
+    """`explain --html`'s page for examples/: one block per Service, five modes each with one
+    drawing per ServicePort and explain's own rules for that Service; no script, no link out."""
+    from html import unescape
+
+    from usproxy.admin import standalone_page
+    from usproxy.explain.service_set import load_manifests, service_set
+
+    ss = service_set(load_manifests(Path(__file__).resolve().parents[2] / "examples"))
+    page = standalone_page.render(ss)
+    assert "<script" not in page and not re.search(r"<link|src=|https?://(?!www\.w3\.org/2000/svg)", page)
+    blocks = re.findall(r'<details class="service" data-service="([^"]+)" open>(.*?)</details>', page, re.S)
+    names = sorted({f"{sp.name.namespace}/{sp.name.name}" for sp, _ in ss.ports})
+    assert sorted(n for n, _ in blocks) == names and len(names) >= 2
+    for name, block in blocks:
+        ports = tuple((sp, eps) for sp, eps in ss.ports if f"{sp.name.namespace}/{sp.name.name}" == name)
+        one = ServiceSet(ports, ss.node)
+        modes = re.findall(r'<div class="mode" data-mode="(\w+)">(.*?)<pre class="rules">(.*?)</pre>', block, re.S)
+        assert [m for m, _, _ in modes] == list(path_drawing.MODES)
+        n_ports = sum(len(one.family_ports(f)) for f in one.families())
+        for mode, drawing, rules in modes:
+            assert drawing.count("<svg ") == n_ports, (name, mode)
+            assert unescape(rules) == mode_view.RENDERERS[mode](one)
+    assert standalone_page.render(ServiceSet(())).count("No Services to show.") == 1
+
+
+def test_without_endpoints_every_mode_draws_where_it_refuses() -> None:
+    from usproxy.explain.service_set import family_port
+    from usproxy.model.service_port import ServicePort
+    from usproxy.model.types import ServicePortName
+    import ipaddress
+
+    name = ServicePortName("default", "empty", "", "TCP")
+    sp = ServicePort(name=name, cluster_ips=(ipaddress.ip_address("10.96.20.20"),), port=80, target_port=8080)
+    fp = family_port(sp, (), 4, None)
+    assert fp is not None
+    ends = {m: path_drawing.path_of(m, fp).hops[-1] for m in path_drawing.MODES}
+    assert all(not path_drawing.path_of(m, fp).backends for m in path_drawing.MODES)
+    assert "-j REJECT" in ends["iptables"].lines and ends["nftables"].title == "no-endpoint-services"
+    assert "ECONNREFUSED" in ends["bpf"].lines and "kernel answers RST" in ends["userspace"].lines
+    svg = ET.fromstring(path_drawing.render(path_drawing.path_of("ipvs", fp)))
+    assert "no real server:" in " ".join(svg.itertext())

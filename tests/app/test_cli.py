@@ -1,0 +1,95 @@
+"""The CLI: a manifest that cannot be parsed gives exit 2 naming the problem; missing input is a
+usage error; `usproxy check` prints its table; a closed stdout ends a command quietly; status/flows without an agent exit 1.
+
+No test here meets a real agent's state: `run` gets an interface name of its own and no offload,
+so the per-namespace locks it takes before reading its input (usproxy/util/locks.py NetnsLock) are its
+own, and `check` probes in a network namespace of its own.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+USPROXY = [sys.executable, "-m", "usproxy"]
+OWN_LOCKS = ("--offload", "none", "--vip-interface", f"usp-t{secrets.token_hex(3)}")
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*USPROXY, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_garbage_file_exits_2_naming_it(tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("apiVersion: v1\nkind: Service\n  metadata: [\n")
+    res = run("run", "--services", str(f), "--healthz-bind-address", "127.0.0.1:0",
+              "--metrics-bind-address", "127.0.0.1:0", *OWN_LOCKS)
+    assert res.returncode == 2
+    assert f"{f}: cannot parse" in res.stderr
+
+
+def test_missing_path_exits_2(tmp_path: Path) -> None:
+    res = run("run", "--services", str(tmp_path / "nope"), *OWN_LOCKS)
+    assert res.returncode == 2 and "no such file or directory" in res.stderr
+
+
+def test_a_config_error_names_usproxy_once() -> None:
+    res = run("explain")
+    assert res.returncode == 2
+    assert res.stderr == "usproxy explain: --services: required (or --kubeconfig)\n"
+    res = run("run", "--nodeport-addresses", "primary,10.0.0.0/8", *OWN_LOCKS)
+    assert res.returncode == 2 and res.stderr.startswith("usproxy run: --nodeport-addresses: ")
+
+
+def test_missing_cluster_cidr_is_logged_once(tmp_path: Path) -> None:
+    res = run("run", "--services", str(tmp_path / "nope"), *OWN_LOCKS)
+    assert res.returncode == 2 and res.stderr.count("no --cluster-cidr") == 1
+
+
+@pytest.mark.netns
+def test_check_prints_table() -> None:
+    res = subprocess.run(["unshare", "--net", *USPROXY, "check"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0
+    for cap in ("interface bridge", "nftables", "bpf cgroup hooks", "bpf tc (tcx) attach", "conntrack"):
+        assert cap in res.stdout
+
+
+def test_status_without_agent_exits_1() -> None:
+    res = run("status", "--metrics-bind-address", "127.0.0.1:1")
+    assert res.returncode == 1 and "cannot reach the agent" in res.stderr
+
+
+def test_explain_takes_options_after_the_subcommand() -> None:
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    res = run("explain", "--services", str(examples), "--mode", "iptables")
+    assert res.returncode == 0 and "KUBE-SERVICES" in res.stdout
+
+
+def test_a_reader_that_closes_stdout_ends_the_command_quietly_with_exit_0() -> None:
+    """`usproxy ... | head -1`: the write to a closed pipe is no "cannot reach the agent"."""
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    proc = subprocess.Popen([*USPROXY, "explain", "--services", str(examples)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write
+    with proc.stderr:
+        stderr = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0
+    assert stderr == ""
+
+
+def test_status_table_says_which_datapath_serves_external_traffic_and_why() -> None:
+    from usproxy.util.table import render_services
+
+    row = {"servicePortName": "default/web:http", "protocol": "TCP", "clusterIPs": ["10.96.0.10"], "port": 80,
+           "nodePort": 30080, "endpoints": [{"address": "10.244.1.5:8080", "usable": True}], "datapath": "bpf",
+           "reason": "established 1.0s ago", "external": "tc", "externalReason": "tc (tcx) on eth0"}
+    header, line = render_services([row, {**row, "nodePort": None, "external": None, "externalReason": ""}]).split("\n")[:2]
+    assert header.split() == ["SERVICE", "PORT", "PROTO", "CLUSTER-IP:PORT", "NODEPORT", "ENDPOINTS", "DATAPATH",
+                              "EXTERNAL", "WHY"]
+    assert line.split()[5:7] == ["bpf", "tc"] and line.endswith("established 1.0s ago; external: tc (tcx) on eth0")
+    assert render_services([{**row, "external": None, "externalReason": ""}]).split("\n")[1].split()[6] == "-"
