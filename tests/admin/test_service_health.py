@@ -277,7 +277,7 @@ async def test_agent_shows_a_bind_error_in_services_and_serves_once_the_port_is_
 async def wait_rows(agent: Agent, cond: Any, timeout: float = 3.0) -> list[dict[str, Any]]:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        rows = agent.services_view()
+        rows = await agent.services()
         if cond(rows):
             return rows
         assert asyncio.get_running_loop().time() < deadline, rows

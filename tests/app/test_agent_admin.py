@@ -5,7 +5,6 @@ manifest edit (atomic rename) visible within 1 s, a broken edit keeping the last
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import time
@@ -17,7 +16,8 @@ import pytest
 import uvloop
 
 from usproxy.admin.health import Health, evaluate
-from usproxy.app.agent import Agent, bpf_lb_mode
+from usproxy.admin.views import bpf_lb_mode
+from usproxy.app.agent import Agent
 from usproxy.model.config import ProxyConfig
 from usproxy.core.datapath import FakeDatapath, Placement
 from usproxy.util.metrics import Metrics
@@ -303,10 +303,11 @@ def test_everything_withdrawn_on_a_local_error_admin_connections_scale_with_the_
 def test_bpf_lb_mode_is_said_for_every_frontend_served_at_tc(tmp_path: Path) -> None:
     """/services' bpfLbMode follows where external traffic goes, not whether a NodePort exists:
     a ServicePort with only externalIPs or LoadBalancer IPs served at tc takes DSR too."""
-    dsr = ProxyConfig(services=tmp_path, offload="bpf", bpf_lb_mode="dsr")
-    assert bpf_lb_mode(dsr, Placement("tc", "externalIPs only")) == "dsr"
-    assert bpf_lb_mode(dataclasses.replace(dsr, bpf_lb_mode="snat"), Placement("tc", "")) == "snat"
-    assert bpf_lb_mode(dsr, Placement("nftables", "IPv6 frontends")) is None  # the fallback has no mode
-    assert bpf_lb_mode(dsr, Placement("relay", "not offloaded")) is None
-    assert bpf_lb_mode(dsr, None) is None  # no frontend outside the node
-    assert bpf_lb_mode(dataclasses.replace(dsr, offload="nftables"), Placement("tc", "")) is None
+    assert bpf_lb_mode("dsr", Placement("tc", "externalIPs only")) == "dsr"
+    assert bpf_lb_mode("snat", Placement("tc", "")) == "snat"
+    assert bpf_lb_mode("dsr", Placement("nftables", "IPv6 frontends")) is None  # the fallback has no mode
+    assert bpf_lb_mode("dsr", Placement("relay", "not offloaded")) is None
+    assert bpf_lb_mode("dsr", None) is None  # no frontend outside the node
+    # the agent gives a mode only when --offload bpf can run tc programs
+    assert Agent(ProxyConfig(services=tmp_path, offload="nftables", bpf_lb_mode="dsr"), []).views.bpf_lb_mode is None
+    assert Agent(ProxyConfig(services=tmp_path, offload="bpf", bpf_lb_mode="dsr"), []).views.bpf_lb_mode == "dsr"

@@ -1,6 +1,6 @@
 """A static-manifest, relay-only agent (`usproxy run --services DIR --offload none`) loads no
-module it never uses: not the Kubernetes API client, not the BPF datapath or the offload manager,
-not `usproxy explain` (the web view loads it on its first /view/service request). pyroute2 is
+module it never uses: not the Kubernetes API client, not the BPF datapath (its registry
+declaration is read: a few lines) or the offload manager, not `usproxy explain` (the web view loads it on its first /view/service request). pyroute2 is
 used (the ClusterIP interface is managed through it), and so is the nftables datapath, once at
 start: it looks for an earlier run's tables to remove them (app/cleanup.remove_leftovers, as
 kube-proxy's platformCleanup). Each costs RSS on small nodes (issue 17); the modes that use them
@@ -49,7 +49,8 @@ sys.exit(main())
 
 NEVER = ("kubernetes_asyncio", "usproxy.sources.kube", "usproxy.sources.reflector",
          "usproxy.sources.api_list_watch", "usproxy.offload.manager",
-         "usproxy.offload.bpf", "usproxy.explain",
+         "usproxy.offload.bpf.datapath", "usproxy.offload.bpf.libbpf",
+         "usproxy.offload.bpf.loader", "usproxy.explain",
          "usproxy.admin.mode_view", "usproxy.admin.path_drawing")
 
 

@@ -47,7 +47,8 @@ from usproxy.admin import path_drawing
 from usproxy.core.events import EventHub
 from usproxy.admin.snapshot import JOIN, SharedBuild, encode_and_free, rows_json, rows_json_pretty
 from usproxy.admin.web_view import MAX_FLOWS, snapshot_json
-from usproxy.app.agent import VIEW_CHUNK, Agent
+from usproxy.admin.views import VIEW_CHUNK
+from usproxy.app.agent import Agent
 from usproxy.app.cli import SWITCH_INTERVAL
 from usproxy.model.config import ProxyConfig
 from usproxy.flows.flow_table import Flow, FlowTable
@@ -148,14 +149,14 @@ async def test_event_loop_stalls_services_view_compares_no_endpoint_pairs(
         return eq(self, other)
 
     monkeypatch.setattr(Endpoint, "__eq__", counting)
-    rows = agent.services_view()
+    rows = await agent.views.services(chunk=10**9)  # in one piece
     assert len(rows[0]["endpoints"]) == N and all(e["usable"] for e in rows[0]["endpoints"])
     assert compared < N  # a tuple scan per endpoint made ~N*N/2 = 2,000,000 comparisons
 
 
 async def test_event_loop_stalls_services_yields_every_chunk(agent: Agent) -> None:
     rows, ticks = await ticks_during(agent.services())
-    assert rows == agent.services_view()
+    assert rows == await agent.views.services(chunk=10**9)
     assert ticks >= N // VIEW_CHUNK
 
 

@@ -19,7 +19,8 @@ from usproxy.model.endpoint import Endpoint, categorize
 from usproxy.model.endpoint_slice import EndpointSlice
 from usproxy.model.node import NodeFacts
 from usproxy.offload.fake import FakeKernelDatapath
-from usproxy.offload.manager import OffloadManager, OffloadSettings
+from usproxy.offload.manager import OffloadManager
+from usproxy.offload.settings import OffloadSettings
 from usproxy.core.proxier import Proxier
 from usproxy.model.service import Service
 from usproxy.model.service_port import ServicePort

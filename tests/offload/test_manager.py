@@ -11,11 +11,14 @@ from pathlib import Path
 
 from usproxy.util.metrics import Metrics
 from usproxy.app.cleanup import remove_kernel_state
+from usproxy.model.config import ProxyConfig
+from usproxy.offload.kernel_datapath import KernelDatapathDeclaration
 from usproxy.core.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.model.endpoint import Endpoint
 from usproxy.util.errors import OffloadError
 from usproxy.offload.fake import FakeKernelDatapath
-from usproxy.offload.manager import OffloadManager, OffloadSettings
+from usproxy.offload.manager import OffloadManager
+from usproxy.offload.settings import OffloadSettings
 from usproxy.model.types import ServicePortName
 
 from tests.offload.helpers import ep, spn, state
@@ -231,7 +234,7 @@ async def test_nothing_touches_the_kernel_before_the_first_sync_and_close_keeps_
     mgr, _, _ = make(nft)
     await mgr.close()
     assert nft.closed and A in nft.installed
-    assert await remove_kernel_state(mgr.kernels)  # `usproxy run --cleanup`, cleanup.py
+    assert await remove_kernel_state(ProxyConfig(), [declared(nft)])  # `usproxy run --cleanup`, cleanup.py
     assert nft.cleaned and nft.installed == {}
 
 
@@ -242,8 +245,24 @@ async def test_cleanup_goes_on_past_a_failing_datapath_and_says_so() -> None:
 
     bad, nft = Failing("bpf"), FakeKernelDatapath()
     nft.installed = {A: web("10.244.1.1")}
-    assert not await remove_kernel_state([bad, nft])
+    assert not await remove_kernel_state(ProxyConfig(), [declared(bad), declared(nft)])
     assert bad.closed and nft.cleaned and nft.closed and nft.installed == {}
+
+
+def declared(k: FakeKernelDatapath) -> KernelDatapathDeclaration:
+    """A declaration whose removal is `k`'s cleanup, as the real ones build, clean up and close."""
+    async def remove(cfg: ProxyConfig) -> None:
+        try:
+            await k.cleanup()
+        finally:
+            k.close()
+
+    async def nothing(cfg: ProxyConfig) -> list[str]:
+        return []
+
+    return KernelDatapathDeclaration(k.name, "fake", k.traffic, frozenset({"random", "roundRobin"}),  # type: ignore[arg-type]
+                                     build=lambda ctx: k, probes=lambda cfg: [k.probe()], leftovers=nothing,
+                                     remove=remove)
 
 
 async def test_bpf_serves_local_and_nftables_forwarded() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from scipy.stats import chisquare
 
-from usproxy.app.capabilities import probe_nftables
+from usproxy.offload.nftables.declaration import probe_nftables
 from usproxy.core.datapath import ServicePortState
 from usproxy.util.errors import OffloadError
 from usproxy.offload import kernel_conntrack

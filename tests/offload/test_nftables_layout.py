@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from usproxy.app.capabilities import probe_nftables
+from usproxy.offload.nftables.declaration import probe_nftables
 from usproxy.util.errors import OffloadError
 from usproxy.model.node import NodeFacts
 from usproxy.offload.nftables.datapath import NftablesDatapath, probe_capability
@@ -268,10 +268,13 @@ def test_check_and_the_agent_run_one_nftables_probe() -> None:
     assert probe_nftables(FakeNftClient()).available
 
 
-def test_only_least_connections_stays_in_the_relay(dp: NftablesDatapath) -> None:
+def test_only_sctp_is_unsupported_by_the_datapath_itself(dp: NftablesDatapath) -> None:
+    """LB policies are the declaration's (tests/offload/test_registry.py), not unsupported()'s."""
     assert dp.unsupported(rr_state("10.244.1.1")) is None  # type: ignore[arg-type]
     lc = state(RR, "10.96.0.9", 80, [ep("10.244.1.1")], lb_policy="leastConnections")
-    assert dp.unsupported(lc) == "lb-policy leastConnections is served by the relay only"
+    assert dp.unsupported(lc) is None
+    assert dp.unsupported(state(spn("s", "", "SCTP"), "10.96.0.9", 80, [ep("10.244.1.1")])) \
+        == "SCTP is served by the relay only"
 
 
 async def test_hooked_chains_changed_behind_our_back_are_rewritten_after_read_back(fake: FakeNft, dp: NftablesDatapath) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from usproxy.core.datapath import ServicePortState
 from usproxy.model.node import NodeFacts
-from usproxy.offload.manager import OffloadManager, OffloadSettings
+from usproxy.offload.manager import OffloadManager
+from usproxy.offload.settings import OffloadSettings
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
 from usproxy.core.proxier import Proxier

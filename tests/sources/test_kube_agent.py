@@ -74,7 +74,7 @@ async def test_serves_listed_services_and_follows_changes_within_a_second(
     await eventually(lambda: "10.244.1.5" not in dp.dump() and "10.96.0.20" not in dp.dump(), timeout=1.0,
                      what="update and delete within 1 s")
     assert time.monotonic() - t0 < 2.0
-    views = {row["servicePortName"]: row for row in a.services_view()}
+    views = {row["servicePortName"]: row for row in await a.services()}
     assert list(views) == ["default/web:http"] and views["default/web:http"]["datapath"] == "userspace"
 
 

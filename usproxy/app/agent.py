@@ -1,5 +1,9 @@
 """Agent: wires a source, the Proxier, its datapaths and the admin server, and runs them.
 
+Wiring only: the datapaths come from the relay and the kernel datapath registry
+(usproxy/offload/registry.py), the rows of /services and /flows from usproxy/admin/views.py,
+the removal of an earlier run's kernel state from usproxy/app/cleanup.py.
+
 Life: this node's facts are resolved once (NodeFacts: the same node name for the Proxier, every
 datapath and the source; with detectLocalMode NodeCIDR `node_facts` first waits for the Node's
 pod CIDRs, as kube-proxy waits before it builds its proxier), each datapath gets its own
@@ -18,62 +22,51 @@ import ipaddress
 import logging
 import os
 import signal
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
-from usproxy.core.events import EventHub
 from usproxy.admin.health import Health, evaluate
-from usproxy.util.metrics import Metrics
 from usproxy.admin.server import AdminServer
 from usproxy.admin.service_health import ServiceHealthServer
-from usproxy.model.config import ProxyConfig
-from usproxy.core.datapath import Datapath, FlowsView, Placement, ServicePortState
-from usproxy.model.endpoint import Endpoint
-from usproxy.util.errors import AlreadyRunning, ConfigError
-from usproxy.model.node import NodeFacts, PodCIDRsChanged, node_name, resolve_node, watch_nodeport_addresses
-from usproxy.offload import external_route
-from usproxy.offload.external_route import ExternalView
-from usproxy.offload.pin_root import PinsLock, default_pin_root, has_pins
+from usproxy.admin.views import AgentViews
+from usproxy.core.datapath import Datapath, NodeAddressFollower, ServicePortState
+from usproxy.core.events import EventHub
 from usproxy.core.proxier import Proxier
-from usproxy.util.locks import NetnsLock
-from usproxy.util.ratelimit import RateLimitedLog
+from usproxy.model.config import ProxyConfig
+from usproxy.model.node import NodeFacts, PodCIDRsChanged, node_name, resolve_node, watch_nodeport_addresses
+from usproxy.model.types import NamespacedName, format_hostport
+from usproxy.offload import registry
 from usproxy.sources import NodeEligibility, Source
-from usproxy.model.types import NamespacedName, ServicePortName, format_hostport
+from usproxy.util.errors import AlreadyRunning, ConfigError
+from usproxy.util.locks import NetnsLock
+from usproxy.util.metrics import Metrics
+from usproxy.util.ratelimit import RateLimitedLog
+
+if TYPE_CHECKING:
+    from usproxy.offload.manager import OffloadManager
 
 log = logging.getLogger(__name__)
-
-VIEW_CHUNK = 250  # rows of /services and /flows built between two turns of the loop (~1-2 ms)
-SERVICE_ROW_WORK = 4  # a ServicePort's own row costs about as much as 4 endpoint rows
-
-
-@runtime_checkable
-class ChunkedFlowsView(Protocol):
-    """A datapath whose flows live on the loop and can be listed a chunk at a time (the relay):
-    `flows_chunks(n)` yields lists of at most n /flows rows from a snapshot of its table."""
-
-    def flows_chunks(self, size: int) -> Iterator[list[dict[str, Any]]]: ...
 
 
 def build_datapaths(cfg: ProxyConfig, node: NodeFacts, metrics: Metrics,
                     request_sync: Callable[[], None], events: EventHub | None = None) -> list[Datapath]:
-    """The relay always; kernel offload layers on top when allowed and available.
-    `request_sync` is how the offload manager asks for a sync when a window ends; `events`
-    where it publishes offloads and demotions."""
+    """The relay always; the offload manager over the kernel datapaths `--offload` allows
+    (registry.build) on top. `request_sync` is how the offload manager asks for a sync when a
+    window ends; `events` where it publishes offloads and demotions."""
     from usproxy.relay.relay import Relay, RelaySettings
 
     relay = Relay(RelaySettings.from_config(cfg), node, metrics)
-    if cfg.offload == "none":
+    if not registry.allowed(cfg.offload):
         return [relay]
-    from usproxy.offload.manager import OffloadManager, OffloadSettings, kernel_datapaths
-
-    from usproxy.offload.nftables.datapath import NftablesDatapath
+    from usproxy.offload.kernel_datapath import BuildContext
+    from usproxy.offload.manager import OffloadManager
+    from usproxy.offload.settings import OffloadSettings
 
     settings = OffloadSettings.from_config(cfg)
-    kernels = kernel_datapaths(settings, node)
-    for k in kernels:  # the node's addresses, for loadBalancerSourceRanges (synced after the relay)
-        if isinstance(k, NftablesDatapath):
-            k.node_ips = lambda: [ipaddress.ip_address(a) for a in relay.node_ips]
-    return [relay, OffloadManager(settings, kernels, request_sync=request_sync, metrics=metrics, events=events)]
+    # the node's addresses now, for loadBalancerSourceRanges: the relay's (synced first)
+    ctx = BuildContext(settings, node, node_ips=lambda: [ipaddress.ip_address(a) for a in relay.node_ips])
+    return [relay, OffloadManager(settings, registry.build(ctx), request_sync=request_sync, metrics=metrics,
+                                  events=events)]
 
 
 def uses_api_server(cfg: ProxyConfig) -> bool:
@@ -112,11 +105,11 @@ class Agent:
                  node: NodeFacts | None = None) -> None:
         self.cfg = cfg
         # Real datapaths: one agent per ClusterIP interface, and one offloading agent (the
-        # kernel tables are per namespace), in this network namespace; one BPF agent per pin root
-        # (bpffs is node-wide).
+        # kernel tables are per namespace), in this network namespace; a kernel datapath's own
+        # lock (BPF: one agent per pin root, bpffs is node-wide) is taken in start().
         self._locks = [] if datapaths is not None else [NetnsLock(cfg.vip_interface)] + (
-            [NetnsLock("offload")] if cfg.offload != "none" else []) + (
-            [PinsLock(default_pin_root())] if cfg.offload == "bpf" else [])  # pins are node-wide
+            [NetnsLock("offload")] if registry.allowed(cfg.offload) else [])
+        self._real = datapaths is None
         self.metrics = Metrics()
         self.events = EventHub()
         self.node = node or resolve_node(cfg, kubernetes=uses_api_server(cfg))
@@ -128,6 +121,8 @@ class Agent:
         self.service_health = ServiceHealthServer(self.node, lambda: self.health().healthy,
                                                   exclude_interface=cfg.vip_interface)
         self.proxier.service_health = self.service_health
+        self.views = AgentViews(self.proxier, self.datapaths, self.service_health,
+                                cfg.bpf_lb_mode if cfg.offload == "bpf" else None)
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         self.source: Source | None = None
@@ -143,104 +138,22 @@ class Agent:
         eligible = self.source.node_eligible if isinstance(self.source, NodeEligibility) else True
         return dataclasses.replace(h, node_eligible=eligible)
 
-    def services_view(self) -> list[dict[str, Any]]:
-        """/services rows, one per ServicePort, sorted. Linear in endpoints: whether an endpoint
-        is usable is a set lookup (a tuple scan made 10,000 endpoints cost 8.8 s on the loop).
-        In one piece: the admin server awaits `services()`, which yields to the loop."""
-        out = []
-        external = self._external_view()
-        for spn in sorted(self.proxier.service_map):
-            st = self.proxier.state_of(spn)
-            if st is not None:
-                usable = set(st.cluster_endpoints)
-                out.append(self._service_row(spn, st, [_endpoint_row(ep, usable) for ep in st.endpoints], external))
-        return out
-
     async def services(self) -> list[dict[str, Any]]:
-        """The rows of `services_view()`, built in chunks of about VIEW_CHUNK items (ServicePorts
-        and endpoints) with the loop running between chunks, so a view of 100,000 endpoints does
-        not stall the relay. Each row is one ServicePort's state when its turn came. The list
-        and its rows are new, held by nothing else (usproxy.admin.snapshot encodes and frees
-        them in a worker thread)."""
-        out: list[dict[str, Any]] = []
-        work = 0
-        external = self._external_view()
-        for spn in sorted(self.proxier.service_map):
-            st = self.proxier.state_of(spn)
-            if st is None:
-                continue
-            usable = set(st.cluster_endpoints)
-            eps = []
-            for ep in st.endpoints:
-                eps.append(_endpoint_row(ep, usable))
-                work += 1
-                if work >= VIEW_CHUNK:
-                    work = 0
-                    await asyncio.sleep(0)
-            out.append(self._service_row(spn, st, eps, external))
-            work += SERVICE_ROW_WORK
-        return out
-
-    def _service_row(self, spn: ServicePortName, st: ServicePortState,
-                     endpoints: list[dict[str, Any]], external: ExternalView | None) -> dict[str, Any]:
-        sp = st.service_port
-        where = self.proxier.placement(spn)
-        ext = self._external(spn, st, external)
-        return {
-            "servicePortName": str(spn), "protocol": sp.protocol,
-            "clusterIPs": [str(ip) for ip in sp.cluster_ips], "port": sp.port,
-            "nodePort": sp.node_port, "type": sp.service_type,
-            "externalIPs": [str(ip) for ip in sp.external_ips_all()],
-            "sessionAffinity": sp.session_affinity, "affinityTimeoutSeconds": sp.affinity_timeout,
-            "externalTrafficPolicy": sp.external_traffic_policy,
-            "internalTrafficPolicy": sp.internal_traffic_policy,
-            "endpoints": endpoints,
-            "datapath": where.datapath, "reason": where.reason,
-            "bpfLbMode": bpf_lb_mode(self.cfg, ext),
-            "external": ext.datapath if ext else None, "externalReason": ext.reason if ext else "",
-            "healthCheckNodePort": sp.health_check_node_port,
-            "healthCheckError": self.service_health.error_of(spn.service),
-        }
-
-    def _external_view(self) -> ExternalView | None:
-        """The datapath that tells external placements, looked up once per view: a runtime
-        Protocol check per row was a fifth of /services' cost."""
-        return next((dp for dp in self.datapaths if isinstance(dp, ExternalView)), None)
-
-    def _external(self, spn: ServicePortName, st: ServicePortState, view: ExternalView | None) -> Placement | None:
-        """Which datapath serves `spn` from outside the node (usproxy.offload.external_route)."""
-        if view is not None:
-            return view.external_placement(spn)
-        return external_route.route(st, (), "no kernel datapath configured (--offload none)")
-
-    def service_ports(self, service: NamespacedName | None = None) -> list[ServicePortState]:
-        """Every ServicePort (of `service` only, when given) with its endpoints now, sorted by name
-        (the web view's drawings). The state of each is computed, so names are filtered first:
-        one Service's drawing never costs a pass over 5,000 Services' endpoints."""
-        names = sorted(spn for spn in self.proxier.service_map
-                       if service is None or (spn.namespace, spn.name) == service)
-        states = (self.proxier.state_of(spn) for spn in names)
-        return [st for st in states if st is not None]
+        return await self.views.services()
 
     async def flows(self) -> list[dict[str, Any]]:
-        """/flows: the relay's rows (read on the loop: its flow table lives there) and the kernel
-        datapaths' rows, read in a worker thread: dumping kernel conntrack takes ~0.3 s per
-        1,000 entries and must not stall the relay. The relay's rows are built VIEW_CHUNK at a
-        time with the loop running between chunks (9,800 flows cost 0.15 s in one piece). The
-        list and its rows are new, held by nothing else (as `services()`)."""
-        out: list[dict[str, Any]] = []
-        for dp in self.datapaths:
-            if isinstance(dp, ChunkedFlowsView):
-                for chunk in dp.flows_chunks(VIEW_CHUNK):
-                    out.extend(chunk)
-                    await asyncio.sleep(0)
-            elif not isinstance(dp, FlowsView):
-                continue
-            elif dp.flows_block:
-                out.extend(await asyncio.to_thread(dp.flows_view))
-            else:
-                out.extend(dp.flows_view())
-        return out
+        return await self.views.flows()
+
+    def service_ports(self, service: NamespacedName | None = None) -> list[ServicePortState]:
+        return self.views.service_ports(service)
+
+    def offload_manager(self) -> OffloadManager | None:
+        """The offload manager over the kernel datapaths, if this agent offloads."""
+        if not registry.allowed(self.cfg.offload):
+            return None
+        from usproxy.offload.manager import OffloadManager
+
+        return next((d for d in self.datapaths if isinstance(d, OffloadManager)), None)
 
     # -- running ------------------------------------------------------------------------------
     def _guard(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
@@ -271,26 +184,50 @@ class Agent:
         asyncio.get_running_loop().set_exception_handler(_loop_exception_handler)
         for lock in self._locks:
             await lock.acquire_within(lock.wait)
+        if self._real:
+            await self._take_kernel_locks()
         source = self.source = self._make_source()
-        if self._locks:  # real datapaths, and their input parsed: clear what they will not use
+        if self._real:  # real datapaths, and their input parsed: clear what they will not use
             await self._remove_leftovers()
         await self.admin.start()
         for role, addr in self.admin.bound.items():
             log.info("serving %s on %s", role, format_hostport(addr[0], addr[1]))
         self._guard("sync-runner", self.proxier.runner.loop())
         self._guard("source", source.run())
-        if self._locks:  # real datapaths: they follow this node's NodePort addresses
+        if self._real:  # real datapaths: they follow this node's NodePort addresses
             self._guard("nodeport-addresses", watch_nodeport_addresses(
                 self.node, self.cfg.vip_interface, self._nodeport_addresses_changed))
 
+    async def _take_kernel_locks(self) -> None:
+        """Take the lock each built kernel datapath declares (BPF: its node-wide pin root). Held
+        by a running agent: asked for by name (`--offload bpf`) that is AlreadyRunning (exit 1);
+        under `auto` that datapath leaves the ladder, with the reason in its placements."""
+        manager = self.offload_manager()
+        if manager is None:
+            return
+        for k in list(manager.kernels):
+            declaration = registry.BY_NAME.get(k.name)
+            if declaration is None or declaration.lock is None:
+                continue
+            lock = declaration.lock(self.cfg)
+            try:
+                await lock.acquire_within(lock.wait)
+            except AlreadyRunning as err:
+                if self.cfg.offload == k.name:
+                    raise
+                log.warning("%s datapath left out: %s", k.name, err)
+                manager.leave_out(k.name, str(err))
+                continue
+            self._locks.append(lock)
+
     async def _remove_leftovers(self) -> None:
-        """Remove an earlier run's kernel state for the datapaths this run does not use
+        """Remove an earlier run's kernel state of the datapaths this run does not use
         (cleanup.remove_leftovers, as kube-proxy's platformCleanup), holding this netns's offload
         lock: with --offload none it is taken just for this, and when another agent holds it
         (it offloads here: the tables are its own) nothing is removed."""
         from usproxy.app.cleanup import remove_leftovers
 
-        lock = NetnsLock("offload") if self.cfg.offload == "none" else None
+        lock = None if registry.allowed(self.cfg.offload) else NetnsLock("offload")
         try:
             if lock is not None:
                 lock.acquire()
@@ -298,54 +235,25 @@ class Agent:
             log.info("kept the kernel tables of this network namespace: %s", err)
             return
         try:
-            await remove_leftovers(self._kernel_names())
+            await remove_leftovers(self.cfg, self._kernel_names())
         finally:
             if lock is not None:
                 lock.release()
-        if self.cfg.offload != "bpf":
-            await self._remove_bpf_leftovers()
-
-    async def _remove_bpf_leftovers(self) -> None:
-        """Remove an earlier `--offload bpf` run's programs and pins (cleanup.remove_bpf_leftovers)
-        when there are any, holding their pin root's lock: when a running agent holds it (another
-        network namespace offloads to BPF with this pin root), nothing is removed."""
-        root = default_pin_root()
-        if not has_pins(root):
-            return
-        from usproxy.app.cleanup import remove_bpf_leftovers
-
-        lock = PinsLock(root)
-        try:
-            lock.acquire()
-        except AlreadyRunning as err:
-            log.info("kept the BPF programs and pins under %s: %s", root, err)
-            return
-        try:
-            await remove_bpf_leftovers(self.cfg.bpf_cgroup, root)
-        finally:
-            lock.release()
 
     async def _nodeport_addresses_changed(self) -> None:
         """The NodePort addresses changed: the kernel datapaths that read them themselves read
         them again (NodeAddressFollower), then every datapath gets a full sync (the relay's
         listeners, nftables' nodeport-ips)."""
-        if self.cfg.offload != "none":
-            from usproxy.offload.kernel_datapath import NodeAddressFollower
-            from usproxy.offload.manager import OffloadManager
-
-            for d in self.datapaths:
-                for k in d.kernels if isinstance(d, OffloadManager) else ():
-                    if isinstance(k, NodeAddressFollower):
-                        await k.node_addresses_changed()
+        manager = self.offload_manager()
+        for k in manager.kernels if manager is not None else ():
+            if isinstance(k, NodeAddressFollower):
+                await k.node_addresses_changed()
         self.proxier.request_full_sync()
 
     def _kernel_names(self) -> frozenset[str]:
         """The kernel datapaths this run built (empty with --offload none)."""
-        if self.cfg.offload == "none":
-            return frozenset()
-        from usproxy.offload.manager import OffloadManager
-
-        return frozenset(k.name for d in self.datapaths if isinstance(d, OffloadManager) for k in d.kernels)
+        manager = self.offload_manager()
+        return frozenset(k.name for k in manager.kernels) if manager is not None else frozenset()
 
     def _make_source(self) -> Source:
         if self.cfg.services is not None:
@@ -390,21 +298,7 @@ class Agent:
             lock.release()
 
 
-def bpf_lb_mode(cfg: ProxyConfig, external: Placement | None) -> str | None:
-    """/services' bpfLbMode: --bpf-lb-mode ("snat" or "dsr", usproxy/offload/bpf/dsr.h) for a
-    ServicePort whose traffic from outside the node the tc programs serve (its NodePort, externalIPs
-    and LoadBalancer IPs alike, as Cilium's bpf-lb-mode), else None."""
-    if external is None or external.datapath != "tc" or cfg.offload != "bpf":
-        return None
-    return cfg.bpf_lb_mode
-
-
 _limited = RateLimitedLog(log)
-def _endpoint_row(ep: Endpoint, usable: set[Endpoint]) -> dict[str, Any]:
-    return {"address": str(ep), "ready": ep.ready, "serving": ep.serving, "terminating": ep.terminating,
-            "nodeName": ep.node_name, "usable": ep in usable}
-
-
 def _loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """Errors the loop reports (e.g. accept() failing with EMFILE, after which asyncio backs off
     and retries by itself) are logged at a bounded rate instead of once per event."""

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from usproxy.model.datapath_name import KERNEL_DATAPATH_NAMES, OFFLOAD_MODES
 from usproxy.model.config import (
     ProxyConfig,
     load_kube_proxy_configuration,
@@ -36,10 +37,11 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--kubeconfig", type=Path, help="watch the API server of this kubeconfig")
     p.add_argument("--config", type=Path, help="a KubeProxyConfiguration file; flags override it")
     d = ProxyConfig()  # the defaults the help states are the ones the agent uses
-    p.add_argument("--offload", choices=["auto", "nftables", "bpf", "none"],
-                   help="kernel datapaths that may serve ServicePorts: auto = BPF for this node's own "
-                        "connections and nftables for forwarded ones, whichever this kernel has; none = "
-                        f"the relay serves everything (default {d.offload})")
+    p.add_argument("--offload", choices=OFFLOAD_MODES,
+                   help="kernel datapaths that may serve ServicePorts: auto = the ladder "
+                        f"{' -> '.join(KERNEL_DATAPATH_NAMES)} -> relay, per traffic kind the first this "
+                        "kernel has; a name = that one only; none = the relay serves everything "
+                        f"(default {d.offload})")
     p.add_argument("--offload-after", type=float, metavar="SECONDS",
                    help="a ServicePort's endpoints must be unchanged this long before it is offloaded; "
                         f"the relay serves it meanwhile (default {d.offload_after:g})")

@@ -6,19 +6,22 @@ flows and conntrack entries can be cleared. A full resync hands every ServicePor
 their own installed view and touch only what differs. `FakeDatapath` records state and renders
 `dump()` text for unit tests.
 
-What only some datapaths offer is declared as Protocols the agent checks with isinstance:
-FlowsView (rows for /flows).
+What only some datapaths offer is declared here, next to Datapath, as Protocols their callers
+check with isinstance, each saying who calls it: FlowsView and ChunkedFlowsView (/flows),
+ExternalView (/services' external route), ServiceCIDRHandler (the cluster's Service CIDRs), and
+two that kernel datapaths (usproxy/offload/kernel_datapath.py) offer the offload manager and the
+agent: NodeAddressFollower and ExternalServing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from usproxy.model.endpoint import Endpoint
 from usproxy.model.service_port import ServicePort
-from usproxy.model.types import ServicePortName, format_hostport
+from usproxy.model.types import IPNetwork, ServicePortName, format_hostport
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +81,59 @@ class Datapath(Protocol):
         """Release what this datapath holds (on agent shutdown)."""
 
 
+# -- optional protocols: what only some datapaths offer ------------------------------------------
 @runtime_checkable
 class FlowsView(Protocol):
-    """A datapath that lists the flows it carries for /flows (the relay's flow table, kernel
-    conntrack entries of offloaded ServicePorts)."""
+    """Called by the agent for /flows: the flows a datapath carries (the relay's flow table,
+    kernel conntrack entries of offloaded ServicePorts)."""
 
     flows_block: bool  # True: listing dumps kernel state, so the agent calls it in a worker thread
 
     def flows_view(self) -> list[dict[str, Any]]:
         """One dict per flow, in the /flows row format."""
+
+
+@runtime_checkable
+class ChunkedFlowsView(Protocol):
+    """Called by the agent for /flows instead of FlowsView when the flows live on the loop (the
+    relay): `flows_chunks(n)` yields lists of at most n rows from a snapshot of its table."""
+
+    def flows_chunks(self, size: int) -> Iterator[list[dict[str, Any]]]: ...
+
+
+@runtime_checkable
+class ExternalView(Protocol):
+    """Called by the agent for /services' external route of a ServicePort (the offload manager:
+    which datapath serves its traffic from outside the node, and why)."""
+
+    def external_placement(self, spn: ServicePortName) -> Placement | None: ...
+
+
+@runtime_checkable
+class ServiceCIDRHandler(Protocol):
+    """Called by the sources (on the Proxier) and by the Proxier and the offload manager (on
+    datapaths) with the cluster's Service CIDRs (kube-proxy's ServiceCIDRHandler): the complete,
+    collapsed set after each change, both families."""
+
+    def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None: ...
+
+
+@runtime_checkable
+class NodeAddressFollower(Protocol):
+    """Called by the agent when the NodePort addresses change, before the full sync that change
+    asks for: a kernel datapath that reads the node's addresses itself reads them again (BPF's
+    tc programs: usp_tc_addrs)."""
+
+    async def node_addresses_changed(self) -> None: ...
+
+
+@runtime_checkable
+class ExternalServing(Protocol):
+    """Called by the offload manager (usproxy/offload/external_route.py) for /services: how this
+    kernel datapath serves a ServicePort's traffic from outside the node (BpfDatapath: a Placement
+    whose datapath is its own path, "tc", or "relay" with the reason it leaves the traffic there)."""
+
+    def external_route(self, state: ServicePortState) -> Placement: ...
 
 
 class FakeDatapath:

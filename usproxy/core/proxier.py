@@ -31,7 +31,8 @@ from typing import Protocol
 from prometheus_client.core import GaugeMetricFamily
 
 from usproxy.util.metrics import Metrics
-from usproxy.core.datapath import Datapath, Placement, ServicePortState, SyncRequest
+from usproxy.model.datapath_name import DATAPATH_NAMES
+from usproxy.core.datapath import Datapath, Placement, ServiceCIDRHandler, ServicePortState, SyncRequest
 from usproxy.model.endpoint import Endpoint, categorize
 from usproxy.model.endpoint_slice import EndpointSlice
 from usproxy.core.frontend_claims import CLUSTER_IP, FrontendClaims, describe, without_frontends
@@ -40,7 +41,6 @@ from usproxy.core.endpoints_change_tracker import (EndpointsChangeTracker, Endpo
                                               endpoints_diff, merge_taken)
 from usproxy.model.node import NodeFacts
 from usproxy.model.service import Service
-from usproxy.model.service_cidr import ServiceCIDRHandler
 from usproxy.core.service_change_tracker import ServiceChangeTracker, ServicePortMap
 from usproxy.core.sync_runner import SyncRunner
 from usproxy.model.types import IPAddress, IPNetwork, NamespacedName, ServicePortName
@@ -204,7 +204,7 @@ class Proxier:
 
     def placement_counts(self) -> dict[str, int]:
         """ServicePorts per serving datapath (computed when /metrics is scraped, not per sync)."""
-        counts = {"userspace": 0, "nftables": 0, "bpf": 0}
+        counts: dict[str, int] = dict.fromkeys(DATAPATH_NAMES, 0)
         for spn in self.service_map:
             where = self.placement(spn).datapath
             counts[where] = counts.get(where, 0) + 1
@@ -214,7 +214,7 @@ class Proxier:
         """`placement_counts()`, PLACEMENT_CHUNK ServicePorts at a time with the loop running
         between chunks (5,000 in one piece: ~10 ms). Each ServicePort is counted as it is when
         its turn comes; one removed meanwhile is not counted."""
-        counts = {"userspace": 0, "nftables": 0, "bpf": 0}
+        counts: dict[str, int] = dict.fromkeys(DATAPATH_NAMES, 0)
         names = list(self.service_map)
         for at in range(0, len(names), PLACEMENT_CHUNK):
             for spn in names[at:at + PLACEMENT_CHUNK]:

@@ -17,12 +17,12 @@ from typing import Any, Literal
 import yaml
 
 from usproxy.model.types import IPNetwork, parse_cidr_sloppy
+from usproxy.model.datapath_name import OffloadMode
 from usproxy.util.errors import ConfigError
 from usproxy.model.service_port import LBPolicy
 
 log = logging.getLogger(__name__)
 
-OffloadMode = Literal["auto", "nftables", "bpf", "none"]
 BpfLbMode = Literal["snat", "dsr"]
 BPF_LB_MODES: tuple[BpfLbMode, ...] = ("snat", "dsr")
 

@@ -19,11 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+from usproxy.model.datapath_name import DATAPATH_NAMES, DatapathName
 from usproxy.model.fields import Fields, describe
 from usproxy.model.service_port import (
     DEFAULT_AFFINITY_TIMEOUT,
     MAX_AFFINITY_TIMEOUT,
-    DatapathName,
     LBPolicy,
     ServicePort,
     ServiceType,
@@ -41,7 +41,6 @@ LB_POLICY_ANNOTATION = "usproxy.io/lb-policy"
 DATAPATH_ANNOTATION = "usproxy.io/datapath"
 _IANA_NAME = re.compile(r"(?=.*[a-z])[a-z0-9](?:[a-z0-9-]{0,13}[a-z0-9])?")  # as validation.IsValidPortName
 LB_POLICIES = ("roundRobin", "random", "leastConnections")
-DATAPATHS = ("userspace", "nftables", "bpf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +172,7 @@ def parse_service(raw: Mapping[str, Any]) -> Service:
         if stype == "LoadBalancer" else (),
         traffic_distribution=spec.opt_str("trafficDistribution"),
         lb_policy=cast(LBPolicy | None, _annotation(meta, annotations, LB_POLICY_ANNOTATION, LB_POLICIES)),
-        datapath=cast(DatapathName | None, _annotation(meta, annotations, DATAPATH_ANNOTATION, DATAPATHS)),
+        datapath=cast(DatapathName | None, _annotation(meta, annotations, DATAPATH_ANNOTATION, DATAPATH_NAMES)),
         labels=tuple(sorted(meta.str_map("labels").items())),
     )
     common["health_check_node_port"] = _health_check_node_port(spec, stype, common["external_traffic_policy"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from usproxy.util.errors import ConfigError
 from usproxy.model.fields import is_dns1123_subdomain
@@ -34,14 +34,6 @@ class ServiceCIDR:
 
     name: str
     cidrs: tuple[IPNetwork, ...]
-
-
-@runtime_checkable
-class ServiceCIDRHandler(Protocol):
-    """What takes the cluster's Service CIDRs (kube-proxy's ServiceCIDRHandler): the complete,
-    collapsed set after each change, both families."""
-
-    def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None: ...
 
 
 def parse_service_cidr(raw: Mapping[str, Any]) -> ServiceCIDR:

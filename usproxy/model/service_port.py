@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
+from usproxy.model.datapath_name import DatapathName
 from usproxy.model.types import IPNetwork
 from usproxy.model.types import IPAddress, Protocol, ServicePortName, format_hostport
 
@@ -16,7 +17,6 @@ SessionAffinity: TypeAlias = Literal["None", "ClientIP"]
 TrafficPolicy: TypeAlias = Literal["Cluster", "Local"]
 ServiceType: TypeAlias = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 LBPolicy: TypeAlias = Literal["roundRobin", "random", "leastConnections"]
-DatapathName: TypeAlias = Literal["userspace", "nftables", "bpf"]
 
 DEFAULT_AFFINITY_TIMEOUT = 10800  # seconds, v1.DefaultClientIPServiceAffinitySeconds
 MAX_AFFINITY_TIMEOUT = 86400  # seconds, v1.MaxClientIPServiceAffinitySeconds

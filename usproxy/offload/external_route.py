@@ -12,29 +12,12 @@ A ServicePort without external frontends has no external route (None).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
-from usproxy.core.datapath import Placement, ServicePortState
+from usproxy.core.datapath import ExternalServing, Placement, ServicePortState
 from usproxy.offload.kernel_datapath import KernelDatapath
 from usproxy.model.service_port import ServicePort
-from usproxy.model.types import ServicePortName
 
 RELAY = "relay"
-
-
-@runtime_checkable
-class ExternalServing(Protocol):
-    """A kernel datapath that says how it serves external traffic (BpfDatapath): a Placement whose
-    datapath is its own path ("tc"), or RELAY with the reason it leaves the traffic there."""
-
-    def external_route(self, state: ServicePortState) -> Placement: ...
-
-
-@runtime_checkable
-class ExternalView(Protocol):
-    """What the agent asks per ServicePort (the offload manager)."""
-
-    def external_placement(self, spn: ServicePortName) -> Placement | None: ...
 
 
 def has_external(sp: ServicePort) -> bool:

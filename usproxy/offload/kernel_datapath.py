@@ -5,20 +5,34 @@ external IPs, as far as it serves that traffic kind) and the endpoints to pick f
 atomic transaction: it either installs all the given changes or raises OffloadError and changes
 nothing. `read_back` returns what the kernel holds now (after an agent restart, to reconcile as a
 diff instead of rebuilding from empty, field case C20).
+
+What only some datapaths offer (NodeAddressFollower, ExternalServing, ServiceCIDRHandler, ...) is
+declared in one place, usproxy/core/datapath.py, next to the Datapath interface. Each kernel
+datapath declares which of them it implements in its KernelDatapathDeclaration, the record
+usproxy/offload/registry.py lists: a test holds every built datapath to its declaration.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from usproxy.core.datapath import ServicePortState
 from usproxy.model.endpoint import Endpoint
-from usproxy.model.types import ServicePortName
+from usproxy.model.datapath_name import KernelDatapathName
+from usproxy.model.service_port import LBPolicy
+from usproxy.model.types import IPAddress, ServicePortName
+
+if TYPE_CHECKING:
+    from usproxy.model.config import ProxyConfig
+    from usproxy.model.node import NodeFacts
+    from usproxy.offload.settings import OffloadSettings
+    from usproxy.util.locks import NetnsLock
 
 TrafficKind = Literal["local", "forwarded"]
 """local: connections made by processes on this node; forwarded: packets routed through it."""
+ALL_TRAFFIC: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +81,42 @@ class KernelDatapath(Protocol):
         """Release this process's threads and descriptors; what is installed stays (C20)."""
 
 
-@runtime_checkable
-class NodeAddressFollower(Protocol):
-    """A kernel datapath that reads the node's addresses itself and must read them again when the
-    NodePort addresses change (BPF's tc programs: usp_tc_addrs); the agent awaits it before the
-    full sync that change asks for."""
+# -- the declaration a kernel datapath gives the registry -----------------------------------------
+@dataclass(frozen=True, slots=True)
+class BuildContext:
+    """What building a kernel datapath may use: the offload settings, this node's facts, the
+    node's addresses now (the relay's, for loadBalancerSourceRanges) and the network namespace
+    (None: this process's)."""
 
-    async def node_addresses_changed(self) -> None: ...
+    settings: OffloadSettings
+    node: NodeFacts
+    node_ips: Callable[[], Sequence[IPAddress]] = tuple
+    netns: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KernelDatapathDeclaration:
+    """One kernel datapath as the agent, the CLI, `--cleanup` and `usproxy check` know it.
+
+    Every callable imports the datapath's code only when called, so reading the registry loads no
+    libbpf or libnftables. `build` may leave out a datapath `--offload` asks for only by name
+    (returns None); `remove` deletes everything it ever installed (raises on failure);
+    `leftovers` names what an earlier run left without changing anything; `lock` is a lock an
+    agent running it holds beyond its network namespace's (BPF: the node-wide pin root)."""
+
+    name: KernelDatapathName
+    summary: str  # one line: what it is, for --help and `usproxy check`
+    serves: frozenset[TrafficKind]  # the traffic it can carry at best
+    lb_policies: frozenset[LBPolicy]  # the usproxy.io/lb-policy values it serves; others stay in the relay
+    build: Callable[[BuildContext], KernelDatapath | None]
+    probes: Callable[[ProxyConfig], list[Capability]]
+    leftovers: Callable[[ProxyConfig], Awaitable[list[str]]]
+    remove: Callable[[ProxyConfig], Awaitable[None]]
+    lock: Callable[[ProxyConfig], NetnsLock] | None = None
+    optional: tuple[type, ...] = field(default=())  # the optional protocols its datapath implements
+
+    def policy_gap(self, policy: LBPolicy) -> str | None:
+        """Why this datapath cannot serve `policy`, or None (placement checks membership)."""
+        if policy in self.lb_policies:
+            return None
+        return f"lb-policy {policy} is not served by {self.name} (it serves {', '.join(sorted(self.lb_policies))})"

@@ -29,50 +29,23 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from usproxy.core.events import EventHub
 from usproxy.util.metrics import Metrics
-from usproxy.model.config import BpfLbMode, OffloadMode, ProxyConfig, parse_cidrs
 from usproxy.model.types import IPNetwork
-from usproxy.core.datapath import Placement, ServicePortState, SyncRequest
+from usproxy.core.datapath import Placement, ServiceCIDRHandler, ServicePortState, SyncRequest
 from usproxy.model.endpoint import Endpoint
 from usproxy.util.errors import OffloadError
-from usproxy.model.node import NodeFacts
-from usproxy.offload import external_route
-from usproxy.offload.kernel_datapath import Capability, KernelDatapath, TrafficKind
+from usproxy.offload import external_route, registry
+from usproxy.offload.kernel_datapath import ALL_TRAFFIC, Capability, KernelDatapath, KernelDatapathDeclaration
+from usproxy.offload.settings import OffloadSettings
 from usproxy.offload.reason import ESTABLISHED, ESTABLISHING, NO_DATAPATH, PINNED, REMOVED, Cause, Fault, Phase, Reason
-from usproxy.model.service_cidr import ServiceCIDRHandler
-from usproxy.model.service_port import LBPolicy
 from usproxy.model.types import IPAddress, ServicePortName
 
 log = logging.getLogger(__name__)
 
-ALL_TRAFFIC: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
 Changes = dict[ServicePortName, ServicePortState | None]
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadSettings:
-    """What the offload layer takes from the agent's settings: which kernel datapaths
-    (--offload), the window (--offload-after, seconds), the default lb-policy and the cgroup the
-    BPF socket LB attaches to."""
-
-    mode: OffloadMode
-    offload_after: float
-    lb_policy: LBPolicy
-    bpf_cgroup: Path
-    service_cidrs: tuple[IPNetwork, ...] = ()  # --service-cidr
-    vip_interface: str = "usproxy0"  # its addresses never serve NodePorts
-    bpf_lb_mode: BpfLbMode = "snat"  # --bpf-lb-mode: NodePorts at tc with SNAT or DSR
-    bpf_lb_acceleration: str = "disabled"  # --bpf-lb-acceleration: "native" adds XDP to tc
-
-    @classmethod
-    def from_config(cls, cfg: ProxyConfig) -> OffloadSettings:
-        return cls(cfg.offload, cfg.offload_after, cfg.lb_policy, cfg.bpf_cgroup,
-                   parse_cidrs(cfg.service_cidrs, "--service-cidr"), cfg.vip_interface, cfg.bpf_lb_mode,
-                   cfg.bpf_lb_acceleration)
 
 
 @dataclass
@@ -112,8 +85,13 @@ class OffloadManager:
 
     def __init__(self, settings: OffloadSettings, kernels: Sequence[KernelDatapath] = (), *,
                  request_sync: Callable[[], None], metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic, events: EventHub | None = None) -> None:
-        """`events`: where offloads and demotions are published as they happen (the web view)."""
+                 clock: Callable[[], float] = time.monotonic, events: EventHub | None = None,
+                 declared: Mapping[str, KernelDatapathDeclaration] | None = None) -> None:
+        """`events`: where offloads and demotions are published as they happen (the web view);
+        `declared`: the kernel datapaths' declarations by name (default: the registry's), whose
+        LB policies placement checks."""
+        self.declared = declared if declared is not None else registry.BY_NAME
+        self.default_policy = settings.lb_policy
         self.offload_after = settings.offload_after
         self.events = events
         self.metrics = metrics or Metrics()
@@ -148,6 +126,14 @@ class OffloadManager:
                 if cap.available:
                     self._usable.append(k)
         return self._usable
+
+    def leave_out(self, name: str, why: str) -> None:
+        """Take the kernel datapath `name` out of the ladder before the first sync (the agent:
+        its declared lock is held by another agent under `--offload auto`); placements say why."""
+        for k in [k for k in self.kernels if k.name == name]:
+            self.kernels.remove(k)
+            k.close()
+        self.capabilities[name] = Capability(name, False, why)
 
     def _kernel(self, name: str) -> KernelDatapath:
         return next(k for k in self.kernels if k.name == name)
@@ -218,7 +204,7 @@ class OffloadManager:
         for k in kernels:
             if not k.traffic & needed:
                 continue
-            why = k.unsupported(port.state)
+            why = self._unsupported(k, port.state)
             if why is not None:
                 faults.append(Fault(k.name, Cause.UNSUPPORTED, why))
                 continue
@@ -231,6 +217,14 @@ class OffloadManager:
         if port.refused is not None:
             return (), Reason(Phase.DEMOTED, (port.refused,)), True
         return (), ESTABLISHING, True
+
+    def _unsupported(self, k: KernelDatapath, state: ServicePortState) -> str | None:
+        """Why `k` cannot serve `state`: an LB policy its declaration does not list (the
+        ServicePort's usproxy.io/lb-policy, else --lb-policy), or the datapath's own answer."""
+        policy = state.service_port.lb_policy or self.default_policy
+        declaration = self.declared.get(k.name)
+        gap = f"{k.name} declares no LB policies" if declaration is None else declaration.policy_gap(policy)
+        return gap or k.unsupported(state)
 
     def _plan(self, now: float, installed: Mapping[str, Mapping[ServicePortName, tuple[Endpoint, ...]]]) -> _Plan:
         plan = _Plan()
@@ -449,26 +443,3 @@ class OffloadManager:
             self._cleaner.cancel()
         for k in self.kernels:
             k.close()
-
-
-def kernel_datapaths(settings: OffloadSettings, node: NodeFacts, netns: str | None = None) -> list[KernelDatapath]:
-    """The kernel datapaths `--offload` allows, best first: BPF (local traffic at connect time),
-    then nftables. A datapath that cannot even be constructed is skipped with a log line."""
-    out: list[KernelDatapath] = []
-    if settings.mode in ("auto", "bpf"):
-        try:
-            from usproxy.offload.bpf.datapath import BpfDatapath
-
-            # tc NodePorts only when BPF is asked for by name: `auto` keeps them with nftables
-            nodeport = node.nodeport_cidrs if settings.mode == "bpf" else None
-            out.append(BpfDatapath(settings.bpf_cgroup, selection=settings.lb_policy, nodeport_cidrs=nodeport,
-                                   lb_mode=settings.bpf_lb_mode,
-                                   acceleration=settings.bpf_lb_acceleration))
-        except Exception as err:
-            log.warning("bpf datapath not loaded: %s", err)
-    if settings.mode in ("auto", "nftables"):
-        from usproxy.offload.nftables.datapath import NftablesDatapath
-
-        out.append(NftablesDatapath(netns=netns, lb_policy=settings.lb_policy, node=node,
-                                    service_cidrs=settings.service_cidrs, clusterip_interface=settings.vip_interface))
-    return out

@@ -13,49 +13,18 @@ kernel instead of being unroutable, and offloaded traffic from local processes k
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import errno
 import ipaddress
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 from usproxy.model.types import IPAddress
+from usproxy.util.netlink_worker import NetlinkWorker
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 IFA_F_NODAD = 0x02
 KINDS = ("dummy", "bridge")
-
-
-class NetlinkWorker:
-    """One thread owning one pyroute2 IPRoute socket."""
-
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="netlink")
-        self._ipr: Any = None
-
-    def _ip(self) -> Any:
-        if self._ipr is None:
-            from pyroute2 import IPRoute
-
-            self._ipr = IPRoute(use_event_loop=asyncio.SelectorEventLoop())
-        return self._ipr
-
-    def call_sync(self, fn: Callable[[Any], T]) -> T:
-        return self._pool.submit(lambda: fn(self._ip())).result()
-
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        return await asyncio.wrap_future(self._pool.submit(lambda: fn(self._ip())))
-
-    def close(self) -> None:
-        def shut() -> None:
-            if self._ipr is not None:
-                self._ipr.close()
-                self._ipr = None
-        self._pool.submit(shut).result()
-        self._pool.shutdown(wait=True)
 
 
 def _link_index(ipr: Any, name: str) -> int | None:

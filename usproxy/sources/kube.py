@@ -54,7 +54,8 @@ from usproxy.util.errors import ConfigError, SourceError
 from usproxy.util.gc_pause import gc_paused, promote_survivors
 from usproxy.model.service import PROXY_NAME, PROXY_NAME_LABEL, Service, parse_service, skip_reason
 from usproxy.sources import Provider, hold_syncs
-from usproxy.model.service_cidr import ServiceCIDR, ServiceCIDRHandler, ServiceCIDRTracker, parse_service_cidr
+from usproxy.core.datapath import ServiceCIDRHandler
+from usproxy.model.service_cidr import ServiceCIDR, ServiceCIDRTracker, parse_service_cidr
 from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICE_CIDRS, SERVICES, ApiListWatch
 from usproxy.sources.reflector import ApiError, ListResult, ListWatch, RawObject, WatchEvent, Reflector, ReflectorOptions
 from usproxy.util.time_slice import TimeSlice

@@ -44,7 +44,8 @@ from usproxy.model.manifest import ManifestReadError, Manifests, load_file, mani
 from usproxy.model.node import NodeFacts
 from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.model.service import Service
-from usproxy.model.service_cidr import ServiceCIDRHandler, ServiceCIDRTracker
+from usproxy.core.datapath import ServiceCIDRHandler
+from usproxy.model.service_cidr import ServiceCIDRTracker
 from usproxy.sources import Provider, hold_syncs
 from usproxy.util.time_slice import TimeSlice
 from usproxy.model.types import IPNetwork, NamespacedName

@@ -133,6 +133,8 @@ def test_agent_offloads_to_bpf_and_survives_restart(bpf_env: Env, tmp_path: Path
 class RelayAgent(Agent):
     """An agent without BPF (`--offload none`) in netns `ns`, with the same pin root."""
 
+    offload = "none"
+
     def __init__(self, env: Env, manifests: Path, log: Path, ns: str) -> None:
         super().__init__(env, manifests, log)
         self.ns = ns
@@ -143,7 +145,8 @@ class RelayAgent(Agent):
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self._cmd(
-                "--services", str(self.manifests), "--offload", "none", "--bpf-cgroup", str(self.env.cgroup),
+                "--services", str(self.manifests), "--offload", self.offload, "--offload-after", self.offload_after,
+                "--bpf-cgroup", str(self.env.cgroup),
                 "--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249"),
                 env=self._environ(), stdout=out, stderr=out)
         self.env.procs.append(self.proc)  # type: ignore[arg-type]
@@ -203,9 +206,9 @@ def test_an_agent_without_bpf_removes_an_earlier_runs_programs_and_pins(bpf_env:
     relay.stop()
 
 
-def test_pins_a_running_bpf_agent_holds_are_kept(bpf_env: Env, tmp_path: Path) -> None:
-    """The pin root is node-wide: an agent without BPF in another network namespace, with the same
-    pin root, leaves a running BPF agent's programs and pins alone (its lock is held)."""
+def _bpf_agent_and_a_second_namespace(bpf_env: Env, tmp_path: Path) -> tuple[str, str, Agent]:
+    """Two pods, a client namespace and another one, and a running `--offload bpf` agent that
+    serves web on the socket LB."""
     bpf_env.server("be-a", "10.244.1.5", 8080)
     bpf_env.server("be-b", "10.244.2.5", 8080)
     cli = bpf_env.client_ns("cli", "10.244.9.10")
@@ -214,6 +217,13 @@ def test_pins_a_running_bpf_agent_holds_are_kept(bpf_env: Env, tmp_path: Path) -
     bpf_agent = Agent(bpf_env, tmp_path / "services.yaml", tmp_path / "bpf.log")
     bpf_agent.start()
     bpf_agent.wait_bpf()
+    return cli, other, bpf_agent
+
+
+def test_pins_a_running_bpf_agent_holds_are_kept(bpf_env: Env, tmp_path: Path) -> None:
+    """The pin root is node-wide: an agent without BPF in another network namespace, with the same
+    pin root, leaves a running BPF agent's programs and pins alone (its lock is held)."""
+    cli, other, bpf_agent = _bpf_agent_and_a_second_namespace(bpf_env, tmp_path)
     relay = RelayAgent(bpf_env, tmp_path / "services.yaml", tmp_path / "relay.log", other)
     relay.start()
     log = relay.wait_log("kept the BPF programs and pins under")
@@ -225,3 +235,73 @@ def test_pins_a_running_bpf_agent_holds_are_kept(bpf_env: Env, tmp_path: Path) -
     relay.stop()
     bpf_agent.stop()
     assert bpf_agent.cleanup().returncode == 0
+
+
+class AutoAgent(RelayAgent):
+    """An agent with the default `--offload auto` in netns `ns`, with the same pin root."""
+
+    offload = "auto"
+
+    def get(self, path: str) -> Any:
+        with inside(self.ns), urllib.request.urlopen(f"http://127.0.0.1:10249{path}", timeout=5) as r:
+            body = r.read().decode()
+        return body if path == "/metrics" else json.loads(body)
+
+    def wait_datapath(self, datapath: str, timeout: float = 20) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
+            try:
+                rows = [r for r in self.get("/services") if r["servicePortName"] == "default/web:http"]
+                if rows and rows[0]["datapath"] == datapath:
+                    return dict(rows[0])
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"web never placed on {datapath}:\n{self.log.read_text()[-3000:]}")
+
+
+def test_an_auto_agent_leaves_bpf_to_the_agent_that_holds_its_pins(bpf_env: Env, tmp_path: Path) -> None:
+    """The pin root is node-wide and one agent owns it: under `auto`, an agent that finds it held
+    goes on down the ladder without BPF (nftables here) and says why, where `--offload bpf` would
+    exit 1; the owner's socket LB keeps serving."""
+    cli, other, bpf_agent = _bpf_agent_and_a_second_namespace(bpf_env, tmp_path)
+    auto = AutoAgent(bpf_env, tmp_path / "services.yaml", tmp_path / "auto.log", other)
+    auto.start()
+    log = auto.wait_log("bpf datapath left out")
+    assert f"uses the BPF pins under {bpf_env.pin_root}" in log, log
+    row = auto.wait_datapath("nftables")
+    assert "bpf" not in row["datapath"], row
+    assert set(attached_programs(bpf_env.cgroup)) == set(loader.PROGRAMS)
+    relayed = bpf_agent.relay_flows()
+    assert bpf_env.run(cli, "tcp", "10.96.10.10", 80, 10)["errors"] == {}
+    assert bpf_agent.relay_flows() == relayed  # still the owner's socket LB
+    auto.stop()
+    bpf_agent.stop()
+    assert bpf_agent.cleanup().returncode == 0
+
+
+def test_an_auto_agent_restarted_adopts_its_bpf_pins(bpf_env: Env, tmp_path: Path) -> None:
+    """`auto` uses the socket LB, so a restart with `auto` adopts its pins (C20) instead of
+    removing them as leftovers of another mode; a connection translated before keeps talking."""
+    bpf_env.server("be-a", "10.244.1.5", 8080)
+    bpf_env.server("be-b", "10.244.2.5", 8080)
+    cli = bpf_env.client_ns("cli", "10.244.9.10")
+    _manifests(tmp_path / "services.yaml")
+    auto = AutoAgent(bpf_env, tmp_path / "services.yaml", tmp_path / "auto.log", bpf_env.topo.node)
+    auto.start()
+    auto.wait_datapath("bpf+nftables")
+    hold = bpf_env.start(cli, "hold", "10.96.10.10", 80, "-", 0)
+    assert hold.stdout is not None and hold.stdout.readline().strip() == "tick"
+    auto.stop()
+    auto.start()
+    auto.wait_datapath("bpf+nftables")
+    log = auto.log.read_text()
+    assert "removed BPF programs and pins" not in log and "maps read back from pins" in log, log[-3000:]
+    assert bpf_env.run(cli, "tcp", "10.96.10.10", 80, 20)["errors"] == {}
+    auto.stop()
+    out_text, _ = hold.communicate(input="", timeout=10)
+    summary = json.loads(out_text.strip().splitlines()[-1])
+    assert summary["fails"] == 0 and summary["tcp_ok"] > 0, summary
+    assert auto.cleanup().returncode == 0
+    assert attached_programs(bpf_env.cgroup) == {}

@@ -63,8 +63,6 @@ def test_unsupported_service_ports() -> None:
     sctp = spn("s", "", "SCTP")
     assert "SCTP" in (dp.unsupported(state(sctp, "10.96.0.1", 80, [ep("10.244.1.1")])) or "")
     assert "headless" in (dp.unsupported(state(spn("h"), (), 80, [])) or "")
-    lc = state(spn("l"), "10.96.0.2", 80, [], lb_policy="leastConnections")
-    assert "leastConnections" in (dp.unsupported(lc) or "")
     assert dp.unsupported(state(spn("ok"), "10.96.0.3", 80, [ep("10.244.1.1")])) is None
     assert dp.traffic == frozenset({"local"})
 

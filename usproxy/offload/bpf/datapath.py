@@ -196,9 +196,7 @@ class BpfDatapath:
             return f"{sp.protocol}: the socket LB handles TCP and UDP only"
         if not sp.cluster_ips:
             return "headless Service: no ClusterIP to translate"
-        if sp.lb_policy == "leastConnections":
-            return "leastConnections: the socket LB keeps no per-endpoint connection counts"
-        return None
+        return None  # LB policies: its declaration (bpf/declaration.py), checked by the manager
 
     # -- KernelDatapath ---------------------------------------------------------------------
     def _open(self) -> Tables:

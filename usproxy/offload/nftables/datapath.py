@@ -146,17 +146,13 @@ class NftablesDatapath:
         return Capability(cap.name, True, cap.detail + acct)
 
     def unsupported(self, state: ServicePortState) -> str | None:
-        """What only the relay serves: SCTP (not offloaded) and leastConnections (the kernel does
-        not count connections per endpoint). The kernel picks with `numgen random`; a ServicePort
-        annotated roundRobin gets `numgen inc` in chains of its own (commands.rr_rules); the agent's
-        default roundRobin is served as random, so unannotated ServicePorts share chains."""
-        sp = state.service_port
-        if sp.protocol == "SCTP":
+        """What only the relay serves: SCTP (not offloaded). The LB policies it serves are in its
+        declaration (nftables/declaration.py), which the offload manager checks: the kernel picks
+        with `numgen random`; a ServicePort annotated roundRobin gets `numgen inc` in chains of
+        its own (commands.rr_rules); the agent's default roundRobin is served as random, so
+        unannotated ServicePorts share chains."""
+        if state.service_port.protocol == "SCTP":
             return "SCTP is served by the relay only"
-        if sp.lb_policy == "leastConnections":
-            return f"lb-policy {sp.lb_policy} is served by the relay only"
-        if sp.lb_policy is None and self.lb_policy == "leastConnections":
-            return "lb-policy leastConnections is served by the relay only"
         return None
 
     async def apply(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> None:

@@ -1,0 +1,34 @@
+"""OffloadSettings: what the offload layer and the kernel datapaths take from the agent's
+settings (usproxy.model.config.ProxyConfig), so they never read flags themselves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from usproxy.model.config import BpfLbMode, ProxyConfig, parse_cidrs
+from usproxy.model.datapath_name import OffloadMode
+from usproxy.model.service_port import LBPolicy
+from usproxy.model.types import IPNetwork
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadSettings:
+    """What the offload layer takes from the agent's settings: which kernel datapaths
+    (--offload), the window (--offload-after, seconds), the default lb-policy and the cgroup the
+    BPF socket LB attaches to."""
+
+    mode: OffloadMode
+    offload_after: float
+    lb_policy: LBPolicy
+    bpf_cgroup: Path
+    service_cidrs: tuple[IPNetwork, ...] = ()  # --service-cidr
+    vip_interface: str = "usproxy0"  # its addresses never serve NodePorts
+    bpf_lb_mode: BpfLbMode = "snat"  # --bpf-lb-mode: NodePorts at tc with SNAT or DSR
+    bpf_lb_acceleration: str = "disabled"  # --bpf-lb-acceleration: "native" adds XDP to tc
+
+    @classmethod
+    def from_config(cls, cfg: ProxyConfig) -> OffloadSettings:
+        return cls(cfg.offload, cfg.offload_after, cfg.lb_policy, cfg.bpf_cgroup,
+                   parse_cidrs(cfg.service_cidrs, "--service-cidr"), cfg.vip_interface, cfg.bpf_lb_mode,
+                   cfg.bpf_lb_acceleration)
