@@ -1,8 +1,8 @@
 """The web view without a browser: the EventHub's bounds (a subscriber that never reads holds at
 most LIMIT events and one snapshot), a stalled page dropped without delaying /metrics, the page
 and its assets served from the package with nothing from the internet, /view/service giving the
-five modes' drawings and explain's own rules for the agent's current Service, the stream's first
-snapshot equal to /services, and each mode's drawing naming kube-proxy's chains."""
+five modes' drawings and explain's own rules for the agent's current Service, and the stream's
+first snapshot equal to /services. The drawings themselves: tests/explain/test_drawing.py."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from usproxy.admin import mode_view, path_drawing, web_view
+from usproxy.admin import web_view
 from usproxy.core.events import EventHub, Subscription
 from usproxy.app.agent import Agent
 from usproxy.model.config import ProxyConfig
 from usproxy.core.datapath import FakeDatapath
-from usproxy.explain import chain_names, iptables, nftables
+from usproxy.explain import iptables, nftables
 from usproxy.explain.service_set import ServiceSet
 
 from tests.app.test_agent_admin import SVC, write
@@ -112,7 +112,7 @@ async def test_a_page_that_falls_behind_is_told_how_many_events_it_missed(agent:
 async def test_page_and_assets_come_from_the_package_only(agent: Agent) -> None:
     async with aiohttp.ClientSession() as s:
         texts = []
-        for path in ("/view", "/view/static/view.js", "/view/static/view.css"):
+        for path in ("/view", "/view/static/view.js", "/view/static/view.css", "/view/static/explain.css"):
             async with s.get(url(agent, path)) as r:
                 assert r.status == 200
                 texts.append(await r.text())
@@ -120,7 +120,7 @@ async def test_page_and_assets_come_from_the_package_only(agent: Agent) -> None:
             async with s.get(url(agent, path)) as r:
                 assert r.status == 404
     refs = re.findall(r'(?:src|href)="([^"]+)"', texts[0])
-    assert refs == ["/view/static/view.css", "/view/static/view.js"]
+    assert refs == ["/view/static/explain.css", "/view/static/view.css", "/view/static/view.js"]
     assert not any(re.search(r"https?://|//[a-z]", t.replace("http://www.w3.org", "")) for t in texts[1:])
 
 
@@ -156,72 +156,3 @@ async def test_the_stream_starts_with_a_snapshot_of_services_and_flows(agent: Ag
     for row in (*snap["services"], *services):
         row.pop("reason")  # the fake datapath's reason carries no clock, but stay safe
     assert snap["services"] == services and snap["flows"] == [] and snap["flowCount"] == 0
-
-
-def test_each_modes_drawing_names_its_own_chains() -> None:
-    from usproxy.model.endpoint import Endpoint
-    from usproxy.explain.service_set import family_port
-    from usproxy.model.service_port import ServicePort
-    from usproxy.model.types import ServicePortName
-    import ipaddress
-
-    name = ServicePortName("default", "web", "http", "TCP")
-    sp = ServicePort(name=name, cluster_ips=(ipaddress.ip_address("10.96.10.10"),), port=80, target_port=8080)
-    eps = tuple(Endpoint(ipaddress.ip_address(ip), 8080, ready=True) for ip in ("10.244.1.5", "10.244.2.5"))
-    fp = family_port(sp, eps, 4, None)
-    assert fp is not None
-    svgs = {m: path_drawing.render(path_drawing.path_of(m, fp)) for m in path_drawing.MODES}
-    texts = {m: " ".join(ET.fromstring(svg).itertext()) for m, svg in svgs.items()}
-    assert chain_names.svc_chain(name) in texts["iptables"]
-    assert all(chain_names.sep_chain(name, e) in texts["iptables"] for e in eps)
-    assert "service-" + chain_names.nft_base(name)[:9] in texts["nftables"]
-    assert "numgen random mod 2" in texts["nftables"]
-    assert "Masq = DNAT, not SNAT" in texts["ipvs"] and "no NAT" in texts["bpf"]
-    assert "2nd connection" in texts["userspace"] and "the node's address" in texts["userspace"]
-    for m, svg in svgs.items():
-        root = ET.fromstring(svg)
-        assert any(line.get("class") == "reply" for line in root.iter(f"{SVG}line")), m
-
-
-def test_the_standalone_page_holds_every_service_and_mode_in_one_file() -> None:
-    """`explain --html`'s page for examples/: one block per Service, five modes each with one
-    drawing per ServicePort and explain's own rules for that Service; no script, no link out."""
-    from html import unescape
-
-    from usproxy.admin import standalone_page
-    from usproxy.explain.service_set import load_manifests, service_set
-
-    ss = service_set(load_manifests(Path(__file__).resolve().parents[2] / "examples"))
-    page = standalone_page.render(ss)
-    assert "<script" not in page and not re.search(r"<link|src=|https?://(?!www\.w3\.org/2000/svg)", page)
-    blocks = re.findall(r'<details class="service" data-service="([^"]+)" open>(.*?)</details>', page, re.S)
-    names = sorted({f"{sp.name.namespace}/{sp.name.name}" for sp, _ in ss.ports})
-    assert sorted(n for n, _ in blocks) == names and len(names) >= 2
-    for name, block in blocks:
-        ports = tuple((sp, eps) for sp, eps in ss.ports if f"{sp.name.namespace}/{sp.name.name}" == name)
-        one = ServiceSet(ports, ss.node)
-        modes = re.findall(r'<div class="mode" data-mode="(\w+)">(.*?)<pre class="rules">(.*?)</pre>', block, re.S)
-        assert [m for m, _, _ in modes] == list(path_drawing.MODES)
-        n_ports = sum(len(one.family_ports(f)) for f in one.families())
-        for mode, drawing, rules in modes:
-            assert drawing.count("<svg ") == n_ports, (name, mode)
-            assert unescape(rules) == mode_view.RENDERERS[mode](one)
-    assert standalone_page.render(ServiceSet(())).count("No Services to show.") == 1
-
-
-def test_without_endpoints_every_mode_draws_where_it_refuses() -> None:
-    from usproxy.explain.service_set import family_port
-    from usproxy.model.service_port import ServicePort
-    from usproxy.model.types import ServicePortName
-    import ipaddress
-
-    name = ServicePortName("default", "empty", "", "TCP")
-    sp = ServicePort(name=name, cluster_ips=(ipaddress.ip_address("10.96.20.20"),), port=80, target_port=8080)
-    fp = family_port(sp, (), 4, None)
-    assert fp is not None
-    ends = {m: path_drawing.path_of(m, fp).hops[-1] for m in path_drawing.MODES}
-    assert all(not path_drawing.path_of(m, fp).backends for m in path_drawing.MODES)
-    assert "-j REJECT" in ends["iptables"].lines and ends["nftables"].title == "no-endpoint-services"
-    assert "ECONNREFUSED" in ends["bpf"].lines and "kernel answers RST" in ends["userspace"].lines
-    svg = ET.fromstring(path_drawing.render(path_drawing.path_of("ipvs", fp)))
-    assert "no real server:" in " ".join(svg.itertext())

@@ -50,8 +50,7 @@ sys.exit(main())
 NEVER = ("kubernetes_asyncio", "usproxy.sources.kube", "usproxy.sources.reflector",
          "usproxy.sources.api_list_watch", "usproxy.offload.manager",
          "usproxy.offload.bpf.datapath", "usproxy.offload.bpf.libbpf",
-         "usproxy.offload.bpf.loader", "usproxy.explain",
-         "usproxy.admin.mode_view", "usproxy.admin.path_drawing")
+         "usproxy.offload.bpf.loader", "usproxy.explain")
 
 
 def _manifest(directory: Path) -> None:

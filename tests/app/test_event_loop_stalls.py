@@ -43,7 +43,7 @@ import pytest
 from tests.sources.conftest import FAST, eps, eventually, svc
 from tests.sources.fake_apiserver import FakeApiServer, kubeconfig_text
 from usproxy.util import gc_pause
-from usproxy.admin import path_drawing
+from usproxy.explain import registry
 from usproxy.core.events import EventHub
 from usproxy.admin.snapshot import JOIN, SharedBuild, encode_and_free, rows_json, rows_json_pretty
 from usproxy.admin.web_view import MAX_FLOWS, snapshot_json
@@ -483,7 +483,7 @@ async def test_event_loop_stalls_web_view_one_service_of_5000(big_agent: Agent,
     monkeypatch.setattr(proxier, "state_of", lambda spn: states.append(spn) or state_of(spn))
     (view,), worst = await admin_get(big_agent, "/view/service?name=default/s4999")
     assert states == [ServicePortName("default", "s4999", "http", "TCP")]  # not one per Service (5,000)
-    assert view["service"] == "default/s4999" and len(view["modes"]) == len(path_drawing.MODES)
+    assert view["service"] == "default/s4999" and len(view["modes"]) == len(registry.MODES)
     assert all(f"10.{j + 1}.19.250:8080" in view["modes"][0]["rules"] for j in range(ENDPOINTS))
     assert worst < ADMIN_BOUND
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.explain.test_partial_sync import NODE, REPEATED, state
-from usproxy.explain import cli, diff
+from usproxy.explain import cli, diff, registry
 from usproxy.explain.service_set import load_manifests, service_set
 
 STEPS = [  # (before, after, iptables-restore lines, nftables operations)
@@ -88,7 +88,8 @@ def test_udp_endpoint_changes_list_the_conntrack_entries_kube_proxy_deletes(tmp_
 
 def test_one_changed_line_is_said_in_the_singular() -> None:
     old, new = state("6-svc3-endpoint-changed"), state("7-svc3-endpoint-added")
-    text = diff.render(old, new, ("bpf",), lambda ss, mode: "x\n" if ss is new else "", {"bpf": "1. bpf"})
+    text = diff.render(old, new, (registry.by_name("bpf"),), lambda ss, mode: "x\n" if ss is new else "",
+                       {"bpf": "1. bpf"})
     assert "# rendered rules: 1 line changed (+1 -0)" in text
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from usproxy.explain import ipvs, iptables, nftables, trace, userspace
+from usproxy.explain import ipvs, iptables, nftables, registry, trace, userspace
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
 
@@ -53,7 +53,7 @@ def _flows() -> list[tuple[str, Flow]]:
     out = []
     for test, flows in DATA["tests"].items():
         for f in flows:
-            for mode in trace.TRACERS:
+            for mode in registry.NAMES:
                 want = {"output": f["output"], "masq": f["masq"], **f.get("modes", {}).get(mode, {})}
                 out.append((mode, Flow(test, f["name"], f["src"], f["dst"], want["output"], want["masq"])))
     return out
@@ -71,7 +71,7 @@ def flow_packet(ss: ServiceSet, src: str, dst: str) -> Packet:
 
 def _trace(mode: str, test: str, src: str, dst: str) -> list[Path]:
     ss = flow_set(test)
-    return trace.TRACERS[mode](ss, flow_packet(ss, src, dst))
+    return registry.by_name(mode).trace(ss, flow_packet(ss, src, dst))
 
 
 @pytest.mark.parametrize(("mode", "flow"), _flows(), ids=lambda v: str(v))
@@ -90,7 +90,7 @@ def test_every_mode_differs_from_nftables_only_with_a_reason() -> None:
 
 
 def test_random_choices_split_evenly() -> None:
-    for mode in trace.TRACERS:
+    for mode in registry.NAMES:
         paths = _trace(mode, "TestClusterIPGeneral", "10.180.0.2", "172.30.0.42:80/TCP")
         assert [p.share for p in paths] == [pytest.approx(0.5)] * 2, mode
 
@@ -107,7 +107,7 @@ def test_every_rule_counted_is_printed_by_the_view_and_listed_by_the_trace(mode:
     ss = flow_set(test)
     printed = VIEWS[mode](ss)
     for f in DATA["tests"][test]:
-        for p in trace.TRACERS[mode](ss, flow_packet(ss, f["src"], f["dst"])):
+        for p in registry.by_name(mode).trace(ss, flow_packet(ss, f["src"], f["dst"])):
             assert p.rules == len(p.walked) == p.matched + p.skipped  # each one listed
             assert all(rule in printed for rule in p.walked), f["name"]
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.explain.conftest import GOLDEN, load
-from usproxy.explain import bpf, cost, iptables, ipvs, nftables, userspace
+from usproxy.explain import bpf, cost, iptables, ipvs, nftables, registry, userspace
 from usproxy.explain.service_set import ServiceSet
 
 VIEWS: dict[str, Callable[[ServiceSet], str]] = {
@@ -28,7 +28,7 @@ VIEWS: dict[str, Callable[[ServiceSet], str]] = {
     "nftables": lambda ss: nftables.render(ss, "list"),
     "nftables-dump": lambda ss: nftables.render(ss, "dump"),
     "bpf": bpf.render,
-    "cost": cost.render,
+    "cost": lambda ss: cost.render(ss, registry.MODES),
 }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from usproxy.explain import cost, iptables, nftables
+from usproxy.explain import cost, iptables, nftables, registry
 from usproxy.explain.service_set import FamilyPort, Node, ServiceSet, load_manifests, service_set
 
 REPEATED = Path(__file__).parent / "repeated"
@@ -41,7 +41,7 @@ def test_nftables_adding_an_endpoint_to_svc3_is_kube_proxys_12_operations() -> N
 
 
 def test_the_numbers_section_shows_the_largest_change() -> None:
-    text = cost.render(state("7-svc3-endpoint-added"), ("iptables", "nftables"))
+    text = cost.render(state("7-svc3-endpoint-added"), tuple(map(registry.by_name, ("iptables", "nftables"))))
     # full: *filter 12 lines; *nat 1 + 11 chain lines + 23 rules + COMMIT
     assert "36 lines of iptables-restore (full sync: 48)" in text
     assert "12 commands in one transaction" in text

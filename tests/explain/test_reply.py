@@ -4,7 +4,7 @@ and the reply's way back, per mode, on kube-proxy's flow-test Services (tests/ex
 from __future__ import annotations
 
 from tests.explain.test_flows import flow_packet, flow_set
-from usproxy.explain import iptables, ipvs, nftables, reply, trace
+from usproxy.explain import iptables, ipvs, nftables, registry, reply, trace
 
 EXTERNAL, POD, NODEPORT = "203.0.113.2", "10.0.0.2", "192.168.0.2:3001/TCP"
 
@@ -12,7 +12,8 @@ EXTERNAL, POD, NODEPORT = "203.0.113.2", "10.0.0.2", "192.168.0.2:3001/TCP"
 def _replies(mode: str, test: str, src: str, dst: str) -> list[str]:
     ss = flow_set(test)
     pkt = flow_packet(ss, src, dst)
-    return ["\n".join(reply.lines(mode, ss, pkt, p)) for p in trace.TRACERS[mode](ss, pkt)]
+    m = registry.by_name(mode)
+    return ["\n".join(reply.lines(m, ss, pkt, p)) for p in m.trace(ss, pkt)]
 
 
 def test_cluster_policy_nodeport_is_masqueraded_in_postrouting_and_un_natted_back() -> None:
@@ -75,6 +76,6 @@ def test_refusals_say_what_the_client_gets() -> None:
 
 def test_render_has_the_section_for_every_path() -> None:
     ss = flow_set("TestExternalTrafficPolicyCluster")
-    text = trace.render(ss, flow_packet(ss, EXTERNAL, NODEPORT), tuple(trace.TRACERS))
+    text = trace.render(ss, flow_packet(ss, EXTERNAL, NODEPORT), registry.MODES)
     assert text.count("after the first packet (later packets, the reply, what the backend sees):") \
         == text.count("  path ")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from usproxy.explain import cli, cost, diff, generator, scale, trace
+from usproxy.explain import cli, cost, diff, generator, registry, scale
 from usproxy.explain.ipvs_trace import trace_ipvs
 from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
 
@@ -35,6 +35,8 @@ items:
   - {addresses: [10.244.2.7], nodeName: node-b}
 """
 NODE = Node(name="node-a")
+
+IPTABLES = registry.by_name("iptables")
 
 
 def _service_yaml(i: int, width: int, extra: str | None = None) -> str:
@@ -80,14 +82,14 @@ def test_small_n_equals_rendering_a_real_generated_manifest(template: ServiceSet
     fp = scale.last_port(generated)
     assert generator.with_endpoint_added(generated, fp.name).ports == new.ports
     (file_fp,) = (f for f in old.family_ports(4) if str(f.cluster_ip) == f"10.96.0.{n}")
-    for mode in cost.ALL_MODES:
+    for mode in registry.MODES:
         m = scale.measure(generated, mode, cli._dump_view)
-        rules, worst, lookups = cost.first_packet_of(old, file_fp, trace.TRACERS[mode], local=mode == "bpf")
+        rules, worst, lookups = cost.first_packet_of(old, file_fp, mode)
         _, added, removed = diff.unified(scale.unpadded(cli._dump_view(old, mode)),
-                                         scale.unpadded(cli._dump_view(new, mode)), mode)
+                                         scale.unpadded(cli._dump_view(new, mode)), mode.name)
         assert (m.rules, m.worst, m.lookups, m.added, m.removed) == (rules, worst, lookups, added, removed), mode
-        assert m.sends == scale._sends(mode, old, new)
-    assert scale.measure(generated, "iptables", cli._dump_view).sends == \
+        assert m.sends == mode.sends(old, new)
+    assert scale.measure(generated, IPTABLES, cli._dump_view).sends == \
         f"{diff.iptables_sends(old, new)} lines of iptables-restore (partial sync)"
 
 
@@ -97,15 +99,15 @@ def test_iptables_hand_count_for_one_and_two_services(template: ServiceSet) -> N
     # KUBE-SEP rule 2 (DNAT), nat POSTROUTING's jump, KUBE-POSTROUTING rule 1 (no mark: RETURN):
     # 7. To the second endpoint KUBE-SVC rule 1 misses and rule 2 jumps: 8. Mean 15/2.
     # N=2: the last Service is KUBE-SERVICES rule 2, so rule 1 is walked too: 8 and 9.
-    one = scale.measure(generator.generate(template, 1), "iptables", cli._dump_view)
-    two = scale.measure(generator.generate(template, 2), "iptables", cli._dump_view)
+    one = scale.measure(generator.generate(template, 1), IPTABLES, cli._dump_view)
+    two = scale.measure(generator.generate(template, 2), IPTABLES, cli._dump_view)
     assert (one.rules, one.worst) == (Fraction(15, 2), 8)
     assert (two.rules, two.worst) == (Fraction(17, 2), 9)
 
 
 def test_iptables_walk_grows_linearly_nftables_and_bpf_stay_constant(template: ServiceSet) -> None:
     sizes = (1, 10, 100, 400)
-    got = {n: {m: scale.measure(generator.generate(template, n), m, cli._dump_view)
+    got = {n: {m: scale.measure(generator.generate(template, n), registry.by_name(m), cli._dump_view)
                for m in ("iptables", "nftables", "bpf")} for n in sizes}
     for n in sizes:  # one KUBE-SERVICES rule more per Service before the last one's
         assert got[n]["iptables"].rules == got[1]["iptables"].rules + (n - 1)
@@ -124,8 +126,8 @@ def test_scale_cli_prints_a_row_per_mode(tmp_path: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "at 50 Services generated like the input's 1 Service (" in out
     assert "scale/svc-50:http at 10.96.0.50:80/TCP" in out
-    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] and line.split()[0] in cost.ALL_MODES}
-    assert list(rows) == list(cost.ALL_MODES)
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] and line.split()[0] in registry.NAMES}
+    assert list(rows) == list(registry.NAMES)
     assert rows["iptables"].split()[1:5] == ["56.5", "(worst", "57)", "0"]  # 7.5 + 49 KUBE-SERVICES rules
     # The added endpoint goes to the node of svc-50's first endpoint, 10.244.0.100 on node-b: not
     # this node, so KUBE-LOOP-BACK gains no entry.
@@ -140,7 +142,7 @@ def test_scale_mode_shows_only_that_mode(tmp_path: Path, capsys: pytest.CaptureF
     path.write_text(TEMPLATE)
     assert cli.main(["--services", str(path), "--scale", "3", "--mode", "nftables"]) == 0
     out = capsys.readouterr().out
-    assert [line.split()[0] for line in out.splitlines() if line.split()[:1] and line.split()[0] in cost.ALL_MODES] \
+    assert [line.split()[0] for line in out.splitlines() if line.split()[:1] and line.split()[0] in registry.NAMES] \
         == ["nftables"]
 
 
@@ -152,7 +154,7 @@ def test_scale_out_of_range_is_a_usage_error(bad: str) -> None:
 
 
 def test_ipvs_row_is_the_ipvs_traces_count(template: ServiceSet) -> None:
-    row = cost.render(template, ("ipvs",))
+    row = cost.render(template, (registry.by_name("ipvs"),))
     pkt = cost.pod_packet(template, template.family_ports(4)[0])
     paths = trace_ipvs(template, pkt)
     rules = sum(p.share * p.rules for p in paths)

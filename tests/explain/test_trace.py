@@ -11,7 +11,8 @@ import pytest
 
 from tests.explain.conftest import FIXTURES, NODE, load
 from usproxy.util.errors import ConfigError
-from usproxy.explain import iptables_trace, nftables_trace, reply, trace
+from usproxy.explain import iptables_trace, nftables_trace, registry, reply, trace
+from usproxy.explain.mode import BpfLbMode, TraceOptions
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.service_set import Node, ServiceSet
 from usproxy.offload.bpf import maglev
@@ -20,7 +21,7 @@ from usproxy.offload.bpf.layout import MAGLEV_M
 
 def landings(mode: str, fixture: str, src: str, dst: str) -> dict[str, Fraction]:
     ss = load(fixture)
-    paths = trace.TRACERS[mode](ss, trace.parse_packet(src, dst, ss))
+    paths = registry.by_name(mode).trace(ss, trace.parse_packet(src, dst, ss))
     assert sum(p.share for p in paths) == 1
     out: dict[str, Fraction] = {}
     for p in paths:
@@ -87,8 +88,8 @@ def test_other_modes_split_evenly(mode: str) -> None:
 
 def test_render_names_every_mode() -> None:
     ss = load("affinity_udp")
-    text = trace.render(ss, trace.parse_packet("10.244.9.9", "10.96.3.1:8000/TCP", ss), tuple(trace.TRACERS))
-    assert all(f"## {m}:" in text for m in trace.TRACERS)
+    text = trace.render(ss, trace.parse_packet("10.244.9.9", "10.96.3.1:8000/TCP", ss), registry.MODES)
+    assert all(f"## {m}:" in text for m in registry.NAMES)
 
 
 @pytest.mark.parametrize("dst", ["10.96.1.1", "10.96.1.1:http/TCP", "10.96.1.1:80/ICMP", "[fd00::1]:80/TCP"])
@@ -150,10 +151,10 @@ def test_bpf_slot_selection_is_the_agents_round_robin_unless_annotated() -> None
 EXTERNAL = "203.0.113.7"
 
 
-def _tc(fixture: str, dst: str, src: str = EXTERNAL, lb_mode: str = "snat",
+def _tc(fixture: str, dst: str, src: str = EXTERNAL, lb_mode: BpfLbMode = "snat",
         ss: ServiceSet | None = None) -> list[Path]:
     ss = ss or load(fixture)
-    paths = trace.trace_bpf(ss, trace.parse_packet(src, dst, ss), lb_mode)
+    paths = trace.trace_bpf(ss, trace.parse_packet(src, dst, ss), TraceOptions(lb_mode))
     assert sum(p.share for p in paths) == 1
     return paths
 
@@ -176,7 +177,7 @@ def test_bpf_external_nodeport_snat_is_served_at_tc_with_maglev_shares() -> None
     assert remote.masquerade and "SNAT to this node's address" in remote.result
     ss = load("nodeport")
     pkt = trace.parse_packet(EXTERNAL, "192.168.0.2:30080/TCP", ss)
-    after = "\n".join(reply.lines("bpf", ss, pkt, remote))
+    after = "\n".join(reply.lines(registry.by_name("bpf"), ss, pkt, remote))
     assert "usp_ct" in after and "sees the connection from this node's address" in after
     assert f"destination back to {EXTERNAL}:<port> (un-SNAT)" in after
 
@@ -188,7 +189,7 @@ def test_bpf_external_nodeport_dsr_keeps_the_client_and_replies_from_the_backend
     assert "192.168.0.2:30080 to the backend's node" in remote.result and not remote.masquerade
     assert "DSR" not in local.result and local.masquerade  # a local backend is served as in SNAT mode
     ss = load("nodeport")
-    after = "\n".join(reply.lines("bpf", ss, trace.parse_packet(EXTERNAL, "192.168.0.2:30080/TCP", ss), remote))
+    after = "\n".join(reply.lines(registry.by_name("bpf"), ss, trace.parse_packet(EXTERNAL, "192.168.0.2:30080/TCP", ss), remote))
     assert f"sees the client's own address {EXTERNAL}" in after and "it never passes this node" in after
     assert "only the ORIGINAL entry" in after and "REPLY entry 10.244.2.30:8080" in after
 

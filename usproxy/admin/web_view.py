@@ -2,16 +2,17 @@
 
 Read-only. Routes:
 - GET /view: the page (usproxy/admin/static/view.html, .js, .css; nothing from the internet).
-- GET /view/static/{file}: those three files only.
+- GET /view/static/{file}: those files only, and usproxy/explain/static/explain.css (the page's
+  base and the drawings' styles, shared with `usproxy explain --html`'s standalone page).
 - GET /view/stream: server-sent events: "snapshot" (every ServicePort as /services shows it,
   and the flow table as /flows shows it, at most MAX_FLOWS rows plus the total) every
   SNAPSHOT_PERIOD seconds while some page is open (longer when building one takes long; built
   in chunks on the loop and encoded in a worker thread, as /services), and
   "offloaded" / "demoted" / "userspace" as the offload manager publishes them
   (usproxy.core.events); "lagged" with the count of events a slow page missed.
-- GET /view/service?name=NS/NAME: per mode, the SVG drawings of that Service's ports
-  (path_drawing) and the rules the mode holds for it (usproxy.explain's renderers; mode_view.py,
-  imported on the first such request: an agent nobody asks never loads usproxy.explain).
+- GET /view/service?name=NS/NAME: per mode, the SVG drawings of that Service's ports and the
+  rules the mode holds for it (usproxy/explain/mode_view.py, imported on the first such request:
+  an agent nobody asks never loads usproxy.explain).
 
 The data is the agent's own: `services()` and `flows()` are what /services and /flows return. One
 snapshot task serves every open page (flows are dumped once per period, not once per page); it
@@ -29,7 +30,7 @@ import logging
 import time
 from collections import OrderedDict
 from importlib import resources
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from aiohttp import web
 
@@ -40,6 +41,9 @@ from usproxy.util.gc_pause import gc_paused
 from usproxy.model.node import NodeFacts
 from usproxy.model.types import NamespacedName
 
+if TYPE_CHECKING:
+    from usproxy.explain.service_set import ServiceSet
+
 log = logging.getLogger(__name__)
 
 SNAPSHOT_PERIOD = 0.5  # seconds between two snapshots while a page is open
@@ -47,7 +51,13 @@ HEARTBEAT = 15.0  # seconds of silence after which a comment line keeps the stre
 WRITE_TIMEOUT = 10.0  # seconds writing one payload to a page may take before the page is dropped
 MAX_WATCHERS = 8  # streams at once
 MAX_FLOWS = 500  # flow rows per snapshot (the total is sent too)
-ASSETS = {"view.js": "application/javascript", "view.css": "text/css"}
+ASSETS = {  # file: (package holding static/file, content type)
+    "view.js": ("usproxy.admin", "application/javascript"),
+    "view.css": ("usproxy.admin", "text/css"),
+    "explain.css": ("usproxy.explain", "text/css"),
+}
+
+
 @runtime_checkable
 class WebSource(Protocol):
     """What the page reads from the agent (usproxy.app.agent.Agent is one)."""
@@ -62,9 +72,19 @@ class WebSource(Protocol):
     def service_ports(self, service: NamespacedName | None = None) -> list[ServicePortState]: ...
 
 
-def asset(name: str) -> str:
-    """The text of one file of usproxy/admin/static (shipped as package data)."""
-    return resources.files("usproxy.admin").joinpath("static", name).read_text(encoding="utf-8")
+def asset(name: str, package: str = "usproxy.admin") -> str:
+    """The text of one file of `package`'s static/ folder (shipped as package data)."""
+    return resources.files(package).joinpath("static", name).read_text(encoding="utf-8")
+
+
+def service_set_of(source: WebSource, namespace: str, name: str) -> ServiceSet | None:
+    """The ServicePorts of one Service with their endpoints now (read on the loop, where the
+    agent's state lives), as explain's views take them; None when no ServicePort of it is known."""
+    from usproxy.explain.service_set import Node, ServiceSet
+
+    ports = tuple((st.service_port, st.endpoints)
+                  for st in source.service_ports(NamespacedName(namespace, name)))
+    return ServiceSet(ports, Node(name=source.node.name)) if ports else None
 
 
 class WebView:
@@ -90,11 +110,12 @@ class WebView:
         name = request.match_info["file"]
         if name not in ASSETS:
             raise web.HTTPNotFound()
-        return web.Response(text=asset(name), content_type=ASSETS[name])
+        package, content_type = ASSETS[name]
+        return web.Response(text=asset(name, package), content_type=content_type)
 
     async def service(self, request: web.Request) -> web.Response:
         namespace, _, name = request.query.get("name", "").partition("/")
-        from usproxy.admin.mode_view import mode_views, service_set_of  # loads usproxy.explain
+        from usproxy.explain.mode_view import mode_views  # loads usproxy.explain
 
         ss = service_set_of(self.source, namespace, name)
         if ss is None:

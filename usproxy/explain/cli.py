@@ -10,32 +10,23 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from usproxy.util.errors import ConfigError
-from usproxy.explain import bpf, cost, diff, iptables, ipvs, nftables, scale, trace, userspace
+from usproxy.explain import cost, diff, registry, scale, trace
 from usproxy.explain.live import read_live
+from usproxy.explain.mode import Mode, TraceOptions
 from usproxy.explain.packet import Packet
 from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
-from usproxy.model.types import IPNetwork
 from usproxy.model.manifest import Manifests, objects_from
-from usproxy.model.types import IPAddress
-
-MODES = cost.ALL_MODES
-TITLES = {
-    "userspace": "userspace: kube-proxy 1.0 portals and proxy, then usproxy's relay",
-    "iptables": "iptables: kube-proxy's iptables mode",
-    "ipvs": "ipvs: kube-proxy's IPVS mode",
-    "nftables": "nftables: kube-proxy's nftables mode",
-    "bpf": "bpf: a BPF socket load balancer (cilium-dbg views)",
-}
+from usproxy.model.types import IPAddress, IPNetwork
+from usproxy.util.errors import ConfigError
 
 
-def numbered(modes: tuple[str, ...]) -> dict[str, str]:
-    """The titles of the modes shown, numbered 1.. in the order shown (`--mode bpf` is "1. bpf");
-    the sections after them continue from len(modes) + 1."""
-    return {m: f"{i}. {TITLES[m]}" for i, m in enumerate(modes, start=1)}
+def numbered(modes: Sequence[Mode]) -> dict[str, str]:
+    """The titles of the modes shown by name, numbered 1.. in the order shown (`--mode bpf` is
+    "1. bpf"); the sections after them continue from len(modes) + 1."""
+    return {m.name: f"{i}. {m.title}" for i, m in enumerate(modes, start=1)}
 
 
 def _common(p: argparse.ArgumentParser, inputs: bool = True) -> None:
@@ -44,7 +35,7 @@ def _common(p: argparse.ArgumentParser, inputs: bool = True) -> None:
     if inputs:
         p.add_argument("--services", type=Path, metavar="PATH", help="Kubernetes manifests (file or directory)")
         p.add_argument("--kubeconfig", type=Path, help="list the Services of a live API server instead of --services")
-    p.add_argument("--mode", default="all", choices=[*MODES, "all"], help="the one mode to show (default all)")
+    p.add_argument("--mode", default="all", choices=[*registry.NAMES, "all"], help="the one mode to show (default all)")
     p.add_argument("--node-ip", action="append", default=[], metavar="IP",
                    help="this node's address (repeat or comma-separate); NodePort addresses")
     p.add_argument("--node-name", metavar="NAME", help="decides which endpoints are local")
@@ -144,26 +135,18 @@ def load(args: argparse.Namespace) -> ServiceSet:
     return service_set(m, node_from(args))
 
 
-def render_mode(ss: ServiceSet, mode: str, nft_format: str = "list", title: str = "") -> str:
+def render_mode(ss: ServiceSet, mode: Mode, nft_format: str = "list", title: str = "") -> str:
     """One mode's view under the heading `title` (default: the mode's unnumbered title)."""
-    renderers: dict[str, Callable[[ServiceSet], str]] = {
-        "userspace": userspace.render, "iptables": iptables.render, "ipvs": ipvs.render,
-        "nftables": lambda s: nftables.render(s, nft_format), "bpf": bpf.render,
-    }
-    return f"==== {title or TITLES[mode]} ====\n\n{renderers[mode](ss)}"
+    return f"==== {title or mode.title} ====\n\n{mode.view(ss, nft_format)}"
 
 
-def render_all(ss: ServiceSet, modes: tuple[str, ...], nft_format: str = "list") -> str:
+def render_all(ss: ServiceSet, modes: Sequence[Mode], nft_format: str = "list") -> str:
     titles = numbered(modes)
-    parts = [render_mode(ss, m, nft_format, titles[m]) for m in modes]
+    parts = [render_mode(ss, m, nft_format, titles[m.name]) for m in modes]
     parts.append(f"==== {len(modes) + 1}. why, in numbers ====\n\n" + cost.render(ss, modes))
     if ss.skipped:
         parts.append("# skipped, as kube-proxy skips them:\n" + "\n".join(f"#   {s}" for s in ss.skipped) + "\n")
     return "\n".join(parts)
-
-
-def _modes(mode: str) -> tuple[str, ...]:
-    return MODES if mode == "all" else (mode,)
 
 
 def _service_addresses(ss: ServiceSet) -> set[IPAddress]:
@@ -202,7 +185,8 @@ def _trace(argv: list[str]) -> int:
     pkt = trace.parse_packet(args.src, args.dst, ss)
     if empty(ss, args):
         return 1
-    print(nodeport_hint(ss, pkt) + trace.render(ss, pkt, _modes(args.mode), args.bpf_lb_mode), end="")
+    opts = TraceOptions(bpf_lb_mode=args.bpf_lb_mode)
+    print(nodeport_hint(ss, pkt) + trace.render(ss, pkt, registry.selected(args.mode), opts), end="")
     return 0
 
 
@@ -242,16 +226,16 @@ def _diff(argv: list[str]) -> int:
     node = node_from(args)
     old, new = (service_set(m, node) for m in _diff_inputs(p, args))
 
-    modes = _modes(args.mode)
+    modes = registry.selected(args.mode)
 
-    def view(ss: ServiceSet, mode: str) -> str:
+    def view(ss: ServiceSet, mode: Mode) -> str:
         return _dump_view(ss, mode, args.nft_format)
 
     print(diff.render(old, new, modes, view, numbered(modes)), end="")
     return 0
 
 
-def _dump_view(ss: ServiceSet, mode: str, nft_format: str = "dump") -> str:
+def _dump_view(ss: ServiceSet, mode: Mode, nft_format: str = "dump") -> str:
     """One mode's rules as `explain diff` compares them (nftables as transaction lines unless
     `nft_format` is "list")."""
     return render_mode(ss, mode, nft_format) if ss.ports else "# no Services with a ClusterIP\n"
@@ -268,10 +252,10 @@ def main(argv: list[str]) -> int:
         ss = load(args)
         if empty(ss, args):
             return 1
-        print(scale.render(ss, args.scale, _modes(args.mode), _dump_view), end="")
+        print(scale.render(ss, args.scale, registry.selected(args.mode), _dump_view), end="")
         return 0
     if args.html is not None:
-        from usproxy.admin import standalone_page
+        from usproxy.explain import standalone_page
 
         args.html.write_text(standalone_page.render(load(args)))
         print(f"usproxy explain: wrote {args.html}")
@@ -282,8 +266,8 @@ def main(argv: list[str]) -> int:
         if empty(ss, args) and not args.live:
             return 1
         if ss.ports:
-            print(render_all(ss, _modes(args.mode), args.nft_format), end="")
-            shown = len(_modes(args.mode)) + 1
+            print(render_all(ss, registry.selected(args.mode), args.nft_format), end="")
+            shown = len(registry.selected(args.mode)) + 1
     if args.live:
         live = read_live(args.metrics_bind_address)
         if live is None:

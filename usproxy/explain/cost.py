@@ -20,17 +20,18 @@ new connections its endpoint really gets: rule i of n matches with 1/(n-i) of wh
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
 from usproxy.explain import bpf, generator, iptables, ipvs, nftables
 from usproxy.explain import chain_names as names
 from usproxy.explain.chain_names import nft_base, nft_endpoint_base
 from usproxy.explain.ipvs_trace import parse_ipsets, parse_ipvsadm
+from usproxy.explain.mode import Mode
+from usproxy.explain.packet import Packet
 from usproxy.explain.service_set import Family, FamilyPort, ServiceSet
-from usproxy.explain.trace import Packet, Path, trace_bpf, trace_iptables, trace_ipvs, trace_nftables
-from usproxy.util.table import render_table
 from usproxy.model.types import IPAddress
+from usproxy.util.table import render_table
 
 POD_SOURCE_V4 = ipaddress.ip_address("10.255.255.254")
 POD_SOURCE_V6 = ipaddress.ip_address("fd00:ffff::fffe")
@@ -53,30 +54,26 @@ def _pod_source(fp: FamilyPort, ss: ServiceSet) -> IPAddress:
     return POD_SOURCE_V4 if fp.family == 4 else POD_SOURCE_V6
 
 
-Tracer = Callable[[ServiceSet, Packet], list[Path]]
-
-
 def pod_packet(ss: ServiceSet, fp: FamilyPort, local: bool = False) -> Packet:
     """The first packet of a pod's new connection to `fp`'s ClusterIP; `local`: the pod is a
     process of this node (what a BPF socket load balancer serves)."""
     return Packet(_pod_source(fp, ss), fp.cluster_ip, fp.sp.port, fp.sp.protocol, src_local=local)
 
 
-def first_packet_of(ss: ServiceSet, fp: FamilyPort, tracer: Tracer,
-                    local: bool = False) -> tuple[Fraction, int, Fraction]:
-    """(Rules, worst rules, lookups) of a pod's new connection to `fp`'s ClusterIP, the mean
-    weighted by each path's share of new connections."""
-    paths = tracer(ss, pod_packet(ss, fp, local))
+def first_packet_of(ss: ServiceSet, fp: FamilyPort, mode: Mode) -> tuple[Fraction, int, Fraction]:
+    """(Rules, worst rules, lookups) of a pod's new connection to `fp`'s ClusterIP through
+    `mode`'s tracer, the mean weighted by each path's share of new connections."""
+    paths = mode.trace(ss, pod_packet(ss, fp, mode.traces_pod_at_connect))
     return (sum((p.share * p.rules for p in paths), Fraction(0)), max(p.rules for p in paths),
             sum((p.share * p.lookups for p in paths), Fraction(0)))
 
 
-def _first_packet(ss: ServiceSet, tracer: Tracer, local: bool = False) -> tuple[float, int, float]:
+def _first_packet(ss: ServiceSet, mode: Mode) -> tuple[float, int, float]:
     """Mean rules, worst rules, mean lookups for a pod reaching each ClusterIP."""
     rules, lookups, worst = [], [], 0
     for family in ss.families():
         for fp in ss.family_ports(family):
-            mean, most, looked = first_packet_of(ss, fp, tracer, local)
+            mean, most, looked = first_packet_of(ss, fp, mode)
             rules.append(float(mean))
             lookups.append(float(looked))
             worst = max(worst, most)
@@ -137,45 +134,51 @@ def _nftables_change(ss: ServiceSet) -> int:
                for family in ss.families() for t in (nftables.build(ss, family),))
 
 
-ALL_MODES = ("userspace", "iptables", "ipvs", "nftables", "bpf")
-
-
-def render(ss: ServiceSet, modes: tuple[str, ...] = ALL_MODES) -> str:
-    """The numbers table, one or two rows per mode of `modes` (userspace: kube-proxy 1.0 and
-    usproxy's relay), then the iptables probability ladders when iptables is among them."""
-    rows = [row for mode in ALL_MODES if mode in modes for row in _rows(ss, mode)]
+def render(ss: ServiceSet, modes: Sequence[Mode]) -> str:
+    """The numbers table, the rows of each mode of `modes` (userspace: kube-proxy 1.0 and
+    usproxy's relay), then the lines each mode adds under it (iptables: its probability ladders)."""
+    rows = [row for mode in modes for row in mode.cost_rows(ss, mode)]
     out = ["# Why, in numbers (a pod opening a new connection to each ClusterIP; one endpoint added)",
            render_table(["MODE", "FIRST PACKET OF A NEW CONNECTION", "ONE ENDPOINT CHANGE WRITES"], rows)]
-    if "iptables" in modes:
-        out += ["", "# iptables: each rule's probability and the share of new connections it really gets"]
-        out += _ladders(ss)
+    for mode in modes:
+        if mode.cost_detail is not None:
+            out += ["", *mode.cost_detail(ss)]
     return "\n".join(out) + "\n"
 
 
-def _rows(ss: ServiceSet, mode: str) -> list[list[str]]:
-    """The table rows of one mode; only that mode's renderer and tracer run."""
-    if mode == "userspace":
-        n_ports = sum(len(ss.family_ports(f)) for f in ss.families())
-        return [["userspace (1.0)", f"~{(n_ports + 1) / 2:.1f} portal rules, then a copy through userspace",
-                 "0 (in-memory list)"],
-                ["usproxy relay", "1 socket lookup (ClusterIP is a local address), then a copy",
-                 "0 kernel writes"]]
-    if mode == "iptables":
-        ipt_mean, ipt_worst, _ = _first_packet(ss, trace_iptables)
-        ipt_lines, ipt_full = _iptables_change(ss)
-        return [["iptables", f"{ipt_mean:.1f} rules (worst {ipt_worst}), linear in Services",
-                 f"{ipt_lines} lines of iptables-restore (full sync: {ipt_full})"]]
-    if mode == "ipvs":
-        mean, worst, lookups = _first_packet(ss, trace_ipvs)
-        return [["ipvs", f"{mean:.1f} iptables rules (worst {worst}), {lookups:.1f} lookups "
-                 "(ipsets, then the IPVS service table)", ipvs_change_text(*ipvs_writes(ss, _grown(ss)))]]
-    if mode == "nftables":
-        nft_mean, nft_worst, nft_lookups = _first_packet(ss, trace_nftables)
-        return [["nftables", f"{nft_mean:.1f} rules (worst {nft_worst}), {nft_lookups:.1f} map lookups",
-                 f"{_nftables_change(ss)} commands in one transaction"]]
-    mean, _, lookups = _first_packet(ss, trace_bpf, local=True)
-    return [["bpf", f"{_count(mean)} rules, {_count(lookups)} map lookups at connect()",
-             bpf_change_text(*bpf_writes(ss, _grown(ss)))]]
+# --- each mode's rows: only that mode's renderer and tracer run ----------------------------------
+
+def userspace_rows(ss: ServiceSet, mode: Mode) -> list[list[str]]:
+    n_ports = sum(len(ss.family_ports(f)) for f in ss.families())
+    return [["userspace (1.0)", f"~{(n_ports + 1) / 2:.1f} portal rules, then a copy through userspace",
+             "0 (in-memory list)"],
+            ["usproxy relay", "1 socket lookup (ClusterIP is a local address), then a copy",
+             "0 kernel writes"]]
+
+
+def iptables_rows(ss: ServiceSet, mode: Mode) -> list[list[str]]:
+    ipt_mean, ipt_worst, _ = _first_packet(ss, mode)
+    ipt_lines, ipt_full = _iptables_change(ss)
+    return [[mode.name, f"{ipt_mean:.1f} rules (worst {ipt_worst}), linear in Services",
+             f"{ipt_lines} lines of iptables-restore (full sync: {ipt_full})"]]
+
+
+def ipvs_rows(ss: ServiceSet, mode: Mode) -> list[list[str]]:
+    mean, worst, lookups = _first_packet(ss, mode)
+    return [[mode.name, f"{mean:.1f} iptables rules (worst {worst}), {lookups:.1f} lookups "
+             "(ipsets, then the IPVS service table)", ipvs_sends(ss, _grown(ss))]]
+
+
+def nftables_rows(ss: ServiceSet, mode: Mode) -> list[list[str]]:
+    nft_mean, nft_worst, nft_lookups = _first_packet(ss, mode)
+    return [[mode.name, f"{nft_mean:.1f} rules (worst {nft_worst}), {nft_lookups:.1f} map lookups",
+             f"{_nftables_change(ss)} commands in one transaction"]]
+
+
+def bpf_rows(ss: ServiceSet, mode: Mode) -> list[list[str]]:
+    mean, _, lookups = _first_packet(ss, mode)
+    return [[mode.name, f"{_count(mean)} rules, {_count(lookups)} map lookups at connect()",
+             bpf_sends(ss, _grown(ss))]]
 
 
 def _count(x: float) -> str:
@@ -213,7 +216,9 @@ def ipvs_writes(old: ServiceSet, new: ServiceSet) -> tuple[int, int]:
     return reals, entries
 
 
-def ipvs_change_text(reals: int, entries: int) -> str:
+def ipvs_sends(old: ServiceSet, new: ServiceSet) -> str:
+    """ipvs_writes as text: "1 real server, 1 ipset entry"."""
+    reals, entries = ipvs_writes(old, new)
     return f"{reals} real server{'s' * (reals != 1)}, {entries} ipset entr{'ies' if entries != 1 else 'y'}"
 
 
@@ -235,13 +240,22 @@ def bpf_writes(old: ServiceSet, new: ServiceSet) -> tuple[int, int, int]:
     return len(backends), written, len(recounted)
 
 
-def bpf_change_text(backends: int, slots: int, counts: int) -> str:
+def bpf_sends(old: ServiceSet, new: ServiceSet) -> str:
+    """bpf_writes as text: "3 map elements (1 backend, 1 slot, 1 slot-0 count)"."""
+    backends, slots, counts = bpf_writes(old, new)
     return (f"{backends + slots + counts} map elements ({backends} backend{'s' * (backends != 1)}, "
             f"{slots} slot{'s' * (slots != 1)}, {counts} slot-0 count{'s' * (counts != 1)})")
 
 
-def _ladders(ss: ServiceSet) -> list[str]:
-    out, seen = [], set()
+def relay_sends(old: ServiceSet, new: ServiceSet) -> str:
+    """What the relay (and kube-proxy 1.0) writes for an endpoint change: nothing."""
+    return "0 kernel writes (the relay's, and 1.0's, endpoint lists are in memory)"
+
+
+def ladders(ss: ServiceSet) -> list[str]:
+    """Under the table: each iptables rule's probability beside the share it really gets."""
+    out = ["# iptables: each rule's probability and the share of new connections it really gets"]
+    seen = set()
     for family in ss.families():
         for fp in ss.family_ports(family):
             n = len(fp.cluster)
@@ -251,4 +265,4 @@ def _ladders(ss: ServiceSet) -> list[str]:
             rows = [[f"{fp.name} -> {ep}", text, str(reach), str(share)]
                     for ep, (text, reach, share) in zip(fp.cluster, ladder(n))]
             out.append(render_table(["RULE", "--probability", "REACHES IT", "REALLY GETS"], rows))
-    return out or ["(no ServicePort has more than one endpoint)"]
+    return out if len(out) > 1 else [*out, "(no ServicePort has more than one endpoint)"]

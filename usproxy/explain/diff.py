@@ -15,15 +15,16 @@ and flows to a ClusterIP that had no endpoint. Invariant: values in, text out; n
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from usproxy.model.endpoint import Endpoint, usable
 from usproxy.explain import cost, iptables, nftables
+from usproxy.explain.mode import Mode
 from usproxy.explain.service_set import Family, ServiceSet
+from usproxy.model.endpoint import Endpoint, usable
 from usproxy.model.service_port import ServicePort
 from usproxy.model.types import ServicePortName
 
-View = Callable[[ServiceSet, str], str]  # (service set, mode) -> that mode's rendered text
+View = Callable[[ServiceSet, Mode], str]  # (service set, mode) -> that mode's rendered text
 
 
 def _ports(ss: ServiceSet) -> dict[ServicePortName, tuple[ServicePort, tuple[Endpoint, ...]]]:
@@ -83,6 +84,17 @@ def _elements(t: nftables.Table) -> set[str]:
     return {line for line in nftables.dump(t).splitlines() if line.startswith("add element")}
 
 
+def iptables_sends_text(old: ServiceSet, new: ServiceSet) -> str:
+    """iptables_sends in --scale's table."""
+    return f"{iptables_sends(old, new)} lines of iptables-restore (partial sync)"
+
+
+def iptables_sends_note(old: ServiceSet, new: ServiceSet) -> str:
+    """iptables_sends under `explain diff`'s heading, with what the partial sync holds."""
+    return (f"{iptables_sends(old, new)} lines of iptables-restore (partial sync: filter table, nat "
+            "top-level chains, the changed Services' chains)")
+
+
 def nftables_sends(old: ServiceSet, new: ServiceSet) -> int:
     """Operations of kube-proxy's nftables transaction for this change, summed over families."""
     names, total = changed(old, new), 0
@@ -92,6 +104,16 @@ def nftables_sends(old: ServiceSet, new: ServiceSet) -> int:
         total += sum(cost.nftables_ops(t_new, fp) for fp in new.family_ports(family) if fp.name in names)
         total += len(t_old.chains.keys() - t_new.chains.keys())  # flushed now, deleted later
     return total
+
+
+def nftables_sends_text(old: ServiceSet, new: ServiceSet) -> str:
+    """nftables_sends in --scale's table."""
+    return f"{nftables_sends(old, new)} operations in one transaction"
+
+
+def nftables_sends_note(old: ServiceSet, new: ServiceSet) -> str:
+    """nftables_sends under `explain diff`'s heading."""
+    return f"{nftables_sends(old, new)} operations in one nftables transaction"
 
 
 def conntrack_deletes(old: ServiceSet, new: ServiceSet) -> list[str]:
@@ -111,31 +133,24 @@ def conntrack_deletes(old: ServiceSet, new: ServiceSet) -> list[str]:
     return out
 
 
-def render(old: ServiceSet, new: ServiceSet, modes: tuple[str, ...], view: View,
+def render(old: ServiceSet, new: ServiceSet, modes: Sequence[Mode], view: View,
            titles: dict[str, str]) -> str:
-    """The whole `explain diff` output: the change, then per mode its diff and its counts."""
+    """The whole `explain diff` output: the change, then per mode its diff and its counts;
+    `titles`: each mode's heading by name."""
     what = describe(old, new)
     if not what:
         return "# no change: OLD and NEW hold the same Services and endpoints\n"
     out = ["# the change:", *(f"#   {line}" for line in what), ""]
     for mode in modes:
-        lines, added, removed = unified(view(old, mode), view(new, mode), mode)
-        out.append(f"==== {titles[mode]} ====")
+        lines, added, removed = unified(view(old, mode), view(new, mode), mode.name)
+        out.append(f"==== {titles[mode.name]} ====")
         changed = added + removed
         out.append(f"# rendered rules: {changed} line{'s' * (changed != 1)} changed (+{added} -{removed})")
-        out += _sends(old, new, mode)
+        if mode.diff_sends is not None:
+            out.append(f"# kube-proxy sends: {mode.diff_sends(old, new)}")
         out += [*lines, ""]
     deletes = conntrack_deletes(old, new)
     if deletes:
         out += ["# stale UDP flows kube-proxy deletes (iptables, ipvs and nftables modes):",
                 *deletes, ""]
     return "\n".join(out)
-
-
-def _sends(old: ServiceSet, new: ServiceSet, mode: str) -> list[str]:
-    if mode == "iptables":
-        return [f"# kube-proxy sends: {iptables_sends(old, new)} lines of iptables-restore (partial "
-                "sync: filter table, nat top-level chains, the changed Services' chains)"]
-    if mode == "nftables":
-        return [f"# kube-proxy sends: {nftables_sends(old, new)} operations in one nftables transaction"]
-    return []

@@ -20,6 +20,7 @@ from fractions import Fraction
 
 from usproxy.explain import ipvs
 from usproxy.explain.iptables_trace import TextRule, Walker, parse_restore
+from usproxy.explain.mode import NO_OPTIONS, TraceOptions
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.service_set import ServiceSet
 from usproxy.model.types import IPAddress, format_hostport
@@ -65,7 +66,7 @@ def parse_ip_addr(text: str) -> set[IPAddress]:
             if line.strip().startswith(("inet ", "inet6 "))}
 
 
-def trace_ipvs(ss: ServiceSet, pkt: Packet) -> list[Path]:
+def trace_ipvs(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS) -> list[Path]:
     fam = pkt.dst.version
     bound = parse_ip_addr(ipvs.ip_addr(ipvs.dummy_addresses(ss, fam)))
     pkt = replace(pkt, dst_local=pkt.dst_local or pkt.dst in bound)

@@ -15,14 +15,16 @@ Python renderers; the time says what this run cost, not what a node spends).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from usproxy.explain import cost, diff, generator, trace
+from usproxy.explain import cost, diff, generator
 from usproxy.explain.diff import View
+from usproxy.explain.mode import Mode
 from usproxy.explain.service_set import FamilyPort, ServiceSet
-from usproxy.util.table import render_table
 from usproxy.model.types import format_hostport
+from usproxy.util.table import render_table
 
 MAX_SERVICES = 60_000  # 10.96.0.0/16 holds 65,534 ClusterIPs
 SLOW_SECONDS = 30.0  # a mode slower than this is flagged in the output
@@ -59,34 +61,22 @@ def unpadded(text: str) -> str:
     return "\n".join(" ".join(line.split()) for line in text.splitlines())
 
 
-def _sends(mode: str, old: ServiceSet, new: ServiceSet) -> str:
-    if mode == "iptables":
-        return f"{diff.iptables_sends(old, new)} lines of iptables-restore (partial sync)"
-    if mode == "nftables":
-        return f"{diff.nftables_sends(old, new)} operations in one transaction"
-    if mode == "ipvs":
-        return cost.ipvs_change_text(*cost.ipvs_writes(old, new))
-    if mode == "bpf":
-        return cost.bpf_change_text(*cost.bpf_writes(old, new))
-    return "0 kernel writes (the relay's, and 1.0's, endpoint lists are in memory)"
-
-
-def measure(ss: ServiceSet, mode: str, view: View) -> ModeScale:
+def measure(ss: ServiceSet, mode: Mode, view: View) -> ModeScale:
     """One mode's numbers for the ServiceSet `ss` (already generated)."""
     start = time.perf_counter()
     fp = last_port(ss)
-    rules, worst, lookups = cost.first_packet_of(ss, fp, trace.TRACERS[mode], local=mode == "bpf")
+    rules, worst, lookups = cost.first_packet_of(ss, fp, mode)
     new = generator.with_endpoint_added(ss, fp.name)
-    _, added, removed = diff.unified(unpadded(view(ss, mode)), unpadded(view(new, mode)), mode)
-    sends = _sends(mode, ss, new)
-    return ModeScale(mode, rules, worst, lookups, added, removed, sends, time.perf_counter() - start)
+    _, added, removed = diff.unified(unpadded(view(ss, mode)), unpadded(view(new, mode)), mode.name)
+    sends = mode.sends(ss, new)
+    return ModeScale(mode.name, rules, worst, lookups, added, removed, sends, time.perf_counter() - start)
 
 
 def _num(x: Fraction) -> str:
     return str(x.numerator) if x.denominator == 1 else f"{float(x):.1f}"
 
 
-def render(ss: ServiceSet, n: int, modes: tuple[str, ...], view: View) -> str:
+def render(ss: ServiceSet, n: int, modes: Sequence[Mode], view: View) -> str:
     """The `--scale N` section: how the Services were generated, then one row per mode."""
     big = generator.generate(ss, n)
     fp = last_port(big)
@@ -94,10 +84,10 @@ def render(ss: ServiceSet, n: int, modes: tuple[str, ...], view: View) -> str:
     for mode in modes:
         m = measure(big, mode, view)
         walked = _num(m.rules) if m.rules == m.worst else f"{_num(m.rules)} (worst {m.worst})"
-        rows.append([mode, walked, _num(m.lookups), f"{m.added + m.removed} (+{m.added} -{m.removed})",
+        rows.append([m.mode, walked, _num(m.lookups), f"{m.added + m.removed} (+{m.added} -{m.removed})",
                      m.sends, f"{m.seconds:.1f} s"])
         if m.seconds > SLOW_SECONDS:
-            notes.append(f"# {mode}: measuring took {m.seconds:.0f} s at {n} Services: this Python "
+            notes.append(f"# {m.mode}: measuring took {m.seconds:.0f} s at {n} Services: this Python "
                          "renderer is slow at this size (the numbers above are still exact)")
     endpoints = sum(len(eps) for _, eps in big.ports)
     k = len(generator.templates(ss))
@@ -110,7 +100,5 @@ def render(ss: ServiceSet, n: int, modes: tuple[str, ...], view: View) -> str:
             "and compared as `explain diff` does",
             render_table(["MODE", "RULES WALKED", "LOOKUPS", "RENDERED LINES CHANGED", "ONE ENDPOINT ADDED WRITES",
                           "MEASURED IN"], rows)]
-    if "userspace" in modes:
-        notes.insert(0, "# userspace: RULES WALKED are kube-proxy 1.0's portal rules (a list, like iptables'); "
-                        "usproxy's relay walks none: the kernel's socket lookup finds its listener (LOOKUPS)")
+    notes[:0] = [mode.scale_note for mode in modes if mode.scale_note]
     return "\n".join(head + notes) + "\n"

@@ -18,13 +18,13 @@ the connection lands (DNAT); filter checks after DNAT are not walked.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Sequence
 from fractions import Fraction
 
 from usproxy.explain import bpf, iptables, iptables_entry, nftables, reply, tc_trace, userspace
 from usproxy.explain.iptables_trace import Walker, parse_restore
 from usproxy.explain.ipvs_trace import trace_ipvs
+from usproxy.explain.mode import NO_OPTIONS, Mode, TraceOptions
 from usproxy.explain.nftables_trace import Walker as NftWalker
 from usproxy.explain.nftables_trace import parse_dump
 from usproxy.explain.packet import Packet, Path, parse_packet
@@ -33,7 +33,7 @@ from usproxy.explain.userspace import proxy_port
 from usproxy.model.source_ranges import allowed_sources, allows
 from usproxy.model.types import format_hostport
 
-__all__ = ["Packet", "Path", "TRACERS", "parse_packet", "render", "trace_bpf", "trace_iptables",
+__all__ = ["Packet", "Path", "parse_packet", "render", "trace_bpf", "trace_iptables",
            "trace_ipvs", "trace_nftables", "trace_userspace"]
 
 
@@ -43,7 +43,7 @@ def _refused(pkt: Packet) -> str:
 
 # --- iptables, nftables --------------------------------------------------------------------
 
-def trace_iptables(ss: ServiceSet, pkt: Packet) -> list[Path]:
+def trace_iptables(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS) -> list[Path]:
     """From the built-in chains the view's entry jumps leave (iptables_entry): nat PREROUTING (or
     OUTPUT from this node), then, for a packet nat left untranslated, filter FORWARD (or INPUT to
     this node, OUTPUT from it), then nat POSTROUTING where KUBE-POSTROUTING masquerades; the
@@ -74,7 +74,7 @@ def _filter_chains(pkt: Packet) -> tuple[str, ...]:
     return ("INPUT",) if pkt.dst_local else ("FORWARD",)
 
 
-def trace_nftables(ss: ServiceSet, pkt: Packet) -> list[Path]:
+def trace_nftables(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS) -> list[Path]:
     """The hooked base chains in priority order: filter pre-dnat, nat, then filter (not DNATed),
     then nat postrouting."""
     w = NftWalker(parse_dump(nftables.dump(nftables.build(ss, pkt.dst.version))), pkt)
@@ -127,13 +127,14 @@ def _local_process(ss: ServiceSet, pkt: Packet) -> bool:
     return pkt.src_local or (cidr is not None and pkt.src in cidr)
 
 
-def trace_bpf(ss: ServiceSet, pkt: Packet, lb_mode: str = "snat") -> list[Path]:
+def trace_bpf(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS) -> list[Path]:
     """Socket LB for this node's processes connecting to a ClusterIP (connect() rewritten, no
     per-packet NAT). NodePorts, LB IPs and externalIPs are tc-only frontends (F_TC_ONLY,
     usproxy/offload/bpf/datapath.py `_wants`): a packet from elsewhere or from a pod here meets
-    usproxy's tc program (tc_trace, `lb_mode` as --bpf-lb-mode); the node's own connection, which
-    no tc ingress sees, and what tc passes to the stack untouched (IPv6, SCTP, no tc frontend) go
-    to usproxy's fallback."""
+    usproxy's tc program (tc_trace, `opts.bpf_lb_mode` as --bpf-lb-mode); the node's own
+    connection, which no tc ingress sees, and what tc passes to the stack untouched (IPv6, SCTP, no
+    tc frontend) go to usproxy's fallback."""
+    lb_mode = opts.bpf_lb_mode
     if not _local_process(ss, pkt):
         served = tc_trace.trace(ss, pkt, lb_mode)
         if isinstance(served, str):
@@ -263,7 +264,7 @@ def _bpf_fallback(ss: ServiceSet, pkt: Packet, why: list[str]) -> list[Path]:
 
 # --- userspace -----------------------------------------------------------------------------
 
-def trace_userspace(ss: ServiceSet, pkt: Packet) -> list[Path]:
+def trace_userspace(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS) -> list[Path]:
     """kube-proxy 1.0's portal rules (IPv4), then what usproxy's relay does with the same packet."""
     p = Path()
     if pkt.dst.version == 4:
@@ -348,19 +349,13 @@ def _split_relay(eps: list[str], p: Path, hop: str) -> list[Path]:
     return out
 
 
-TRACERS = {"userspace": trace_userspace, "iptables": trace_iptables, "ipvs": trace_ipvs,
-           "nftables": trace_nftables, "bpf": trace_bpf}
-
-
-def render(ss: ServiceSet, pkt: Packet, modes: tuple[str, ...], lb_mode: str = "snat") -> str:
-    """Every mode's paths for `pkt`; `lb_mode` is the bpf mode's --bpf-lb-mode (snat or dsr)."""
-    tracers: dict[str, Callable[[ServiceSet, Packet], list[Path]]] = {
-        **TRACERS, "bpf": functools.partial(trace_bpf, lb_mode=lb_mode)}
+def render(ss: ServiceSet, pkt: Packet, modes: Sequence[Mode], opts: TraceOptions = NO_OPTIONS) -> str:
+    """Every mode's paths for `pkt`; `opts` as `explain trace`'s flags (--bpf-lb-mode)."""
     head = f"{pkt.src} -> {format_hostport(pkt.dst, pkt.dport)}/{pkt.proto}"
     out = []
     for mode in modes:
-        paths = tracers[mode](ss, pkt)
-        out.append(f"## {mode}: {head}")
+        paths = mode.trace(ss, pkt, opts)
+        out.append(f"## {mode.name}: {head}")
         for n, p in enumerate(paths, start=1):
             masq = ", masqueraded" if p.masquerade else ""
             out.append(f"  path {n}/{len(paths)}  share {p.share}  rules {p.rules} "

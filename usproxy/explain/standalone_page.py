@@ -1,22 +1,27 @@
 """StandalonePage: the web view's drawings and rules for a set of Services as one self-contained
-HTML file, for people without a running agent (meant for `usproxy explain --html FILE`).
+HTML file, for people without a running agent (`usproxy explain --html FILE`).
 
 The same content as the live page's "path of a connection" section (mode_view.mode_views): per
 Service, per mode, the SVG of the path a new connection takes and the rules usproxy.explain renders
-for that Service. Self-contained: the stylesheet is the package's view.css inlined, the drawings are
-inline SVG, and there is no script and no link to any other file, so it opens from disk as it is.
-Invariant: a pure function of its input.
+for that Service. Self-contained: the stylesheet (usproxy/explain/static/explain.css, which the live
+page links too) is inlined, the drawings are inline SVG, and there is no script and no link to any
+other file, so it opens from disk as it is. Invariant: a pure function of its input.
 """
 
 from __future__ import annotations
 
 from html import escape
+from importlib import resources
 
-from usproxy.admin.mode_view import mode_views
-from usproxy.admin.web_view import asset
-from usproxy.model.endpoint import Endpoint
+from usproxy.explain.mode_view import mode_views
 from usproxy.explain.service_set import ServiceSet
+from usproxy.model.endpoint import Endpoint
 from usproxy.model.service_port import ServicePort
+
+
+def stylesheet() -> str:
+    """usproxy/explain/static/explain.css (package data): the page and the drawings' styles."""
+    return resources.files("usproxy.explain").joinpath("static", "explain.css").read_text(encoding="utf-8")
 
 
 def _by_service(ss: ServiceSet) -> dict[str, list[tuple[ServicePort, tuple[Endpoint, ...]]]]:
@@ -40,7 +45,7 @@ def render(ss: ServiceSet, title: str = "usproxy explain: the path of a connecti
     services = [_service(name, ServiceSet(tuple(ports), ss.node)) for name, ports in _by_service(ss).items()]
     body = "\n".join(services) or "<p>No Services to show.</p>"
     return (f'<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{escape(title)}</title>\n'
-            f"<style>\n{asset('view.css')}</style>\n</head>\n<body>\n<header><h1>{escape(title)}</h1></header>\n"
+            f"<style>\n{stylesheet()}</style>\n</head>\n<body>\n<header><h1>{escape(title)}</h1></header>\n"
             "<main>\n<p class=\"sub\">The first packet walks these rules; later packets and replies ride "
             "conntrack (the relay has its own flow table).</p>\n"
             f"{body}\n</main>\n</body>\n</html>\n")

@@ -22,13 +22,16 @@ Without a usable endpoint each mode refuses the connection at its own place: not
 the relay (RST), a filter REJECT for iptables, the no-endpoint-services map for nftables, an IPVS
 virtual server with no real server, ECONNREFUSED from the BPF connect hook.
 
-Replies ride conntrack in the kernel modes (un-DNATed to ClusterIP:port). Invariant: pure function of
-its arguments; text is XML-escaped. Each backend is an SVG group with `data-endpoint="ip:port"`, so
-the page can mark the ones that changed.
+Replies ride conntrack in the kernel modes (un-DNATed to ClusterIP:port). Each mode's drawing is
+one `Drawer` (its path with endpoints, and the hop where it refuses without one), named by that
+mode's record (usproxy/explain/registry.py). Invariant: pure function of its arguments; text is
+XML-escaped. Each backend is an SVG group with `data-endpoint="ip:port"`, so the page can mark the
+ones that changed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from html import escape
 
@@ -38,7 +41,6 @@ from usproxy.explain.service_set import FamilyPort
 from usproxy.explain.userspace import proxy_port
 from usproxy.model.types import format_hostport
 
-MODES = ("userspace", "iptables", "ipvs", "nftables", "bpf")
 BOX_W, BOX_H, GAP, PAD = 180, 96, 24, 12  # pixels
 SLOTS = 4  # hops the widest mode draws: every drawing is as wide, so all scale alike
 LINE = 14  # pixels between text lines
@@ -56,7 +58,6 @@ class Hop:
 class Path:
     """What one mode does with a new connection: hops, backends (label, detail), reply path."""
 
-    mode: str
     hops: tuple[Hop, ...]
     backends: tuple[tuple[Endpoint, str], ...]
     reply: str
@@ -77,7 +78,7 @@ def _userspace(fp: FamilyPort, eps: tuple[Endpoint, ...]) -> Path:
                             "usproxy: ClusterIP bound", "on usproxy0, accept()")),
             Hop("relay (usproxy)", ("picks an endpoint", "connect() from the node", "2nd connection",
                                     "copies bytes both ways")))
-    return Path("userspace", hops, tuple((e, f"round robin {_share(len(eps))}") for e in eps),
+    return Path(hops, tuple((e, f"round robin {_share(len(eps))}") for e in eps),
                 "reply: backend → relay (its own socket) → client socket; no NAT",
                 "backend sees: the node's address")
 
@@ -89,7 +90,7 @@ def _iptables(fp: FamilyPort, eps: tuple[Endpoint, ...]) -> Path:
                                                     "-m statistic random", f"probability ladder of {len(eps)}")),
             Hop("KUBE-SEP-*", ("DNAT to the endpoint", "conntrack remembers", "KUBE-POSTROUTING:",
                                "MASQUERADE if marked")))
-    return Path("iptables", hops, tuple((e, chain_names.sep_chain(fp.name, e)) for e in eps),
+    return Path(hops, tuple((e, chain_names.sep_chain(fp.name, e)) for e in eps),
                 "reply: conntrack un-DNATs backend → ClusterIP:port (and un-SNATs if masqueraded)",
                 "backend sees: the client (the node if masqueraded)")
 
@@ -99,7 +100,7 @@ def _ipvs(fp: FamilyPort, eps: tuple[Endpoint, ...]) -> Path:
             Hop("nat PREROUTING", ("→ KUBE-SERVICES", "match-set", "KUBE-CLUSTER-IP", "ACCEPT")),
             Hop("IPVS virtual server", (_target(fp), "on kube-ipvs0 (dummy)", "scheduler rr",
                                         "Masq = DNAT, not SNAT")))
-    return Path("ipvs", hops, tuple((e, f"real server, weight 1 ({_share(len(eps))})") for e in eps),
+    return Path(hops, tuple((e, f"real server, weight 1 ({_share(len(eps))})") for e in eps),
                 "reply: IPVS connection table un-DNATs backend → ClusterIP:port",
                 "backend sees: the client (the node if KUBE-MARK-MASQ)")
 
@@ -113,7 +114,7 @@ def _nftables(fp: FamilyPort, eps: tuple[Endpoint, ...]) -> Path:
                                                f"numgen random mod {len(eps) or 1}", "vmap → endpoint-…")),
             Hop("endpoint-…", ("dnat to the endpoint", "conntrack remembers", "nat-postrouting:",
                                "masquerade if marked")))
-    return Path("nftables", hops,
+    return Path(hops,
                 tuple((e, "endpoint-" + chain_names.nft_endpoint_base(fp.name, e)[:10] + "…") for e in eps),
                 "reply: conntrack un-DNATs backend → ClusterIP:port (and un-SNATs if masqueraded)",
                 "backend sees: the client (the node if masqueraded)")
@@ -124,33 +125,39 @@ def _bpf(fp: FamilyPort, eps: tuple[Endpoint, ...]) -> Path:
             Hop("cgroup/connect4 hook", ("service map lookup", "pick a backend slot", "rewrite the socket's",
                                          "destination: no NAT")),
             Hop("socket", ("connected to the", "backend directly", "getpeername() says", "ClusterIP:port")))
-    return Path("bpf", hops, tuple((e, f"backend slot {i + 1}") for i, e in enumerate(eps)),
+    return Path(hops, tuple((e, f"backend slot {i + 1}") for i, e in enumerate(eps)),
                 "reply: straight from the backend to the socket; nothing to undo",
                 "backend sees: the client itself")
 
 
-_BUILDERS = {"userspace": _userspace, "iptables": _iptables, "ipvs": _ipvs,
-             "nftables": _nftables, "bpf": _bpf}
+@dataclass(frozen=True, slots=True)
+class Drawer:
+    """One mode's drawing: `path` of a new connection to a ClusterIP given its usable endpoints,
+    and `refused`, the hop where that mode refuses a connection when there is none."""
+
+    path: Callable[[FamilyPort, tuple[Endpoint, ...]], Path]
+    refused: Hop
+
+    def of(self, fp: FamilyPort) -> Path:
+        """The path of a new connection to `fp`'s ClusterIP; without a usable endpoint it ends
+        where this mode refuses it."""
+        if fp.internal:
+            return self.path(fp, fp.internal)
+        return Path((self.path(fp, ()).hops[0], self.refused), (),
+                    "no reply from a backend: the client is refused", "backend sees: nothing")
 
 
-_REFUSED = {  # where a connection to a ServicePort without a usable endpoint ends, per mode
-    "userspace": Hop("refused", ("usproxy: nothing listens", "on ClusterIP:port, the", "kernel answers RST",
-                                 "(1.0: accept, then close)")),
-    "iptables": Hop("filter KUBE-SERVICES", ('"… has no endpoints"', "-j REJECT", "(icmp port unreachable)")),
-    "ipvs": Hop("IPVS virtual server", ("no real server:", "nowhere to send it", "the connection fails")),
-    "nftables": Hop("no-endpoint-services", ("map ip . proto . port", "goto reject-chain", "reject")),
-    "bpf": Hop("cgroup/connect4 hook", ("service has no backend", "connect() fails with", "ECONNREFUSED")),
-}
-
-
-def path_of(mode: str, fp: FamilyPort) -> Path:
-    """The path of a new connection to `fp`'s ClusterIP in `mode` (one of MODES); KeyError else.
-    Without a usable endpoint the path ends where that mode refuses it."""
-    path = _BUILDERS[mode](fp, fp.internal)
-    if fp.internal:
-        return path
-    return Path(mode, (path.hops[0], _REFUSED[mode]), (), "no reply from a backend: the client is refused",
-                "backend sees: nothing")
+# Where a connection to a ServicePort without a usable endpoint ends, per mode.
+USERSPACE = Drawer(_userspace, Hop("refused", ("usproxy: nothing listens", "on ClusterIP:port, the",
+                                               "kernel answers RST", "(1.0: accept, then close)")))
+IPTABLES = Drawer(_iptables, Hop("filter KUBE-SERVICES", ('"… has no endpoints"', "-j REJECT",
+                                                          "(icmp port unreachable)")))
+IPVS = Drawer(_ipvs, Hop("IPVS virtual server", ("no real server:", "nowhere to send it",
+                                                 "the connection fails")))
+NFTABLES = Drawer(_nftables, Hop("no-endpoint-services", ("map ip . proto . port", "goto reject-chain",
+                                                          "reject")))
+BPF = Drawer(_bpf, Hop("cgroup/connect4 hook", ("service has no backend", "connect() fails with",
+                                                "ECONNREFUSED")))
 
 
 def _text(x: int, y: int, s: str, cls: str = "") -> str:
@@ -169,15 +176,15 @@ def _arrow(x1: int, y1: int, x2: int, y2: int, cls: str = "fwd") -> str:
     return f'<line class="{cls}" x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" marker-end="url(#arrow)"/>'
 
 
-def render(path: Path) -> str:
-    """The SVG (a standalone <svg> element) of `path`."""
+def render(path: Path, mode: str) -> str:
+    """The SVG (a standalone <svg> element) of `path`, marked with the name of its `mode`."""
     n = len(path.hops)
     bx = PAD + SLOTS * (BOX_W + GAP) + GAP  # where the backends column starts
     step = (SLOTS * (BOX_W + GAP) - BOX_W) // max(1, n - 1) if n > 1 else 0  # between hop boxes
     rows = max(1, len(path.backends))
     height = max(BOX_H, rows * 40) + 2 * PAD + 3 * LINE + 10
     width = bx + BOX_W + 40 + PAD
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="path" data-mode="{path.mode}" '
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="path" data-mode="{escape(mode)}" '
            f'viewBox="0 0 {width} {height}" width="{width}" height="{height}">',
            '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
            'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z"/></marker></defs>']
