@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 import yaml
 
-from tests.app.test_agent_admin import closed
-from tests.core.test_proxier import eps, service
+from tests.app.helpers import closed
+from tests.core.helpers import eps, service
 from usproxy.admin.service_health import ServiceHealthServer, reply
 from usproxy.app.agent import Agent
 from usproxy.model.config import ProxyConfig

@@ -25,7 +25,7 @@ from usproxy.core.datapath import FakeDatapath
 from usproxy.explain import iptables, nftables
 from usproxy.explain.service_set import ServiceSet
 
-from tests.app.test_agent_admin import SVC, write
+from tests.app.helpers import SVC, write
 
 SVG = "{http://www.w3.org/2000/svg}"
 

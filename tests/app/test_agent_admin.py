@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import aiohttp
 import pytest
 import uvloop
 
+from tests.app.helpers import SVC, closed, write
 from usproxy.admin.health import Health, evaluate
 from usproxy.admin.views import bpf_lb_mode
 from usproxy.app.agent import Agent
@@ -23,27 +23,6 @@ from usproxy.core.datapath import FakeDatapath, Placement
 from usproxy.util.metrics import Metrics
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
-SVC = """\
-apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: default}}
-spec:
-  clusterIP: 10.96.10.10
-  ports: [{{name: http, port: {port}, targetPort: 8080}}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: web-1, namespace: default, labels: {{kubernetes.io/service-name: web}}}}
-addressType: IPv4
-ports: [{{name: http, port: 8080}}]
-endpoints: [{{addresses: [10.244.1.5]}}]
-"""
-
-
-def write(path: Path, text: str) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_text(text)
-    os.rename(tmp, path)
 
 
 @pytest.fixture
@@ -281,14 +260,6 @@ def test_everything_withdrawn_on_a_local_error_a_hog_on_the_probers_address_cann
     with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
         runner.run(hog_on_the_probers_address(3))
         runner.run(every_connection_busy_refuses_the_next())
-
-
-async def closed(reader: asyncio.StreamReader) -> bool:
-    """Whether the peer closed or reset the connection (within 3 s) without sending anything."""
-    try:
-        return await asyncio.wait_for(reader.read(), 3) == b""
-    except ConnectionResetError:
-        return True
 
 
 def test_everything_withdrawn_on_a_local_error_admin_connections_scale_with_the_descriptor_limit() -> None:

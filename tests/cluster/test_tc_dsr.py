@@ -33,9 +33,9 @@ from typing import Any
 
 import pytest
 
+from tests.cluster.bpf_agents import Agents, ct_entries, node_dirs, served_by_bpf
 from tests.cluster.cluster import EXT, LAN, Cluster, node_ip
-from tests.cluster.test_tc_nodeport import Agents, ct_entries, node_dirs, served_by_bpf, udp_service, udp_slice
-from tests.cluster.test_three_nodes import ask, service, slice_of
+from tests.cluster.workload import ask, service, slice_of, udp_service, udp_slice
 from tests.netns import inside, nsexec
 from usproxy.offload.bpf import view
 from usproxy.offload.bpf.layout import CT_DSR, CT_ORIGINAL, CT_REPLY

@@ -21,68 +21,30 @@ NodePorts on the nodes' 192.0.2.1N addresses:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.cluster.bpf_agents import Agents, ct_entries, node_dirs, served_by_bpf
 from tests.cluster.cluster import EXT, LAN, Cluster, node_ip
-from tests.cluster.test_three_nodes import ask, service, slice_of
+from tests.cluster.workload import ask, connect, echo, service, slice_of, udp_service, udp_slice
 from tests.netns import inside, nsexec
 from tests.relay.harness import USPROXY
 from usproxy.offload.bpf import libbpf as bpf
-from usproxy.offload.bpf import loader, nodeport, view
-from usproxy.offload.bpf.layout import CT_ORIGINAL, AffinityEntry, CtEntry
-from usproxy.offload.pin_root import PIN_ROOT_ENV
+from usproxy.offload.bpf import loader, view
+from usproxy.offload.bpf.layout import CT_ORIGINAL, AffinityEntry
 
 pytestmark = pytest.mark.netns
 
-CGROUP2 = Path("/sys/fs/cgroup/unified")
 WEB_NP, LOCAL_NP, UDP_NP, STICKY_NP, EMPTY_NP = 30080, 30081, 30082, 30083, 30084
 N1 = node_ip(1)
 N1_BRIDGE = "10.244.1.1"
-
-
-@contextlib.contextmanager
-def node_dirs(tag: str) -> Iterator[dict[int, tuple[Path, Path]]]:
-    """Per node: pins under /sys/fs/bpf and a cgroup, both unique to this test, removed after."""
-    dirs = {i: (loader.BPFFS / f"usproxy-test-{tag}-n{i}", CGROUP2 / f"usproxy-test-{tag}-n{i}") for i in (1, 2, 3)}
-    for _, cg in dirs.values():
-        cg.mkdir()
-    try:
-        yield dirs
-    finally:
-        for pins, cg in dirs.values():
-            loader.remove(loader.PinLayout(pins))
-            with contextlib.suppress(OSError):
-                cg.rmdir()
-
-
-def udp_service(name: str, ip: str, node_port: int) -> dict[str, Any]:
-    svc = service(name, ip, node_port, "Cluster")
-    svc["spec"]["ports"] = [{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8080, "nodePort": node_port}]
-    return svc
-
-
-def udp_slice(name: str, pods: list[tuple[str, int]]) -> dict[str, Any]:
-    eps = slice_of(name, pods)
-    eps["ports"] = [{"name": "dns", "port": 8080, "protocol": "UDP"}]
-    return eps
-
-
-def ct_entries(pins: Path) -> list[CtEntry]:
-    fd = bpf.obj_get(str(loader.PinLayout(pins).maps / "usp_ct"))
-    try:
-        return nodeport.ct_entries(fd)
-    finally:
-        os.close(fd)
 
 
 def affinity_entries(pins: Path) -> list[AffinityEntry]:
@@ -99,36 +61,6 @@ def tc_programs(ns: str, ifname: str) -> dict[str, list[int]]:
         ifindex = socket.if_nametoindex(ifname)
         return {d: bpf.prog_query(ifindex, at) for d, at in
                 (("ingress", bpf.BPF_TCX_INGRESS), ("egress", bpf.BPF_TCX_EGRESS))}
-
-
-async def served_by_bpf(c: Cluster, nodes: range, timeout: float = 15.0) -> None:
-    """Wait until every ServicePort on `nodes` is carried by bpf, forwarded traffic included."""
-    deadline = time.monotonic() + timeout
-    for i in nodes:
-        while True:
-            rows = await asyncio.to_thread(c.admin, i, "/services")
-            if rows and all(r.get("datapath") == "bpf" and "userspace" not in r.get("reason", "") for r in rows):
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"n{i} did not offload to bpf: {rows}\n{c.log(i)}")
-            await asyncio.sleep(0.1)
-
-
-class Agents:
-    """Starts node agents with their pins and cgroup."""
-
-    def __init__(self, c: Cluster, kc: Path, dirs: dict[int, tuple[Path, Path]]) -> None:
-        self.c, self.kc, self.dirs = c, kc, dirs
-
-    def flags(self, i: int) -> tuple[str, ...]:
-        return ("--offload", "bpf", "--offload-after", "0.5", "--min-sync-period", "200ms",
-                "--bpf-cgroup", str(self.dirs[i][1]))
-
-    def env(self, i: int) -> dict[str, str]:
-        return {PIN_ROOT_ENV: str(self.dirs[i][0])}
-
-    def start(self, i: int) -> None:
-        self.c.start_agent(i, self.kc, *self.flags(i), use_nsenter=True, env=self.env(i))
 
 
 @pytest.fixture
@@ -181,20 +113,6 @@ def udp_ask(ns: str, addr: str, port: int, count: int) -> list[tuple[str, str]]:
     finally:
         s.close()
     return out
-
-
-def connect(ns: str, addr: str, port: int) -> tuple[socket.socket, str, str]:
-    with inside(ns):
-        s = socket.socket()
-    s.settimeout(2.0)
-    s.connect((addr, port))
-    name, peer = s.recv(128).decode().split()[:2]
-    return s, name, peer
-
-
-def echo(s: socket.socket, text: bytes) -> bytes:
-    s.sendall(text)
-    return s.recv(len(text))
 
 
 async def test_cluster_policy_nodeport_is_dnated_and_snated_at_tc(bpf_cluster: tuple[Cluster, Agents]) -> None:

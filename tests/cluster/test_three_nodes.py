@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +28,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.cluster import EXT, LAN, Cluster, node_ip
+from tests.cluster.workload import ask, service, slice_of
 from tests.netns import inside
 from tests.sources.fake_apiserver import FakeApiServer, kubeconfig_text
 
@@ -37,43 +37,6 @@ pytestmark = pytest.mark.netns
 AGENT_FLAGS = ("--offload", "nftables", "--offload-after", "0.5", "--min-sync-period", "200ms",
                "--cluster-cidr", "10.244.0.0/16")  # pods are told from outside clients by their network
 WEB_NP, LOCAL_NP, HC_PORT = 30080, 30081, 32000
-
-
-def service(name: str, ip: str, node_port: int, etp: str, **spec: Any) -> dict[str, Any]:
-    return {"metadata": {"name": name, "namespace": "default"},
-            "spec": {"type": spec.pop("type", "NodePort"), "clusterIP": ip, "clusterIPs": [ip],
-                     "externalTrafficPolicy": etp, **spec,
-                     "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080,
-                                "nodePort": node_port}]}}
-
-
-def slice_of(service_name: str, pods: list[tuple[str, int]]) -> dict[str, Any]:
-    return {"metadata": {"name": f"{service_name}-1", "namespace": "default",
-                         "labels": {"kubernetes.io/service-name": service_name}},
-            "addressType": "IPv4",
-            "endpoints": [{"addresses": [ip], "conditions": {"ready": True}, "nodeName": f"node-{n}"}
-                          for ip, n in pods],
-            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]}
-
-
-def ask(ns: str, addr: str, port: int, timeout: float = 2.0) -> tuple[str, str]:
-    """(pod name, the peer it saw), or ("timeout" | "refused" | "reset", "") (blocking: run it in
-    a thread so the API server in this loop keeps serving)."""
-    with inside(ns):
-        s = socket.socket()
-    s.settimeout(timeout)
-    try:
-        s.connect((addr, port))
-        name, peer = s.recv(128).decode().split()[:2]
-        return name, peer
-    except (TimeoutError, socket.timeout):
-        return "timeout", ""
-    except ConnectionRefusedError:
-        return "refused", ""
-    except ConnectionResetError:
-        return "reset", ""
-    finally:
-        s.close()
 
 
 def health(ns: str, addr: str, port: int) -> tuple[int, dict[str, Any]]:

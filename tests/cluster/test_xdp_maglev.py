@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.bpf_agents import Agents, node_dirs, served_by_bpf
 from tests.cluster.cluster import EXT, LAN, Cluster, ethtool_stats, node_ip
-from tests.cluster.test_tc_nodeport import Agents, connect, echo, node_dirs, served_by_bpf
-from tests.cluster.test_three_nodes import service, slice_of
+from tests.cluster.workload import connect, echo, service, slice_of
 from tests.netns import inside
 from tests.relay.harness import USPROXY
 from tests.sources.fake_apiserver import FakeApiServer

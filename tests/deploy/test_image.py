@@ -37,13 +37,13 @@ import pytest
 
 from tests.deploy.apiserver import ApiServerThread
 from tests.deploy.image import ROOT, BuiltImage, chroot, mounted
+from tests.deploy.manifests import config_map, daemonset
 from tests.deploy.pod import container, sandbox_argv, sandbox_spec
 from tests.deploy.sandbox import inside_root
 from tests.netns import Topology, inside
 from tests.offload.bpf.conftest import CGROUP2, attached_programs
 from tests.offload.harness import Pods, nft_list, tcp_peer_name, wait_listening
 from tests.sources.conftest import eps, node, svc
-from tests.sources.test_deployment_manifests import docs
 
 pytestmark = pytest.mark.image
 
@@ -53,14 +53,6 @@ NODE_IP = "192.0.2.10"  # hostNetwork: the Pod's IP is the node's, where the kub
 MAX_IMAGE_BYTES = 260 * 10**6  # 209 MB when measured (README); a bound that shows growth
 BPF_CLIENT = ROOT / "tests" / "offload" / "bpf" / "client.py"
 CAP_NUMBERS = {"NET_BIND_SERVICE": 10, "NET_ADMIN": 12, "BPF": 39}
-
-
-def daemonset() -> dict[str, Any]:
-    return docs()[("DaemonSet", "usproxy")]
-
-
-def config_map() -> dict[str, Any]:
-    return docs()[("ConfigMap", "usproxy")]
 
 
 def _bpf_object_name() -> str:

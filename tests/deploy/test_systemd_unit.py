@@ -24,8 +24,8 @@ from typing import Any, cast
 import pytest
 
 from tests.deploy.image import ROOT
+from tests.deploy.manifests import daemonset
 from tests.deploy.pod import container
-from tests.deploy.test_image import daemonset
 from usproxy.app.cli import build_parser, config_from_args
 from usproxy.sources import static
 

@@ -4,6 +4,7 @@ a BPF pin root of the test's own for `--live` (never the machine's: a real agent
 from __future__ import annotations
 
 import ipaddress
+import socket
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,9 @@ def own_pin_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "bpf-pins"
     monkeypatch.setenv(PIN_ROOT_ENV, str(root))
     return root
+
+
+def dead_address() -> str:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"

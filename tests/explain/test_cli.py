@@ -6,12 +6,11 @@ listens on), no nftables table (the read is replaced), and an empty BPF pin root
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.explain.conftest import FIXTURES
+from tests.explain.conftest import FIXTURES, dead_address
 from usproxy.app import cli as top
 from usproxy.util.errors import ConfigError
 from usproxy.explain import cli, live
@@ -76,12 +75,6 @@ def test_bad_manifest_exits_2_naming_object_and_field(tmp_path: Path, capsys: py
 def test_bad_usage_is_a_config_error(argv: list[str]) -> None:
     with pytest.raises(ConfigError):
         cli.main(argv)
-
-
-def dead_address() -> str:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def test_live_without_agent_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

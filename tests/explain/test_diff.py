@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.explain.test_partial_sync import NODE, REPEATED, state
+from tests.explain.repeated_states import NODE, REPEATED, state
 from usproxy.explain import cli, diff, registry
 from usproxy.explain.service_set import load_manifests, service_set
 

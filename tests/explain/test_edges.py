@@ -98,7 +98,7 @@ def stub_pins(monkeypatch: pytest.MonkeyPatch, own_pin_root: Path, tmp_path: Pat
 
 def test_live_marks_pins_no_running_agent_owns_as_orphaned(stub_pins: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.explain.test_cli import dead_address
+    from tests.explain.conftest import dead_address
 
     rc, out, _ = run(["--live", "--metrics-bind-address", dead_address()], capsys)
     assert rc == 0 and "# live kernel state (bpf pins): ORPHANED: no running usproxy agent" in out
@@ -109,7 +109,7 @@ def test_live_marks_pins_of_the_agent_holding_the_offload_lock_as_owned(
         stub_pins: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import os
 
-    from tests.explain.test_cli import dead_address
+    from tests.explain.conftest import dead_address
     from usproxy.util.locks import NetnsLock
 
     lock = NetnsLock("offload")  # what a running offloading agent holds

@@ -10,20 +10,13 @@ printed, and the trace lists it (as matched, or in a run of rules that did not m
 
 from __future__ import annotations
 
-import ipaddress
-from dataclasses import dataclass, replace
-from pathlib import Path as FsPath
-from typing import Any
+from dataclasses import dataclass
 
 import pytest
-import yaml
 
-from usproxy.explain import ipvs, iptables, nftables, registry, trace, userspace
-from usproxy.explain.packet import Packet, Path
-from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
-
-FLOWS = FsPath(__file__).parent / "flows"
-DATA: dict[str, Any] = yaml.safe_load((FLOWS / "flows.yaml").read_text())
+from tests.explain.kube_proxy_flows import DATA, flow_packet, flow_set
+from usproxy.explain import ipvs, iptables, nftables, registry, userspace
+from usproxy.explain.packet import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,16 +32,6 @@ class Flow:
         return f"{self.test}: {self.name}"
 
 
-def _node() -> tuple[Node, frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]]:
-    n = DATA["node"]
-    node = Node(n["name"], tuple(ipaddress.ip_address(ip) for ip in n["nodeport_ips"]),
-                (ipaddress.ip_network(n["cluster_cidr"]),), (ipaddress.ip_network(n["service_cidr"]),))
-    return node, frozenset(ipaddress.ip_address(ip) for ip in n["local_ips"])
-
-
-NODE, LOCAL = _node()
-
-
 def _flows() -> list[tuple[str, Flow]]:
     out = []
     for test, flows in DATA["tests"].items():
@@ -57,16 +40,6 @@ def _flows() -> list[tuple[str, Flow]]:
                 want = {"output": f["output"], "masq": f["masq"], **f.get("modes", {}).get(mode, {})}
                 out.append((mode, Flow(test, f["name"], f["src"], f["dst"], want["output"], want["masq"])))
     return out
-
-
-def flow_set(test: str) -> ServiceSet:
-    return service_set(load_manifests(FLOWS / f"{test}.yaml"), NODE)
-
-
-def flow_packet(ss: ServiceSet, src: str, dst: str) -> Packet:
-    """As kube-proxy's tracer: every address of testNodeIPs is local, not only NodePort ones."""
-    pkt = trace.parse_packet(src, dst, ss)
-    return replace(pkt, src_local=pkt.src in LOCAL, dst_local=pkt.dst in LOCAL)
 
 
 def _trace(mode: str, test: str, src: str, dst: str) -> list[Path]:

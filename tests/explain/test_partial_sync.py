@@ -4,20 +4,9 @@ pkg/proxy/nftables/proxier_test.go), transcribed as manifests under tests/explai
 
 from __future__ import annotations
 
-import ipaddress
-from pathlib import Path
-
+from tests.explain.repeated_states import state
 from usproxy.explain import cost, iptables, nftables, registry
-from usproxy.explain.service_set import FamilyPort, Node, ServiceSet, load_manifests, service_set
-
-REPEATED = Path(__file__).parent / "repeated"
-# NewFakeProxier: pod CIDR 10.0.0.0/8, node "test-node"; the iptables fake has no
-# --nodeport-addresses, so its NodePort tail matches `-m addrtype --dst-type LOCAL`.
-NODE = Node("test-node", (), (ipaddress.ip_network("10.0.0.0/8"),))
-
-
-def state(name: str) -> ServiceSet:
-    return service_set(load_manifests(REPEATED / f"{name}.yaml"), NODE)
+from usproxy.explain.service_set import FamilyPort, ServiceSet
 
 
 def port(ss: ServiceSet, service: str) -> FamilyPort:

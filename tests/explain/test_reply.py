@@ -3,7 +3,7 @@ and the reply's way back, per mode, on kube-proxy's flow-test Services (tests/ex
 
 from __future__ import annotations
 
-from tests.explain.test_flows import flow_packet, flow_set
+from tests.explain.kube_proxy_flows import flow_packet, flow_set
 from usproxy.explain import iptables, ipvs, nftables, registry, reply, trace
 
 EXTERNAL, POD, NODEPORT = "203.0.113.2", "10.0.0.2", "192.168.0.2:3001/TCP"

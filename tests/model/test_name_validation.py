@@ -12,14 +12,13 @@ from typing import Any
 
 import pytest
 
+from tests.model.hostile import HOSTILE
 from usproxy.util.errors import ConfigError
 from usproxy.model.fields import describe
 from usproxy.model.manifest import objects_from, parse_documents
 from usproxy.offload.nftables.commands import Command, Elem, render
 from usproxy.offload.nftables.names import comment_of, parse_comment
 from usproxy.model.types import NamespacedName, ServicePortName
-
-HOSTILE = 'x" }\n\tadd table ip pwned\nadd element ip usproxy service-ips { 10.0.0.1 . tcp . 80 : drop } #'
 
 
 def service(name: str = "web", namespace: str = "default", port_name: str = "http") -> dict[str, Any]:

@@ -24,7 +24,7 @@ from usproxy.model.manifest import objects_from
 from usproxy.model.node import NodeFacts, detector_of, parse_node_pod_cidrs, resolve_node
 from usproxy.sources.static import StaticSource, static_pod_cidrs
 from usproxy.model.types import IPNetwork
-from tests.sources.test_static_source import Recorder
+from tests.sources.conftest import Recorder
 
 NODE_CIDR = ProxyConfig(detect_local_mode="NodeCIDR", cluster_cidrs=("10.0.0.0/8",))
 

@@ -61,8 +61,8 @@ from typing import Any
 import pytest
 
 from tests.netns import Topology, inside, nsexec
+from tests.offload.agent import placement, wait_for
 from tests.offload.harness import Pods, conntrack, wait_listening
-from tests.offload.test_agent_offload import placement, wait_for
 from tests.relay.harness import AgentProc, Manifests, slice_, svc
 
 pytestmark = pytest.mark.netns

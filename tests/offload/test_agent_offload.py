@@ -7,51 +7,20 @@ mode, a relay listener error shown in /services while offload establishes, and `
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.netns import Topology, inside, nsexec
+from tests.offload.agent import VIP, metric, placement, wait_for, web
 from tests.offload.harness import Pods, nft_list, tcp_peer_name, udp_socket, wait_listening
 from tests.relay.harness import USPROXY, AgentProc, Manifests, slice_, svc
 
 pytestmark = pytest.mark.netns
-
-VIP = "10.96.10.10"
-
-
-def web(eps: list[str], **spec: Any) -> list[dict[str, Any]]:
-    ports = [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP", **spec.pop("port_extra", {})}]
-    return [svc("web", VIP, ports, **spec),
-            slice_("web", [{"ip": e, "ready": True} for e in eps], [{"name": "http", "port": 8080, "protocol": "TCP"}])]
-
-
-def placement(agent: AgentProc, name: str = "default/web:http") -> tuple[str, str]:
-    for row in agent.services():
-        if row["servicePortName"] == name:
-            return row["datapath"], row["reason"]
-    return ("absent", "")
-
-
-def wait_for(pred: Any, timeout: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
-
-
-def metric(agent: AgentProc, name: str, labels: str = "") -> float:
-    with inside(agent.topo.node):
-        text = urllib.request.urlopen("http://127.0.0.1:10249/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{re.escape(name)}{{{labels}[^}}]*}} (\S+)$" if labels else rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 class Prober:

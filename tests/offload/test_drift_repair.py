@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.netns import Topology, nsexec
+from tests.offload.agent import placement, wait_for, web
 from tests.offload.harness import OFFLOAD, Pods, nft_list, tcp_name, wait_listening
-from tests.offload.test_agent_offload import placement, wait_for, web
 from tests.relay.harness import AgentProc, Manifests
 
 pytestmark = pytest.mark.netns

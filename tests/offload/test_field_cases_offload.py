@@ -64,20 +64,20 @@ from typing import Any
 import pytest
 
 from tests.netns import Topology, inside, nsexec
-from tests.offload.test_agent_offload import metric, placement, wait_for
+from tests.offload.agent import metric, placement, wait_for
+from tests.relay.case_c05 import SIZES as C05_SIZES
+from tests.relay.case_c05 import recv_whole
+from tests.relay.case_c11 import BE as C11_BE
+from tests.relay.case_c11 import BLOB, UPLOAD, download, upload
+from tests.relay.case_c11 import SIZES as C11_SIZES
+from tests.relay.case_c11 import objects as c11_objects
+from tests.relay.case_c21 import BE as C21_BE
+from tests.relay.case_c21 import BE_S, MULTI, STEADY, Load, Record, failures, multi, steady, wait_past
+from tests.relay.case_c22 import BE_A, BE_X, BE_Y, DNS, ECHO_TCP, ECHO_UDP, tcp_echo
+from tests.relay.case_c22 import objects as c22_objects
 from tests.relay.harness import AgentProc, Backends, Manifests, slice_, svc
 from tests.relay.tcp_clients import attempt, idsrv_log_after, run_async, start_server, wait_until
 from tests.relay.tcp_servers import pattern_digest
-from tests.relay.test_c05_udp_sizes import SIZES as C05_SIZES
-from tests.relay.test_c05_udp_sizes import recv_whole
-from tests.relay.test_c11_flush_before_fin import BE as C11_BE
-from tests.relay.test_c11_flush_before_fin import BLOB, UPLOAD, download, upload
-from tests.relay.test_c11_flush_before_fin import SIZES as C11_SIZES
-from tests.relay.test_c11_flush_before_fin import objects as c11_objects
-from tests.relay.test_c21_reconcile import BE as C21_BE
-from tests.relay.test_c21_reconcile import BE_S, MULTI, STEADY, Load, Record, failures, multi, steady, wait_past
-from tests.relay.test_c22_tcp_udp_same_port import BE_A, BE_X, BE_Y, DNS, ECHO_TCP, ECHO_UDP, tcp_echo
-from tests.relay.test_c22_tcp_udp_same_port import objects as c22_objects
 from tests.relay.udp_helpers import ask, client_socket, icmp_unlimited, read_backend_log, start_udpsrv
 
 pytestmark = pytest.mark.netns

@@ -10,132 +10,18 @@ endpoint after it. New connections after the offload take the kernel path.
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.netns import Topology, inside, nsexec
-from tests.offload.harness import Pods, tcp_peer_name, wait_listening
-from tests.relay.harness import AgentProc, Manifests, slice_, svc
+from tests.netns import Topology, nsexec
+from tests.offload.agent import datapath_of, wait_for
+from tests.offload.harness import Pods, tcp_peer_name
+from tests.offload.live_flows import VIP, TcpTalker, UdpSession, services, start_pods
+from tests.relay.harness import AgentProc, Manifests
 
 pytestmark = pytest.mark.netns
-
-VIP, UDP_VIP, OTHER_VIP = "10.96.10.10", "10.96.10.20", "10.96.10.30"
-EPS = ["10.244.1.5", "10.244.2.5", "10.244.3.5"]
-
-
-def services(*, other: bool = False) -> list[dict[str, Any]]:
-    """web (TCP 80) and dns (UDP 53) on three endpoints; `other`: one more TCP Service."""
-    eps = [{"ip": e, "ready": True} for e in EPS]
-    objs = [svc("web", VIP, [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]),
-            slice_("web", eps, [{"name": "http", "port": 8080, "protocol": "TCP"}]),
-            svc("dns", UDP_VIP, [{"name": "dns", "port": 53, "targetPort": 8080, "protocol": "UDP"}]),
-            slice_("dns", eps, [{"name": "dns", "port": 8080, "protocol": "UDP"}])]
-    if other:
-        objs += [svc("other", OTHER_VIP, [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]),
-                 slice_("other", eps[:1], [{"name": "http", "port": 8080, "protocol": "TCP"}])]
-    return objs
-
-
-class TcpTalker(threading.Thread):
-    """One TCP connection to `addr` (VIP:80) that sends a numbered line every `period` s and
-    expects it echoed; `endpoint` is the name the endpoint greeted it with."""
-
-    def __init__(self, ns: str, period: float = 0.25, addr: tuple[str, int] = (VIP, 80)) -> None:
-        super().__init__(daemon=True)
-        self.ns, self.period = ns, period
-        self.errors: list[str] = []
-        self.round_trips = 0
-        self.stop = threading.Event()
-        with inside(ns):
-            self.sock = socket.create_connection(addr, timeout=3)
-        self.endpoint = self._line().split()[0]
-
-    def _line(self) -> str:
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = self.sock.recv(256)
-            if not chunk:
-                raise ConnectionError("EOF")
-            buf += chunk
-        return buf.decode()
-
-    def run(self) -> None:
-        n = 0
-        try:
-            while not self.stop.is_set():
-                msg = f"ping {n} {'x' * (n % 97)}\n"
-                self.sock.sendall(msg.encode())
-                got = self._line()
-                if got != msg:
-                    self.errors.append(f"round trip {n}: sent {msg!r}, got {got!r}")
-                    return
-                self.round_trips, n = self.round_trips + 1, n + 1
-                self.stop.wait(self.period)
-        except OSError as err:
-            self.errors.append(f"after {n} round trips: {err!r}")
-        finally:
-            self.sock.close()
-
-
-class UdpSession(threading.Thread):
-    """One UDP socket connected to `addr` (UDP_VIP:53) querying every `period` s; records which
-    endpoint answered (monotonic time, name)."""
-
-    def __init__(self, ns: str, period: float = 0.1, addr: tuple[str, int] = (UDP_VIP, 53)) -> None:
-        super().__init__(daemon=True)
-        self.period = period
-        self.answers: list[tuple[float, str]] = []
-        self.losses = 0
-        self.stop = threading.Event()
-        with inside(ns):
-            self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.connect(addr)
-        self.sock.settimeout(0.5)
-
-    def run(self) -> None:
-        n = 0
-        while not self.stop.is_set():
-            payload = f"q{n}".encode()
-            try:
-                self.sock.send(payload)
-                data = self.sock.recv(2048)
-                name, _, echoed = data.split(b"|", 2)
-                if echoed == payload:
-                    self.answers.append((time.monotonic(), name.decode()))
-            except OSError:
-                self.losses += 1
-            n += 1
-            self.stop.wait(self.period)
-        self.sock.close()
-
-    def endpoints(self) -> set[str]:
-        return {name for _, name in self.answers}
-
-
-def placement(agent: AgentProc, name: str) -> str:
-    return next((str(r["datapath"]) for r in agent.services() if r["servicePortName"] == name), "absent")
-
-
-def wait_for(pred: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
-
-
-def start_pods(topology: Topology, pods: Pods) -> str:
-    for i, ip in enumerate(EPS):
-        pods.add(f"be-{i}", ip)
-    cli = topology.add_host("cli", "10.244.9.10")
-    for ip in EPS:
-        wait_listening(cli, ip, 8080)
-    return cli
 
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
@@ -150,19 +36,19 @@ def test_relayed_flows_survive_the_offload(topology: Topology, tmp_path: Path, p
         if node == "warm":  # the table exists and serves `other` before web and dns are known
             m.write(*services(other=True)[4:])
             agent.start()
-            wait_for(lambda: placement(agent, "default/other:http") == "nftables", 15, "other offloaded")
+            wait_for(lambda: datapath_of(agent, "default/other:http") == "nftables", 15, "other offloaded")
             m.write(*services(other=True))
-            wait_for(lambda: placement(agent, "default/web:http") == "userspace", 5, "web relayed")
+            wait_for(lambda: datapath_of(agent, "default/web:http") == "userspace", 5, "web relayed")
         else:
             m.write(*services())
             agent.start()
-        assert placement(agent, "default/web:http") == "userspace"
+        assert datapath_of(agent, "default/web:http") == "userspace"
         talkers = [TcpTalker(cli) for _ in range(16)]
         sessions = [UdpSession(cli) for _ in range(6)]
         for t in (*talkers, *sessions):
             t.start()
-        wait_for(lambda: placement(agent, "default/web:http") == "nftables"
-                 and placement(agent, "default/dns:dns") == "nftables", 15, "offload")
+        wait_for(lambda: datapath_of(agent, "default/web:http") == "nftables"
+                 and datapath_of(agent, "default/dns:dns") == "nftables", 15, "offload")
         t_off = time.monotonic()
         time.sleep(3)  # every talker makes about 12 more round trips over the kernel-era table
         # new connections now take the kernel path: the endpoint sees the client's own address
@@ -196,10 +82,10 @@ def test_a_relayed_connection_picked_up_mid_stream_is_not_translated(topology: T
         talkers = [TcpTalker(cli, period=0.1) for _ in range(4)]
         # the premise: all four connected through the relay (on a loaded CI machine one once
         # connected after the offload: a kernel flow whose entry is deleted is lost, as expected)
-        assert placement(agent, "default/web:http") == "userspace", "talkers connected after the offload"
+        assert datapath_of(agent, "default/web:http") == "userspace", "talkers connected after the offload"
         for t in talkers:
             t.start()
-        wait_for(lambda: placement(agent, "default/web:http") == "nftables", 15, "offload")
+        wait_for(lambda: datapath_of(agent, "default/web:http") == "nftables", 15, "offload")
         assert nsexec(topology.node, "sysctl", "-n", "net.netfilter.nf_conntrack_tcp_loose").stdout.strip() == "1"
         nsexec(topology.node, "conntrack", "-D", "-p", "tcp", "--orig-dst", VIP, check=False)
         time.sleep(2)

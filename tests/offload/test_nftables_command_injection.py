@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.model.test_name_validation import HOSTILE
+from tests.model.hostile import HOSTILE
 from tests.netns import Topology, nsexec
 from usproxy.offload.nftables.client import NftClient
 from usproxy.offload.nftables.commands import Command, Elem, base_commands

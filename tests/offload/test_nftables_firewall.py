@@ -23,8 +23,7 @@ from usproxy.model.source_ranges import parse_source_ranges
 
 from tests.offload.helpers import ep, spn, state
 from tests.offload.nft_trace import trace
-from tests.offload.test_nftables_layout import NoConntrack
-from tests.offload.test_nftables_transaction import UpdatePathOnly, install
+from tests.offload.nftables_fakes import NoConntrack, UpdatePathOnly, install
 
 SVC = spn("svc1", "p80", ns="ns1")
 LB1, LB2 = "198.51.100.1", "198.51.100.2"

@@ -18,9 +18,9 @@ from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.model.types import ServicePortName
 
 from tests.netns import Topology, nsexec
+from tests.offload.agent import placement, wait_for
 from tests.offload.harness import Pods, tcp_name, udp_socket, wait_listening
 from tests.offload.helpers import ep, spn, state
-from tests.offload.test_agent_offload import placement, wait_for
 from tests.relay.harness import AgentProc, Manifests, slice_, svc
 
 pytestmark = pytest.mark.netns

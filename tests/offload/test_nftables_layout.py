@@ -14,23 +14,13 @@ from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
 from usproxy.offload.nftables.names import comment_of, parse_comment
 from usproxy.offload.nftables.pins import Pin, parse_pins, retimed
 from usproxy.offload.nftables.rules import Target, assign_slots
-from usproxy.offload.kernel_conntrack import KernelConntrack
 
 from tests.offload.helpers import ep, spn, state
 from tests.offload.nft_trace import trace
+from tests.offload.nftables_fakes import NoConntrack
 
 WEB, DNS, STICKY = spn("web", "http"), spn("dns", "dns", "UDP", "kube-system"), spn("sticky")
 NODE = ["192.0.2.10", "192.0.2.11"]
-
-
-class NoConntrack(KernelConntrack):
-    def __init__(self) -> None:
-        super().__init__()
-        self.deleted: list[set[tuple[str, int]]] = []
-
-    async def delete_udp(self, *, reply_src: object = (), orig_dst: object = ()) -> int:
-        self.deleted.append(set(orig_dst))  # type: ignore[call-overload]
-        return 0
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from usproxy.offload.nftables.readback import read_table
 
 from tests.offload.helpers import ep, spn, state
 from tests.offload.nft_trace import trace
-from tests.offload.test_nftables_layout import NoConntrack
+from tests.offload.nftables_fakes import NoConntrack
 
 NODE_IP, EXTERNAL, POD = "192.168.0.2", "203.0.113.2", "10.0.0.2"
 LOCAL = [NODE_IP]

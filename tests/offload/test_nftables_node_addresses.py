@@ -16,7 +16,7 @@ from usproxy.model.types import ServicePortName
 
 from tests.offload.helpers import ep, spn, state
 from tests.offload.nft_trace import trace
-from tests.offload.test_nftables_layout import NoConntrack
+from tests.offload.nftables_fakes import NoConntrack
 
 WEB = spn("web", "http")
 NODE = ["192.0.2.10", "192.0.2.11"]

@@ -21,7 +21,7 @@ from usproxy.model.types import IPNetwork, ServicePortName
 
 from tests.offload.helpers import ep, spn, state
 from tests.offload.nft_trace import trace
-from tests.offload.test_nftables_layout import NoConntrack
+from tests.offload.nftables_fakes import NoConntrack
 
 WEB = spn("web", "http")
 VIP = ["10.96.0.1"]  # the relay holds allocated ClusterIPs on the ClusterIP interface

@@ -6,30 +6,11 @@ from __future__ import annotations
 
 from usproxy.core.datapath import ServicePortState
 from usproxy.offload.nftables.fake import FakeNft
-from usproxy.offload.nftables.names import FAMILIES
-from usproxy.offload.nftables.rules import port_rules
 from usproxy.offload.nftables.transaction import TableState, Transaction
 from usproxy.model.types import ServicePortName
 
 from tests.offload.helpers import ep, every_feature, spn, state
-
-
-class UpdatePathOnly(Transaction):
-    """A Transaction that installs new ServicePorts by the diff against nothing."""
-
-    first_install_shortcut = False
-
-
-def install(cls: type[Transaction], states: dict[ServicePortName, ServicePortState | None],
-            nft: FakeNft, tables: dict[int, TableState]) -> None:
-    """Apply `states` to `nft` as the datapath does: one Transaction per family, folded after."""
-    for f in FAMILIES:
-        tx = cls(tables.setdefault(f, TableState(f)))
-        for name, st in states.items():
-            prev = tx.state.rules.get(name)
-            tx.update(prev, port_rules(st, f, prev, "node") if st is not None else None)
-        nft.apply(tx.commands())
-        tx.fold_into_state()
+from tests.offload.nftables_fakes import UpdatePathOnly, install
 
 
 def test_first_install_and_update_path_build_the_same_table_from_empty() -> None:

@@ -21,8 +21,8 @@ import pytest
 from usproxy.model.node import read_local_addresses
 
 from tests.netns import Topology, inside, nsexec
+from tests.offload.agent import placement, wait_for, web
 from tests.offload.harness import OFFLOAD, Pods, conntrack, nft_list, tcp_name, wait_listening
-from tests.offload.test_agent_offload import placement, wait_for, web
 from tests.relay.harness import AgentProc, Manifests
 
 pytestmark = pytest.mark.netns

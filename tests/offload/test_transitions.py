@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 
 from tests.netns import Topology, nsexec
+from tests.offload.agent import datapath_of, wait_for
 from tests.offload.harness import Pods, tcp_name, tcp_peer_name, wait_listening
-from tests.offload.test_live_flows import (EPS, VIP, TcpTalker, UdpSession, placement, services,
-                                           start_pods, wait_for)
+from tests.offload.live_flows import EPS, VIP, TcpTalker, UdpSession, services, start_pods
 from tests.relay.harness import USPROXY, AgentProc, Manifests, slice_, svc
 
 pytestmark = pytest.mark.netns
@@ -64,7 +64,7 @@ def pinned() -> list[dict[str, Any]]:
 
 
 def offloaded(agent: AgentProc, *names: str) -> bool:
-    return all(placement(agent, n) == "nftables" for n in names)
+    return all(datapath_of(agent, n) == "nftables" for n in names)
 
 
 def start_agent(topology: Topology, m: Manifests, node: str, *extra: dict[str, Any], loop: str = "uvloop") -> AgentProc:
@@ -128,7 +128,7 @@ def test_demotion_and_repromotion_keep_every_flow(topology: Topology, tmp_path: 
         k_tcp, k_udp = talk(cli, 6, 3)
         time.sleep(0.5)
         m.write(*annotated(services(), "userspace"), *extra)
-        wait_for(lambda: placement(agent, WEB) == placement(agent, DNS) == "userspace", 10, "demotion")
+        wait_for(lambda: datapath_of(agent, WEB) == datapath_of(agent, DNS) == "userspace", 10, "demotion")
         t_demoted, before = time.monotonic(), counts(k_tcp)
         r_tcp, r_udp = talk(cli, 6, 3)
         time.sleep(1)

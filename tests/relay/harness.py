@@ -173,3 +173,10 @@ def _end(p: subprocess.Popen[bytes]) -> None:
     p.wait()
     if p.stdout is not None:
         p.stdout.close()
+
+
+def vm_status(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise LookupError(key)

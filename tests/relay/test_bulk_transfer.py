@@ -19,21 +19,14 @@ from pathlib import Path
 import pytest
 
 from tests.netns import Topology
-from tests.relay.harness import AgentProc, Backends, Manifests
+from tests.relay.case_c11 import BE, BLOB, UPLOAD, download, objects, upload
+from tests.relay.harness import AgentProc, Backends, Manifests, vm_status
 from tests.relay.tcp_clients import run_async, start_server
 from tests.relay.tcp_servers import MIB, pattern_digest
-from tests.relay.test_c11_flush_before_fin import BE, BLOB, UPLOAD, download, objects, upload
 
 pytestmark = pytest.mark.netns
 
 SIZE = 256 * MIB
-
-
-def vm_status(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise LookupError(key)
 
 
 def test_256_mib_each_way(topology: Topology, backends: Backends, workdir: Path, loop_name: str) -> None:

@@ -18,19 +18,11 @@ from pathlib import Path
 import pytest
 
 from tests.netns import Topology
+from tests.relay.case_c05 import SIZES, recv_whole
 from tests.relay.harness import AgentProc, Backends, Manifests, slice_, svc
 from tests.relay.udp_helpers import client_socket
 
 pytestmark = pytest.mark.netns
-
-SIZES = [0, 1, 512, 1472, 1473, 4095, 4096, 4097, 8192, 8193, 16384, 32768, 65000, 65507]
-
-
-def recv_whole(s: socket.socket) -> bytes:
-    """One datagram; fails if the kernel flags it as truncated (buffer larger than any datagram)."""
-    data, _, flags, _ = s.recvmsg(1 << 17)
-    assert not flags & socket.MSG_TRUNC
-    return data
 
 
 def test_every_size_echoed_whole(topology: Topology, backends: Backends, workdir: Path,

@@ -26,10 +26,9 @@ from pathlib import Path
 import pytest
 
 from tests.netns import Topology, inside, nsexec
-from tests.relay.harness import AgentProc, Backends, Manifests, slice_, svc
+from tests.relay.harness import AgentProc, Backends, Manifests, slice_, svc, vm_status
 from tests.relay.tcp_clients import start_server, wait_until
 from tests.relay.tcp_servers import MIB
-from tests.relay.test_bulk_transfer import vm_status
 from usproxy.util.heap import MIN_INTERVAL
 
 pytestmark = pytest.mark.netns

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 
-from tests.relay.test_tcp_listener import CLIENTS, connected, free_port, outcome, run, state
+from tests.relay.loopback_clients import CLIENTS, connected, free_port, outcome, run, state
 from usproxy.model.config import ProxyConfig
 from usproxy.model.endpoint import Endpoint
 from usproxy.model.node import NodeFacts

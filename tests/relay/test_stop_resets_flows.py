@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from tests.netns import Topology, inside
+from tests.relay.case_c11 import BE, BLOB, VIP, objects
 from tests.relay.harness import AgentProc, Backends, Manifests
 from tests.relay.tcp_clients import start_server
 from tests.relay.tcp_servers import MIB
-from tests.relay.test_c11_flush_before_fin import BE, BLOB, VIP, objects
 
 pytestmark = pytest.mark.netns
 

@@ -16,36 +16,13 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Callable, Coroutine
-from typing import Any
 
-import uvloop
-
+from tests.relay.loopback_clients import CLIENTS, connected, free_port, outcome, run, state
 from usproxy.flows.flow_table import FlowTable
-from usproxy.core.datapath import ServicePortState
 from usproxy.model.endpoint import Endpoint
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.service_port_relay import ServicePortRelay
 from usproxy.relay.udp import UdpRelay
-from usproxy.model.service_port import ServicePort
-from usproxy.model.types import ServicePortName
-
-CLIENTS = 32
-HANG = 2.0  # seconds without an answer that count as a hang (C01 allows 1 s for a refusal)
-LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-    "asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def state(port: int, endpoints: tuple[Endpoint, ...]) -> ServicePortState:
-    spn = ServicePortName("default", "web", "http", "TCP")
-    sp = ServicePort(spn, (ipaddress.ip_address("127.0.0.1"),), port, 8080)
-    return ServicePortState(sp, endpoints, endpoints, endpoints)
 
 
 async def serving(port: int) -> ServicePortRelay:
@@ -61,37 +38,12 @@ async def serving(port: int) -> ServicePortRelay:
     return relay
 
 
-def connected(port: int) -> socket.socket:
-    """A client whose handshake the kernel completed (it waits in the accept queue)."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=1.0)
-    s.setblocking(False)
-    return s
-
-
-async def outcome(s: socket.socket) -> str:
-    """reset, empty (FIN: accept-then-close), data, or hang."""
-    try:
-        data = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(s, 1), HANG)
-    except ConnectionResetError:
-        return "reset"
-    except TimeoutError:
-        return "hang"
-    finally:
-        s.close()
-    return "data" if data else "empty"
-
-
 def refused(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
     except ConnectionRefusedError:
         return True
     return False
-
-
-def run(loop: str, main: Callable[[], Coroutine[Any, Any, list[str]]]) -> list[str]:
-    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
-        return runner.run(main())
 
 
 async def closed_with_a_full_queue() -> list[str]:

@@ -95,6 +95,12 @@ class Recorder:
         return sum(1 for _, _, cur in self.calls if cur is None)
 
 
+def service_yaml(name: str, port: int) -> str:
+    """A Service manifest (YAML text) with one port, for the static source's files."""
+    return (f"apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\n"
+            f"spec: {{clusterIP: 10.96.0.{port % 250 + 1}, ports: [{{port: {port}}}]}}\n")
+
+
 def server_state(api: FakeApiServer) -> tuple[dict[NamespacedName, Service], dict[NamespacedName, EndpointSlice]]:
     """What a correct source must hold: the server's objects, filtered and parsed the same way."""
     services = {}

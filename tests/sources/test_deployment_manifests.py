@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from aiohttp import web
 
+from tests.deploy.manifests import docs
 from usproxy.admin.server import health_routes, split_hostport
 from usproxy.util.locks import LOCK_DIR
 from usproxy.app.cli import build_parser, config_from_args
@@ -26,15 +26,6 @@ from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "kubernetes"
-
-
-def docs() -> dict[tuple[str, str], dict[str, Any]]:
-    out = {}
-    for f in sorted(EXAMPLES.glob("*.yaml")):
-        for doc in yaml.safe_load_all(f.read_text()):
-            assert doc["apiVersion"] and doc["metadata"]["name"], f
-            out[(doc["kind"], doc["metadata"]["name"])] = doc
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -10,42 +10,9 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from usproxy.model.endpoint_slice import EndpointSlice
-from usproxy.model.service import Service
-from usproxy.sources.static import StaticSource, watch_sighup
+from tests.sources.conftest import Recorder, service_yaml
 from usproxy.model.types import NamespacedName
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.services: dict[NamespacedName, Service] = {}
-        self.slices: dict[NamespacedName, EndpointSlice] = {}
-        self.synced = 0
-
-    def on_service_update(self, previous: Service | None, current: Service | None) -> None:
-        if current is None:
-            assert previous is not None
-            del self.services[previous.name]
-        else:
-            self.services[current.name] = current
-
-    def on_endpoint_slice_update(self, previous: EndpointSlice | None, current: EndpointSlice | None) -> None:
-        if current is None:
-            assert previous is not None
-            del self.slices[previous.name]
-        else:
-            self.slices[current.name] = current
-
-    def on_services_synced(self) -> None:
-        self.synced += 1
-
-    def on_endpoint_slices_synced(self) -> None:
-        self.synced += 1
-
-
-def service(name: str, port: int) -> str:
-    return (f"apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\n"
-            f"spec: {{clusterIP: 10.96.0.{port % 250 + 1}, ports: [{{port: {port}}}]}}\n")
+from usproxy.sources.static import StaticSource, watch_sighup
 
 
 def ports(rec: Recorder, name: str) -> list[int]:
@@ -59,16 +26,16 @@ def rename_into(path: Path, text: str) -> None:
 
 
 def test_directory_merge_rename_edit_and_removal(tmp_path: Path) -> None:
-    (tmp_path / "a.yaml").write_text(service("a", 80))
-    (tmp_path / "b.yml").write_text(service("b", 81))
+    (tmp_path / "a.yaml").write_text(service_yaml("a", 80))
+    (tmp_path / "b.yml").write_text(service_yaml("b", 81))
     (tmp_path / "notes.txt").write_text("not a manifest")
     rec = Recorder()
     src = StaticSource(tmp_path, rec, settle=0.0)
     src.load_initial()
-    assert rec.synced == 2 and set(n.name for n in rec.services) == {"a", "b"}
-    rename_into(tmp_path / "a.yaml", service("a", 90))
+    assert rec.synced == ["services", "endpointslices"] and set(n.name for n in rec.services) == {"a", "b"}
+    rename_into(tmp_path / "a.yaml", service_yaml("a", 90))
     assert src.poll() and ports(rec, "a") == [90]
-    (tmp_path / "b.yml").write_text(service("b", 91) + "# longer\n")  # edit in place
+    (tmp_path / "b.yml").write_text(service_yaml("b", 91) + "# longer\n")  # edit in place
     assert src.poll() and ports(rec, "b") == [91]
     (tmp_path / "b.yml").unlink()
     assert src.poll() and set(n.name for n in rec.services) == {"a"}
@@ -76,14 +43,14 @@ def test_directory_merge_rename_edit_and_removal(tmp_path: Path) -> None:
 
 
 def test_broken_edit_keeps_last_good_state_of_that_file_only(tmp_path: Path) -> None:
-    (tmp_path / "a.yaml").write_text(service("a", 80))
-    (tmp_path / "b.yaml").write_text(service("b", 81))
+    (tmp_path / "a.yaml").write_text(service_yaml("a", 80))
+    (tmp_path / "b.yaml").write_text(service_yaml("b", 81))
     errors = []
     rec = Recorder()
     src = StaticSource(tmp_path, rec, on_error=errors.append, settle=0.0)
     src.load_initial()
     rename_into(tmp_path / "a.yaml", "kind: Service\n  broken: [")
-    rename_into(tmp_path / "b.yaml", service("b", 82))
+    rename_into(tmp_path / "b.yaml", service_yaml("b", 82))
     src.poll()
     assert ports(rec, "a") == [80] and ports(rec, "b") == [82]
     assert "a.yaml: cannot parse" in str(errors[0])
@@ -91,12 +58,12 @@ def test_broken_edit_keeps_last_good_state_of_that_file_only(tmp_path: Path) -> 
 
 async def test_sighup_forces_a_reload(tmp_path: Path) -> None:
     f = tmp_path / "a.yaml"
-    f.write_text(service("a", 80))
+    f.write_text(service_yaml("a", 80))
     rec = Recorder()
     src = StaticSource(tmp_path, rec, poll_interval=3600)  # polling would never notice in time
     src.load_initial()
     st = f.stat()
-    f.write_text(service("a", 88))
+    f.write_text(service_yaml("a", 88))
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime: invisible to stat
     task = asyncio.create_task(src.run())
     watch_sighup(src)
@@ -117,7 +84,7 @@ async def test_sighup_forces_a_reload(tmp_path: Path) -> None:
 async def test_a_failing_scan_keeps_state_and_the_loop_alive(tmp_path: Path, monkeypatch: Any) -> None:
     import usproxy.sources.static as static
 
-    (tmp_path / "a.yaml").write_text(service("a", 80))
+    (tmp_path / "a.yaml").write_text(service_yaml("a", 80))
     rec = Recorder()
     src = StaticSource(tmp_path, rec, poll_interval=0.01)
     src.load_initial()
@@ -132,7 +99,7 @@ async def test_a_failing_scan_keeps_state_and_the_loop_alive(tmp_path: Path, mon
     monkeypatch.setattr(static, "manifest_files", flaky)
     task = asyncio.create_task(src.run())
     try:
-        rename_into(tmp_path / "a.yaml", service("a", 99))
+        rename_into(tmp_path / "a.yaml", service_yaml("a", 99))
         for _ in range(200):
             if ports(rec, "a") == [99]:
                 break
@@ -149,7 +116,7 @@ EMFILE_SCRIPT = r"""
 import json, os, resource, sys
 from pathlib import Path
 sys.path.insert(0, os.environ["TESTS_ROOT"])
-from tests.sources.test_static_source import Recorder, service
+from tests.sources.conftest import Recorder, service_yaml
 from usproxy.sources.static import StaticSource
 
 root = Path(sys.argv[1])
@@ -168,7 +135,7 @@ out["during"] = sorted(n.name for n in rec.services)
 out["errnos"] = sorted({getattr(e, "errno", None) for e in errors})
 for fd in held:
     os.close(fd)
-(root / "sub" / "b.yaml").write_text(service("b", 82))
+(root / "sub" / "b.yaml").write_text(service_yaml("b", 82))
 src.poll()
 out["after"] = sorted(n.name for n in rec.services)
 out["b"] = [sp.port for sp in rec.services[next(n for n in rec.services if n.name == "b")].ports.values()]
@@ -185,8 +152,8 @@ def test_everything_withdrawn_on_a_local_error_emfile_keeps_every_service(tmp_pa
     import sys
 
     (tmp_path / "sub").mkdir()
-    (tmp_path / "a.yaml").write_text(service("a", 80))
-    (tmp_path / "sub" / "b.yaml").write_text(service("b", 81))
+    (tmp_path / "a.yaml").write_text(service_yaml("a", 80))
+    (tmp_path / "sub" / "b.yaml").write_text(service_yaml("b", 81))
     repo = str(Path(__file__).resolve().parents[2])
     proc = subprocess.run([sys.executable, "-c", EMFILE_SCRIPT, str(tmp_path)], capture_output=True, text=True,
                           env={**os.environ, "TESTS_ROOT": repo, "PYTHONPATH": repo}, timeout=60)
@@ -202,7 +169,7 @@ def test_everything_withdrawn_on_a_local_error_unreadable_file_is_retried(tmp_pa
     """A changed file that cannot be read (EMFILE) keeps its last good state and is read again at
     the next poll, without needing another change."""
     f = tmp_path / "a.yaml"
-    f.write_text(service("a", 80))
+    f.write_text(service_yaml("a", 80))
     errors: list[Any] = []
     rec = Recorder()
     src = StaticSource(tmp_path, rec, on_error=errors.append, settle=0.0)
@@ -215,7 +182,7 @@ def test_everything_withdrawn_on_a_local_error_unreadable_file_is_retried(tmp_pa
             raise OSError(24, "Too many open files", str(self))
         return real(self, *args, **kwargs)
     monkeypatch.setattr(Path, "read_text", read_text)
-    rename_into(f, service("a", 90))
+    rename_into(f, service_yaml("a", 90))
     assert not src.poll()
     assert ports(rec, "a") == [80] and errors and errors[-1].errno == 24
     assert "EMFILE" in str(errors[-1])
@@ -231,7 +198,7 @@ def test_everything_withdrawn_on_a_local_error_unlistable_subdirectory_raises(tm
     from usproxy.model.manifest import ManifestReadError, manifest_files
 
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "b.yaml").write_text(service("b", 81))
+    (tmp_path / "sub" / "b.yaml").write_text(service_yaml("b", 81))
     real = os.scandir
 
     def scandir(path: Any) -> Any:
@@ -267,7 +234,7 @@ def test_a_file_rewritten_in_place_is_read_only_once_settled(tmp_path: Path) -> 
     """`kubectl get -o yaml > file`: truncated (empty for a while), then written in pieces. No
     poll in between withdraws a Service or delivers half the file."""
     f = tmp_path / "svc.yaml"
-    full = service("a", 80) + "---\n" + service("b", 81)
+    full = service_yaml("a", 80) + "---\n" + service_yaml("b", 81)
     f.write_text(full)
     rec, clock = Recorder(), Clock()
     src = StaticSource(tmp_path, rec, clock=clock, settle=0.2, empty_settle=5.0)
@@ -283,7 +250,7 @@ def test_a_file_rewritten_in_place_is_read_only_once_settled(tmp_path: Path) -> 
     with f.open("r+") as w:
         w.truncate(0)
         poll_for(3.0)  # the API call takes a while: the file stays empty
-        half = service("a", 80) + "---\n"
+        half = service_yaml("a", 80) + "---\n"
         w.write(half)
         w.flush()
         os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1))  # a distinct mtime per write
@@ -298,7 +265,7 @@ def test_a_file_rewritten_in_place_is_read_only_once_settled(tmp_path: Path) -> 
 
 def test_a_file_rewritten_in_place_left_empty_is_believed_after_it_settles(tmp_path: Path) -> None:
     f = tmp_path / "svc.yaml"
-    f.write_text(service("a", 80))
+    f.write_text(service_yaml("a", 80))
     rec, clock = Recorder(), Clock()
     src = StaticSource(tmp_path, rec, clock=clock, settle=0.2, empty_settle=5.0)
     src.load_initial()
@@ -316,17 +283,17 @@ def test_a_file_rewritten_in_place_while_read_is_read_again(tmp_path: Path, monk
     import usproxy.sources.static as static
 
     f = tmp_path / "svc.yaml"
-    f.write_text(service("a", 80))
+    f.write_text(service_yaml("a", 80))
     rec = Recorder()
     src = StaticSource(tmp_path, rec, settle=0.0)
     src.load_initial()
-    rename_into(f, service("a", 81) + "---\n")
+    rename_into(f, service_yaml("a", 81) + "---\n")
     real = static.load_file
 
     def load_then_append(path: Path) -> Any:
         out = real(path)
         with path.open("a") as w:
-            w.write(service("b", 82))
+            w.write(service_yaml("b", 82))
         return out
     monkeypatch.setattr(static, "load_file", load_then_append)
     assert not src.poll() and ports(rec, "a") == [80]
@@ -338,11 +305,11 @@ def test_a_file_rewritten_in_place_but_replaced_by_rename_is_read_at_once(tmp_pa
     """An atomic rename (a new inode) is complete by construction: no settle wait, even when it
     empties the file."""
     f = tmp_path / "svc.yaml"
-    f.write_text(service("a", 80))
+    f.write_text(service_yaml("a", 80))
     rec, clock = Recorder(), Clock()
     src = StaticSource(tmp_path, rec, clock=clock, settle=0.2, empty_settle=5.0)
     src.load_initial()
-    rename_into(f, service("a", 81))
+    rename_into(f, service_yaml("a", 81))
     assert src.poll() and ports(rec, "a") == [81]
     rename_into(f, "kind: List\nitems: []\n")
     assert src.poll() and rec.services == {}

@@ -27,3 +27,14 @@ def state(name: ServicePortName, vip: str | tuple[str, ...], port: int, eps: lis
                      target_port=port, **kw)
     cat = categorize(sp, eps, "node")
     return ServicePortState(sp, tuple(eps), cat.cluster, cat.external)
+
+
+WEB, QUIC = spn("web"), spn("quic", "", "UDP")
+
+
+def web_and_quic() -> dict[ServicePortName, ServicePortState | None]:
+    """web (TCP 80) and quic (UDP 4433), two endpoints each: what test_restart's agent installs."""
+    return {
+        WEB: state(WEB, "10.96.150.150", 80, [ep("10.244.1.50"), ep("10.244.2.50")]),
+        QUIC: state(QUIC, "10.96.150.151", 4433, [ep("10.244.3.50", 4433), ep("10.244.4.50", 4433)]),
+    }

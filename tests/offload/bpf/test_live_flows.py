@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.offload.bpf.agent import Agent
 from tests.offload.bpf.conftest import Env
-from tests.offload.bpf.test_agent import Agent
 
 pytestmark = pytest.mark.netns
 

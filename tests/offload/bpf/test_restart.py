@@ -16,36 +16,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.offload.bpf.builders import ep, spn, state
+from tests.offload.bpf.builders import WEB, ep, state, web_and_quic
 from tests.offload.bpf.conftest import Env, attached_programs
 from usproxy.offload.bpf import loader
-from usproxy.core.datapath import ServicePortState
 from usproxy.offload.bpf.datapath import BpfDatapath
 from usproxy.offload.bpf.view import render_pinned
-from usproxy.model.types import ServicePortName
 
 pytestmark = pytest.mark.netns
-
-WEB = spn("web")
-QUIC = spn("quic", "", "UDP")
-
-
-def _states() -> dict[ServicePortName, ServicePortState | None]:
-    return {
-        WEB: state(WEB, "10.96.150.150", 80, [ep("10.244.1.50"), ep("10.244.2.50")]),
-        QUIC: state(QUIC, "10.96.150.151", 4433, [ep("10.244.3.50", 4433), ep("10.244.4.50", 4433)]),
-    }
 
 
 AGENT = """
 import asyncio, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
-from tests.offload.bpf.test_restart import _states
+from tests.offload.bpf.builders import web_and_quic
 from usproxy.offload.bpf.datapath import BpfDatapath
 from usproxy.offload.bpf.view import render_pinned
 dp = BpfDatapath(Path({cgroup!r}), Path({pins!r}))
-asyncio.run(dp.apply(_states()))
+asyncio.run(dp.apply(web_and_quic()))
 print(dp.dump(), flush=True)
 """  # exits without cleanup, as a SIGKILLed agent would
 
@@ -76,9 +64,9 @@ async def test_restart_keeps_traffic_and_reconciles_without_writes(bpf_env: Env)
     restarted = BpfDatapath(bpf_env.cgroup, bpf_env.pin_root)
     bpf_env.dp = restarted
     back = await restarted.read_back()
-    assert back == {name: st.cluster_endpoints for name, st in _states().items() if st is not None}
+    assert back == {name: st.cluster_endpoints for name, st in web_and_quic().items() if st is not None}
     assert restarted.dump() == first.stdout.strip()
-    await restarted.apply(_states())
+    await restarted.apply(web_and_quic())
     assert restarted.last_writes == 0  # reconciled as a diff: nothing to write
     _ticks(hold, 10)
     flows = restarted.flows_view()
