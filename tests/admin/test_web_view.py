@@ -148,7 +148,7 @@ async def test_the_stream_starts_with_a_snapshot_of_services_and_flows(agent: Ag
             services = await r.json()
         async with s.get(url(agent, "/view/stream")) as r:
             assert r.headers["Content-Type"] == "text/event-stream"
-            lines = []
+            lines: list[str] = []
             while len(lines) < 2:
                 lines.append((await asyncio.wait_for(r.content.readline(), 2)).decode().strip())
     assert lines[0] == "event: snapshot"

@@ -52,7 +52,7 @@ from usproxy.app.agent import Agent
 from usproxy.app.cli import SWITCH_INTERVAL
 from usproxy.model.config import ProxyConfig
 from usproxy.flows.flow_table import Flow, FlowTable
-from usproxy.core.datapath import FakeDatapath
+from usproxy.core.datapath import FakeDatapath, ServicePortState
 from usproxy.model.endpoint import Endpoint
 from usproxy.model.endpoint_slice import EndpointSlice, parse_endpoint_slice
 from usproxy.core.proxier import PLACEMENT_CHUNK, Proxier
@@ -480,7 +480,11 @@ async def test_event_loop_stalls_web_view_one_service_of_5000(big_agent: Agent,
     proxier = big_agent.proxier
     states: list[ServicePortName] = []
     state_of = proxier.state_of
-    monkeypatch.setattr(proxier, "state_of", lambda spn: states.append(spn) or state_of(spn))
+    def recorded(spn: ServicePortName) -> ServicePortState | None:
+        states.append(spn)
+        return state_of(spn)
+
+    monkeypatch.setattr(proxier, "state_of", recorded)
     (view,), worst = await admin_get(big_agent, "/view/service?name=default/s4999")
     assert states == [ServicePortName("default", "s4999", "http", "TCP")]  # not one per Service (5,000)
     assert view["service"] == "default/s4999" and len(view["modes"]) == len(registry.MODES)
@@ -489,16 +493,17 @@ async def test_event_loop_stalls_web_view_one_service_of_5000(big_agent: Agent,
 
 
 # -- the pieces ---------------------------------------------------------------------------------
-ROWS = [{"a": 1, "b": ["x\ny", 2.5, None], "c": {"d": True, "e": []}}, {}, {"f": "é"}]
+ROWS: list[dict[str, Any]] = [{"a": 1, "b": ["x\ny", 2.5, None], "c": {"d": True, "e": []}}, {}, {"f": "é"}]
 
 
 def test_event_loop_stalls_rows_are_encoded_as_json_dumps() -> None:
-    for rows in (ROWS, [], [{}], [{"i": i} for i in range(JOIN)]):  # the last in several parts
+    cases: list[list[dict[str, Any]]] = [ROWS, [], [{}], [{"i": i} for i in range(JOIN)]]  # the last in several parts
+    for rows in cases:
         assert rows_json(rows) == json.dumps(rows)
         assert b"".join(rows_json_pretty(rows)) == json.dumps(rows, indent=1).encode()
         copy = list(rows)
         assert b"".join(encode_and_free(copy)) == json.dumps(rows, indent=1).encode() + b"\n" and copy == []
-    flows = [{"id": i} for i in range(MAX_FLOWS + 7)]
+    flows: list[dict[str, Any]] = [{"id": i} for i in range(MAX_FLOWS + 7)]
     assert snapshot_json(list(ROWS), list(flows)) == json.dumps(
         {"services": ROWS, "flows": flows[:MAX_FLOWS], "flowCount": MAX_FLOWS + 7}).encode()
 

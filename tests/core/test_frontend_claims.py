@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from usproxy.core.datapath import FakeDatapath
-from usproxy.core.frontend_claims import CLUSTER_IP, EXTERNAL, NODE_PORT, FrontendClaims
+from usproxy.core.frontend_claims import CLUSTER_IP, EXTERNAL, NODE_PORT, FrontendClaims, FrontendKey
 from usproxy.core.proxier import Proxier
 from usproxy.model.service import Service
 from usproxy.model.service_port import ServicePort
@@ -32,7 +32,7 @@ def service(port: ServicePort) -> Service:
     return Service(NamespacedName(port.name.namespace, port.name.name), {port.name: port})
 
 
-def key(ip: str | None, port: int = 80) -> tuple[object, int, str]:
+def key(ip: str | None, port: int = 80) -> FrontendKey:
     return (ipaddress.ip_address(ip) if ip else None, port, "TCP")
 
 

@@ -10,6 +10,7 @@ printed, and the trace lists it (as matched, or in a run of rules that did not m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from tests.explain.kube_proxy_flows import DATA, flow_packet, flow_set
 from usproxy.explain import ipvs, iptables, nftables, registry, userspace
 from usproxy.explain.packet import Path
+from usproxy.explain.service_set import ServiceSet
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,7 @@ def test_random_choices_split_evenly() -> None:
 
 # --- the trace follows, and counts, only the rules its mode prints -------------------------
 
-VIEWS = {"iptables": iptables.render, "ipvs": ipvs.render, "userspace": userspace.render,
+VIEWS: dict[str, Callable[[ServiceSet], str]] = {"iptables": iptables.render, "ipvs": ipvs.render, "userspace": userspace.render,
          "nftables": lambda ss: nftables.render(ss, "dump")}
 
 

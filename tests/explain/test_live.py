@@ -25,8 +25,8 @@ def fake_nft(monkeypatch: pytest.MonkeyPatch, tables: dict[str, str]) -> list[li
             return subprocess.CompletedProcess(argv, 0, tables[family], "")
         return subprocess.CompletedProcess(argv, 1, "", "Error: No such file or directory")
 
-    monkeypatch.setattr(live.shutil, "which", lambda name: "/usr/sbin/nft")
-    monkeypatch.setattr(live.subprocess, "run", run)
+    monkeypatch.setattr("usproxy.explain.live.shutil.which", lambda name: "/usr/sbin/nft")
+    monkeypatch.setattr("usproxy.explain.live.subprocess.run", run)
     return asked
 
 

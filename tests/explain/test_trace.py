@@ -15,6 +15,7 @@ from usproxy.explain import iptables_trace, nftables_trace, registry, reply, tra
 from usproxy.explain.mode import BpfLbMode, TraceOptions
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.service_set import Node, ServiceSet
+from usproxy.model.service_port import LBPolicy
 from usproxy.offload.bpf import maglev
 from usproxy.offload.bpf.layout import MAGLEV_M
 
@@ -108,15 +109,15 @@ def test_a_jump_to_an_undeclared_chain_is_reported_as_refused_input() -> None:
     assert not through and [q.lands for q in ended] == ["ERROR"] and "nft would refuse" in ended[0].result
 
 
-def _bpf_hops(src: str, node: Node = NODE, annotations: str = "") -> list[str]:
+def _bpf_hops(src: str, node: Node = NODE, annotations: LBPolicy | None = None) -> list[str]:
     ss = load("clusterip", node)
-    if annotations:
+    if annotations is not None:
         ss = _annotated(ss, annotations)
     paths = trace.trace_bpf(ss, trace.parse_packet(src, "10.96.1.1:80/TCP", ss))
     return [h for p in paths for h in p.hops]
 
 
-def _annotated(ss: ServiceSet, policy: str) -> ServiceSet:
+def _annotated(ss: ServiceSet, policy: LBPolicy) -> ServiceSet:
     """The same ServicePorts, each annotated usproxy.io/lb-policy POLICY."""
     return replace(ss, ports=tuple((replace(sp, lb_policy=policy), eps) for sp, eps in ss.ports))
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from usproxy.offload.nftables.fake import FakeNft, FakeTable
-from usproxy.offload.nftables.names import Family
+from usproxy.model.types import Family
 
 Step = tuple[str, tuple[str, ...]]  # (what, arguments), parsed from the rule text
 
@@ -222,7 +222,8 @@ class _Walk:
             self.t.counters[chain] = n + 1
             verb, target = branches[n % len(branches)][1].split()
             return self._jump(verb, target, pkt)
-        results = [self._jump(*branch[1].split(), copy.deepcopy(pkt))[1] for branch in branches]
+        results = [self._jump(verb, target, copy.deepcopy(pkt))[1]
+                   for verb, target in (branch[1].split() for branch in branches)]
         got = [r for r in results if r is not None]
         if not got:
             return True, None

@@ -5,10 +5,9 @@ shortcut), and `install`, applying states to a FakeNft as the datapath does."""
 from __future__ import annotations
 
 from usproxy.core.datapath import ServicePortState
-from usproxy.model.types import ServicePortName
+from usproxy.model.types import FAMILIES, ServicePortName
 from usproxy.offload.kernel_conntrack import KernelConntrack
 from usproxy.offload.nftables.fake import FakeNft
-from usproxy.offload.nftables.names import FAMILIES
 from usproxy.offload.nftables.rules import port_rules
 from usproxy.offload.nftables.transaction import TableState, Transaction
 

@@ -53,8 +53,8 @@ def test_relayed_flows_survive_the_offload(topology: Topology, tmp_path: Path, p
         time.sleep(3)  # every talker makes about 12 more round trips over the kernel-era table
         # new connections now take the kernel path: the endpoint sees the client's own address
         assert tcp_peer_name(cli, VIP, 80)[1] == "10.244.9.10"
-        for t in (*talkers, *sessions):
-            t.stop.set()
+        for stop in [*(t.stop for t in talkers), *(s.stop for s in sessions)]:
+            stop.set()
         for t in (*talkers, *sessions):
             t.join(5)
         assert [t.errors for t in talkers if t.errors] == []

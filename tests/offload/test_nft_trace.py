@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from usproxy.offload.nftables.fake import FakeNft, FakeTable
-from usproxy.offload.nftables.names import FAMILIES
+from usproxy.model.types import FAMILIES
 from usproxy.offload.nftables.rules import port_rules
 from usproxy.offload.nftables.transaction import TableState, Transaction
 

@@ -59,7 +59,7 @@ def dp(fake: FakeNft) -> NftablesDatapath:
 
 
 # (name, source, destination, port, expected: "DROP" or (endpoint, masqueraded))
-FLOWS: list[tuple[str, str, str, int, object]] = [
+FLOWS: list[tuple[str, str, str, int, tuple[str, bool] | str]] = [
     ("pod to cluster IP", POD, "172.30.0.41", 80, (EP, False)),
     ("external to nodePort", ALLOWED, NODE_IP, 3001, (EP, True)),
     ("nodePort bypasses LoadBalancerSourceRanges", BLOCKED, NODE_IP, 3001, (EP, True)),
@@ -78,13 +78,13 @@ FLOWS: list[tuple[str, str, str, int, object]] = [
 
 @pytest.mark.parametrize(("name", "src", "dst", "port", "want"), FLOWS, ids=[f[0] for f in FLOWS])
 async def test_kube_proxy_load_balancer_flows(fake: FakeNft, dp: NftablesDatapath, name: str, src: str,
-                                              dst: str, port: int, want: object) -> None:
+                                              dst: str, port: int, want: tuple[str, bool] | str) -> None:
     await dp.apply({SVC: lb(KUBE_PROXY_RANGES)})
     got = trace(fake, 4, src, dst, "tcp", port, local=LOCAL)
-    if want == "DROP":
-        assert got.verdict == "drop"
+    if isinstance(want, str):
+        assert want == "DROP" and got.verdict == "drop"
     else:
-        target, masq = want  # type: ignore[misc]
+        target, masq = want
         assert (got.verdict, set(got.targets), target in got.masq) == ("dnat", {target}, masq)
 
 

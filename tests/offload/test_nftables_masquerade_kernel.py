@@ -9,9 +9,11 @@ get no answer at all (DROP, not a refusal) when there is none."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from usproxy.core.datapath import ServicePortState
 from usproxy.model.local_detector import LocalDetector, local_detector
 from usproxy.model.node import NodeFacts
 from usproxy.offload.nftables.datapath import NftablesDatapath
@@ -43,7 +45,7 @@ def datapath(topology: Topology, detector: LocalDetector = LocalDetector(), masq
     return NftablesDatapath(netns=topology.node, node=NodeFacts("node", detector=detector, masquerade_all=masquerade_all))
 
 
-def web(*eps: tuple[str, str], **kw: object) -> object:
+def web(*eps: tuple[str, str], **kw: Any) -> ServicePortState:
     return state(WEB, VIP, 80, [ep(ip, node_name=node) for ip, node in eps], node_port=NP, service_type="NodePort", **kw)
 
 
@@ -63,7 +65,7 @@ async def test_cluster_ip_masquerade_per_configuration(topology: Topology, clien
                                                        pod_masq: bool, ext_masq: bool) -> None:
     dp = datapath(topology, detector, masquerade_all)
     try:
-        await dp.apply({WEB: web(("10.244.1.5", "node"))})  # type: ignore[dict-item]
+        await dp.apply({WEB: web(("10.244.1.5", "node"))})
         (pod_seen,) = {peer for _, peer in peers(clients["pod"], VIP, 80, 5)}
         (ext_seen,) = {peer for _, peer in peers(clients["ext"], VIP, 80, 5)}
         assert (pod_seen != POD, ext_seen != EXT) == (pod_masq, ext_masq), config
@@ -76,7 +78,7 @@ async def test_local_policy_short_circuits_pods_and_limits_external_clients(topo
                                                                            clients: dict[str, str]) -> None:
     dp = datapath(topology, POD_NET)
     try:
-        await dp.apply({WEB: web(("10.244.1.5", "node"), ("10.244.2.5", "other"),  # type: ignore[dict-item]
+        await dp.apply({WEB: web(("10.244.1.5", "node"), ("10.244.2.5", "other"),
                                  external_traffic_policy="Local")})
         # pod to NodePort: every endpoint (the remote one too), the pod's own address kept
         assert peers(clients["pod"], NODE_IP, NP) == {("be-a", POD), ("be-b", POD)}
@@ -94,12 +96,12 @@ async def test_local_policy_without_local_endpoint_drops_external_but_serves_pod
                                                                                  clients: dict[str, str]) -> None:
     dp = datapath(topology, POD_NET)
     try:
-        await dp.apply({WEB: web(("10.244.2.5", "other"), external_traffic_policy="Local")})  # type: ignore[dict-item]
+        await dp.apply({WEB: web(("10.244.2.5", "other"), external_traffic_policy="Local")})
         with pytest.raises(TimeoutError):  # dropped: no refusal, no answer
             tcp_name(clients["ext"], NODE_IP, NP, timeout=1.5)
         assert peers(clients["pod"], NODE_IP, NP, 5) == {("be-b", POD)}
         # internalTrafficPolicy Local with the endpoint elsewhere: ClusterIP traffic dropped too
-        await dp.apply({WEB: web(("10.244.2.5", "other"), internal_traffic_policy="Local")})  # type: ignore[dict-item]
+        await dp.apply({WEB: web(("10.244.2.5", "other"), internal_traffic_policy="Local")})
         with pytest.raises(TimeoutError):
             tcp_name(clients["pod"], VIP, 80, timeout=1.5)
         await dp.apply({WEB: web()})  # no endpoint anywhere: refused at once, as before

@@ -17,7 +17,7 @@ from usproxy.offload.settings import OffloadSettings
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.fake import FakeNft, FakeNftClient
 from usproxy.core.proxier import Proxier
-from usproxy.model.types import IPNetwork, ServicePortName
+from usproxy.model.types import Family, IPNetwork, ServicePortName
 
 from tests.offload.helpers import ep, spn, state
 from tests.offload.nft_trace import trace
@@ -39,7 +39,7 @@ def web(*eps: str) -> dict[ServicePortName, ServicePortState | None]:
     return {WEB: state(WEB, "10.96.0.1", 80, [ep(e) for e in eps])}
 
 
-def verdict(fake: FakeNft, dst: str, family: int = 4) -> str:
+def verdict(fake: FakeNft, dst: str, family: Family = 4) -> str:
     src = "10.244.9.9" if family == 4 else "2001:db8:244::9"
     return trace(fake, family, src, dst, "tcp", 80, local=VIP if family == 4 else ()).verdict
 

@@ -92,8 +92,8 @@ def talk(cli: str, tcp: int, udp: int, addr: tuple[str, int] = (VIP, 80)) -> tup
 
 
 def finish(talkers: list[TcpTalker], sessions: list[UdpSession]) -> None:
-    for t in (*talkers, *sessions):
-        t.stop.set()
+    for stop in [*(t.stop for t in talkers), *(s.stop for s in sessions)]:
+        stop.set()
     for t in (*talkers, *sessions):
         t.join(5)
 

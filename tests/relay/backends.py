@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import socket
-import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 
 def _log(path: str | None, proto: str, peer: tuple[str, int], n: int) -> None:
@@ -26,7 +27,7 @@ def _family(addr: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in addr else socket.AF_INET
 
 
-def serve_tcp(addr: str, port: int, handler: object) -> None:
+def serve_tcp(addr: str, port: int, handler: Callable[[socket.socket, Any], None]) -> None:
     srv = socket.socket(_family(addr), socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((addr, port))
@@ -36,12 +37,12 @@ def serve_tcp(addr: str, port: int, handler: object) -> None:
         threading.Thread(target=handler, args=(conn, peer), daemon=True).start()
 
 
-def serve_udp(addr: str, port: int, reply: object) -> None:
+def serve_udp(addr: str, port: int, reply: Callable[[bytes, Any], bytes | None]) -> None:
     s = socket.socket(_family(addr), socket.SOCK_DGRAM)
     s.bind((addr, port))
     while True:
         data, peer = s.recvfrom(65535)
-        out = reply(data, peer)  # type: ignore[operator]
+        out = reply(data, peer)
         if out is not None:
             s.sendto(out, peer)
 
@@ -85,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

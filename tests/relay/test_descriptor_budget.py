@@ -21,7 +21,12 @@ FRONTEND = ("10.96.0.1", 80)
 def test_everything_withdrawn_on_a_local_error_listeners_count_against_the_flow_budget() -> None:
     listeners: set[tuple[str, int, str]] = set()
     evicted: list[bool] = []
-    adm = FlowAdmission.within(1_000_000, 1024, lambda: bool(evicted.append(True)), listeners)
+
+    def evict() -> bool:
+        evicted.append(True)
+        return False  # nothing to evict: the budget must refuse
+
+    adm = FlowAdmission.within(1_000_000, 1024, evict, listeners)
     assert adm.descriptors == 1024 - FD_RESERVE
     budget = adm.descriptors
     assert budget is not None

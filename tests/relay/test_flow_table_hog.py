@@ -70,7 +70,12 @@ def test_a_refused_client_evicts_nobody() -> None:
     """A client over its fair share is refused before any idle UDP flow of another client is
     evicted to make room for it."""
     evicted: list[str] = []
-    adm = FlowAdmission.within(800, 1_000_000, lambda: bool(evicted.append("udp")))
+
+    def evict() -> bool:
+        evicted.append("udp")
+        return False
+
+    adm = FlowAdmission.within(800, 1_000_000, evict)
     for port in range(1, 701):
         adm.admit("TCP", A, ("10.0.0.66", port), FRONTEND)
     for port in range(1, 101):
@@ -252,7 +257,7 @@ def test_deferred_set_up_runs_once_per_live_tcp_flow() -> None:
     ran: list[int] = []
     for i in range(3):
         f = relay.admission.admit("TCP", A, (f"10.0.0.{i + 1}", 1), FRONTEND)
-        f.settle = lambda i=i: ran.append(i)  # type: ignore[misc]
+        f.settle = lambda i=i: ran.append(i)
     relay.admission.admit("TCP", A, ("10.0.0.9", 1), FRONTEND)  # nothing deferred
     assert relay.settle_tcp() == 3 and sorted(ran) == [0, 1, 2]
     assert relay.settle_tcp() == 0 and len(ran) == 3

@@ -21,7 +21,7 @@ from usproxy.flows.flow_table import FlowTable
 from usproxy.core.datapath import ServicePortState
 from usproxy.model.endpoint import Endpoint
 from usproxy.relay.flow_admission import FlowAdmission
-from usproxy.relay.service_port_relay import ServicePortRelay
+from usproxy.relay.service_port_relay import ListenerKey, ServicePortRelay
 from usproxy.relay.udp import UdpRelay
 from usproxy.model.service_port import ServicePort
 from usproxy.model.types import ServicePortName
@@ -53,7 +53,7 @@ async def test_held_port_is_named_logged_once_and_taken_when_free(caplog: pytest
         await relay.apply(state(port), ())
         for _ in range(5):
             await relay.retry_failed()
-        key = ("127.0.0.1", port, "cluster")
+        key: ListenerKey = ("127.0.0.1", port, "cluster")
         assert not relay.listeners
         assert relay.errors[key] == (f"listen 127.0.0.1:{port}: Address already in use "
                                      f"(held by 0.0.0.0:{port} of this agent (pid {os.getpid()}); "

@@ -58,7 +58,7 @@ class Recorder:
         self.zone: str | None = None
         self.services: dict[NamespacedName, Service] = {}
         self.slices: dict[NamespacedName, EndpointSlice] = {}
-        self.calls: list[tuple[str, object, object]] = []
+        self.calls: list[tuple[str, Any, Any]] = []  # (kind, previous, current)
         self.synced: list[str] = []
         self.order: list[str] = []
 

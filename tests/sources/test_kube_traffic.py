@@ -19,8 +19,8 @@ import pytest
 from tests.netns import Topology, inside
 from tests.relay.harness import USPROXY, Backends
 from tests.relay.tcp_clients import ask_in
-from tests.sources.conftest import eps, kubeconfig_text, svc
-from tests.sources.fake_apiserver import FakeApiServer
+from tests.sources.conftest import eps, svc
+from tests.sources.fake_apiserver import FakeApiServer, kubeconfig_text
 
 pytestmark = pytest.mark.netns
 

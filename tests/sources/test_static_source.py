@@ -12,6 +12,7 @@ from typing import Any
 
 from tests.sources.conftest import Recorder, service_yaml
 from usproxy.model.types import NamespacedName
+from usproxy.util.errors import ConfigError
 from usproxy.sources.static import StaticSource, watch_sighup
 
 
@@ -45,7 +46,7 @@ def test_directory_merge_rename_edit_and_removal(tmp_path: Path) -> None:
 def test_broken_edit_keeps_last_good_state_of_that_file_only(tmp_path: Path) -> None:
     (tmp_path / "a.yaml").write_text(service_yaml("a", 80))
     (tmp_path / "b.yaml").write_text(service_yaml("b", 81))
-    errors = []
+    errors: list[ConfigError] = []
     rec = Recorder()
     src = StaticSource(tmp_path, rec, on_error=errors.append, settle=0.0)
     src.load_initial()
@@ -82,13 +83,14 @@ async def test_sighup_forces_a_reload(tmp_path: Path) -> None:
 
 
 async def test_a_failing_scan_keeps_state_and_the_loop_alive(tmp_path: Path, monkeypatch: Any) -> None:
+    import usproxy.model.manifest as manifest
     import usproxy.sources.static as static
 
     (tmp_path / "a.yaml").write_text(service_yaml("a", 80))
     rec = Recorder()
     src = StaticSource(tmp_path, rec, poll_interval=0.01)
     src.load_initial()
-    real = static.manifest_files
+    real = manifest.manifest_files
     calls = [0]
 
     def flaky(path: Path) -> list[Path]:
@@ -280,6 +282,7 @@ def test_a_file_rewritten_in_place_left_empty_is_believed_after_it_settles(tmp_p
 
 def test_a_file_rewritten_in_place_while_read_is_read_again(tmp_path: Path, monkeypatch: Any) -> None:
     """A file that changes while it is read (its stat key differs after the read) is not taken."""
+    import usproxy.model.manifest as manifest
     import usproxy.sources.static as static
 
     f = tmp_path / "svc.yaml"
@@ -288,7 +291,7 @@ def test_a_file_rewritten_in_place_while_read_is_read_again(tmp_path: Path, monk
     src = StaticSource(tmp_path, rec, settle=0.0)
     src.load_initial()
     rename_into(f, service_yaml("a", 81) + "---\n")
-    real = static.load_file
+    real = manifest.load_file
 
     def load_then_append(path: Path) -> Any:
         out = real(path)

@@ -8,6 +8,7 @@ peak, at most every MIN_INTERVAL seconds, never where there is no glibc.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from usproxy.util.heap import DROP, MIN_INTERVAL, HeapTrim, glibc_trim
 
@@ -20,6 +21,14 @@ class Clock:
         return self.now
 
 
+def recording(calls: list[int]) -> Callable[[], int]:
+    """A trim function that records each call (and reports 1: memory was released)."""
+    def trim() -> int:
+        calls.append(1)
+        return 1
+    return trim
+
+
 def run(heap: HeapTrim, live: int) -> bool:
     return asyncio.run(heap.tick(live))
 
@@ -27,7 +36,7 @@ def run(heap: HeapTrim, live: int) -> bool:
 def test_trims_after_the_flow_count_fell_and_not_more_often_than_the_interval() -> None:
     calls: list[int] = []
     clock = Clock()
-    heap = HeapTrim(lambda: calls.append(1) or 1, clock)
+    heap = HeapTrim(recording(calls), clock)
     assert not run(heap, 500)
     assert not run(heap, 500 - DROP + 1)  # fell, but by less than DROP
     assert run(heap, 500 - DROP) and calls == [1]
@@ -39,7 +48,7 @@ def test_trims_after_the_flow_count_fell_and_not_more_often_than_the_interval() 
 def test_a_steady_load_is_never_trimmed() -> None:
     calls: list[int] = []
     clock = Clock()
-    heap = HeapTrim(lambda: calls.append(1) or 1, clock)
+    heap = HeapTrim(recording(calls), clock)
     for i in range(100):
         clock.now += 1.0
         run(heap, 1000 + (i % 2) * (DROP - 1))

@@ -29,8 +29,8 @@ from usproxy.explain.chain_names import nft_base, nft_endpoint_base
 from usproxy.explain.ipvs_trace import parse_ipsets, parse_ipvsadm
 from usproxy.explain.mode import Mode
 from usproxy.explain.packet import Packet
-from usproxy.explain.service_set import Family, FamilyPort, ServiceSet
-from usproxy.model.types import IPAddress
+from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.types import Family, IPAddress
 from usproxy.util.table import render_table
 
 POD_SOURCE_V4 = ipaddress.ip_address("10.255.255.254")

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 
 from usproxy.explain import cost, iptables, nftables
 from usproxy.explain.mode import Mode
-from usproxy.explain.service_set import Family, ServiceSet
+from usproxy.explain.service_set import ServiceSet
 from usproxy.model.endpoint import Endpoint, usable
 from usproxy.model.service_port import ServicePort
-from usproxy.model.types import ServicePortName
+from usproxy.model.types import Family, ServicePortName
 
 View = Callable[[ServiceSet, Mode], str]  # (service set, mode) -> that mode's rendered text
 

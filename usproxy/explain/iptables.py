@@ -26,8 +26,8 @@ from typing import Literal
 from usproxy.model.endpoint import Endpoint
 from usproxy.explain import chain_names as names
 from usproxy.explain import iptables_entry
-from usproxy.explain.service_set import Family, FamilyPort, Node, ServiceSet
-from usproxy.model.types import IPNetwork
+from usproxy.explain.service_set import FamilyPort, Node, ServiceSet
+from usproxy.model.types import Family, IPNetwork
 
 Table = Literal["filter", "nat"]
 MARK_MASQ = "KUBE-MARK-MASQ"

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from usproxy.model.endpoint import Endpoint
-from usproxy.explain.service_set import Family, FamilyPort, Node, ServiceSet
-from usproxy.model.types import IPAddress, format_hostport
+from usproxy.explain.service_set import FamilyPort, Node, ServiceSet
+from usproxy.model.types import Family, IPAddress, format_hostport
 
 DUMMY = "kube-ipvs0"
 PROXY_FIREWALL = "KUBE-PROXY-FIREWALL"

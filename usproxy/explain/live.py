@@ -23,7 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from usproxy.offload.nftables.names import FAMILIES, TABLE, nft_family
+from usproxy.model.types import FAMILIES
+from usproxy.offload.nftables.names import TABLE, nft_family
 from usproxy.util.table import render_flows, render_services
 
 TIMEOUT = 3.0

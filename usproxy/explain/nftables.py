@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from usproxy.model.endpoint import Endpoint
 from usproxy.explain import chain_names as names
 from usproxy.explain.iptables import Match, Plan, plan
-from usproxy.explain.service_set import Family, FamilyPort, ServiceSet
-from usproxy.model.types import format_hostport
+from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.types import Family, format_hostport
 
 TABLE = "kube-proxy"
 REJECT_CHAIN = "reject-chain"

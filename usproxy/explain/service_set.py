@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, TypeAlias
 
 from usproxy.model.types import IPNetwork
 from usproxy.model.endpoint import Endpoint, categorize, usable
@@ -21,10 +20,8 @@ from usproxy.util.errors import ConfigError
 from usproxy.model.manifest import Manifests, load_file, manifest_files
 from usproxy.model.service_port import ServicePort
 from usproxy.model.source_ranges import family_ranges
-from usproxy.model.types import IPAddress, ServicePortName
+from usproxy.model.types import FAMILIES, Family, IPAddress, ServicePortName
 
-Family: TypeAlias = Literal[4, 6]
-FAMILIES: tuple[Family, ...] = (4, 6)
 
 
 @dataclass(frozen=True, slots=True)

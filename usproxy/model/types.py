@@ -15,6 +15,8 @@ PROTOCOLS: tuple[Protocol, ...] = ("TCP", "UDP", "SCTP")
 _PROTOCOL: dict[str, Protocol] = {p: p for p in PROTOCOLS}
 IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
+Family: TypeAlias = Literal[4, 6]  # an IP family, as ipaddress' `version`
+FAMILIES: tuple[Family, ...] = (4, 6)
 
 
 class NamespacedName(NamedTuple):

@@ -16,10 +16,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from usproxy.model.types import Family
 from usproxy.offload.nftables.names import (
     MASQ_MARK,
     TABLE,
-    Family,
     Kind,
     Scope,
     addr_type,

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from usproxy.model.types import IPNetwork
+from usproxy.model.types import FAMILIES, Family, IPNetwork
 from usproxy.core.datapath import ServicePortState
 from usproxy.model.endpoint import Endpoint
 from usproxy.util.errors import OffloadError
@@ -26,7 +26,7 @@ from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.offload.netns_worker import NetnsWorker
 from usproxy.offload.nftables.commands import Command, HookSettings, render
-from usproxy.offload.nftables.names import FAMILIES, TABLE, Family, affinity_endpoint, nft_family
+from usproxy.offload.nftables.names import TABLE, affinity_endpoint, nft_family
 from usproxy.offload.nftables.pins import Pin, parse_pins
 from usproxy.offload.nftables.readback import read_table
 from usproxy.offload.nftables.rules import ClusterMasq, PortRules, ip_text, port_rules

@@ -45,7 +45,8 @@ def probes(cfg: ProxyConfig) -> list[Capability]:
 async def leftovers(cfg: ProxyConfig) -> list[str]:
     """The usproxy tables of either family that exist in this network namespace."""
     from usproxy.offload.nftables.datapath import NftablesDatapath
-    from usproxy.offload.nftables.names import FAMILIES, TABLE, nft_family
+    from usproxy.model.types import FAMILIES
+    from usproxy.offload.nftables.names import TABLE, nft_family
 
     dp = NftablesDatapath()
     try:

@@ -19,7 +19,8 @@ from typing import Any
 
 from usproxy.util.errors import OffloadError
 from usproxy.offload.nftables.commands import MARK_MASQ, Command
-from usproxy.offload.nftables.names import Family, nft_family
+from usproxy.model.types import Family
+from usproxy.offload.nftables.names import nft_family
 
 ENOENT, EEXIST, EBUSY = 2, 17, 16
 

@@ -17,14 +17,12 @@ import re
 from typing import Literal, TypeAlias
 
 from usproxy.util.name_hash import name_hash
-from usproxy.model.types import ServicePortName
+from usproxy.model.types import Family, ServicePortName
 
-Family: TypeAlias = Literal[4, 6]
 Scope: TypeAlias = Literal["cluster", "external"]
 Kind: TypeAlias = Literal["ip", "np"]
 
 TABLE = "usproxy"
-FAMILIES: tuple[Family, ...] = (4, 6)
 MASQ_MARK = 0x4000  # kube-proxy's masquerade bit
 COMMENT_MAX = 127  # nft element comments hold at most 128 bytes with the NUL
 _COMMENT_UNSAFE = re.compile(r"[^A-Za-z0-9._:/ -]")

@@ -21,7 +21,6 @@ from usproxy.offload.nftables.commands import NODEPORT_IPS
 from usproxy.offload.nftables.names import (
     FIREWALL_MAP,
     GROUP_CHAIN,
-    Family,
     Kind,
     Scope,
     firewall_chain,
@@ -32,7 +31,7 @@ from usproxy.offload.nftables.names import (
 )
 from usproxy.offload.nftables.rules import Backend, Frontend, PortRules, Target, frontend_order, norm_ip, source_text
 from usproxy.offload.nftables.transaction import TableState
-from usproxy.model.types import ServicePortName
+from usproxy.model.types import Family, ServicePortName
 
 _VERDICT_MAPS: dict[str, Kind] = {"service-ips": "ip", "no-endpoint-services": "ip",
                                   "service-nodeports": "np", "no-endpoint-nodeports": "np"}

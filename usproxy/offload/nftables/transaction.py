@@ -27,7 +27,6 @@ from usproxy.offload.nftables.commands import (
 from usproxy.offload.nftables.names import (
     FIREWALL_MAP,
     GROUP_CHAIN,
-    Family,
     Kind,
     Scope,
     addr_type,
@@ -40,7 +39,7 @@ from usproxy.offload.nftables.names import (
 )
 from usproxy.offload.nftables.pins import Pin, retimed
 from usproxy.offload.nftables.rules import Frontend, PortRules, new_tuple, verdict_of, verdict_text
-from usproxy.model.types import ServicePortName
+from usproxy.model.types import Family, ServicePortName
 
 
 @dataclass
