@@ -17,9 +17,9 @@ from typing import Any
 
 from usproxy.flows.flow_table import Flow, HostPort
 from usproxy.model.endpoint import Endpoint
-from usproxy.relay.flow_owner import FlowOwner, TrafficKind
+from usproxy.relay.flow_owner import FlowOwner
 from usproxy.relay.tcp import DIAL_BUFFER, HIGH_WATER, ClientSide, EndpointSide
-from usproxy.model.types import ServicePortName
+from usproxy.model.types import Scope, ServicePortName
 
 EP = Endpoint(ipaddress.ip_address("10.244.1.5"), 8080)
 
@@ -83,16 +83,16 @@ class FakeOwner:
     def end_flow(self, flow: Flow) -> None:
         self.events.append("end")
 
-    def pick(self, kind: TrafficKind, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
+    def pick(self, kind: Scope, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
         return None
 
-    def failed(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def failed(self, kind: Scope, ep: Endpoint) -> None:
         self.events.append("failed")
 
-    def opened(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def opened(self, kind: Scope, ep: Endpoint) -> None:
         self.events.append("opened")
 
-    def closed(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def closed(self, kind: Scope, ep: Endpoint) -> None:
         self.events.append("closed")
 
     def reserve_pipes(self) -> bool:

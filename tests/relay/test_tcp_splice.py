@@ -29,10 +29,9 @@ import uvloop
 from usproxy.flows.flow_table import Flow, HostPort
 from usproxy.model.endpoint import Endpoint
 from usproxy.relay import tcp_splice
-from usproxy.relay.flow_owner import TrafficKind
 from usproxy.relay import tcp
 from usproxy.relay.tcp import ClientSide
-from usproxy.model.types import ServicePortName
+from usproxy.model.types import Scope, ServicePortName
 
 MIB = 1 << 20
 SIOCINQ, SIOCOUTQ = 0x541B, 0x5411  # FIONREAD, TIOCOUTQ (Linux)
@@ -68,16 +67,16 @@ class Owner:
         self.ended: list[Flow] = []
         self.sides: list[ClientSide] = []
 
-    def pick(self, kind: TrafficKind, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
+    def pick(self, kind: Scope, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
         return None if self.ep in exclude else self.ep
 
-    def failed(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def failed(self, kind: Scope, ep: Endpoint) -> None:
         pass
 
-    def opened(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def opened(self, kind: Scope, ep: Endpoint) -> None:
         pass
 
-    def closed(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def closed(self, kind: Scope, ep: Endpoint) -> None:
         pass
 
     def new_flow(self, protocol: str, client: HostPort, frontend: HostPort) -> Flow:

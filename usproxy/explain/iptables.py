@@ -26,10 +26,10 @@ from typing import Literal
 from usproxy.model.endpoint import Endpoint
 from usproxy.explain import chain_names as names
 from usproxy.explain import iptables_entry
+from usproxy.explain.iptables_entry import Table
 from usproxy.explain.service_set import FamilyPort, Node, ServiceSet
 from usproxy.model.types import Family, IPNetwork
 
-Table = Literal["filter", "nat"]
 MARK_MASQ = "KUBE-MARK-MASQ"
 SERVICES = "KUBE-SERVICES"
 NODEPORTS = "KUBE-NODEPORTS"

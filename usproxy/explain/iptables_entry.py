@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-Table = Literal["filter", "nat"]
+Table = Literal["filter", "nat"]  # the iptables tables kube-proxy writes (iptables.py builds them)
 
 
 @dataclass(frozen=True, slots=True)

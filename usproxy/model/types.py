@@ -17,6 +17,9 @@ IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
 Family: TypeAlias = Literal[4, 6]  # an IP family, as ipaddress' `version`
 FAMILIES: tuple[Family, ...] = (4, 6)
+# Which endpoints of a ServicePort a frontend uses: "cluster" for its ClusterIPs (internal traffic
+# policy), "external" for its NodePorts, externalIPs and LoadBalancer IPs (externalTrafficPolicy).
+Scope: TypeAlias = Literal["cluster", "external"]
 
 
 class NamespacedName(NamedTuple):

@@ -13,7 +13,7 @@ nftables both, so `auto` with both available installs a ServicePort in BPF (loca
 in halves until the failing ServicePorts are found; those are *demoted*: removed from the kernel
 and served by the relay, with the reason in /services, `usproxy status`, the log and the metric
 usproxy_offload_demotions. They are retried after another window. Each ServicePort's phase and
-the faults that keep it in userspace are values (reason.py), worded only for those outputs.
+the faults that keep it in the relay are values (reason.py), worded only for those outputs.
 
 On the first (full) sync after start, what the kernel holds is read back: ServicePorts installed
 and still wanted stay offloaded at once and only differences are applied (field case C20);
@@ -57,7 +57,7 @@ class _Port:
     since: float  # when `usable` last changed, or the last demotion
     kernels: tuple[str, ...] = ()  # kernel datapaths holding it now
     established_at: float = 0.0
-    reason: Reason = ESTABLISHING  # its phase, and why it is (still) in userspace
+    reason: Reason = ESTABLISHING  # its phase, and why it is (still) in the relay
     refused: Fault | None = None  # the last refused transaction, until the next window passes
     dirty: bool = True  # state changed since the kernels last got it
 
@@ -190,7 +190,7 @@ class OffloadManager:
     # -- planning ------------------------------------------------------------------------------
     def choose(self, port: _Port, now: float) -> tuple[tuple[str, ...], Reason, bool]:
         """The kernel datapaths that should hold `port` now and its reason (ESTABLISHED when
-        they are not empty); and whether a reason to stay in userspace ends when its window
+        they are not empty); and whether a reason to stay in the relay ends when its window
         passes."""
         sp = port.state.service_port
         if sp.datapath == "userspace":

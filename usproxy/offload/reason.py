@@ -72,7 +72,7 @@ class Fault:
 
 @dataclass(frozen=True, slots=True)
 class Reason:
-    """A ServicePort's phase and, when demoted, the faults that keep it in userspace."""
+    """A ServicePort's phase and, when demoted, the faults that keep it in the relay."""
 
     phase: Phase
     faults: tuple[Fault, ...] = ()

@@ -10,15 +10,12 @@ and flow accounting rely on both pairs).
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Literal, Protocol, TypeAlias
+from typing import Protocol
 
 from usproxy.flows.flow_table import Flow, HostPort
 from usproxy.model.endpoint import Endpoint
-from usproxy.model.types import ServicePortName
+from usproxy.model.types import Scope, ServicePortName
 
-# Which endpoints a frontend may use: "cluster" for ClusterIPs, "external" for NodePorts, external
-# IPs and load-balancer IPs (those obey externalTrafficPolicy).
-TrafficKind: TypeAlias = Literal["cluster", "external"]
 
 
 class SourceRefused(Exception):
@@ -41,20 +38,20 @@ class FlowOwner(Protocol):
         """The ServicePort, for logs."""
         ...
 
-    def pick(self, kind: TrafficKind, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
+    def pick(self, kind: Scope, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
         """The endpoint for a new connection or flow from `client_ip`, none of `exclude`; None when
         there is no usable one (the caller refuses the client)."""
         ...
 
-    def failed(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def failed(self, kind: Scope, ep: Endpoint) -> None:
         """`ep` refused or timed out a dial: back off from it."""
         ...
 
-    def opened(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def opened(self, kind: Scope, ep: Endpoint) -> None:
         """A connection or flow to `ep` started."""
         ...
 
-    def closed(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def closed(self, kind: Scope, ep: Endpoint) -> None:
         """A connection or flow to `ep` (counted by `opened`) ended."""
         ...
 

@@ -1,4 +1,7 @@
-"""Relay: the userspace datapath (kube-proxy 1.0's userspace mode, done right).
+"""Relay: the datapath named "userspace" (kube-proxy 1.0's userspace mode, done right).
+
+In code the component is "the relay"; "userspace" is only its datapath name, the one /services,
+`usproxy status`, the usproxy.io/datapath annotation and metric labels show (as kube-proxy's mode).
 
 On its first sync it sets up the ClusterIP interface (VipInterface) and finds the node addresses
 for NodePorts (NodeFacts.nodeport_ips, as nftables: --nodeport-addresses, default every non-loopback
@@ -96,7 +99,7 @@ def tcp_sweep_period(settings: RelaySettings) -> float:
 
 
 class Relay:
-    """The userspace datapath: a Datapath named "userspace"; `node` gives the NodePort CIDRs."""
+    """The relay: a Datapath named "userspace"; `node` gives the NodePort CIDRs."""
 
     name = "userspace"
     flows_block = False  # its flow table lives on the event loop

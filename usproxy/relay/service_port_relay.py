@@ -38,7 +38,7 @@ from usproxy.model.endpoint import Endpoint
 from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.relay.endpoint_selector import EndpointSelector
 from usproxy.relay.flow_admission import FlowAdmission
-from usproxy.relay.flow_owner import RelayStopping, SourceRefused, TrafficKind
+from usproxy.relay.flow_owner import RelayStopping, SourceRefused
 from usproxy.relay.port_holder import describe_holder
 from usproxy.relay.source_filter import allows, attach
 from usproxy.relay.tcp import ClientSide
@@ -46,13 +46,13 @@ from usproxy.relay.tcp_listener import TcpListener
 from usproxy.relay.udp import UdpListener, UdpRelay
 from usproxy.model.service_port import LBPolicy, ServicePort
 from usproxy.model.source_ranges import allowed_sources
-from usproxy.model.types import IPNetwork
+from usproxy.model.types import IPNetwork, Scope
 from usproxy.model.types import ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
 Listener = Union[TcpListener, UdpListener]
-ListenerKey = tuple[str, int, TrafficKind]  # (address, port, kind)
+ListenerKey = tuple[str, int, Scope]  # (address, port, scope)
 Listening = set[tuple[str, int, str]]  # (address, port, protocol) of every listener of the relay
 
 
@@ -71,7 +71,7 @@ class ServicePortRelay:
         self.udp = udp
         self.listening = listening
         self.default_policy: LBPolicy = default_policy
-        self.selectors: dict[TrafficKind, EndpointSelector] = {
+        self.selectors: dict[Scope, EndpointSelector] = {
             "cluster": EndpointSelector(), "external": EndpointSelector()}
         self.listeners: dict[ListenerKey, Listener] = {}
         self.errors: dict[ListenerKey, str] = {}
@@ -201,11 +201,11 @@ class ServicePortRelay:
                 listener.keep_flows_to(usable[kind])
 
     @staticmethod
-    def _endpoints(state: ServicePortState) -> dict[TrafficKind, tuple[Endpoint, ...]]:
+    def _endpoints(state: ServicePortState) -> dict[Scope, tuple[Endpoint, ...]]:
         return {"cluster": state.cluster_endpoints, "external": state.external_endpoints}
 
     # -- FlowOwner: used by the TCP and UDP relays -------------------------------------------------
-    def pick(self, kind: TrafficKind, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
+    def pick(self, kind: Scope, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
         """The endpoint for a new TCP connection or UDP flow, never one of this proxy's own
         listeners (an endpoint that is, say, its own NodePort would make every connection dial
         itself until descriptors run out): such an endpoint is logged and skipped."""
@@ -224,13 +224,13 @@ class ServicePortRelay:
     def _is_own_frontend(self, ep: Endpoint) -> bool:
         return (ep.host, ep.port, self.spn.protocol) in self.listening
 
-    def failed(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def failed(self, kind: Scope, ep: Endpoint) -> None:
         self.selectors[kind].failed(ep)
 
-    def opened(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def opened(self, kind: Scope, ep: Endpoint) -> None:
         self.selectors[kind].opened(ep)
 
-    def closed(self, kind: TrafficKind, ep: Endpoint) -> None:
+    def closed(self, kind: Scope, ep: Endpoint) -> None:
         self.selectors[kind].closed(ep)
 
     def stop(self) -> None:

@@ -48,7 +48,8 @@ from usproxy.flows.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.model.endpoint import Endpoint
 from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.relay import tcp_splice
-from usproxy.relay.flow_owner import FlowOwner, SourceRefused, TrafficKind
+from usproxy.model.types import Scope
+from usproxy.relay.flow_owner import FlowOwner, SourceRefused
 from usproxy.relay.tcp_splice import LINGER_ZERO, SplicedFlow
 
 log = logging.getLogger(__name__)
@@ -121,9 +122,9 @@ class ClientSide(asyncio.Protocol):
     through `attach`, `reply`, `reply_eof`, `upstream_lost`, `pause_reading` and `resume_reading`.
     """
 
-    def __init__(self, owner: FlowOwner, kind: TrafficKind, frontend: HostPort) -> None:
+    def __init__(self, owner: FlowOwner, kind: Scope, frontend: HostPort) -> None:
         self.owner = owner
-        self.kind: TrafficKind = kind
+        self.kind: Scope = kind
         self.frontend = frontend  # the listener's address: no getsockname per connection
         self.transport: asyncio.Transport | None = None
         self.upstream: EndpointSide | None = None  # set by `attach`

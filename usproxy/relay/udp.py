@@ -28,10 +28,10 @@ from collections.abc import Callable, Collection
 from usproxy.flows.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.model.endpoint import Endpoint
 from usproxy.util.ratelimit import RateLimitedLog
-from usproxy.relay.flow_owner import FlowOwner, SourceRefused, TrafficKind
+from usproxy.relay.flow_owner import FlowOwner, SourceRefused
 from usproxy.relay.source_filter import allows
 from usproxy.relay.udp_batch import MAX_DATAGRAM, MIN_SEGMENT, UdpBatch, refused, send_segments
-from usproxy.model.types import IPNetwork
+from usproxy.model.types import IPNetwork, Scope
 from usproxy.model.types import format_hostport
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class UdpListener:
 
     __slots__ = ("relay", "owner", "frontend", "kind", "flows", "sources", "sock")
 
-    def __init__(self, relay: UdpRelay, owner: FlowOwner, frontend: HostPort, kind: TrafficKind) -> None:
+    def __init__(self, relay: UdpRelay, owner: FlowOwner, frontend: HostPort, kind: Scope) -> None:
         self.relay = relay
         self.owner = owner
         self.frontend = frontend

@@ -80,7 +80,7 @@ from usproxy.offload.bpf.layout import (
 )
 from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want, address_family
 from usproxy.offload.external_route import RELAY
-from usproxy.offload.kernel_datapath import Capability, TrafficKind
+from usproxy.offload.kernel_datapath import ALL_TRAFFIC, Capability, TrafficKind
 from usproxy.model.types import ServicePortName, format_hostport
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,6 @@ NODEPORT_GROUP = 0  # the "family" key of a ServicePort's NodePort/externalIP gr
 LB_GROUP = 1  # the key of its LoadBalancer IP group
 EXTERNAL_GROUPS = (NODEPORT_GROUP, LB_GROUP)
 LOCAL_ONLY: frozenset[TrafficKind] = frozenset({"local"})
-ALL_TRAFFIC: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
 
 
 class BpfDatapath:

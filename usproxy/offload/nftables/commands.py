@@ -16,12 +16,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from usproxy.model.types import Family
+from usproxy.model.types import Family, Scope
 from usproxy.offload.nftables.names import (
     MASQ_MARK,
     TABLE,
     Kind,
-    Scope,
     addr_type,
     FIREWALL_MAP,
     affinity_chain,

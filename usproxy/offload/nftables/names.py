@@ -17,9 +17,8 @@ import re
 from typing import Literal, TypeAlias
 
 from usproxy.util.name_hash import name_hash
-from usproxy.model.types import Family, ServicePortName
+from usproxy.model.types import Family, Scope, ServicePortName
 
-Scope: TypeAlias = Literal["cluster", "external"]
 Kind: TypeAlias = Literal["ip", "np"]
 
 TABLE = "usproxy"

@@ -22,7 +22,6 @@ from usproxy.offload.nftables.names import (
     FIREWALL_MAP,
     GROUP_CHAIN,
     Kind,
-    Scope,
     firewall_chain,
     parse_comment,
     slot_chain,
@@ -31,7 +30,7 @@ from usproxy.offload.nftables.names import (
 )
 from usproxy.offload.nftables.rules import Backend, Frontend, PortRules, Target, frontend_order, norm_ip, source_text
 from usproxy.offload.nftables.transaction import TableState
-from usproxy.model.types import Family, ServicePortName
+from usproxy.model.types import Family, Scope, ServicePortName
 
 _VERDICT_MAPS: dict[str, Kind] = {"service-ips": "ip", "no-endpoint-services": "ip",
                                   "service-nodeports": "np", "no-endpoint-nodeports": "np"}

@@ -17,7 +17,6 @@ from usproxy.core.datapath import ServicePortState
 from usproxy.model.endpoint import Endpoint, usable
 from usproxy.offload.nftables.names import (
     Kind,
-    Scope,
     affinity_chain,
     group_chain,
     rr_chain,
@@ -25,7 +24,7 @@ from usproxy.offload.nftables.names import (
 )
 from usproxy.model.service_port import ServicePort
 from usproxy.model.source_ranges import allowed_sources
-from usproxy.model.types import Family, IPAddress, ServicePortName, format_hostport
+from usproxy.model.types import Family, IPAddress, Scope, ServicePortName, format_hostport
 
 _TEXT: dict[int, str] = {}
 # Builds a NamedTuple from a tuple of every field without NamedTuple's Python-level __new__: a

@@ -28,7 +28,6 @@ from usproxy.offload.nftables.names import (
     FIREWALL_MAP,
     GROUP_CHAIN,
     Kind,
-    Scope,
     addr_type,
     affinity_endpoint,
     comment_of,
@@ -39,7 +38,7 @@ from usproxy.offload.nftables.names import (
 )
 from usproxy.offload.nftables.pins import Pin, retimed
 from usproxy.offload.nftables.rules import Frontend, PortRules, new_tuple, verdict_of, verdict_text
-from usproxy.model.types import Family, ServicePortName
+from usproxy.model.types import Family, Scope, ServicePortName
 
 
 @dataclass
