@@ -18,6 +18,7 @@ from usproxy.explain.live import read_live
 from usproxy.explain.mode import Mode, TraceOptions
 from usproxy.explain.packet import Packet
 from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+from usproxy.model.config import BPF_LB_MODES
 from usproxy.model.manifest import Manifests, objects_from
 from usproxy.model.types import IPAddress, IPNetwork
 from usproxy.util.errors import ConfigError
@@ -81,7 +82,7 @@ def build_trace_parser() -> argparse.ArgumentParser:
                         "tells them apart: an address in --cluster-cidr is taken as a pod on this node "
                         "(served at connect()), any other as traffic from elsewhere")
     p.add_argument("dst", metavar="DST:PORT/PROTO")
-    p.add_argument("--bpf-lb-mode", choices=["snat", "dsr"], default="snat",
+    p.add_argument("--bpf-lb-mode", choices=BPF_LB_MODES, default="snat",
                    help="as `usproxy run --bpf-lb-mode`: how the bpf mode's tc program serves a packet "
                         "from elsewhere to a NodePort, LB IP or externalIP whose backend is on another "
                         "node: SNAT to the node (default) or direct server return")

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeAlias
+from typing import Protocol
 
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.path_drawing import Drawer
 from usproxy.explain.service_set import ServiceSet
-
-BpfLbMode: TypeAlias = Literal["snat", "dsr"]
+from usproxy.model.config import BpfLbMode
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 BpfLbMode = Literal["snat", "dsr"]
 BPF_LB_MODES: tuple[BpfLbMode, ...] = ("snat", "dsr")
+BpfLbAcceleration = Literal["native", "disabled"]  # native: NodePorts at XDP too (Cilium's flag)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class ProxyConfig:
     # NodePorts at tc with a backend on another node: SNAT, or direct server return (Cilium's
     # bpf-lb-mode; usproxy/offload/bpf/dsr.h)
     bpf_lb_mode: BpfLbMode = "snat"
-    bpf_lb_acceleration: str = "disabled"  # "native": NodePorts at XDP too (Cilium's flag)
+    bpf_lb_acceleration: BpfLbAcceleration = "disabled"
     cleanup: bool = False
     # local-traffic detection and masquerade, as kube-proxy (usproxy/model/local_detector.py)
     detect_local_mode: str = "ClusterCIDR"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from usproxy.model.config import BpfLbMode, ProxyConfig, parse_cidrs
+from usproxy.model.config import BpfLbAcceleration, BpfLbMode, ProxyConfig, parse_cidrs
 from usproxy.model.datapath_name import OffloadMode
 from usproxy.model.service_port import LBPolicy
 from usproxy.model.types import IPNetwork
@@ -25,7 +25,7 @@ class OffloadSettings:
     service_cidrs: tuple[IPNetwork, ...] = ()  # --service-cidr
     vip_interface: str = "usproxy0"  # its addresses never serve NodePorts
     bpf_lb_mode: BpfLbMode = "snat"  # --bpf-lb-mode: NodePorts at tc with SNAT or DSR
-    bpf_lb_acceleration: str = "disabled"  # --bpf-lb-acceleration: "native" adds XDP to tc
+    bpf_lb_acceleration: BpfLbAcceleration = "disabled"  # --bpf-lb-acceleration: "native" adds XDP to tc
 
     @classmethod
     def from_config(cls, cfg: ProxyConfig) -> OffloadSettings:

@@ -20,17 +20,15 @@ BUDGET = 0.005  # seconds of work between two turns of the loop
 class TimeSlice:
     """Counts work time since the loop's last turn; `clock` gives seconds (monotonic)."""
 
-    __slots__ = ("budget", "clock", "turns", "_since")
+    __slots__ = ("budget", "clock", "_since")
 
     def __init__(self, budget: float = BUDGET, clock: Callable[[], float] = time.perf_counter) -> None:
         self.budget = budget
         self.clock = clock
-        self.turns = 0  # how many times the loop was given a turn
         self._since = clock()
 
     async def pause(self) -> None:
         """Give the loop a turn if `budget` seconds of work ran since the last one."""
         if self.clock() - self._since >= self.budget:
             await asyncio.sleep(0)
-            self.turns += 1
             self._since = self.clock()

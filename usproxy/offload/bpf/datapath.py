@@ -54,7 +54,7 @@ from typing import Any, Literal
 
 from usproxy.core.datapath import Placement, ServicePortState
 from usproxy.model.endpoint import Endpoint, usable
-from usproxy.model.config import BpfLbMode
+from usproxy.model.config import BpfLbAcceleration, BpfLbMode
 from usproxy.model.source_ranges import allowed_sources
 from usproxy.model.types import IPNetwork
 from usproxy.offload.bpf import loader, nodeport, view, xdp
@@ -106,7 +106,7 @@ class BpfDatapath:
 
     def __init__(self, cgroup: Path = Path("/sys/fs/cgroup/unified"), pin_root: Path | None = None,
                  *, selection: str = "random", nodeport_cidrs: tuple[IPNetwork, ...] | None = None,
-                 lb_mode: BpfLbMode = "snat", acceleration: str = "disabled") -> None:
+                 lb_mode: BpfLbMode = "snat", acceleration: BpfLbAcceleration = "disabled") -> None:
         self.cgroup = cgroup
         self.pins = loader.PinLayout(pin_root or default_pin_root())
         self.selection: Selection = _selection(selection)
@@ -115,7 +115,7 @@ class BpfDatapath:
         self.traffic: frozenset[TrafficKind] = LOCAL_ONLY
         self.hooked: list[nodeport.HookedInterface] = []  # where the tc programs run (after probe)
         self.tc_detail = "tc NodePort programs not asked for (--offload bpf asks)"
-        self.acceleration = acceleration  # --bpf-lb-acceleration: "native" or "disabled"
+        self.acceleration: BpfLbAcceleration = acceleration  # --bpf-lb-acceleration
         self.xdp_plan = xdp.XdpPlan((), ())  # where the XDP program runs (after probe and open)
         self._lb: loader.SockLB | None = None
         self._tables: Tables | None = None

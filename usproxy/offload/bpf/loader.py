@@ -29,7 +29,7 @@ import ctypes
 import errno
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,17 +236,21 @@ class SockLB:
                 _remove_links_at([path])
         for prog, attach_type in TC_PROGRAMS.items():
             for ifindex in sorted(wanted):
-                self._attach_tc_one(obj.prog_fd(prog), prog, attach_type, ifindex)
+                fd = obj.prog_fd(prog)
+                self._attach_at(fd, prog, ifindex, lambda: bpf.link_create(fd, ifindex, attach_type))
 
-    def _attach_tc_one(self, prog_fd: int, prog: str, attach_type: int, ifindex: int) -> None:
+    def _attach_at(self, prog_fd: int, prog: str, ifindex: int, create: Callable[[], int]) -> None:
+        """The link of `prog` on interface `ifindex`, pinned as links/<prog>@<ifindex>: a link
+        already pinned there gets the new program (BPF_LINK_UPDATE, no moment without one); a
+        defunct one (its interface went away) is replaced by `create()`'s, as is a missing one."""
         path = self.pins.links / f"{prog}@{ifindex}"
         with _fd(path) as old:
             if old is not None and int(bpf.fdinfo(old).get("ifindex", "0")) == ifindex:
                 bpf.link_update(old, prog_fd)
                 return
-            if old is not None:  # defunct (its interface went away): replace it
+            if old is not None:
                 path.unlink()
-            new = bpf.link_create(prog_fd, ifindex, attach_type)
+            new = create()
             try:
                 bpf.obj_pin(new, str(path))
             finally:
@@ -255,26 +259,13 @@ class SockLB:
     def _attach_xdp(self, obj: bpf.BpfObject) -> None:
         self.xdp_attached, self.xdp_refused = [], {}
         for ifindex in sorted(set(self.xdp_ifindexes or ())):
+            fd = obj.prog_fd(XDP_PROGRAM)
             try:
-                self._attach_xdp_one(obj.prog_fd(XDP_PROGRAM), ifindex)
+                self._attach_at(fd, XDP_PROGRAM, ifindex, lambda: bpf.xdp_link_create(fd, ifindex))
                 self.xdp_attached.append(ifindex)
             except bpf.BpfError as err:
                 self.xdp_refused[ifindex] = os.strerror(err.errno) if err.errno else str(err)
                 log.warning("bpf: no native XDP on ifindex %d (%s): tc serves it", ifindex, err)
-
-    def _attach_xdp_one(self, prog_fd: int, ifindex: int) -> None:
-        path = self.pins.links / f"{XDP_PROGRAM}@{ifindex}"
-        with _fd(path) as old:
-            if old is not None and int(bpf.fdinfo(old).get("ifindex", "0")) == ifindex:
-                bpf.link_update(old, prog_fd)
-                return
-            if old is not None:  # defunct (its interface went away): replace it
-                path.unlink()
-            new = bpf.xdp_link_create(prog_fd, ifindex)
-            try:
-                bpf.obj_pin(new, str(path))
-            finally:
-                os.close(new)
 
     def close(self) -> None:
         """Close this process's fds; pins keep programs attached and maps filled."""

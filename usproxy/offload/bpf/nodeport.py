@@ -25,7 +25,7 @@ from typing import Any
 
 from usproxy.model.types import IPNetwork
 from usproxy.offload.bpf import libbpf as bpf
-from usproxy.offload.bpf.layout import CT_DSR, CtEntry, pack_u32, unpack_u32
+from usproxy.offload.bpf.layout import CT_DSR, CtEntry, pack_u32
 from usproxy.model.types import format_hostport
 
 VIP_INTERFACE = "usproxy0"  # the relay's VipInterface default name
@@ -103,11 +103,6 @@ def _sync(fd: int, want: dict[bytes, bytes]) -> None:
     for key in list(bpf.map_keys(fd, 4)):
         if key not in want:
             bpf.map_delete(fd, key)
-
-
-def read_ifaces(fd: int) -> dict[int, ipaddress.IPv4Address]:
-    """usp_tc_ifaces as ifindex -> SNAT address."""
-    return {unpack_u32(k): ipaddress.IPv4Address(v) for k, v in bpf.map_items(fd, 4, 4)}
 
 
 def ct_entries(fd: int, limit: int = 10000) -> list[CtEntry]:

@@ -43,9 +43,6 @@ XDP_ATTACHED_DRV, XDP_ATTACHED_MULTI = 1, 4
 XDP_ACT_BASIC = 1 << 0
 XDP_ACT_NDO_XMIT = 1 << 2
 
-Acceleration = str  # "native" | "disabled"
-ACCELERATIONS = ("native", "disabled")
-
 
 @dataclass(frozen=True, slots=True)
 class XdpPlan:
