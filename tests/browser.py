@@ -5,12 +5,16 @@ agent's 127.0.0.1 there) with --remote-debugging-pipe: commands are JSON objects
 byte on the child's fd 3, answers and events come back the same way on its fd 4. No network port,
 no Python dependency beyond the standard library. `close()` kills the browser's process group and
 removes its profile directory. Root needs --no-sandbox.
+
+The pipe's ends are moved to fds 10 and up before the shell maps them onto 3 and 4: in a fresh
+process the first pipe *is* fds 3 and 4, and `3<&3 ... 3<&-` would close the very pipe it maps.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import json
 import os
 import select
@@ -25,12 +29,20 @@ from typing import Any
 CHROMIUM = shutil.which("chromium")
 
 
+def _above_9(fd: int) -> int:
+    """`fd` moved to the lowest free descriptor from 10 up (the original is closed)."""
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)  # inherited by the browser only (pass_fds)
+    os.close(fd)
+    return moved
+
+
 class Browser:
     def __init__(self, ns: str, width: int = 1400, height: int = 1000) -> None:
         assert CHROMIUM is not None, "chromium is not installed (scripts/setup.sh installs it)"
         self.profile = tempfile.mkdtemp(prefix="usproxy-chromium-")
         cmd_r, self._cmd_w = os.pipe()
         self._out_r, out_w = os.pipe()
+        cmd_r, out_w = _above_9(cmd_r), _above_9(out_w)  # never 3 or 4 themselves (docstring)
         argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                 "--disable-extensions", "--disable-background-networking", "--remote-debugging-pipe",
                 f"--user-data-dir={self.profile}", f"--window-size={width},{height}", "about:blank"]
