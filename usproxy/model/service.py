@@ -144,7 +144,9 @@ def _port(p: Fields, svc: NamespacedName, many: bool) -> tuple[ServicePortName, 
 def parse_service(raw: Mapping[str, Any]) -> Service:
     """Build a Service from a raw v1 Service body. Raises ConfigError naming object and field.
 
-    Call `skip_reason` first: this function expects a Service the proxy must serve.
+    Call `skip_reason` first: this function expects a Service the proxy must serve. Fields are
+    read in a fixed order (the first bad one is the one reported), and each ServicePort is built
+    with explicit arguments, so the type checker checks every field of the model's constructor.
     """
     top = Fields(describe("Service", raw), raw)
     meta = top.child("metadata", required=True)
@@ -157,37 +159,47 @@ def parse_service(raw: Mapping[str, Any]) -> Service:
     ingress = _vip_ingress(top)
     affinity, timeout = _affinity(spec)
     annotations = meta.str_map("annotations")
-    common: dict[str, Any] = dict(
-        cluster_ips=cluster_ips,
-        service_type=stype,
-        session_affinity=affinity,
-        affinity_timeout=timeout,
-        external_traffic_policy=cast(TrafficPolicy, spec.choice("externalTrafficPolicy", ("Cluster", "Local"), "Cluster")),
-        internal_traffic_policy=cast(TrafficPolicy, spec.choice("internalTrafficPolicy", ("Cluster", "Local"), "Cluster")),
-        external_ips=_same_family(spec, "externalIPs", spec.str_list("externalIPs"), families),
-        load_balancer_ips=_same_family(top, "status.loadBalancer.ingress", ingress, families)
-        if stype == "LoadBalancer" else (),
-        source_ranges=parse_source_ranges(spec.obj, "spec.loadBalancerSourceRanges",
-                                          spec.str_list("loadBalancerSourceRanges"))
-        if stype == "LoadBalancer" else (),
-        traffic_distribution=spec.opt_str("trafficDistribution"),
-        lb_policy=cast(LBPolicy | None, _annotation(meta, annotations, LB_POLICY_ANNOTATION, LB_POLICIES)),
-        datapath=cast(DatapathName | None, _annotation(meta, annotations, DATAPATH_ANNOTATION, DATAPATH_NAMES)),
-        labels=tuple(sorted(meta.str_map("labels").items())),
-    )
-    common["health_check_node_port"] = _health_check_node_port(spec, stype, common["external_traffic_policy"])
+    etp = _traffic_policy(spec, "externalTrafficPolicy")
+    itp = _traffic_policy(spec, "internalTrafficPolicy")
+    external_ips = _same_family(spec, "externalIPs", spec.str_list("externalIPs"), families)
+    balanced = stype == "LoadBalancer"
+    lb_ips = _same_family(top, "status.loadBalancer.ingress", ingress, families) if balanced else ()
+    ranges = parse_source_ranges(spec.obj, "spec.loadBalancerSourceRanges",
+                                 spec.str_list("loadBalancerSourceRanges")) if balanced else ()
+    distribution = spec.opt_str("trafficDistribution")
+    lb_policy = cast(LBPolicy | None, _annotation(meta, annotations, LB_POLICY_ANNOTATION, LB_POLICIES))
+    datapath = cast(DatapathName | None, _annotation(meta, annotations, DATAPATH_ANNOTATION, DATAPATH_NAMES))
+    labels = tuple(sorted(meta.str_map("labels").items()))
+    health_check = _health_check_node_port(spec, stype, etp)
+    ports: dict[ServicePortName, ServicePort] = {}
+    for spn, port, target, node_port in _ports(spec, svc, stype):
+        ports[spn] = ServicePort(
+            name=spn, cluster_ips=cluster_ips, port=port, target_port=target, node_port=node_port,
+            service_type=stype, session_affinity=affinity, affinity_timeout=timeout,
+            external_traffic_policy=etp, internal_traffic_policy=itp, external_ips=external_ips,
+            load_balancer_ips=lb_ips, source_ranges=ranges, traffic_distribution=distribution,
+            lb_policy=lb_policy, datapath=datapath, labels=labels, health_check_node_port=health_check)
+    return Service(svc, ports)
+
+
+def _traffic_policy(spec: Fields, key: str) -> TrafficPolicy:
+    return cast(TrafficPolicy, spec.choice(key, ("Cluster", "Local"), "Cluster"))
+
+
+def _ports(spec: Fields, svc: NamespacedName, stype: ServiceType) -> list[tuple[ServicePortName, int, int | str, int]]:
+    """(name, port, targetPort, nodePort) of each of spec.ports; at least one, no duplicates."""
     port_fields = spec.items("ports")
     if not port_fields:
         raise spec.error("ports", "at least one port is required")
-    ports: dict[ServicePortName, ServicePort] = {}
+    out: dict[ServicePortName, tuple[ServicePortName, int, int | str, int]] = {}
     for p in port_fields:
         spn, port, target, node_port = _port(p, svc, len(port_fields) > 1)
-        if spn in ports:
+        if spn in out:
             raise p.error("name", f"duplicate port {spn.port!r}/{spn.protocol}")
         if node_port and stype == "ClusterIP":
             node_port = 0  # the API server clears it; a hand-written file may not
-        ports[spn] = ServicePort(name=spn, port=port, target_port=target, node_port=node_port, **common)
-    return Service(svc, ports)
+        out[spn] = (spn, port, target, node_port)
+    return list(out.values())
 
 
 def _health_check_node_port(spec: Fields, stype: ServiceType, etp: TrafficPolicy) -> int:
