@@ -32,6 +32,7 @@ from usproxy.model.manifest import objects_from
 from usproxy.model.node import NodeFacts
 from usproxy.core.proxier import Proxier
 from usproxy.model.types import NamespacedName, ServicePortName
+from usproxy.util.rows import ServiceRow
 
 AB, CD = NamespacedName("a", "b"), NamespacedName("c", "d")
 LOOPBACK = NodeFacts("node1", (ipaddress.ip_network("127.0.0.1/32"),))
@@ -264,7 +265,7 @@ async def test_agent_shows_a_bind_error_in_services_and_serves_once_the_port_is_
     try:
         rows = await wait_rows(agent, lambda rows: bool(rows) and rows[0]["healthCheckError"] is not None)
         assert {r["healthCheckNodePort"] for r in rows} == {port}
-        assert f"cannot listen on port {port}: [Errno {errno.EADDRINUSE}] 127.0.0.1:{port}" in rows[0]["healthCheckError"]
+        assert f"cannot listen on port {port}: [Errno {errno.EADDRINUSE}] 127.0.0.1:{port}" in str(rows[0]["healthCheckError"])
         taken.close()
         await wait_rows(agent, lambda rows: rows[0]["healthCheckError"] is None)
         status, _, body = await probe(port)
@@ -274,7 +275,7 @@ async def test_agent_shows_a_bind_error_in_services_and_serves_once_the_port_is_
         await agent.shutdown()
 
 
-async def wait_rows(agent: Agent, cond: Any, timeout: float = 3.0) -> list[dict[str, Any]]:
+async def wait_rows(agent: Agent, cond: Any, timeout: float = 3.0) -> list[ServiceRow]:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         rows = await agent.services()

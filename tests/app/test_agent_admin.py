@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import uvloop
 
-from tests.app.helpers import SVC, closed, write
+from tests.app.helpers import SVC, closed, service_row, write
 from usproxy.admin.health import Health, evaluate
 from usproxy.admin.views import bpf_lb_mode
 from usproxy.app.agent import Agent
@@ -22,6 +22,7 @@ from usproxy.model.config import ProxyConfig
 from usproxy.sources import Source
 from usproxy.core.datapath import FakeDatapath, Placement
 from usproxy.util.metrics import Metrics
+from usproxy.util.rows import FlowRow, ServiceRow
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
@@ -171,12 +172,12 @@ class SlowView:
     def health(self) -> Health:
         return evaluate(None, None, 60)
 
-    async def services(self) -> list[dict[str, Any]]:
+    async def services(self) -> list[ServiceRow]:
         self.asked.set()
         await self.release.wait()
-        return [{"row": i} for i in range(1000)]
+        return [service_row(f"default/s{i}:http") for i in range(1000)]
 
-    async def flows(self) -> list[dict[str, Any]]:
+    async def flows(self) -> list[FlowRow]:
         return []
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.helpers import service_row
+
 USPROXY = [sys.executable, "-m", "usproxy"]
 OWN_LOCKS = ("--offload", "none", "--vip-interface", f"usp-t{secrets.token_hex(3)}")
 
@@ -85,10 +87,9 @@ def test_a_reader_that_closes_stdout_ends_the_command_quietly_with_exit_0() -> N
 def test_status_table_says_which_datapath_serves_external_traffic_and_why() -> None:
     from usproxy.util.table import render_services
 
-    row = {"servicePortName": "default/web:http", "protocol": "TCP", "clusterIPs": ["10.96.0.10"], "port": 80,
-           "nodePort": 30080, "endpoints": [{"address": "10.244.1.5:8080", "usable": True}], "datapath": "bpf",
-           "reason": "established 1.0s ago", "external": "tc", "externalReason": "tc (tcx) on eth0"}
-    header, line = render_services([row, {**row, "nodePort": None, "external": None, "externalReason": ""}]).split("\n")[:2]
+    row = service_row(node_port=30080, datapath="bpf", reason="established 1.0s ago", external="tc",
+                      external_reason="tc (tcx) on eth0")
+    header, line = render_services([row, {**row, "nodePort": 0, "external": None, "externalReason": ""}]).split("\n")[:2]
     assert header.split() == ["SERVICE", "PORT", "PROTO", "CLUSTER-IP:PORT", "NODEPORT", "ENDPOINTS", "DATAPATH",
                               "EXTERNAL", "WHY"]
     assert line.split()[5:7] == ["bpf", "tc"] and line.endswith("established 1.0s ago; external: tc (tcx) on eth0")

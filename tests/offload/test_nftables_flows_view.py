@@ -5,11 +5,11 @@ until none is left (README, "Live flows at the handover")."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.fake import FakeNftClient
+from usproxy.util.rows import FlowRow
 
 from tests.offload.helpers import ep, spn, state
 
@@ -25,11 +25,15 @@ class LiveEntries(KernelConntrack):
         self.live = True
         self.asked: list[dict[FrontendKey, str]] = []
 
-    def flows(self, frontends: Mapping[FrontendKey, str], datapath: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+    def flows(self, frontends: Mapping[FrontendKey, str], datapath: str, timeout: float = 5.0) -> list[FlowRow]:
         self.asked.append(dict(frontends))
         if not self.live or FRONTEND not in frontends:
             return []
-        return [{"service": frontends[FRONTEND], "datapath": datapath, "state": "ESTABLISHED"}]
+        return [{"protocol": "TCP", "state": "ESTABLISHED", "age": None, "idle": None,
+                 "original": {"src": "10.244.9.9:40000", "dst": "10.96.0.1:80"},
+                 "reply": {"src": "10.244.1.1:8080", "dst": "10.244.9.9:40000"}, "packets_in": 1,
+                 "bytes_in": 60, "packets_out": 1, "bytes_out": 60, "datapath": datapath,
+                 "service": frontends[FRONTEND]}]
 
 
 async def test_a_removed_service_ports_kernel_flows_are_listed_until_they_end() -> None:

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_registry_and_the_names_list_the_same_ladder() -> None:
     assert tuple(d.name for d in registry.KERNEL_DATAPATHS) == KERNEL_DATAPATH_NAMES == get_args(KernelDatapathName)
-    offload = next(a for a in build_parser()._subparsers._group_actions[0].choices["run"]._actions  # type: ignore[union-attr]
+    offload = next(a for a in build_parser()._subparsers._group_actions[0].choices["run"]._actions  # type: ignore[index, union-attr]
                    if a.dest == "offload")
     assert tuple(offload.choices) == get_args(OffloadMode) == ("auto", *KERNEL_DATAPATH_NAMES, "none")
 

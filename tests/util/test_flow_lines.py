@@ -3,12 +3,11 @@ start time, shows its age and idle time as `-`, never as a made-up 0.0 s; a rela
 
 from __future__ import annotations
 
-from typing import Any
-
+from usproxy.util.rows import FlowRow
 from usproxy.util.table import render_flows
 
 
-def row(age: float | None, idle: float | None, datapath: str) -> dict[str, Any]:
+def row(age: float | None, idle: float | None, datapath: str) -> FlowRow:
     return {"protocol": "TCP", "state": "ESTABLISHED", "age": age, "idle": idle,
             "original": {"src": "10.244.9.10:40000", "dst": "10.96.10.10:80"},
             "reply": {"src": "10.244.1.5:8080", "dst": "10.244.9.10:40000"},

@@ -47,6 +47,7 @@ from usproxy.admin.send_watch import SendWatch, reset
 from usproxy.admin.snapshot import SharedBuild, encoded_rows, write_chunked
 from usproxy.util.metrics import Metrics
 from usproxy.util.ratelimit import RateLimitedLog
+from usproxy.util.rows import FlowRow, ServiceRow
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
@@ -63,9 +64,9 @@ class AdminView(Protocol):
 
     def health(self) -> Health: ...
 
-    async def services(self) -> list[dict[str, Any]]: ...
+    async def services(self) -> list[ServiceRow]: ...
 
-    async def flows(self) -> list[dict[str, Any]]: ...
+    async def flows(self) -> list[FlowRow]: ...
 
 
 def _json(body: object, status: int = 200) -> web.Response:

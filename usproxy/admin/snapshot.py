@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from aiohttp import web
@@ -31,7 +31,8 @@ from aiohttp import web
 from usproxy.util.gc_pause import gc_paused
 
 T = TypeVar("T")
-Rows = Sequence[dict[str, Any]]
+Row = TypeVar("Row", bound=Mapping[str, object])  # a row of /services or /flows (usproxy/util/rows.py)
+Rows = Sequence[Mapping[str, object]]
 JOIN = 4096  # encoded pieces joined in one call (~0.1 ms)
 WRITE_CHUNK = 1 << 18  # bytes of a big answer written at a time
 FREE = 256  # rows freed in one statement (~0.5 ms)
@@ -68,7 +69,7 @@ def free(rows: list[Any]) -> None:
         del rows[-FREE:]
 
 
-def encode_and_free(rows: list[dict[str, Any]]) -> list[bytes]:
+def encode_and_free(rows: list[Row]) -> list[bytes]:
     """`rows_json_pretty(rows)` and a final newline, in parts; `rows` is emptied (see `free`)."""
     body = rows_json_pretty(rows)
     body.append(b"\n")
@@ -76,7 +77,7 @@ def encode_and_free(rows: list[dict[str, Any]]) -> list[bytes]:
     return body
 
 
-async def encoded_rows(rows_of: Callable[[], Awaitable[list[dict[str, Any]]]]) -> list[bytes]:
+async def encoded_rows(rows_of: Callable[[], Awaitable[list[Row]]]) -> list[bytes]:
     """The body of /services or /flows: the rows `rows_of()` builds on the loop (a list nothing
     else holds), encoded (pretty, with a final newline) and freed in a worker thread, which owns
     the list from then on. The cyclic collector is paused meanwhile: the rows (~20 tracked objects

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from usproxy.core.datapath import ChunkedFlowsView, Datapath, ExternalView, FlowsView, Placement, ServicePortState
 from usproxy.core.proxier import Proxier
 from usproxy.model.endpoint import Endpoint
 from usproxy.model.types import NamespacedName, ServicePortName
 from usproxy.offload import external_route
+from usproxy.util.rows import EndpointRow, FlowRow, ServiceRow
 
 VIEW_CHUNK = 250  # rows of /services and /flows built between two turns of the loop (~1-2 ms)
 SERVICE_ROW_WORK = 4  # a ServicePort's own row costs about as much as 4 endpoint rows
@@ -42,9 +43,9 @@ class AgentViews:
         self.health_errors = health_errors
         self.bpf_lb_mode = bpf_lb_mode
 
-    async def services(self, chunk: int = VIEW_CHUNK) -> list[dict[str, Any]]:
+    async def services(self, chunk: int = VIEW_CHUNK) -> list[ServiceRow]:
         """/services: one row per ServicePort, sorted by name, `chunk` items at a time."""
-        out: list[dict[str, Any]] = []
+        out: list[ServiceRow] = []
         work = 0
         external = self._external_view()
         for spn in sorted(self.proxier.service_map):
@@ -52,7 +53,7 @@ class AgentViews:
             if st is None:
                 continue
             usable = set(st.cluster_endpoints)
-            eps = []
+            eps: list[EndpointRow] = []
             for ep in st.endpoints:
                 eps.append(_endpoint_row(ep, usable))
                 work += 1
@@ -64,7 +65,7 @@ class AgentViews:
         return out
 
     def _service_row(self, spn: ServicePortName, st: ServicePortState,
-                     endpoints: list[dict[str, Any]], external: ExternalView | None) -> dict[str, Any]:
+                     endpoints: list[EndpointRow], external: ExternalView | None) -> ServiceRow:
         sp = st.service_port
         where = self.proxier.placement(spn)
         ext = self._external(spn, st, external)
@@ -104,11 +105,11 @@ class AgentViews:
         states = (self.proxier.state_of(spn) for spn in names)
         return [st for st in states if st is not None]
 
-    async def flows(self) -> list[dict[str, Any]]:
+    async def flows(self) -> list[FlowRow]:
         """/flows: the relay's rows (read on the loop, where its flow table lives, VIEW_CHUNK at a
         time: 9,800 flows cost 0.15 s in one piece), then the kernel datapaths' rows, read in a
         worker thread."""
-        out: list[dict[str, Any]] = []
+        out: list[FlowRow] = []
         for dp in self.datapaths:
             if isinstance(dp, ChunkedFlowsView):
                 for chunk in dp.flows_chunks(VIEW_CHUNK):
@@ -131,6 +132,6 @@ def bpf_lb_mode(mode: str | None, external: Placement | None) -> str | None:
     return mode if external is not None and external.datapath == "tc" else None
 
 
-def _endpoint_row(ep: Endpoint, usable: set[Endpoint]) -> dict[str, Any]:
+def _endpoint_row(ep: Endpoint, usable: set[Endpoint]) -> EndpointRow:
     return {"address": str(ep), "ready": ep.ready, "serving": ep.serving, "terminating": ep.terminating,
             "nodeName": ep.node_name, "usable": ep in usable}

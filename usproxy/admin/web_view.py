@@ -40,6 +40,7 @@ from usproxy.core.datapath import ServicePortState
 from usproxy.util.gc_pause import gc_paused
 from usproxy.model.node import NodeFacts
 from usproxy.model.types import NamespacedName
+from usproxy.util.rows import FlowRow, ServiceRow
 
 if TYPE_CHECKING:
     from usproxy.explain.service_set import ServiceSet
@@ -65,9 +66,9 @@ class WebSource(Protocol):
     events: EventHub
     node: NodeFacts
 
-    async def services(self) -> list[dict[str, Any]]: ...
+    async def services(self) -> list[ServiceRow]: ...
 
-    async def flows(self) -> list[dict[str, Any]]: ...
+    async def flows(self) -> list[FlowRow]: ...
 
     def service_ports(self, service: NamespacedName | None = None) -> list[ServicePortState]: ...
 
@@ -187,7 +188,7 @@ class WebView:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def snapshot_json(services: list[dict[str, Any]], flows: list[dict[str, Any]]) -> bytes:
+def snapshot_json(services: list[ServiceRow], flows: list[FlowRow]) -> bytes:
     """`json.dumps({"services": services, "flows": flows[:MAX_FLOWS], "flowCount": len(flows)})`
     as UTF-8, a row at a time (rows_json: for a worker thread); both lists are emptied
     (snapshot.free)."""

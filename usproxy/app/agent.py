@@ -41,6 +41,7 @@ from usproxy.util.errors import AlreadyRunning, ConfigError
 from usproxy.util.locks import NetnsLock
 from usproxy.util.metrics import Metrics
 from usproxy.util.ratelimit import RateLimitedLog
+from usproxy.util.rows import FlowRow, ServiceRow
 
 if TYPE_CHECKING:
     from usproxy.offload.manager import OffloadManager
@@ -138,10 +139,10 @@ class Agent:
         eligible = self.source.node_eligible if isinstance(self.source, NodeEligibility) else True
         return dataclasses.replace(h, node_eligible=eligible)
 
-    async def services(self) -> list[dict[str, Any]]:
+    async def services(self) -> list[ServiceRow]:
         return await self.views.services()
 
-    async def flows(self) -> list[dict[str, Any]]:
+    async def flows(self) -> list[FlowRow]:
         return await self.views.flows()
 
     def service_ports(self, service: NamespacedName | None = None) -> list[ServicePortState]:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from usproxy.model.endpoint import Endpoint
 from usproxy.model.service_port import ServicePort
 from usproxy.model.types import IPNetwork, ServicePortName, format_hostport
+from usproxy.util.rows import FlowRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,7 @@ class FlowsView(Protocol):
 
     flows_block: bool  # True: listing dumps kernel state, so the agent calls it in a worker thread
 
-    def flows_view(self) -> list[dict[str, Any]]:
+    def flows_view(self) -> list[FlowRow]:
         """One dict per flow, in the /flows row format."""
 
 
@@ -98,7 +99,7 @@ class ChunkedFlowsView(Protocol):
     """Called by the agent for /flows instead of FlowsView when the flows live on the loop (the
     relay): `flows_chunks(n)` yields lists of at most n rows from a snapshot of its table."""
 
-    def flows_chunks(self, size: int) -> Iterator[list[dict[str, Any]]]: ...
+    def flows_chunks(self, size: int) -> Iterator[list[FlowRow]]: ...
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 from usproxy.model.types import ServicePortName, format_hostport
+from usproxy.util.rows import FlowRow
 
 HostPort = tuple[str, int]
 
@@ -70,7 +71,7 @@ class Flow:
         self.packets_out += 1
         self.last_seen = time.monotonic()
 
-    def as_dict(self, now: float | None = None) -> dict[str, Any]:
+    def as_dict(self, now: float | None = None) -> FlowRow:
         now = time.monotonic() if now is None else now
         ep = format_hostport(*self.endpoint) if self.endpoint else "-"
         if self.local is None and self.local_of is not None:
@@ -138,11 +139,11 @@ class FlowTable:
     def __iter__(self) -> Iterator[Flow]:
         return iter(list(self._flows.values()))
 
-    def view(self) -> list[dict[str, Any]]:
+    def view(self) -> list[FlowRow]:
         now = time.monotonic()
         return [f.as_dict(now) for f in self._flows.values()]
 
-    def view_chunks(self, size: int) -> Iterator[list[dict[str, Any]]]:
+    def view_chunks(self, size: int) -> Iterator[list[FlowRow]]:
         """The rows of `view()`, `size` at a time, from the flows live when iteration began: the
         caller may let the loop run between chunks (a flow that ends meanwhile is still shown,
         with its last counters)."""

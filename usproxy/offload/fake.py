@@ -8,13 +8,13 @@ of them (to test bisection and demotion), `unsupported_reasons` answers `unsuppo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from usproxy.core.datapath import ServicePortState
 from usproxy.model.endpoint import Endpoint
 from usproxy.util.errors import OffloadError
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.model.types import ServicePortName, format_hostport
+from usproxy.util.rows import FlowRow
 
 
 class FakeKernelDatapath:
@@ -62,8 +62,18 @@ class FakeKernelDatapath:
     async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
         self.cleared.append(dict(removed))
 
-    def flows_view(self) -> list[dict[str, Any]]:
-        return [{"datapath": self.name, "service": spn.key()} for spn in sorted(self.installed)]
+    def flows_view(self) -> list[FlowRow]:
+        """One made-up flow per installed ServicePort, from 192.0.2.1 to its ClusterIP, answered by
+        its first endpoint (or none)."""
+        out: list[FlowRow] = []
+        for spn in sorted(self.installed):
+            sp, eps = self.installed[spn].service_port, self.installed[spn].cluster_endpoints
+            front, ep = format_hostport(sp.cluster_ip, sp.port), str(eps[0]) if eps else "-"
+            out.append({"protocol": spn.protocol, "state": "ESTABLISHED", "age": None, "idle": None,
+                        "original": {"src": "192.0.2.1:40000", "dst": front},
+                        "reply": {"src": ep, "dst": "192.0.2.1:40000"}, "packets_in": 0, "bytes_in": 0,
+                        "packets_out": 0, "bytes_out": 0, "datapath": self.name, "service": spn.key()})
+        return out
 
     def dump(self) -> str:
         lines = []

@@ -23,6 +23,7 @@ from typing import Any
 
 from usproxy.offload.netns_worker import NetnsWorker
 from usproxy.model.types import format_hostport
+from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class KernelConntrack:
                 ct.close()
         return deleted
 
-    def flows(self, frontends: Mapping[FrontendKey, str], datapath: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+    def flows(self, frontends: Mapping[FrontendKey, str], datapath: str, timeout: float = 5.0) -> list[FlowRow]:
         """DNATed entries to `frontends` (key -> ServicePortName text), as /flows rows."""
         if not frontends:
             return []
@@ -78,7 +79,7 @@ class KernelConntrack:
             log.warning("listing kernel conntrack: %s", err)
             return []
 
-    def _flows(self, frontends: dict[FrontendKey, str], datapath: str) -> list[dict[str, Any]]:
+    def _flows(self, frontends: dict[FrontendKey, str], datapath: str) -> list[FlowRow]:
         from pyroute2 import Conntrack
         from pyroute2.conntrack import ConntrackEntry
 
@@ -93,8 +94,8 @@ class KernelConntrack:
                                        get("CTA_ID"), get("CTA_USE"), get("CTA_ZONE"))
                     row = _row(e, frontends, datapath)
                     if row is not None:
-                        row.update(_counters(get("CTA_COUNTERS_ORIG"), "in"))
-                        row.update(_counters(get("CTA_COUNTERS_REPLY"), "out"))
+                        row["packets_in"], row["bytes_in"] = _counters(get("CTA_COUNTERS_ORIG"))
+                        row["packets_out"], row["bytes_out"] = _counters(get("CTA_COUNTERS_REPLY"))
                         rows.append(row)
             finally:
                 ct.close()
@@ -152,15 +153,14 @@ def _set_acct() -> bool:
         return False
 
 
-def _counters(nla: Any, direction: str) -> dict[str, int]:
-    """packets_<direction>/bytes_<direction> from a CTA_COUNTERS_* attribute (absent: none)."""
+def _counters(nla: Any) -> tuple[int, int]:
+    """(packets, bytes) of a CTA_COUNTERS_* attribute; (0, 0) when absent (accounting off)."""
     if nla is None:
-        return {}
-    return {f"packets_{direction}": int(nla.get_attr("CTA_COUNTERS_PACKETS") or 0),
-            f"bytes_{direction}": int(nla.get_attr("CTA_COUNTERS_BYTES") or 0)}
+        return 0, 0
+    return int(nla.get_attr("CTA_COUNTERS_PACKETS") or 0), int(nla.get_attr("CTA_COUNTERS_BYTES") or 0)
 
 
-def _row(e: Any, frontends: dict[FrontendKey, str], datapath: str) -> dict[str, Any] | None:
+def _row(e: Any, frontends: dict[FrontendKey, str], datapath: str) -> FlowRow | None:
     if not (e.status or 0) & IPS_DST_NAT:
         return None
     o, r = e.tuple_orig, e.tuple_reply

@@ -23,6 +23,7 @@ from usproxy.model.endpoint import Endpoint
 from usproxy.model.datapath_name import KernelDatapathName
 from usproxy.model.service_port import LBPolicy
 from usproxy.model.types import IPAddress, ServicePortName
+from usproxy.util.rows import FlowRow
 
 if TYPE_CHECKING:
     from usproxy.model.config import ProxyConfig
@@ -68,7 +69,7 @@ class KernelDatapath(Protocol):
     async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
         """Delete kernel conntrack entries of UDP flows to endpoints that went away."""
 
-    def flows_view(self) -> list[dict[str, Any]]:
+    def flows_view(self) -> list[FlowRow]:
         """Kernel flows of offloaded ServicePorts, in the /flows row format."""
 
     def dump(self) -> str:

@@ -29,7 +29,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from usproxy.core.events import EventHub
 from usproxy.util.metrics import Metrics
@@ -42,6 +41,7 @@ from usproxy.offload.kernel_datapath import ALL_TRAFFIC, Capability, KernelDatap
 from usproxy.offload.settings import OffloadSettings
 from usproxy.offload.reason import ESTABLISHED, ESTABLISHING, NO_DATAPATH, PINNED, REMOVED, Cause, Fault, Phase, Reason
 from usproxy.model.types import IPAddress, ServicePortName
+from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
 
@@ -416,8 +416,8 @@ class OffloadManager:
             kinds |= self._kernel(n).traffic
         return ALL_TRAFFIC <= kinds
 
-    def flows_view(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    def flows_view(self) -> list[FlowRow]:
+        out: list[FlowRow] = []
         for k in self.usable_kernels():
             out.extend(k.flows_view())
         return out

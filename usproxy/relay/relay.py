@@ -27,7 +27,6 @@ import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from usproxy.util.heap import HeapTrim
 from usproxy.util.metrics import Metrics
@@ -43,6 +42,7 @@ from usproxy.relay.udp import UdpRelay
 from usproxy.relay.vip_interface import VipInterface
 from usproxy.model.service_port import LBPolicy
 from usproxy.model.types import IPAddress, ServicePortName, format_hostport
+from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
 RELEASE_AFTER = 60.0  # seconds an address no Service uses stays local (refused), covering DNS TTLs
@@ -229,10 +229,10 @@ class Relay:
             lines.append(f"{spn.key()} listen {ls or '<none>'} -> {eps}")
         return "\n".join(lines)
 
-    def flows_view(self) -> list[dict[str, Any]]:
+    def flows_view(self) -> list[FlowRow]:
         return self.admission.table.view()
 
-    def flows_chunks(self, size: int) -> Iterator[list[dict[str, Any]]]:
+    def flows_chunks(self, size: int) -> Iterator[list[FlowRow]]:
         """flows_view() in chunks of `size` rows (the agent's ChunkedFlowsView)."""
         return self.admission.table.view_chunks(size)
 

@@ -1,9 +1,11 @@
-"""Plain-text tables for `usproxy status`, `usproxy flows` and `usproxy check`."""
+"""Plain-text tables for `usproxy status`, `usproxy flows` and `usproxy check` (the rows of
+/services and /flows are usproxy/util/rows.py's)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+
+from usproxy.util.rows import FlowRow, ServiceRow
 
 
 def render_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -12,7 +14,7 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
-def render_services(rows: list[dict[str, Any]]) -> str:
+def render_services(rows: Sequence[ServiceRow]) -> str:
     out = []
     for r in rows:
         eps = ",".join(e["address"] for e in r["endpoints"] if e["usable"]) or "<none>"
@@ -30,7 +32,7 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}s"
 
 
-def render_flows(rows: list[dict[str, Any]]) -> str:
+def render_flows(rows: Sequence[FlowRow]) -> str:
     """One line per flow, in the manner of `conntrack -L`."""
     lines = []
     for f in rows:

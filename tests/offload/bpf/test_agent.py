@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from tests.netns import inside
 from tests.offload.bpf.agent import USPROXY, Agent
 from tests.offload.bpf.conftest import Env, attached_programs
 from usproxy.offload.bpf import loader

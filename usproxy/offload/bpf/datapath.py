@@ -82,6 +82,7 @@ from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want
 from usproxy.offload.external_route import RELAY
 from usproxy.offload.kernel_datapath import ALL_TRAFFIC, Capability, TrafficKind
 from usproxy.model.types import ServicePortName, format_hostport
+from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
 
@@ -422,7 +423,7 @@ class BpfDatapath:
         items = bpf.map_items(self._tables.fds["usp_flows"], FlowVal.KEY_SIZE, FlowVal.SIZE)
         return [FlowVal.unpack(v) for _, v in items[:FLOW_ROWS_MAX]]
 
-    def flows_view(self) -> list[dict[str, Any]]:
+    def flows_view(self) -> list[FlowRow]:
         """Sockets the programs steered and that are still open, then the NodePort flows the tc
         programs NAT, in the /flows row format."""
         if self._tables is None:

@@ -21,12 +21,12 @@ import ipaddress
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from usproxy.model.types import IPNetwork
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf.layout import CT_DSR, CtEntry, pack_u32
 from usproxy.model.types import format_hostport
+from usproxy.util.rows import FlowRow
 
 VIP_INTERFACE = "usproxy0"  # the relay's VipInterface default name
 
@@ -111,8 +111,8 @@ def ct_entries(fd: int, limit: int = 10000) -> list[CtEntry]:
     return [CtEntry.unpack(k, v) for k, v in items]
 
 
-def ct_row(e: CtEntry, service: str, now: int) -> dict[str, Any]:
-    """One ORIGINAL entry in the /flows row format (usproxy/util/table.py render_flows): a flow the tc
+def ct_row(e: CtEntry, service: str, now: int) -> FlowRow:
+    """One ORIGINAL entry as a /flows row (usproxy/util/rows.py): a flow the tc
     program NATs. The reply's destination is the SNAT address, or the client's own without SNAT;
     state DSR: the reply goes from the backend's node straight to the client (dsr.h)."""
     reply_dst = (e.nat_saddr, e.nat_sport) if int(e.nat_saddr) else (e.saddr, e.sport)

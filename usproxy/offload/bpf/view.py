@@ -33,6 +33,7 @@ from usproxy.offload.bpf.layout import (
 )
 from usproxy.offload.bpf.tables import Group, Tables
 from usproxy.model.types import ServicePortName, format_hostport
+from usproxy.util.rows import FlowRow
 
 
 def spn_text(key: str) -> str:
@@ -73,8 +74,8 @@ def _group_lines(g: Group, selected: Mapping[int, int]) -> list[str]:
     return lines
 
 
-def flow_row(f: FlowVal, groups: Mapping[int, Group], now: int) -> dict[str, Any]:
-    """One steered socket in the /flows row format (usproxy/util/table.py render_flows). The client is
+def flow_row(f: FlowVal, groups: Mapping[int, Group], now: int) -> FlowRow:
+    """One steered socket as a /flows row (usproxy/util/rows.py). The client is
     named by its netns cookie: at connect() the socket has no source address yet."""
     g = groups.get(f.svc_id)
     proto = PROTO_NAMES.get(f.proto, str(f.proto))
@@ -126,9 +127,9 @@ def _render(pins: loader.PinLayout, tables: Tables) -> str:
     flows = bpf.map_items(tables.fds["usp_flows"], FlowVal.KEY_SIZE, FlowVal.SIZE)
     out.append(f"steered sockets open: {len(flows)}")
     for _, raw in flows[:50]:
-        r = flow_row(FlowVal.unpack(raw), groups, now)
-        out.append(f"  {r['protocol'].lower()} {r['original']['src']} {r['original']['dst']} -> "
-                   f"{r['reply']['src']} age={r['age']:.1f}s [{r['service']}]")
+        row = flow_row(FlowVal.unpack(raw), groups, now)
+        out.append(f"  {row['protocol'].lower()} {row['original']['src']} {row['original']['dst']} -> "
+                   f"{row['reply']['src']} age={row['age']:.1f}s [{row['service']}]")
     return "\n".join(out + _ct_lines(tables, groups, now))
 
 

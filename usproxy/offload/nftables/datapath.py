@@ -33,6 +33,7 @@ from usproxy.offload.nftables.rules import ClusterMasq, PortRules, ip_text, port
 from usproxy.offload.nftables.transaction import TableState, Transaction
 from usproxy.model.service_cidr import union
 from usproxy.model.types import IPAddress, ServicePortName
+from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +295,7 @@ class NftablesDatapath:
                     out[(fe.addr if fe.addr is not None else "*", spn.protocol, fe.port)] = spn.key()
         return out
 
-    def flows_view(self) -> list[dict[str, Any]]:
+    def flows_view(self) -> list[FlowRow]:
         """DNATed conntrack entries of the frontends the tables hold, and of frontends taken out
         while their entries live on (a demoted ServicePort's kernel flows run on: README "Live
         flows at the handover"); a former frontend with no entry left is forgotten."""
