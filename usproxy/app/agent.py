@@ -137,7 +137,9 @@ class Agent:
 
     # -- AdminView ----------------------------------------------------------------------------
     def health(self) -> Health:
-        h = evaluate(self.proxier.last_updated, self.proxier.oldest_queued, 2 * self.cfg.sync_period)
+        runner = self.proxier.runner
+        h = evaluate(self.proxier.last_updated, self.proxier.oldest_queued, 2 * self.cfg.sync_period,
+                     error=runner.last_error, failing_since=runner.failing_since)
         eligible = self.source.node_eligible if isinstance(self.source, NodeEligibility) else True
         return dataclasses.replace(h, node_eligible=eligible)
 

@@ -257,6 +257,17 @@ def _dump_view(ss: ServiceSet, mode: str, nft_format: str = "dump") -> str:
     return render_mode(ss, mode, nft_format) if ss.ports else "# no Services with a ClusterIP\n"
 
 
+def _write_html(path: Path, page: str) -> None:
+    """Write the page; a path that cannot be written is bad usage (exit 2), said in one line."""
+    try:
+        path.write_text(page)
+    except OSError as err:
+        why = err.strerror or str(err)
+        if isinstance(err, FileNotFoundError) and not path.parent.is_dir():
+            why += f" (no directory {path.parent})"
+        raise ConfigError(f"{path}: cannot write: {why}", obj="usproxy explain", field="--html") from None
+
+
 def main(argv: list[str]) -> int:
     """Exit 0; 1 when there is nothing to show (no Service in the input, or --live found nothing)."""
     if argv[:1] == ["trace"]:
@@ -273,7 +284,7 @@ def main(argv: list[str]) -> int:
     if args.html is not None:
         from usproxy.admin import standalone_page
 
-        args.html.write_text(standalone_page.render(load(args)))
+        _write_html(args.html, standalone_page.render(load(args)))
         print(f"usproxy explain: wrote {args.html}")
         return 0
     shown = 0  # sections printed so far: live is numbered after them
