@@ -185,6 +185,22 @@ def nodeport_hint(ss: ServiceSet, pkt: Packet) -> str:
             f"pass --node-ip {pkt.dst}\n\n")
 
 
+def lb_source_hint(ss: ServiceSet, pkt: Packet) -> str:
+    """A note when the source is a LoadBalancer IP of a Service with loadBalancerSourceRanges
+    that no node address (--node-ip) falls in: kube-proxy allows an LB IP as a source only when a
+    range holds one of the node's addresses (a load balancer looping the node's own connection
+    back, SNATed to the LB IP: KUBE-FW-* `-s <lb ip>`), and explain knows them from --node-ip
+    alone; "" otherwise."""
+    names = [str(sp.name) for sp, _ in ss.ports if pkt.src in sp.load_balancer_ips and sp.source_ranges
+             and not any(ip in r for r in sp.source_ranges for ip in ss.node.ips)]
+    if not names:
+        return ""
+    return (f"# note: {pkt.src} is a LoadBalancer IP of {', '.join(names)}; kube-proxy lets an LB IP through "
+            f"loadBalancerSourceRanges as a source (a load balancer looping the node's own connection back) "
+            f"only when a range holds one of this node's addresses, which explain knows from --node-ip "
+            f"(given: {', '.join(map(str, ss.node.ips)) or 'none'})\n\n")
+
+
 def empty(ss: ServiceSet, args: argparse.Namespace) -> bool:
     """True (and says so on stderr) when the input holds no ServicePort any mode would render."""
     if ss.ports:
@@ -202,7 +218,8 @@ def _trace(argv: list[str]) -> int:
     pkt = trace.parse_packet(args.src, args.dst, ss)
     if empty(ss, args):
         return 1
-    print(nodeport_hint(ss, pkt) + trace.render(ss, pkt, _modes(args.mode), args.bpf_lb_mode), end="")
+    print(nodeport_hint(ss, pkt) + lb_source_hint(ss, pkt) + trace.render(ss, pkt, _modes(args.mode),
+                                                                            args.bpf_lb_mode), end="")
     return 0
 
 
