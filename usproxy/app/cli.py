@@ -227,9 +227,8 @@ def cmd_flows(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from usproxy.app.capabilities import probe_all
-    from usproxy.util.table import render_table
-
     from usproxy.app.privileges import has_net_admin
+    from usproxy.util.table import render_table
 
     caps = probe_all()
     if args.json:
