@@ -12,11 +12,11 @@ agent with `--bpf-lb-mode dsr`, the peer node running one too: lab.py).
 
 Differences by nature (`expectation`):
 - relay: it re-originates every connection from the node, so every endpoint sees a node address:
-  "masqueraded" whatever kube-proxy expects. Where kube-proxy drops traffic for want of a local
-  endpoint (externalTrafficPolicy or internalTrafficPolicy Local), the relay cannot drop on a
-  listener it owns: issue 13 item 6 has it refuse instead (REJECT), and /services say so.
-  Where kube-proxy drops a client outside loadBalancerSourceRanges, the relay may refuse or stay
-  silent ("BLOCKED"): what counts is that no endpoint is reached (issue 13 item 2).
+  "masqueraded" whatever kube-proxy expects (tests/conformance/test_relay_masquerade.py shows why
+  this cannot be closed without kernel NAT). Everything else is as kube-proxy: it drops where
+  kube-proxy drops (socket filters on its listeners, a blackhole route for unallocated Service CIDR
+  addresses) and short-circuits pods and the node to every endpoint of an externalTrafficPolicy
+  Local Service (it tells them by the peer of each connection).
 - bpf: no packet is rewritten, the socket connects straight to the endpoint, so the endpoint sees
   the client's own address (never "masqueraded", hairpin included).
 - bpf-tc: none. It DNATs and SNATs as kube-proxy (masqueraded for externalTrafficPolicy Cluster,
@@ -69,34 +69,14 @@ class Pending:
 
 
 RELAY_MASQ = "the relay re-originates every connection from the node"
-RELAY_NO_DROP = "the relay cannot drop on a listener it owns: it refuses (issue 13 item 6)"
-RELAY_BLOCKED = "the relay keeps a client outside loadBalancerSourceRanges from every endpoint, refused or silent"
 BPF_NO_MASQ = "the socket LB rewrites connect(): no packet NAT, the endpoint sees the client's own address"
-NO_SERVICE_CIDR_VERDICT = ("only the nftables datapath checks the Service CIDR: with the relay or the socket LB "
-                           "alone an unallocated address is routed as the routing table says (here: unreachable)")
-RELAY_NO_SHORT_CIRCUIT = ("the relay cannot tell pods and the node from outside clients: an externalTrafficPolicy "
-                          "Local frontend gets the local endpoints only (kube-proxy short-circuits them to all)")
 DSR_CLIENT_KEPT = ("DSR (as Cilium's bpf-lb-mode=dsr): an endpoint on another node gets the client's packet "
                    "to a NodePort, LB IP or externalIP unSNATed and answers the client directly, so it sees the "
                    "client's address where kube-proxy masquerades (externalTrafficPolicy Cluster); the node's "
                    "own endpoints are SNATed")
 BPF_NO_DROP = "the socket LB refuses connect() when a Local policy leaves no endpoint; it cannot drop"
 
-_UNALLOCATED = ("clusterip-general", "packet to unallocated cluster ip")
-# flows kube-proxy short-circuits to every endpoint, and the local endpoint the relay picks instead
-_RELAY_LOCAL_ONLY = {
-    ("etp-local", "pod to external IP hits both endpoints, unmasqueraded"): "10.180.2.1:80",
-    ("etp-local", "pod to LB IP hits only both endpoints, unmasqueraded"): "10.180.2.1:80",
-    ("etp-local", "pod to NodePort hits both endpoints, unmasqueraded"): "10.180.2.1:80",
-    ("only-local-nodeports", "pod to NodePort hits both endpoints"): "10.180.2.1:80",
-    **{(k, n): "10.180.0.2:80" for k in ("iem-base", "iem-masqueradeall", "iem-base-nodecidr")
-       for n in ("pod to NodePort with eTP:Local", "pod to LB with eTP:Local")},
-    **{(k, "node to LB with eTP:Local"): "10.180.0.2:80" for k in
-       ("iem-base", "iem-no-localtrafficdetector", "iem-masqueradeall", "iem-masqueradeall-no-localtrafficdetector",
-        "iem-base-nodecidr")},
-}
-
-# kube-proxy DROPs that come from a traffic policy with no local endpoint (relay: REJECT instead)
+# kube-proxy DROPs that come from a traffic policy with no local endpoint (the socket LB refuses instead)
 _POLICY_DROPS = {("itp-local-none", "no endpoints"),
                  ("terminating-local-remote-terminating", "external to LB")}
 
@@ -105,19 +85,10 @@ def expectation(datapath: str, scenario: Scenario, flow: Flow) -> Expectation:
     served = flow.output not in ("REJECT", "DROP", "", "ACCEPT")
     masq = flow.masq if served else None
     key = (scenario.key, flow.name)
-    if datapath in ("relay", "bpf") and key == _UNALLOCATED:
-        return Expectation("", None, NO_SERVICE_CIDR_VERDICT)  # no rule matches: routed on
     if datapath == "bpf" and key in _POLICY_DROPS:
         return Expectation("REJECT", None, BPF_NO_DROP)
-    if datapath == "relay":
-        if key in _RELAY_LOCAL_ONLY:
-            return Expectation(_RELAY_LOCAL_ONLY[key], True, RELAY_NO_SHORT_CIRCUIT)
-        if key in _POLICY_DROPS:
-            return Expectation("REJECT", None, RELAY_NO_DROP)
-        if scenario.key == "load-balancer" and flow.output == "DROP":
-            return Expectation("BLOCKED", None, RELAY_BLOCKED)
-        if served and not flow.masq:
-            return Expectation(flow.output, True, RELAY_MASQ)
+    if datapath == "relay" and served and not flow.masq:
+        return Expectation(flow.output, True, RELAY_MASQ)
     if datapath == "bpf" and served and flow.masq:
         return Expectation(flow.output, False, BPF_NO_MASQ)
     if datapath == "bpf-tc-dsr" and served and _cluster_frontend(scenario, flow):

@@ -1,7 +1,9 @@
 """The fake API server (tests/sources/fake_apiserver.py) as a Pod's in-cluster configuration
 reaches it: HTTPS with a certificate for 127.0.0.1 signed by a throwaway CA, a bearer token, and
 the service-account directory the kubelet mounts at /var/run/secrets/kubernetes.io/serviceaccount
-(token, ca.crt, namespace).
+(token, ca.crt, namespace). The token is the DaemonSet's ServiceAccount's, and the server enforces
+RBAC with the shipped examples/kubernetes/rbac.yaml as written (tests/sources/fake_rbac.py): a
+request the ClusterRole does not allow gets the real server's 403 (recorded in `api.denied`).
 
 `ApiServerThread` runs it on its own event loop in a thread, listening inside a network
 namespace (the node's: the DaemonSet is on the host network), so the tests stay synchronous;
@@ -19,8 +21,20 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tests.netns import inside
 from tests.sources.fake_apiserver import FakeApiServer
+from tests.sources.fake_rbac import Rbac, service_account_groups, service_account_user
+
+RBAC_FILE = Path(__file__).resolve().parents[2] / "examples" / "kubernetes" / "rbac.yaml"
+
+
+def shipped_rbac() -> tuple[Rbac, str, str]:
+    """RBAC of the shipped manifest, and its ServiceAccount's namespace and name."""
+    docs = [d for d in yaml.safe_load_all(RBAC_FILE.read_text()) if d]
+    (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+    return Rbac.from_objects(docs), sa["metadata"]["namespace"], sa["metadata"]["name"]
 
 
 def service_account(directory: Path) -> tuple[Path, Path, str]:
@@ -54,7 +68,10 @@ class ApiServerThread:
         self.service_account_dir = directory / "serviceaccount"
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(crt, key)
-        self.api = FakeApiServer(ssl_context=context, bookmark_interval=0.5, token=self.token)
+        rbac, namespace, name = shipped_rbac()
+        self.api = FakeApiServer(ssl_context=context, bookmark_interval=0.5, rbac=rbac,
+                                 users={self.token: (service_account_user(namespace, name),
+                                                     service_account_groups(namespace))})
         self.ns = ns
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, daemon=True)

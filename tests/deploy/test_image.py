@@ -8,7 +8,8 @@
 - That it runs: the image's root file system, mounted, runs its entrypoint chrooted in a node
   netns exactly as the manifest starts it (args, env, ConfigMap, volumes, capabilities only
   NET_ADMIN, NET_BIND_SERVICE and BPF, no privilege escalation, a read-only root) against an
-  HTTPS API server through the in-cluster configuration; its probes answer, a ClusterIP serves
+  HTTPS API server through the in-cluster configuration, which enforces the shipped RBAC for the
+  ServiceAccount's token (no request denied; the ServiceCIDR object reaches nftables' check); its probes answer, a ClusterIP serves
   pods from a client netns, the nftables offload takes over (the relay sees no new flow, the pods
   see the client's own address), the BPF socket LB serves a client in the --bpf-cgroup, an
   EndpointSlice change on the API server reaches traffic, and SIGTERM ends it with status 0.
@@ -227,6 +228,7 @@ def test_image_serves_a_cluster_ip_as_the_daemonset_runs_it(built_image: BuiltIm
         api.call(api.api.apply, "nodes", node(NODE_NAME))
         api.call(api.api.apply, "services", svc("web", VIP))
         api.call(api.api.apply, "endpointslices", eps("web-1", "web", ["10.244.1.5", "10.244.2.5"], node="node-b"))
+        api.call(api.api.apply, "servicecidrs", {"metadata": {"name": "kubernetes"}, "spec": {"cidrs": ["10.96.0.0/16"]}})
         host_run = tmp_path / "host-run-usproxy"
         host_run.mkdir()
         config = tmp_path / "configmap"
@@ -279,6 +281,9 @@ def _serve_and_offload(ds: dict[str, Any], pod: PodProcess, pid: int, topology: 
     assert {peer for _, peer in answers} == {"10.244.9.10"}  # DNAT: no proxy in between
     assert relayed(node_ns) == before
     assert "table ip usproxy" in nft_list(node_ns)
+    # the ServiceCIDR, read under the shipped RBAC, drops unallocated addresses (cluster-ips-check)
+    wait_for(lambda: "10.96.0.0/16 drop" in nft_list(node_ns), 10, "the ServiceCIDR's check", pod)
+    assert api.call(lambda: list(api.api.denied)) == []
     # the socket LB for processes in the --bpf-cgroup (the host's cgroup root in the manifest)
     assert "bpf" in placement(node_ns), placement(node_ns)
     out = bpf_client(cgroup, cli, "tcp", VIP, "80", "20")

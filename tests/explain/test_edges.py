@@ -51,6 +51,42 @@ def test_nodeport_trace_without_node_ip_says_what_to_pass(capsys: pytest.Capture
     assert rc == 0 and "--node-ip" not in out and "=> DNAT to" in out
 
 
+LB_WITH_RANGES = """
+apiVersion: v1
+kind: Service
+metadata: {name: svc1, namespace: ns1}
+spec:
+  type: LoadBalancer
+  clusterIP: 172.30.0.41
+  ports: [{name: p80, port: 80, targetPort: 80, nodePort: 30001, protocol: TCP}]
+  loadBalancerSourceRanges: ["192.168.0.0/24", "203.0.113.0/25"]
+status: {loadBalancer: {ingress: [{ip: 1.2.3.4}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: svc1-1, namespace: ns1, labels: {kubernetes.io/service-name: svc1}}
+addressType: IPv4
+ports: [{name: p80, port: 80, protocol: TCP}]
+endpoints: [{addresses: [10.180.0.1], conditions: {ready: true}}]
+"""
+
+
+def test_same_node_to_lb_is_allowed_with_the_node_address_and_said_without(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """kube-proxy's "same node to LB1, SNATted to LB1 (implicitly allowed)": KUBE-FW-* accepts the
+    LB IP as a source when a range holds the node's address; without --node-ip explain cannot
+    know that, drops as kube-proxy would on such a node, and says why."""
+    path = tmp_path / "lb.yaml"
+    path.write_text(LB_WITH_RANGES)
+    argv = ["trace", "1.2.3.4", "1.2.3.4:80/TCP", "--services", str(path), "--mode", "iptables"]
+    rc, out, _ = run([*argv, "--node-ip", "192.168.0.2"], capsys)
+    assert rc == 0 and "-s 1.2.3.4 -j KUBE-EXT-" in out and "=> DNAT to 10.180.0.1:80" in out
+    assert "# note:" not in out
+    rc, out, _ = run(argv, capsys)
+    assert rc == 0 and "=> DROP" in out
+    assert "# note: 1.2.3.4 is a LoadBalancer IP of ns1/svc1:p80" in out and "(given: none)" in out
+
+
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "apiVersion: v1\nkind: List\nitems: []\n"])
 def test_empty_input_says_there_is_nothing_to_show(text: str, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,6 +36,7 @@ _STEPS: list[tuple[str, re.Pattern[str]]] = [(what, re.compile(pattern + r"(?: |
     ("l4proto", r"meta l4proto (tcp|udp|sctp)"),
     ("tcp-not-syn", r"tcp flags & \(fin \| syn \| rst \| ack\) != syn"),
     ("pair-in-set", r"ip6? saddr \. ip6? daddr @(\S+)"),
+    ("key-in-map", r"((?:ip6? [sd]addr|meta l4proto|th dport)(?: \. (?:ip6? [sd]addr|meta l4proto|th dport))+) @(\S+)"),
     ("daddr-in-set", r"ip6? daddr @(\S+)"),
     ("daddr-in", r"ip6? daddr \{ (.*?) \}"),
     ("saddr-not-in", r"ip6? saddr != \{ (.*?) \}"),
@@ -110,23 +111,26 @@ class _Packet:
 
 
 def trace(nft: FakeNft, family: Family, src: str, dst: str, proto: str, dport: int,
-          local: Iterable[str] = (), syn: bool = True) -> Trace:
+          local: Iterable[str] = (), syn: bool = True, output: bool = False) -> Trace:
     """Follow a new conntrack entry src -> dst:dport (`proto` tcp/udp) through `family`'s table.
     `local` lists this node's addresses (`fib daddr type local`, for NodePorts); `syn=False`:
-    a TCP segment of a connection the kernel did not see open, picked up mid-stream."""
+    a TCP segment of a connection the kernel did not see open, picked up mid-stream; `output`:
+    a connection a process on the node opens (the output hooks, not prerouting)."""
     t = nft.tables.get(family)
     if t is None:
         return Trace("none")
     here = frozenset(local)
     pkt = _Packet(src, dst, proto.lower(), dport, here, syn)
-    pre = _Walk(t).chain("filter-prerouting-pre-dnat", pkt)  # priority -110: before DNAT
+    pre_chain, nat_chain = ("filter-output-pre-dnat", "nat-output") if output else (
+        "filter-prerouting-pre-dnat", "nat-prerouting")
+    pre = _Walk(t).chain(pre_chain, pkt)  # priority -110: before DNAT
     if pre is not None and pre.verdict == "drop":
         return pre
-    res = _Walk(t).chain("nat-prerouting", pkt) or Trace("none")
+    res = _Walk(t).chain(nat_chain, pkt) or Trace("none")
     if res.verdict == "drop":
         return res
     if res.verdict != "dnat":
-        hook = "filter-input" if dst in here else "filter-forward"
+        hook = "filter-output" if output else "filter-input" if dst in here else "filter-forward"
         return _Walk(t).chain(hook, _Packet(src, dst, proto.lower(), dport, here, syn)) or Trace("none")
     masq = frozenset(x for x in res.targets if _masqueraded(t, src, x, x in res.masq, here))
     return Trace("dnat", res.targets, masq)
@@ -259,6 +263,7 @@ _MATCHES: dict[str, Callable[[FakeTable, _Packet, tuple[str, ...]], bool]] = {
     "tcp-not-syn": lambda t, pkt, a: pkt.proto == "tcp" and not pkt.syn,
     "saddr-not-in": _saddr_not_in,
     "pair-in-set": lambda t, pkt, a: f"{pkt.src} . {pkt.dst}" in t.sets[a[0]],
+    "key-in-map": lambda t, pkt, a: pkt.key(a[0]) in t.maps.get(a[1], t.sets.get(a[1], {})),
     "daddr-in-set": lambda t, pkt, a: pkt.dst in t.sets[a[0]],
     "daddr-in": lambda t, pkt, a: any(ipaddress.ip_address(pkt.dst) in ipaddress.ip_network(n) for n in a[0].split(", ")),
     "saddr-in-set": lambda t, pkt, a: pkt.src in t.sets[a[0]],

@@ -148,3 +148,19 @@ async def test_read_back_rebuilds_the_same_rules(config: str) -> None:
     before = fake.dump()
     await again.apply(services())
     assert fake.dump() == before
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+async def test_node_process_with_a_service_address_as_its_source_is_masqueraded(config: str) -> None:
+    """A process on the node that connects to a ClusterIP or LB IP without binding gets that
+    address as its source (it is local on the ClusterIP interface): masqueraded whatever the
+    configuration, as kube-proxy's IPVS mode, so an endpoint on another node sees the node's
+    address. The same connection bound to the node's address is as kube-proxy has it (not
+    masqueraded without a detector)."""
+    masquerade_all, detector, masq_over, _ = CONFIGS[config]
+    fake, _ = await datapath(masquerade_all, detector)
+    for vip in ("172.30.0.41", "198.51.100.4"):
+        got = trace(fake, 4, vip, vip, "tcp", 80, local=LOCAL + [vip], output=True)
+        assert got.verdict == "dnat" and got.masq == got.targets == set(BOTH["svc1"].split(", ")), (vip, got)
+    bound = trace(fake, 4, NODE_IP, "172.30.0.41", "tcp", 80, local=LOCAL, output=True)
+    assert bool(bound.masq) == masq_over.get("node to ClusterIP", True), bound

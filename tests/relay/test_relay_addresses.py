@@ -22,12 +22,20 @@ from usproxy.model.service_port import ServicePort
 from usproxy.model.types import IPAddress, ServicePortName
 
 
+class FakeWorker:
+    """The netlink worker the relay routes the Service CIDRs through: nothing to route here."""
+
+    async def call(self, fn: object) -> list[str]:
+        return []
+
+
 class FakeVip:
     name, kind = "usproxy0", "fake"
 
     def __init__(self) -> None:
         self.addresses: set[IPAddress] = set()
         self.removed: list[IPAddress] = []
+        self.worker = FakeWorker()
 
     async def setup(self) -> None:
         pass

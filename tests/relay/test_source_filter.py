@@ -1,6 +1,8 @@
-"""The relay's loadBalancerSourceRanges socket filter, on loopback sockets this test creates: the
-kernel delivers a datagram from a source inside the ranges and drops one from outside, for IPv4
-and IPv6 (prefixes inside a word and across words), and detaching the filter lets all through."""
+"""The relay's socket filter, on loopback sockets this test creates: the kernel delivers a datagram
+from a source inside the ranges and drops one from outside, for IPv4 and IPv6 (prefixes inside a
+word and across words), and detaching the filter lets all through; clauses by ingress interface
+(`lo`, where these datagrams arrive) and conjunctions of clauses (a source range and "pods or the
+node") decide as documented, and DROP_ALL drops everything."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from usproxy.relay.source_filter import MAX_INSNS, allows, attach, program
+from usproxy.relay.source_filter import (DROP_ALL, LOOPBACK_IFINDEX, MAX_INSNS, Clause, allows, attach,
+                                         attach_clauses, program, program_of)
 
 
 @pytest.fixture
@@ -72,3 +75,27 @@ def test_allows_matches_the_program() -> None:
     assert allows(ranges, "203.0.113.2") and not allows(ranges, "203.0.113.130")
     assert allows([], "198.51.100.7")
     assert not allows(ranges, "not an address")
+
+
+def test_interface_clauses_and_their_conjunction(v4: socket.socket) -> None:
+    attach_clauses(v4, (Clause((), (LOOPBACK_IFINDEX,)),))  # the node's own packets come in on lo
+    assert delivered(v4, "127.0.0.5")
+    attach_clauses(v4, (Clause((), (99999,)),))  # another interface only
+    assert not delivered(v4, "127.0.0.5")
+    attach_clauses(v4, (Clause(tuple(nets("10.0.0.0/8")), (99999,)),))  # neither the range nor the interface
+    assert not delivered(v4, "127.0.0.5")
+    both = (Clause(tuple(nets("127.0.0.0/30"))), Clause(tuple(nets("10.0.0.0/8")), (LOOPBACK_IFINDEX,)))
+    attach_clauses(v4, both)  # a source range AND (a pod CIDR OR lo)
+    assert delivered(v4, "127.0.0.2")
+    assert not delivered(v4, "127.0.0.5")  # passes the second clause, not the first
+    attach_clauses(v4, (Clause(tuple(nets("127.0.0.0/8"))), Clause(tuple(nets("10.0.0.0/8")))))
+    assert not delivered(v4, "127.0.0.2")  # passes the first clause, not the second
+    attach_clauses(v4, DROP_ALL)
+    assert not delivered(v4, "127.0.0.2")
+    attach_clauses(v4, ())
+    assert delivered(v4, "127.0.0.2")
+
+
+def test_one_range_is_the_same_program_as_one_clause() -> None:
+    ranges = nets("203.0.113.0/25", "2001:db8::/32")[:1]
+    assert program(ranges) == program_of((Clause(tuple(ranges)),))

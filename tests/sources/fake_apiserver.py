@@ -8,7 +8,9 @@ Serves Services, discovery.k8s.io/v1 EndpointSlices and Nodes, cluster-wide, on 
   one ERROR event carrying Status 410 Expired, as the watch cache answers;
 - `labelSelector` (`key`, `!key`, `key=v`, `key!=v`) and `fieldSelector` (`metadata.name=`,
   `metadata.namespace=`); an object leaving a watch's selection is sent as DELETED;
-- a bearer token, when `token` is set (401 Status otherwise).
+- a bearer token, when `token` is set (401 Status otherwise);
+- RBAC, when `rbac` is set (tests/sources/fake_rbac.py): each token of `users` is a user with
+  groups, and a list or watch its roles do not allow gets the real server's 403.
 
 One resourceVersion counter is shared by every resource, as etcd's revision. Faults (see
 `Faults`) are switched on by tests; the counted ones switch themselves off once used.
@@ -25,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from tests.sources.fake_rbac import Rbac
 
 Obj = dict[str, Any]
 Key = tuple[str, str]
@@ -111,8 +115,13 @@ class FakeApiServer:
     `stop()`)."""
 
     def __init__(self, *, bookmark_interval: float = 0.3, token: str | None = None,
-                 ssl_context: ssl.SSLContext | None = None, host: str = "127.0.0.1") -> None:
+                 ssl_context: ssl.SSLContext | None = None, host: str = "127.0.0.1",
+                 rbac: Rbac | None = None, users: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> None:
+        """`users`: bearer token -> (user name, groups), who RBAC (`rbac`) authorizes."""
         self.host = host
+        self.rbac = rbac
+        self.users = users or {}
+        self.denied: list[str] = []  # the 403 messages sent by RBAC
         self.rv = 100
         self.ssl_context = ssl_context  # HTTPS when given (the in-cluster configuration needs it)
         self.objects: dict[str, dict[Key, Obj]] = {r: {} for r in RESOURCES}
@@ -228,6 +237,25 @@ class FakeApiServer:
     def _early_answer(self, request: web.Request, resource: str) -> web.Response | None:
         if self.token and request.headers.get("Authorization") != f"Bearer {self.token}":
             return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
+        if self.rbac is not None:
+            return self._authorize(request, resource)
+        return self._faulty(resource)
+
+    def _authorize(self, request: web.Request, resource: str) -> web.Response | None:
+        who = self.users.get(request.headers.get("Authorization", "").removeprefix("Bearer "))
+        if who is None:
+            return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
+        assert self.rbac is not None
+        path = RESOURCES[resource][0]
+        group = "" if path.startswith("/api/") else path.split("/")[2]
+        verb = "watch" if request.query.get("watch") in ("true", "1") else "list"
+        why = self.rbac.denied(who[0], who[1], group, resource, verb)
+        if why is not None:
+            self.denied.append(why)
+            return web.json_response(status(403, "Forbidden", why), status=403)
+        return self._faulty(resource)
+
+    def _faulty(self, resource: str) -> web.Response | None:
         if resource in self.faults.missing:
             return web.json_response(status(404, "NotFound", "the server could not find the requested resource"),
                                      status=404)

@@ -22,7 +22,7 @@ from usproxy.util.locks import LOCK_DIR
 from usproxy.app.cli import build_parser, config_from_args
 from usproxy.model.node import resolve_node
 from usproxy.offload.bpf.loader import BPFFS
-from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICES
+from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICE_CIDRS, SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "kubernetes"
@@ -126,9 +126,17 @@ def test_cluster_role_grants_exactly_what_the_source_reads(objs: dict[tuple[str,
     role = objs[("ClusterRole", "usproxy")]
     granted = {(g, r): sorted(rule["verbs"]) for rule in role["rules"]
                for g in rule["apiGroups"] for r in rule["resources"]}
-    needed = {_rule_target(p): ["list", "watch"] for p in (SERVICES, ENDPOINT_SLICES, NODES)}
+    needed = {_rule_target(p): ["list", "watch"] for p in (SERVICES, ENDPOINT_SLICES, NODES, SERVICE_CIDRS)}
     assert granted == needed
     assert all(not rule.get("resourceNames") and "*" not in rule["verbs"] for rule in role["rules"])
+
+
+def test_names_resolve_without_the_cluster_dns_this_agent_serves(ds: dict[str, Any]) -> None:
+    """ClusterFirstWithHostNet would ask the cluster DNS ClusterIP, which answers only once this
+    agent serves it (the API server's name among the lookups); Default asks the node's resolver.
+    (ClusterFirst on the host network means the same as Default, but says otherwise.)"""
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "Default"
 
 
 def test_binding_ties_the_service_account_to_the_role(objs: dict[tuple[str, str], dict[str, Any]]) -> None:

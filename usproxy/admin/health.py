@@ -2,7 +2,9 @@
 
 Healthy while starting up (nothing queued yet) and whenever the oldest change not yet synced was
 queued less than `health_timeout` seconds ago (kube-proxy uses 2 × syncPeriod). The body is the
-same JSON: lastUpdated, currentTime, nodeEligible.
+same JSON: lastUpdated, currentTime, nodeEligible; and, while syncs fail, usproxy's
+`lastSyncError` (what the last one raised) and `failingSince`, so a probe's body says what is
+wrong. Syncs failing for longer than `health_timeout` are unhealthy too, queued change or not.
 """
 
 from __future__ import annotations
@@ -18,13 +20,19 @@ class Health:
     last_updated: float | None
     current_time: float
     node_eligible: bool = True
+    error: str | None = None  # the last sync's failure (None: it succeeded)
+    failing_since: float | None = None  # wall time of the first of the failures in a row
 
     def body(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "lastUpdated": _go_time(self.last_updated),
             "currentTime": _go_time(self.current_time),
             "nodeEligible": self.node_eligible,
         }
+        if self.error is not None:
+            out["lastSyncError"] = self.error
+            out["failingSince"] = _go_time(self.failing_since)
+        return out
 
 
 def _go_time(ts: float | None) -> str:
@@ -35,8 +43,12 @@ def _go_time(ts: float | None) -> str:
 
 
 def evaluate(last_updated: float | None, oldest_queued: float | None, health_timeout: float,
-             now: float | None = None) -> Health:
-    """kube-proxy's rule: unhealthy only when a queued change waited longer than the timeout."""
+             now: float | None = None, *, error: str | None = None,
+             failing_since: float | None = None) -> Health:
+    """kube-proxy's rule: unhealthy when a queued change waited longer than the timeout; and
+    when syncs have failed (`error`) for longer than it."""
     now = time.time() if now is None else now
     healthy = oldest_queued is None or now - oldest_queued < health_timeout
-    return Health(healthy, last_updated, now)
+    if error is not None and failing_since is not None and now - failing_since >= health_timeout:
+        healthy = False
+    return Health(healthy, last_updated, now, error=error, failing_since=failing_since)

@@ -32,8 +32,10 @@ A request in flight whose answer waits SEND_TIMEOUT for a client that does not r
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import os
 import resource
 from collections.abc import Callable
 from typing import Any, Protocol, cast
@@ -45,6 +47,8 @@ from usproxy.admin import web_view
 from usproxy.admin.health import Health
 from usproxy.admin.send_watch import SendWatch, reset
 from usproxy.admin.snapshot import SharedBuild, encoded_rows, write_chunked
+from usproxy.model.types import format_hostport
+from usproxy.util.errors import CannotRun
 from usproxy.util.metrics import Metrics
 from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.util.rows import FlowRow, ServiceRow
@@ -264,8 +268,15 @@ class AdminServer:
         self._runners.append(runner)
         assert runner.server is not None
         where = "/".join(role for role, a in self.addrs.items() if a == addr)
-        listener = await asyncio.get_running_loop().create_server(
-            bounded(runner.server, limit, where), addr[0], addr[1], reuse_address=True)
+        try:
+            listener = await asyncio.get_running_loop().create_server(
+                bounded(runner.server, limit, where), addr[0], addr[1], reuse_address=True)
+        except OSError as err:  # one line saying which flag, not a traceback
+            flags = " and ".join(f"--{role}-bind-address" for role, a in self.addrs.items() if a == addr)
+            hint = (" (another kube-proxy or usproxy serves it? stop it, or give another port)"
+                    if err.errno == errno.EADDRINUSE else "")
+            raise CannotRun(f"{flags} {format_hostport(addr[0], addr[1])}: cannot listen: "
+                            f"{os.strerror(err.errno) if err.errno else err}{hint}") from None
         self._listeners.append(listener)
         socks = list(listener.sockets or [])
         real = socks[0].getsockname()[:2] if socks else addr

@@ -29,7 +29,7 @@ from usproxy.admin.health import Health, evaluate
 from usproxy.admin.server import AdminServer
 from usproxy.admin.service_health import ServiceHealthServer
 from usproxy.admin.views import AgentViews
-from usproxy.core.datapath import Datapath, NodeAddressFollower, ServicePortState
+from usproxy.core.datapath import Datapath, NodeAddressFollower, ServiceCIDRHandler, ServicePortState
 from usproxy.core.events import EventHub
 from usproxy.core.proxier import Proxier
 from usproxy.model.config import ProxyConfig
@@ -66,8 +66,11 @@ def build_datapaths(cfg: ProxyConfig, node: NodeFacts, metrics: Metrics,
     settings = OffloadSettings.from_config(cfg)
     # the node's addresses now, for loadBalancerSourceRanges: the relay's (synced first)
     ctx = BuildContext(settings, node, node_ips=lambda: [ipaddress.ip_address(a) for a in relay.node_ips])
-    return [relay, OffloadManager(settings, registry.build(ctx), request_sync=request_sync, metrics=metrics,
-                                  events=events)]
+    kernels = registry.build(ctx)
+    # unallocated Service CIDR addresses: a kernel datapath that checks the CIDRs drops them (nftables'
+    # cluster-ips-check, as kube-proxy's); without one the relay blackholes them
+    relay.drop_unallocated = not any(isinstance(k, ServiceCIDRHandler) for k in kernels)
+    return [relay, OffloadManager(settings, kernels, request_sync=request_sync, metrics=metrics, events=events)]
 
 
 def uses_api_server(cfg: ProxyConfig) -> bool:
@@ -135,7 +138,9 @@ class Agent:
 
     # -- AdminView ----------------------------------------------------------------------------
     def health(self) -> Health:
-        h = evaluate(self.proxier.last_updated, self.proxier.oldest_queued, 2 * self.cfg.sync_period)
+        runner = self.proxier.runner
+        h = evaluate(self.proxier.last_updated, self.proxier.oldest_queued, 2 * self.cfg.sync_period,
+                     error=runner.last_error, failing_since=runner.failing_since)
         eligible = self.source.node_eligible if isinstance(self.source, NodeEligibility) else True
         return dataclasses.replace(h, node_eligible=eligible)
 

@@ -1,14 +1,16 @@
 """Node capability probes for `usproxy check`: what can hold ClusterIPs, which kernel datapaths work.
 
 Every probe returns a Capability (usproxy.offload.kernel_datapath) and never raises: a missing
-feature is an answer, not an error. Interface probes create and delete a throwaway link
-(`usproxy-probe`) through the agent's netlink worker; each kernel datapath's probes are its
-declaration's (usproxy/offload/registry.py), the datapaths' own, so `usproxy check` and the agent
-cannot disagree.
+feature is an answer, not an error; a probe the kernel refused for want of privilege (EPERM) says
+"not permitted", never that a driver is missing (`usproxy check` then exits 1: app/cli.py).
+Interface probes create and delete a throwaway link (`usproxy-probe`) through the agent's netlink
+worker; each kernel datapath's probes are its declaration's (usproxy/offload/registry.py), the
+datapaths' own, so `usproxy check` and the agent cannot disagree.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +20,7 @@ from usproxy.model.config import ProxyConfig
 from usproxy.offload.kernel_datapath import Capability
 
 PROBE_LINK = "usproxy-probe"
+NOT_PERMITTED = "not permitted: needs CAP_NET_ADMIN (run usproxy check as root)"
 
 
 def _netlink(fn: Callable[[Any], Capability]) -> Capability:
@@ -38,7 +41,8 @@ def probe_link_kind(kind: str) -> Capability:
             ipr.link("add", ifname=PROBE_LINK, kind=kind)
         except Exception as err:
             code = getattr(err, "code", 0)
-            why = f"{os.strerror(code)} (errno {code}): no {kind} driver" if code else str(err)
+            why = (NOT_PERMITTED if code in (errno.EPERM, errno.EACCES) else
+                   f"{os.strerror(code)} (errno {code}): no {kind} driver" if code else str(err))
             return Capability(f"interface {kind}", False, why)
         idx = ipr.link_lookup(ifname=PROBE_LINK)
         if idx:

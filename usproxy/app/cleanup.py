@@ -2,8 +2,9 @@
 
 `cleanup`: as kube-proxy's CleanupLeftovers for every mode, remove what every declared kernel
 datapath (usproxy/offload/registry.py) ever installed, then the ClusterIP interface (usproxy0)
-with its addresses; exit code 0 when everything was removed, 1 otherwise (one failing does not
-stop the others).
+with its addresses and the relay's blackhole routes of the Service CIDRs
+(usproxy/relay/service_cidr_routes.py); exit code 0 when everything was removed, 1 otherwise (one
+failing does not stop the others).
 
 `remove_leftovers`: at agent start, what an earlier run left of the kernel datapaths this run
 does not use (kube-proxy's platformCleanup, cmd/kube-proxy/app/server_linux.go, which at start
@@ -45,10 +46,14 @@ async def remove_kernel_state(cfg: ProxyConfig,
 async def _vip_interface(cfg: ProxyConfig) -> bool:
     from usproxy.relay.vip_interface import VipInterface
 
+    from usproxy.relay import service_cidr_routes
+
     vip = VipInterface(cfg.vip_interface)
     try:
         if await vip.delete():
             log.info("removed interface %s and its ClusterIPs", cfg.vip_interface)
+        if await vip.worker.call(lambda ipr: service_cidr_routes.reconcile(ipr, ())):
+            log.info("removed the routes that drop unallocated Service CIDR addresses")
         return True
     except Exception as err:
         log.error("removing interface %s: %s", cfg.vip_interface, err)

@@ -26,7 +26,7 @@ from usproxy.model.config import (
     parse_nodeport_addresses,
     with_overrides,
 )
-from usproxy.util.errors import AlreadyRunning, ConfigError, SourceError
+from usproxy.util.errors import AlreadyRunning, CannotRun, ConfigError, SourceError
 
 log = logging.getLogger("usproxy")
 
@@ -167,7 +167,10 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from usproxy.app.privileges import require_net_admin
+
     cfg = config_from_args(args)
+    require_net_admin("usproxy run --cleanup" if cfg.cleanup else "usproxy run")
     if cfg.cleanup:
         from usproxy.app.cleanup import cleanup
 
@@ -224,6 +227,7 @@ def cmd_flows(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from usproxy.app.capabilities import probe_all
+    from usproxy.app.privileges import has_net_admin
     from usproxy.util.table import render_table
 
     caps = probe_all()
@@ -232,6 +236,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         print(render_table(["capability", "available", "detail"],
                            [[c.name, "yes" if c.available else "no", c.detail] for c in caps]))
+    if not has_net_admin():  # every probe that needs it said "not permitted": no answer about the node
+        print("usproxy check: not permitted: without CAP_NET_ADMIN the probes cannot tell what this "
+              "node supports; run it as root", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -288,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     except (urllib.error.URLError, ConnectionError) as err:
         print(f"usproxy: cannot reach the agent: {err}", file=sys.stderr)
         return 1
-    except (SourceError, AlreadyRunning) as err:
-        print(f"usproxy: {err}", file=sys.stderr)
+    except (SourceError, AlreadyRunning, CannotRun) as err:
+        text = str(err)  # "usproxy run: ..." names usproxy already
+        print(text if text.startswith("usproxy") else f"usproxy: {text}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

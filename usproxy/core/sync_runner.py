@@ -3,7 +3,10 @@
 `run()` asks for a sync; syncs happen at most `burst_runs` in a row and then no more often than
 once per `min_interval` seconds (a token bucket), and at least once per `max_interval` seconds.
 A sync that raises is logged and retried after `retry_interval`; the loop never ends because of
-it. While a `hold()` is open no sync starts (one already running finishes): a source applying a
+it. A failure is logged with its traceback the first time it happens; the same failure again (type
+and message) is one line at most once per REPEAT_LOG seconds, with how often it recurred, so a
+node that refuses every sync (no CAP_NET_ADMIN, a kernel that lost a module) does not flood the
+log. `last_error` and `failing_since` say what fails now (None once a sync succeeds), for /healthz. While a `hold()` is open no sync starts (one already running finishes): a source applying a
 relist in chunks, with the loop running between them, is never synced half-applied.
 Time comes from an injectable Clock, so tests drive it without sleeping.
 """
@@ -18,6 +21,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 log = logging.getLogger(__name__)
+REPEAT_LOG = 60.0  # seconds between log lines of one recurring sync failure
 
 
 class Clock(Protocol):
@@ -98,6 +102,10 @@ class SyncRunner:
         self._next_run = self.clock.monotonic() + max_interval
         self.runs = 0
         self.failures = 0
+        self.last_error: str | None = None  # the failure of the last sync, None when it succeeded
+        self.failing_since: float | None = None  # wall time of the first failure in a row
+        self._repeats = 0  # failures like last_error not logged yet
+        self._logged_at = 0.0  # monotonic time last_error was last logged
         self._holds = 0
         self._released = asyncio.Event()
         self._released.set()
@@ -171,7 +179,28 @@ class SyncRunner:
             self.runs += 1
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as err:
             self.failures += 1
-            log.exception("sync failed; retrying in %.1fs", self.retry_interval)
+            self._failed(err)
             self.retry_after(self.retry_interval)
+        else:
+            if self.last_error is not None:
+                log.info("sync succeeded after %d failures", self._repeats + 1)
+            self.last_error = self.failing_since = None
+            self._repeats = 0
+
+    def _failed(self, err: Exception) -> None:
+        """Log a failed sync: a new failure with its traceback, a recurring one as one line now and
+        then."""
+        text = f"{type(err).__name__}: {err}"
+        now = self.clock.monotonic()
+        if self.failing_since is None:
+            self.failing_since = time.time()
+        if text != self.last_error:
+            self.last_error, self._repeats, self._logged_at = text, 0, now
+            log.error("sync failed; retrying every %.1fs", self.retry_interval, exc_info=err)
+            return
+        self._repeats += 1
+        if now - self._logged_at >= REPEAT_LOG:
+            log.error("sync still failing (%d more times): %s", self._repeats, text)
+            self._logged_at, self._repeats = now, 0

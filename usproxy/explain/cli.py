@@ -169,6 +169,22 @@ def nodeport_hint(ss: ServiceSet, pkt: Packet) -> str:
             f"pass --node-ip {pkt.dst}\n\n")
 
 
+def lb_source_hint(ss: ServiceSet, pkt: Packet) -> str:
+    """A note when the source is a LoadBalancer IP of a Service with loadBalancerSourceRanges
+    that no node address (--node-ip) falls in: kube-proxy allows an LB IP as a source only when a
+    range holds one of the node's addresses (a load balancer looping the node's own connection
+    back, SNATed to the LB IP: KUBE-FW-* `-s <lb ip>`), and explain knows them from --node-ip
+    alone; "" otherwise."""
+    names = [str(sp.name) for sp, _ in ss.ports if pkt.src in sp.load_balancer_ips and sp.source_ranges
+             and not any(ip in r for r in sp.source_ranges for ip in ss.node.ips)]
+    if not names:
+        return ""
+    return (f"# note: {pkt.src} is a LoadBalancer IP of {', '.join(names)}; kube-proxy lets an LB IP through "
+            f"loadBalancerSourceRanges as a source (a load balancer looping the node's own connection back) "
+            f"only when a range holds one of this node's addresses, which explain knows from --node-ip "
+            f"(given: {', '.join(map(str, ss.node.ips)) or 'none'})\n\n")
+
+
 def empty(ss: ServiceSet, args: argparse.Namespace) -> bool:
     """True (and says so on stderr) when the input holds no ServicePort any mode would render."""
     if ss.ports:
@@ -187,7 +203,8 @@ def _trace(argv: list[str]) -> int:
     if empty(ss, args):
         return 1
     opts = TraceOptions(bpf_lb_mode=args.bpf_lb_mode)
-    print(nodeport_hint(ss, pkt) + trace.render(ss, pkt, registry.selected(args.mode), opts), end="")
+    print(nodeport_hint(ss, pkt) + lb_source_hint(ss, pkt) + trace.render(ss, pkt, registry.selected(args.mode), opts),
+          end="")
     return 0
 
 
@@ -242,6 +259,17 @@ def _dump_view(ss: ServiceSet, mode: Mode, nft_format: str = "dump") -> str:
     return render_mode(ss, mode, nft_format) if ss.ports else "# no Services with a ClusterIP\n"
 
 
+def _write_html(path: Path, page: str) -> None:
+    """Write the page; a path that cannot be written is bad usage (exit 2), said in one line."""
+    try:
+        path.write_text(page)
+    except OSError as err:
+        why = err.strerror or str(err)
+        if isinstance(err, FileNotFoundError) and not path.parent.is_dir():
+            why += f" (no directory {path.parent})"
+        raise ConfigError(f"{path}: cannot write: {why}", obj="usproxy explain", field="--html") from None
+
+
 def main(argv: list[str]) -> int:
     """Exit 0; 1 when there is nothing to show (no Service in the input, or --live found nothing)."""
     if argv[:1] == ["trace"]:
@@ -258,7 +286,7 @@ def main(argv: list[str]) -> int:
     if args.html is not None:
         from usproxy.explain import standalone_page
 
-        args.html.write_text(standalone_page.render(load(args)))
+        _write_html(args.html, standalone_page.render(load(args)))
         print(f"usproxy explain: wrote {args.html}")
         return 0
     shown = 0  # sections printed so far: live is numbered after them

@@ -4,13 +4,16 @@ ServiceCIDRs and Nodes (their spec.podCIDRs, for detectLocalMode NodeCIDR).
 Accepts what `kubectl get svc,endpointslices -A -o yaml` prints. A document that cannot be parsed
 at all raises ConfigError (the caller decides: exit 2 at start-up, keep the last good state
 later). A bad object inside a good document is recorded in `Manifests.errors` and skipped; every
-other object is kept. A file or directory that cannot be read (EMFILE, EACCES, EIO...) raises
+other object is kept. Objects of other kinds (`kubectl get all` prints Pods, Deployments...) are
+ignored, but an object without a kind, or whose kind looks like a misspelt one usproxy reads
+(`Servce`, `service`), is an error naming it, the field `kind` and the kinds expected. A file or directory that cannot be read (EMFILE, EACCES, EIO...) raises
 ManifestReadError, never an empty result: a local read error must not read as "no objects" (which
 would withdraw every Service), so only a path that does not exist lists as nothing.
 """
 
 from __future__ import annotations
 
+import difflib
 import errno
 import json
 import logging
@@ -213,12 +216,29 @@ def objects_from(raws: list[Mapping[str, Any]]) -> Manifests:
                 node = parse_node_pod_cidrs(raw)
                 out.nodes[node.name] = node
             else:
-                log.debug("ignoring %s", describe(str(kind), raw))
+                _other_kind(kind, raw)
         except ConfigError as err:
             out.errors.append(err)
         except (TypeError, ValueError, AttributeError) as err:  # shapes Fields did not foresee
             out.errors.append(ConfigError(f"malformed: {_first_line(err)}", obj=describe(str(kind), raw)))
     return out
+
+
+READ_KINDS = ("Service", "EndpointSlice", SERVICE_CIDR_KIND, "Node")
+
+
+def _other_kind(kind: object, raw: Mapping[str, Any]) -> None:
+    """An object of a kind usproxy does not read: ignored, unless it has no kind or its kind is
+    close to one usproxy reads (a typo would otherwise drop a Service in silence): ConfigError."""
+    expected = f"expected one of {', '.join(READ_KINDS)} (other kinds are ignored)"
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(f"required: {expected}, got {kind!r}", obj=describe("object", raw), field="kind")
+    near = difflib.get_close_matches(kind, READ_KINDS, n=1, cutoff=0.75) or \
+        [k for k in READ_KINDS if k.lower() == kind.lower()]
+    if near:
+        raise ConfigError(f"{expected}, got {kind!r}: did you mean {near[0]}?", obj=describe(repr(kind), raw),
+                          field="kind")
+    log.debug("ignoring %s", describe(kind, raw))
 
 
 def _add_service(raw: Mapping[str, Any], out: Manifests) -> None:

@@ -15,8 +15,13 @@ once a second; that sweep also gives freed flow buffers back to the system after
 ended (HeapTrim).
 
 It owns what the ServicePortRelays share and hands it to each through its constructor: the
-FlowAdmission (flow bounds and eviction, sized from the descriptor limit), the UdpRelay and the set
-of every listening (address, port, protocol).
+FlowAdmission (flow bounds and eviction, sized from the descriptor limit), the UdpRelay, the set
+of every listening (address, port, protocol) and the ClientOrigin (pods and the node, for the
+Local traffic policies).
+
+Where no nftables datapath checks the Service CIDRs (`drop_unallocated`), their unallocated
+addresses are blackholed by the routing table (service_cidr_routes.py): the --service-cidr flag's
+CIDRs with those of the ServiceCIDR objects (`on_service_cidrs_changed`), applied at the next sync.
 """
 
 from __future__ import annotations
@@ -30,18 +35,21 @@ from dataclasses import dataclass
 
 from usproxy.util.heap import HeapTrim
 from usproxy.util.metrics import Metrics
-from usproxy.model.config import ProxyConfig
+from usproxy.model.config import ProxyConfig, parse_cidrs
+from usproxy.model.service_cidr import union
 from usproxy.flows.flow_table import Flow
 from usproxy.flows.metrics import FlowTableCollector
 from usproxy.core.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.model.endpoint import usable
 from usproxy.model.node import NodeFacts
+from usproxy.relay.client_origin import ClientOrigin
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.service_port_relay import Listening, ServicePortRelay
 from usproxy.relay.udp import UdpRelay
 from usproxy.relay.vip_interface import VipInterface
 from usproxy.model.service_port import LBPolicy
-from usproxy.model.types import IPAddress, ServicePortName, format_hostport
+from usproxy.model.types import IPAddress, IPNetwork, ServicePortName, format_hostport
+from usproxy.relay import service_cidr_routes
 from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
@@ -74,11 +82,13 @@ class RelaySettings:
     udp_idle_timeout: float
     tcp_established_timeout: float = 86400.0
     tcp_close_wait_timeout: float = 3600.0
+    service_cidrs: tuple[IPNetwork, ...] = ()  # --service-cidr
 
     @classmethod
     def from_config(cls, cfg: ProxyConfig) -> RelaySettings:
         return cls(cfg.vip_interface, cfg.lb_policy, cfg.conntrack_max(), cfg.udp_idle_timeout,
-                   cfg.tcp_established_timeout, cfg.tcp_close_wait_timeout)
+                   cfg.tcp_established_timeout, cfg.tcp_close_wait_timeout,
+                   parse_cidrs(cfg.service_cidrs, "--service-cidr"))
 
 
 def _kept_alive(flow: Flow, now: float, timeout: float) -> bool:
@@ -119,12 +129,18 @@ class Relay:
         self.ports: dict[ServicePortName, ServicePortRelay] = {}
         self.node_ips: list[str] = []
         self.host_ips: set[IPAddress] = set()  # local addresses on other interfaces: never on usproxy0
+        # pods and the node, for externalTrafficPolicy Local's short-circuit and drops
+        self.origin = ClientOrigin(node.detector, lambda ip: ip in self.host_ips or ip in self.vip.addresses)
         self._sweeper: asyncio.Task[None] | None = None
         self._started = False
         self.released: dict[IPAddress, float] = {}  # unused address -> since when (monotonic)
         self._uses: dict[IPAddress, int] = {}  # address -> ServicePorts with a frontend on it
         self._failing: set[ServicePortName] = set()  # ServicePorts with a listener to retry
         self.heap = HeapTrim.for_glibc()  # freed flow buffers back to the system after flows end
+        # unallocated Service CIDR addresses: blackholed unless nftables drops them (the agent says)
+        self.drop_unallocated = True
+        self.service_cidr_objects: tuple[IPNetwork, ...] = ()  # the ServiceCIDR objects' CIDRs
+        self._routed: tuple[IPNetwork, ...] | None = None  # what service_cidr_routes holds (None: unknown)
 
     # -- Datapath ------------------------------------------------------------------------------
     async def sync(self, request: SyncRequest) -> None:
@@ -138,13 +154,36 @@ class Relay:
                 self.released[ip] = now
         await self.vip.add_many(ip for st in request.changes.values() if st is not None
                                 for ip, _ in st.service_port.frontends() if ip not in self.host_ips)
+        self._refresh_origin()
         for spn, state in request.changes.items():
             try:
                 await self._sync_one(spn, state)
             except Exception:
                 log.exception("%s: relay sync failed", spn)
         await self._sync_addresses()
+        await self._sync_service_cidr_routes()
         await self._retry_failed()
+
+    def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
+        """The ServiceCIDR objects' CIDRs (ServiceCIDRHandler): routed at the next sync."""
+        self.service_cidr_objects = cidrs
+
+    async def _sync_service_cidr_routes(self) -> None:
+        """Blackhole the Service CIDRs (or nothing, when nftables drops for us); a failure is
+        logged and retried at the next sync."""
+        want = union(self.settings.service_cidrs, self.service_cidr_objects) if self.drop_unallocated else ()
+        if want == self._routed:
+            return
+        try:
+            done = await self.vip.worker.call(lambda ipr: service_cidr_routes.reconcile(ipr, want))
+        except Exception as err:
+            log.error("routes for the Service CIDRs %s: %s", ", ".join(map(str, want)) or "(none)", err)
+            self._routed = None
+            return
+        self._routed = want
+        if done:
+            log.info("Service CIDRs routed to a blackhole (unallocated addresses dropped): %s (%s)",
+                     ", ".join(map(str, want)) or "none", " ".join(done))
 
     async def _retry_failed(self) -> None:
         for spn in list(self._failing):
@@ -172,7 +211,7 @@ class Relay:
         if port is None:
             port = self.ports[spn] = ServicePortRelay(
                 state, admission=self.admission, udp=self.udp, listening=self.listening,
-                default_policy=self.default_policy)
+                default_policy=self.default_policy, origin=self.origin)
         await port.apply(state, self.node_ips)
         if port.errors:
             self._failing.add(spn)
@@ -252,6 +291,7 @@ class Relay:
         self.ports.clear()
         for uf in list(self.udp.flows.values()):
             self.udp.close_flow(uf)
+        self.origin.close()
         if self._started:
             await self.vip.close()
 
@@ -268,9 +308,21 @@ class Relay:
                     self.settle_tcp()
                     next_tcp = time.monotonic() + tcp_every
                 await self._retry_failed()  # a listener address freed by someone else: take it
+                self._refresh_origin()
                 await self.heap.tick(len(self.admission.table))
             except Exception:
                 log.exception("flow sweep failed")
+
+    def _refresh_origin(self) -> None:
+        """Pod interfaces come and go (an interface detector): filters that let pods through follow."""
+        try:
+            changed = self.origin.refresh()
+        except OSError as err:
+            log.warning("reading interfaces for the local-traffic detector: %s", err)
+            return
+        if changed:
+            for port in self.ports.values():
+                port.refilter()
 
     def settle_tcp(self) -> int:
         """Run the deferred set-up (`Flow.settle`) of every TCP flow still live at this sweep: the
@@ -319,23 +371,18 @@ class Relay:
 
 
 def local_policy_notes(state: ServicePortState) -> list[str]:
-    """Where the relay departs from kube-proxy for Local traffic policies, for /services. A Local
-    policy without a local endpoint (while the Service has endpoints elsewhere): kube-proxy drops
-    such connections, the relay has no listener there, so the kernel refuses them. And the relay
-    sees no difference between pods and outside clients: kube-proxy sends pod and node traffic to
-    an externalTrafficPolicy Local Service's external addresses to every endpoint (its
-    short-circuit), the relay to the local ones."""
+    """What the relay does for a Local traffic policy that leaves no local endpoint while the
+    Service has endpoints elsewhere, for /services: it drops as kube-proxy drops (the listener's
+    socket filter), pods and the node excepted for externalTrafficPolicy Local, which go to every
+    endpoint (kube-proxy's short-circuit)."""
     sp = state.service_port
     if not usable(state.endpoints):
         return []
     notes = []
     if not state.cluster_endpoints:
-        notes.append("internalTrafficPolicy Local without a local endpoint: ClusterIP connections refused "
-                     "(kube-proxy drops them)")
-    if (sp.node_port or sp.external_ips_all()) and sp.external_traffic_policy == "Local":
-        if not state.external_endpoints:
-            notes.append("externalTrafficPolicy Local without a local endpoint: external connections refused "
-                         "(kube-proxy drops them)")
-        notes.append("externalTrafficPolicy Local: pods and the node get local endpoints only "
-                     "(kube-proxy sends them to every endpoint)")
+        notes.append("internalTrafficPolicy Local without a local endpoint: ClusterIP connections dropped")
+    if (sp.node_port or sp.external_ips_all()) and sp.external_traffic_policy == "Local" \
+            and not state.external_endpoints:
+        notes.append("externalTrafficPolicy Local without a local endpoint: outside clients dropped, "
+                     "pods and the node sent to every endpoint")
     return notes

@@ -12,10 +12,17 @@ A frontend that cannot be bound (its port held by another local socket, e.g. a n
 0.0.0.0:P: see port_holder.py for why the relay cannot take it) is reported in `errors` naming
 the holder, logged once per change of cause, and retried until it binds or is no longer wanted.
 
-A LoadBalancer IP with loadBalancerSourceRanges gets a socket filter on its listener
-(source_filter.py: a blocked client's SYN or datagram is dropped by the kernel, as nftables'
-firewall drops it), and `new_flow` refuses such a client should one get through; no other
-listener is filtered, NodePorts included (as kube-proxy).
+Where kube-proxy drops, the listener's socket filter drops (source_filter.py: the kernel drops a
+SYN or datagram before any answer, so the client times out as against kube-proxy's DROP):
+- a LoadBalancer IP with loadBalancerSourceRanges drops clients outside them, and `new_flow`
+  refuses such a client should one get through (NodePorts are not filtered, as kube-proxy);
+- internalTrafficPolicy Local without a local endpoint (while the Service has endpoints
+  elsewhere): its ClusterIP listeners drop every client;
+- externalTrafficPolicy Local without a local endpoint: its external listeners drop every client
+  but pods and the node itself, which kube-proxy short-circuits to every endpoint.
+With externalTrafficPolicy Local, a connection to an external frontend from a pod or the node
+itself (ClientOrigin, per connection) goes to `short_circuit_endpoints`, every other one to the
+local endpoints (a third selector, "short"). Without any usable endpoint nothing listens: refused.
 
 What it shares with the other ServicePorts comes through its constructor: the FlowAdmission
 (flows are admitted there), the UdpRelay (its UDP listeners' flows), and the set of every
@@ -34,13 +41,15 @@ from typing import Union
 
 from usproxy.flows.flow_table import Flow, HostPort
 from usproxy.core.datapath import ServicePortState
-from usproxy.model.endpoint import Endpoint
+from usproxy.model.endpoint import Endpoint, usable
+from usproxy.model.local_detector import LocalDetector
 from usproxy.util.ratelimit import RateLimitedLog
+from usproxy.relay.client_origin import ClientOrigin
 from usproxy.relay.endpoint_selector import EndpointSelector
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.flow_owner import RelayStopping, SourceRefused
 from usproxy.relay.port_holder import describe_holder
-from usproxy.relay.source_filter import allows, attach
+from usproxy.relay.source_filter import DROP_ALL, Clause, allows, attach_clauses
 from usproxy.relay.tcp import ClientSide
 from usproxy.relay.tcp_listener import TcpListener
 from usproxy.relay.udp import UdpListener, UdpRelay
@@ -60,11 +69,12 @@ class ServicePortRelay:
     """Listeners, selectors and flow bookkeeping of one ServicePort."""
 
     __slots__ = ("spn", "state", "admission", "udp", "listening", "default_policy", "selectors",
-                 "listeners", "errors", "failures", "firewall", "filtered", "stopping")
+                 "short", "origin", "listeners", "errors", "failures", "firewall", "filtered", "stopping")
 
     def __init__(self, state: ServicePortState, *, admission: FlowAdmission, udp: UdpRelay,
-                 listening: Listening, default_policy: LBPolicy) -> None:
-        """`default_policy` applies where the ServicePort names no load-balancing policy."""
+                 listening: Listening, default_policy: LBPolicy, origin: ClientOrigin | None = None) -> None:
+        """`default_policy` applies where the ServicePort names no load-balancing policy; `origin`
+        tells pods and the node from outside clients (default: nothing is a pod or the node)."""
         self.spn: ServicePortName = state.service_port.name
         self.state = state
         self.admission = admission
@@ -73,22 +83,26 @@ class ServicePortRelay:
         self.default_policy: LBPolicy = default_policy
         self.selectors: dict[Scope, EndpointSelector] = {
             "cluster": EndpointSelector(), "external": EndpointSelector()}
+        self.short = EndpointSelector()  # externalTrafficPolicy Local: pods and the node, every endpoint
+        self.origin = origin or ClientOrigin(LocalDetector(), lambda ip: False)
         self.listeners: dict[ListenerKey, Listener] = {}
         self.errors: dict[ListenerKey, str] = {}
         self.failures: dict[ListenerKey, str] = {}  # last logged bind failure, without its holder
         # loadBalancerSourceRanges: allowed sources by filtered LB IP (empty for most Services, so
         # `new_flow` costs them one falsy test), and the filter each listener socket carries
         self.firewall: dict[str, tuple[IPNetwork, ...]] = {}
-        self.filtered: dict[ListenerKey, tuple[IPNetwork, ...]] = {}
+        self.filtered: dict[ListenerKey, tuple[Clause, ...]] = {}
         self.stopping = False  # the relay stops: no new flow (`stop`)
 
     # -- configuration -------------------------------------------------------------------------
     def desired(self, state: ServicePortState, node_ips: Collection[str]) -> set[ListenerKey]:
+        """Listeners of every frontend whose kind has a usable endpoint, or drops where a Local
+        policy leaves none here while the Service has some elsewhere (`clauses`)."""
         sp = state.service_port
         out: set[ListenerKey] = set()
-        if state.cluster_endpoints:
+        if state.cluster_endpoints or usable(state.endpoints):
             out |= {(str(ip), sp.port, "cluster") for ip in sp.cluster_ips}
-        if state.external_endpoints:
+        if state.external_endpoints or state.short_circuit_endpoints:
             out |= {(str(ip), sp.port, "external") for ip in sp.external_ips_all()}
             if sp.node_port:
                 fams = {ip.version for ip in sp.cluster_ips}
@@ -103,6 +117,7 @@ class ServicePortRelay:
         policy = sp.lb_policy or self.default_policy
         for kind, eps in self._endpoints(state).items():
             self.selectors[kind].update(eps, policy, sp.session_affinity, float(sp.affinity_timeout))
+        self.short.update(state.short_circuit_endpoints, policy, sp.session_affinity, float(sp.affinity_timeout))
         self._close_stale_flows(state)
         self.firewall = firewall(sp, node_ips)
         want = self.desired(state, node_ips)
@@ -116,26 +131,45 @@ class ServicePortRelay:
         for key in list(self.listeners):
             self._filter(key)
 
+    def clauses(self, key: ListenerKey) -> tuple[Clause, ...]:
+        """The socket filter of a listener (source_filter.py; none for most): every client dropped
+        on a ClusterIP without a cluster endpoint; on an external frontend, the LB IP's
+        loadBalancerSourceRanges, and with no local endpoint for externalTrafficPolicy Local
+        only pods and the node (short-circuited) pass."""
+        addr, _, kind = key
+        if kind == "cluster":
+            return () if self.state.cluster_endpoints else DROP_ALL
+        sources = self.firewall.get(addr, ())
+        out: tuple[Clause, ...] = (Clause(sources),) if sources else ()
+        if not self.state.external_endpoints:
+            out += (self.origin.clause(6 if ":" in addr else 4),)
+        return out
+
+    def refilter(self) -> None:
+        """Filters again (the origin's interfaces changed)."""
+        for key in list(self.listeners):
+            self._filter(key)
+
     def _filter(self, key: ListenerKey) -> None:
-        """Give the listener's socket the filter of its address (none for all but LB IPs with
-        loadBalancerSourceRanges). A socket that refuses it is closed: its frontend is then
-        failing (shown in /services, retried) rather than open to every source."""
-        sources = self.firewall.get(key[0], ()) if key[2] == "external" else ()
-        if self.filtered.get(key, ()) == sources:
+        """Give the listener's socket its filter (`clauses`). A socket that refuses it is closed:
+        its frontend is then failing (shown in /services, retried) rather than open to every
+        source."""
+        clauses = self.clauses(key)
+        if self.filtered.get(key, ()) == clauses:
             return
         listener = self.listeners[key]
         try:
-            attach(listener.sock, sources)
+            attach_clauses(listener.sock, clauses)
         except (OSError, ValueError) as err:
             self.listeners.pop(key).close()
             self.listening.discard((key[0], key[1], self.spn.protocol))
             self.filtered.pop(key, None)
-            self.errors[key] = f"loadBalancerSourceRanges filter on {format_hostport(key[0], key[1])}: {err}"
+            self.errors[key] = f"socket filter on {format_hostport(key[0], key[1])}: {err}"
             log.error("%s: %s", self.spn, self.errors[key])
             return
-        self.filtered[key] = sources
+        self.filtered[key] = clauses
         if isinstance(listener, UdpListener):
-            listener.sources = sources
+            listener.sources = self.firewall.get(key[0], ()) if key[2] == "external" else ()
 
     async def _open_listener(self, key: ListenerKey) -> None:
         addr, port, kind = key
@@ -195,10 +229,11 @@ class ServicePortRelay:
         """UDP flows whose endpoint left its kind's usable set (removed, not ready any more, port
         changed, policy changed) are closed in this sync, not at idle timeout: the client's next
         datagram picks again (C03). TCP connections run on, as in kube-proxy."""
-        usable = self._endpoints(state)
+        kept = self._endpoints(state)
+        kept["external"] = (*kept["external"], *state.short_circuit_endpoints)  # short-circuited flows too
         for (_, _, kind), listener in self.listeners.items():
             if isinstance(listener, UdpListener):
-                listener.keep_flows_to(usable[kind])
+                listener.keep_flows_to(kept[kind])
 
     @staticmethod
     def _endpoints(state: ServicePortState) -> dict[Scope, tuple[Endpoint, ...]]:
@@ -208,8 +243,12 @@ class ServicePortRelay:
     def pick(self, kind: Scope, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
         """The endpoint for a new TCP connection or UDP flow, never one of this proxy's own
         listeners (an endpoint that is, say, its own NodePort would make every connection dial
-        itself until descriptors run out): such an endpoint is logged and skipped."""
+        itself until descriptors run out): such an endpoint is logged and skipped. A pod or the
+        node itself reaching an externalTrafficPolicy Local frontend is short-circuited to every
+        endpoint (ClientOrigin), as kube-proxy."""
         selector = self.selectors[kind]
+        if kind == "external" and self.state.short_circuit_endpoints and self.origin.internal(client_ip):
+            selector = self.short
         own: set[Endpoint] = set()
         while True:
             ep = selector.pick(client_ip, {*exclude, *own} if own else exclude)
@@ -224,14 +263,22 @@ class ServicePortRelay:
     def _is_own_frontend(self, ep: Endpoint) -> bool:
         return (ep.host, ep.port, self.spn.protocol) in self.listening
 
+    # An external flow may have been short-circuited: its endpoint's back-off and connection count
+    # go to both selectors that may pick it (a count is the endpoint's load, whoever picked it).
     def failed(self, kind: Scope, ep: Endpoint) -> None:
         self.selectors[kind].failed(ep)
+        if kind == "external" and self.short.endpoints:
+            self.short.failed(ep)
 
     def opened(self, kind: Scope, ep: Endpoint) -> None:
         self.selectors[kind].opened(ep)
+        if kind == "external" and self.short.endpoints:
+            self.short.opened(ep)
 
     def closed(self, kind: Scope, ep: Endpoint) -> None:
         self.selectors[kind].closed(ep)
+        if kind == "external" and self.short.endpoints:
+            self.short.closed(ep)
 
     def stop(self) -> None:
         """The relay stops (Relay.close): every flow from now on is refused (`new_flow`)."""

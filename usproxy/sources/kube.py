@@ -463,7 +463,10 @@ async def _node_pod_cidrs(lw: ApiListWatch, node_name: str) -> tuple[IPNetwork, 
 class OptionalListWatch:
     """The ListWatch of a resource older API servers do not serve (ServiceCIDR: GA in Kubernetes
     1.33). A list answered 404 is logged once and then never returns, so its Reflector waits
-    (until cancelled) instead of asking again every 30 s; the Store keeps what it has (nothing)."""
+    (until cancelled) instead of asking again every 30 s; the Store keeps what it has (nothing).
+    A list answered 403 (a ClusterRole without the resource) is retried as kube-proxy's informer
+    retries it (the Reflector's backoff, up to 30 s; nothing waits for it), with one warning that
+    names the missing grant; only --service-cidr is checked meanwhile."""
 
     def __init__(self, lw: ListWatch, name: str) -> None:
         self.lw = lw
@@ -474,6 +477,10 @@ class OptionalListWatch:
         try:
             return await self.lw.list(resource_version)
         except ApiError as err:
+            if err.status == 403:
+                raise SourceError(f"forbidden (403): this agent's ServiceAccount needs list and watch on "
+                                  f"servicecidrs (networking.k8s.io, examples/kubernetes/rbac.yaml); only "
+                                  f"--service-cidr is checked until then ({err})") from None
             if err.status != 404:
                 raise
         log.info("%s: not served by the API server (404); checking --service-cidr only", self.name)

@@ -3,6 +3,9 @@
 ConfigError: bad input (manifests, flags, configuration files); its message names the object
 (kind namespace/name), the field path and what is wrong. SourceError: a source cannot deliver.
 OffloadError: a kernel datapath refused a transaction; carries errno when the kernel gave one.
+CannotRun: this node or process does not allow what the command must do (a port in use, no
+privilege); its message says what and what to do about it. The CLI turns ConfigError into exit 2
+and the others into exit 1, each as one line.
 """
 
 from __future__ import annotations
@@ -39,3 +42,8 @@ class OffloadError(UsproxyError):
 class AlreadyRunning(UsproxyError):
     """Another agent holds this network namespace (two agents would fight over its listeners
     and kernel tables)."""
+
+
+class CannotRun(UsproxyError):
+    """The node or the process's privileges do not allow what the command must do: one line
+    saying what failed and what to do (exit 1)."""

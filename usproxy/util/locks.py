@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from usproxy.util.errors import AlreadyRunning
+from usproxy.util.errors import AlreadyRunning, CannotRun
 
 LOCK_DIR = Path("/run/usproxy")
 
@@ -47,10 +47,10 @@ class NetnsLock:
             await asyncio.sleep(0.1)
 
     def acquire(self) -> None:
-        """Take the lock now; raises AlreadyRunning naming the holder's pid."""
-        LOCK_DIR.mkdir(parents=True, exist_ok=True)
+        """Take the lock now; raises AlreadyRunning naming the holder's pid, CannotRun when the
+        lock file cannot be made (not root, a read-only /run)."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -75,6 +75,15 @@ class NetnsLock:
             pass
         os.close(self.fd)
         self.fd = None
+
+
+    def _open(self) -> int:
+        try:
+            LOCK_DIR.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            hint = "; run usproxy as root" if isinstance(err, PermissionError) else ""
+            raise CannotRun(f"cannot make the lock file {self.path}: {err.strerror or err}{hint}") from None
 
 
 def _same_file(fd: int, path: Path) -> bool:

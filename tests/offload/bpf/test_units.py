@@ -85,3 +85,24 @@ def test_load_balancer_ips_are_never_socket_lb_frontends() -> None:
     assert dp.unsupported(lb) is None
     wants = dp._wants(lb.service_port.name, lb)
     assert {k.ip for w in wants.values() for k in w.frontends} == {ipaddress.ip_address("10.96.0.4")}
+
+
+def test_external_reason_names_the_lb_mode() -> None:
+    """/services' externalReason (and `usproxy status`): DSR mode says DSR, not SNAT; a Local
+    policy keeps the client's address in either mode."""
+    from usproxy.offload.kernel_datapath import ALL_TRAFFIC
+    from usproxy.offload.bpf.nodeport import HookedInterface
+
+    web = state(spn("web", "http"), "10.96.0.10", 80, [ep("10.244.2.5", node_name="other")],
+                node_port=30080, service_type="NodePort")
+    local = state(spn("loc", "http"), "10.96.0.11", 80, [ep("10.244.1.5", node_name="node")],
+                  node_port=30081, service_type="NodePort", external_traffic_policy="Local")
+    reasons = {}
+    for mode in ("snat", "dsr"):
+        dp = BpfDatapath(lb_mode=mode)
+        dp.hooked, dp.traffic = [HookedInterface(2, "eth0", (ipaddress.IPv4Address("192.0.2.10"),))], ALL_TRAFFIC
+        reasons[mode] = (dp.external_route(web).reason, dp.external_route(local).reason)
+    assert "SNAT to the node when the endpoint is reached" in reasons["snat"][0]
+    assert "DSR: an endpoint on another node gets the client's address" in reasons["dsr"][0]
+    assert "SNAT to the node when" not in reasons["dsr"][0]
+    assert all("client address kept (externalTrafficPolicy Local)" in r[1] for r in reasons.values())

@@ -358,6 +358,8 @@ class BpfDatapath:
         flags = next(iter(wants.values())).flags
         notes = ["tc (tcx) on " + ",".join(h.name for h in self.hooked),
                  "client address kept (externalTrafficPolicy Local)" if flags & F_LOCAL_ONLY
+                 else "DSR: an endpoint on another node gets the client's address and answers it directly; "
+                 "this node's endpoints are SNATed to the node" if flags & F_DSR
                  else "SNAT to the node when the endpoint is reached through a hooked interface"]
         if not next(iter(wants.values())).endpoints:
             notes.append("no local endpoint: dropped" if flags & F_DROP_EMPTY

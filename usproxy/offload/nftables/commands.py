@@ -147,7 +147,8 @@ def base_commands(family: Family, hooks: HookSettings = HookSettings()) -> list[
         ("endpoints-check", "", [ONLY_NEW_TCP, f"{key3} vmap @no-endpoint-services",
                                  f"{np_key} vmap @no-endpoint-nodeports"]),
         ("nat-prerouting", "type nat hook prerouting priority -100; policy accept;", ["jump services"]),
-        ("nat-output", "type nat hook output priority -100; policy accept;", ["jump services"]),
+        ("nat-output", "type nat hook output priority -100; policy accept;", [
+            *service_address_source(family), "jump services"]),
         ("nat-postrouting", "type nat hook postrouting priority 100; policy accept;", [
             f"meta mark & {MASQ_MARK:#x} == {MASQ_MARK:#x} meta mark set meta mark ^ {MASQ_MARK:#x} masquerade fully-random",
             f"ct status dnat {ipx} saddr . {ipx} daddr @hairpin masquerade fully-random"]),
@@ -164,6 +165,20 @@ def base_commands(family: Family, hooks: HookSettings = HookSettings()) -> list[
     for name, hook, rules in chains:
         cmds += chain_commands(family, name, rules, hook=hook)
     return cmds
+
+
+def service_address_source(family: Family) -> list[str]:
+    """Mark for masquerade a node process's connection whose source is the Service address it
+    connects to, as kube-proxy's IPVS mode does for its kube-ipvs0 addresses (`-m set
+    --match-set KUBE-CLUSTER-IP src,dst -j KUBE-MARK-MASQ` in its OUTPUT rules). ClusterIPs,
+    externalIPs and LoadBalancer IPs are local addresses on the ClusterIP interface, so the kernel
+    takes the address itself as the source of a connection to it (the local route's preferred
+    source); DNATed, it would reach an endpoint on another node with that source, and the answer
+    would go to that node, which holds the same address. Masqueraded, it leaves with the address
+    the route to the endpoint picks, the node's, as in kube-proxy's other modes where Service
+    addresses are not local. `service-ips` holds exactly the (address, protocol, port) frontends
+    this table DNATs, so nothing else is touched."""
+    return [f"{_ipx(family)} saddr . meta l4proto . th dport @service-ips {MARK_MASQ}"]
 
 
 def cluster_ips_check(family: Family, cidrs: Sequence[str]) -> list[str]:
