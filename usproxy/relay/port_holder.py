@@ -27,6 +27,8 @@ import ipaddress
 import os
 from pathlib import Path
 
+from usproxy.model.types import unmapped
+
 TCP_LISTEN = "0A"  # include/net/tcp_states.h
 PROC = Path("/proc")
 
@@ -56,7 +58,7 @@ def holding_sockets(addr: str, port: int, protocol: str, proc: Path = PROC) -> l
             fields = line.split()
             local, state, inode = fields[1], fields[3], int(fields[9])
             hexaddr, hexport = local.split(":")
-            bound = _address(hexaddr)
+            bound = unmapped(_address(hexaddr))  # a dual-stack socket bound to ::ffff:ClusterIP holds it
             if int(hexport, 16) != port or (protocol == "TCP" and state != TCP_LISTEN):
                 continue
             if bound == want or bound.is_unspecified:
