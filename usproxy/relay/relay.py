@@ -124,7 +124,7 @@ class Relay:
         self.udp = UdpRelay(settings.udp_idle_timeout)
         self.listening: Listening = set()
         self.admission = FlowAdmission.within(settings.conntrack_max, raise_nofile_limit(), self.udp.evict_oldest,
-                                              self.listening)
+                                              self.listening, evict_own=self.udp.evict_oldest_of)
         self.metrics.registry.register(FlowTableCollector(self.admission.table))
         self.ports: dict[ServicePortName, ServicePortRelay] = {}
         self.node_ips: list[str] = []
