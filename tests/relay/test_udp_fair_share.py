@@ -117,6 +117,7 @@ print(sent, flush=True)
 """
 
 
+@pytest.mark.netns
 def test_a_udp_flood_moves_no_other_session(topology: Topology, backends: Backends, workdir: Path,
                                            loop_name: str) -> None:
     for name, ip in (("be-a", "10.244.1.5"), ("be-b", "10.244.1.6")):
