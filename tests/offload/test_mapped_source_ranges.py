@@ -22,7 +22,7 @@ import pytest
 from tests.conformance.lab import CGROUP2, BpfAgent
 from tests.netns import Topology, nsexec
 from tests.offload.harness import OFFLOAD, Pods, tcp_name, wait_listening
-from tests.offload.test_agent_offload import placement, wait_for
+from tests.offload.agent import placement, wait_for
 from tests.relay.harness import AgentProc, Manifests, slice_, svc
 
 pytestmark = pytest.mark.netns
