@@ -32,6 +32,7 @@ from usproxy.model.endpoint import Endpoint
 from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.relay.flow_owner import FlowOwner, SourceRefused
 from usproxy.relay.source_filter import allows
+from usproxy.relay.tcp_listener import freebind
 from usproxy.relay.udp_batch import MAX_DATAGRAM, MIN_SEGMENT, UdpBatch, refused, send_segments
 from usproxy.model.types import IPNetwork, Scope
 from usproxy.model.types import format_hostport
@@ -209,11 +210,16 @@ class UdpRelay:
 
 
 class UdpListener:
-    """A UDP socket bound to one frontend (ClusterIP:port, external IP:port or node IP:NodePort)."""
+    """A UDP socket bound to one frontend (ClusterIP:port, external IP:port or node IP:NodePort),
+    or, for a frontend whose port another socket holds, to a port of its own on the same address
+    (`port` 0: the kernel's pick), where the capture sends the frontend's datagrams and whose
+    replies conntrack gives the frontend's port back (port_capture.py). Flows are keyed by the
+    frontend either way."""
 
-    __slots__ = ("relay", "owner", "frontend", "kind", "flows", "sources", "sock")
+    __slots__ = ("relay", "owner", "frontend", "kind", "flows", "sources", "sock", "port")
 
-    def __init__(self, relay: UdpRelay, owner: FlowOwner, frontend: HostPort, kind: Scope) -> None:
+    def __init__(self, relay: UdpRelay, owner: FlowOwner, frontend: HostPort, kind: Scope,
+                 port: int | None = None) -> None:
         self.relay = relay
         self.owner = owner
         self.frontend = frontend
@@ -224,7 +230,9 @@ class UdpListener:
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         try:
             self.sock.setblocking(False)
-            self.sock.bind(frontend)
+            freebind(self.sock)  # bound before the address is on the ClusterIP interface
+            self.sock.bind((frontend[0], frontend[1] if port is None else port))
+            self.port = int(self.sock.getsockname()[1])
         except OSError:
             self.sock.close()
             raise
