@@ -269,7 +269,10 @@ def test_relay_listener_error_shows_while_offload_establishes(topology: Topology
         squatter = socket.socket()
     squatter.bind(("192.0.2.10", 30080))
     squatter.listen()
-    agent = AgentProc(topology, m, "uvloop", "--offload", "nftables", "--offload-after", "60")
+    # --relay-capture none: with a capture (the default) the held NodePort is served through it
+    # (tests/relay/test_node_daemon_owns_a_service_port.py); the error shows where none works
+    agent = AgentProc(topology, m, "uvloop", "--offload", "nftables", "--offload-after", "60",
+                      "--relay-capture", "none")
     try:
         agent.start()
         wait_for(lambda: "address already in use" in placement(agent)[1].lower(), what="the listener error")

@@ -19,6 +19,8 @@ from usproxy.util.errors import OffloadError
 from usproxy.offload.fake import FakeKernelDatapath
 from usproxy.offload.manager import OffloadManager
 from usproxy.offload.settings import OffloadSettings
+from usproxy.offload.stale_cleanup import MAX_PASSES
+from usproxy.core.stale_udp import StaleUdp, packed
 from usproxy.model.types import ServicePortName
 
 from tests.offload.helpers import ep, spn, state
@@ -306,27 +308,66 @@ async def test_wakes_the_sync_when_the_window_ends() -> None:
 
 async def test_conntrack_cleanup_never_holds_the_sync() -> None:
     """Control plane behind conntrack cleanup (issue 18 item 4): a cleanup that takes minutes (a
-    dump of 150,000 entries) runs beside the syncs; what is removed meanwhile is merged into the
-    next cleanup."""
+    dump of 150,000 entries) runs beside the syncs. Each sync's cleanup starts at once, up to
+    MAX_PASSES at a time, so none waits behind another (issue 29 item 8); what is removed while
+    every slot is busy is merged into the next pass."""
     release = asyncio.Event()
 
     class SlowCleanup(FakeKernelDatapath):
+        started: list[dict[ServicePortName, frozenset[Endpoint]]] = []
+
         async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
+            self.started.append(dict(removed))
             await release.wait()
             self.cleared.append(dict(removed))
 
     nft = SlowCleanup()
     mgr, _, _ = make(nft, after=0)
-    await mgr.sync(req(web("10.244.1.1", "10.244.1.2", "10.244.1.3", "10.244.1.4"), full=True))
-    g2, g3, g4 = (frozenset({ep(f"10.244.1.{i}")}) for i in (2, 3, 4))
-    await asyncio.wait_for(mgr.sync(SyncRequest({A: web("10.244.1.1", "10.244.1.3", "10.244.1.4")},
-                                                removed_endpoints={A: g2})), 1)
-    await asyncio.wait_for(mgr.sync(SyncRequest({A: web("10.244.1.1", "10.244.1.4")}, removed_endpoints={A: g3})), 1)
-    await asyncio.wait_for(mgr.sync(SyncRequest({A: web("10.244.1.1")}, removed_endpoints={A: g4})), 1)
-    assert nft.installed[A].cluster_endpoints == (ep("10.244.1.1"),) and nft.cleared == []
+    ips = [f"10.244.1.{i}" for i in range(1, 8)]
+    await mgr.sync(req(web(*ips), full=True))
+    for i in range(2, 8):  # six syncs, each removing one endpoint
+        await asyncio.wait_for(mgr.sync(SyncRequest({A: web(ips[0], *ips[i:])},
+                                                    removed_endpoints={A: frozenset({ep(ips[i - 1])})})), 1)
+    gone = [frozenset({ep(ip)}) for ip in ips[1:]]
+    assert nft.installed[A].cluster_endpoints == (ep(ips[0]),) and nft.cleared == []
+    await asyncio.sleep(0)
+    assert nft.started == [{A: g} for g in gone[:MAX_PASSES]]
     release.set()
     await mgr.stale_cleared()
-    assert nft.cleared == [{A: g2}, {A: g3 | g4}]
+    assert sorted(nft.cleared, key=str) == sorted([{A: g} for g in gone[:MAX_PASSES]]
+                                                  + [{A: gone[4] | gone[5]}], key=str)
+    await mgr.close()
+
+
+async def test_udp_changes_reach_a_reconciler_as_the_whole_rule() -> None:
+    """A kernel datapath with DNATed conntrack entries (nftables) gets the rule of every UDP
+    ServicePort after a full sync (the first, at start), and of the changed ones after others;
+    the frontends of a removed UDP ServicePort count with no endpoint."""
+    class Reconciler(FakeKernelDatapath):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rules: list[StaleUdp] = []
+
+        async def reconcile_udp(self, rule: StaleUdp) -> None:
+            self.rules.append(rule)
+
+    nft = Reconciler()
+    mgr, _, _ = make(nft, after=0)
+    dns, other = spn("dns", "dns", "UDP"), spn("other", "dns", "UDP")
+    d = state(dns, "10.96.0.10", 53, [ep("10.244.1.5", 53), ep("10.244.1.6", 53)])
+    o = state(other, "10.96.0.11", 53, [ep("10.244.1.7", 53)])
+    await mgr.sync(req(web("10.244.1.1"), d, o, full=True))
+    await mgr.stale_cleared()
+    assert nft.cleared == [] and len(nft.rules) == 1
+    assert set(nft.rules[0].frontends) == {(packed("10.96.0.10"), 53), (packed("10.96.0.11"), 53)}
+    await mgr.sync(SyncRequest({dns: state(dns, "10.96.0.10", 53, [ep("10.244.1.6", 53)])},
+                               removed_endpoints={dns: frozenset({ep("10.244.1.5", 53)})}))
+    await mgr.stale_cleared()
+    assert nft.rules[1].frontends == {(packed("10.96.0.10"), 53): frozenset({(packed("10.244.1.6"), 53)})}
+    await mgr.sync(SyncRequest({A: web("10.244.1.2")}))  # TCP only: nothing to reconcile
+    await mgr.sync(SyncRequest({other: None}))
+    await mgr.stale_cleared()
+    assert len(nft.rules) == 3 and nft.rules[2].frontends == {(packed("10.96.0.11"), 53): frozenset()}
     await mgr.close()
 
 

@@ -33,6 +33,7 @@ from usproxy.core.datapath import (
     NodeAddressFollower,
     ServiceCIDRHandler,
     SyncRequest,
+    UdpConntrackReconciler,
 )
 from usproxy.model.datapath_name import KERNEL_DATAPATH_NAMES, KernelDatapathName, OffloadMode
 from usproxy.model.node import NodeFacts
@@ -46,7 +47,8 @@ from usproxy.util.metrics import Metrics
 
 from tests.offload.helpers import ep, spn, state
 
-OPTIONAL = (NodeAddressFollower, ExternalServing, ServiceCIDRHandler, FlowsView, ChunkedFlowsView, ExternalView)
+OPTIONAL = (NodeAddressFollower, ExternalServing, ServiceCIDRHandler, FlowsView, ChunkedFlowsView, ExternalView,
+            UdpConntrackReconciler)
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -76,13 +76,24 @@ def probe_ipvs() -> Capability:
     return Capability("ipvs", False, "CONFIG_IP_VS off (explain still renders IPVS tables)")
 
 
+def probe_relay_capture() -> Capability:
+    """The relay's own choice of how to capture a frontend whose port a node socket holds
+    (usproxy/relay/port_capture.py `choose`, which installs nothing)."""
+    import asyncio
+
+    from usproxy.relay.port_capture import choose
+
+    mode, why = asyncio.run(choose("auto", {}))
+    return Capability("relay capture", mode != "none", f"{mode}: {why}" if mode != "none" else why)
+
+
 def probe_all(cfg: ProxyConfig = ProxyConfig()) -> list[Capability]:
     """Interfaces for ClusterIPs, then every declared kernel datapath's probes in ladder order,
-    then conntrack and IPVS."""
+    then conntrack, IPVS and the relay's capture of held ports."""
     from usproxy.offload import registry
 
     caps = [probe_link_kind("dummy"), probe_link_kind("bridge"),
             Capability("interface lo", os.path.exists("/sys/class/net/lo"), "last resort for ClusterIPs")]
     for d in registry.KERNEL_DATAPATHS:
         caps += d.probes(cfg)
-    return [*caps, probe_conntrack(), probe_ipvs()]
+    return [*caps, probe_conntrack(), probe_ipvs(), probe_relay_capture()]

@@ -3,7 +3,8 @@
 `cleanup`: as kube-proxy's CleanupLeftovers for every mode, remove what every declared kernel
 datapath (usproxy/offload/registry.py) ever installed, then the ClusterIP interface (usproxy0)
 with its addresses and the relay's blackhole routes of the Service CIDRs
-(usproxy/relay/service_cidr_routes.py); exit code 0 when everything was removed, 1 otherwise (one
+(usproxy/relay/service_cidr_routes.py), and the relay's capture rules (table usproxy-capture,
+or its iptables chains: usproxy/relay/port_capture.py); exit code 0 when everything was removed, 1 otherwise (one
 failing does not stop the others).
 
 `remove_leftovers`: at agent start, what an earlier run left of the kernel datapaths this run
@@ -62,8 +63,21 @@ async def _vip_interface(cfg: ProxyConfig) -> bool:
         vip.worker.close()
 
 
+async def _relay_capture() -> bool:
+    """The relay's capture rules (usproxy/relay/port_capture.py), of either mechanism."""
+    from usproxy.relay.port_capture import PortCapture
+
+    try:
+        await PortCapture().cleanup()
+        return True
+    except Exception as err:
+        log.error("removing the relay's capture rules: %s", err)
+        return False
+
+
 async def _cleanup(cfg: ProxyConfig) -> int:
     ok = await remove_kernel_state(cfg)
+    ok = await _relay_capture() and ok
     ok = await _vip_interface(cfg) and ok
     return 0 if ok else 1
 

@@ -77,6 +77,9 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--bpf-lb-acceleration", choices=["native", "disabled"],
                    help="--offload bpf: serve NodePorts at XDP on interfaces with native XDP, tc elsewhere "
                         "(Cilium's flag; default disabled)")
+    p.add_argument("--relay-capture", choices=["auto", "nftables", "iptables", "none"],
+                   help="capture a relayed frontend whose port a node socket holds (0.0.0.0:PORT) ahead of the "
+                        "kernel's socket lookup: auto (default) takes the first that works of nftables, iptables")
     p.add_argument("--cluster-cidr", dest="cluster_cidrs", metavar="CIDR[,CIDR]",
                    type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
                    help="pod network: ClusterIP traffic from outside it is masqueraded (kube-proxy's)")

@@ -9,20 +9,23 @@ their own installed view and touch only what differs. `FakeDatapath` records sta
 What only some datapaths offer is declared here, next to Datapath, as Protocols their callers
 check with isinstance, each saying who calls it: FlowsView and ChunkedFlowsView (/flows),
 ExternalView (/services' external route), ServiceCIDRHandler (the cluster's Service CIDRs), and
-two that kernel datapaths (usproxy/offload/kernel_datapath.py) offer the offload manager and the
-agent: NodeAddressFollower and ExternalServing.
+three that kernel datapaths (usproxy/offload/kernel_datapath.py) offer the offload manager and
+the agent: NodeAddressFollower, ExternalServing and UdpConntrackReconciler.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from usproxy.model.endpoint import Endpoint
 from usproxy.model.service_port import ServicePort
 from usproxy.model.types import IPNetwork, ServicePortName, format_hostport
 from usproxy.util.rows import FlowRow
+
+if TYPE_CHECKING:
+    from usproxy.core.stale_udp import StaleUdp
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,16 @@ class NodeAddressFollower(Protocol):
     tc programs: usp_tc_addrs)."""
 
     async def node_addresses_changed(self) -> None: ...
+
+
+@runtime_checkable
+class UdpConntrackReconciler(Protocol):
+    """Called by the offload manager (usproxy/offload/stale_cleanup.py) on a kernel datapath whose
+    UDP Services leave DNATed kernel conntrack entries (nftables; an iptables datapath too): the
+    stale-entry rule of every UDP ServicePort (usproxy/core/stale_udp.py) after each full sync,
+    and of the changed ones after other syncs, instead of the removed endpoints (`clear_stale`)."""
+
+    async def reconcile_udp(self, rule: StaleUdp) -> None: ...
 
 
 @runtime_checkable

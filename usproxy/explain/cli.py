@@ -8,7 +8,6 @@ with nothing readable exits 1, and so does an input with no Service to render (n
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,7 +19,7 @@ from usproxy.explain.packet import Packet
 from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
 from usproxy.model.config import BPF_LB_MODES
 from usproxy.model.manifest import Manifests, objects_from
-from usproxy.model.types import IPAddress, IPNetwork
+from usproxy.model.types import IPAddress, IPNetwork, parse_cidr_sloppy, parse_ip_sloppy
 from usproxy.util.errors import ConfigError
 
 
@@ -105,12 +104,10 @@ def _parsed(values: list[str], flag: str, parse: Callable[[str], object]) -> lis
 
 
 def node_from(args: argparse.Namespace) -> Node:
-    def net(v: str) -> IPNetwork:
-        return ipaddress.ip_network(v, strict=False)
-
-    ips: list[IPAddress] = _parsed(args.node_ip, "--node-ip", ipaddress.ip_address)  # type: ignore[assignment]
-    cidrs: list[IPNetwork] = _parsed(args.cluster_cidr, "--cluster-cidr", net)  # type: ignore[assignment]
-    scidrs: list[IPNetwork] = _parsed(args.service_cidr, "--service-cidr", net)  # type: ignore[assignment]
+    # as the agent parses them: an IPv4-mapped address or range is IPv4 (kube-proxy's IPFamilyOf)
+    ips: list[IPAddress] = _parsed(args.node_ip, "--node-ip", parse_ip_sloppy)  # type: ignore[assignment]
+    cidrs: list[IPNetwork] = _parsed(args.cluster_cidr, "--cluster-cidr", parse_cidr_sloppy)  # type: ignore[assignment]
+    scidrs: list[IPNetwork] = _parsed(args.service_cidr, "--service-cidr", parse_cidr_sloppy)  # type: ignore[assignment]
     return Node(args.node_name, tuple(ips), tuple(cidrs), tuple(scidrs))
 
 

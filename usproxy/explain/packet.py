@@ -15,13 +15,12 @@ when no Service rule handled the packet; "ERROR" when the rules jump to a chain 
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 from usproxy.util.errors import ConfigError
 from usproxy.explain.service_set import ServiceSet
-from usproxy.model.types import IPAddress
+from usproxy.model.types import IPAddress, parse_ip_sloppy
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +90,8 @@ def parse_packet(src: str, dst: str, ss: ServiceSet) -> Packet:
     try:
         target, _, proto = dst.rpartition("/") if "/" in dst else (dst, "", "TCP")
         host, _, port = target.rpartition(":")
-        d = ipaddress.ip_address(host.strip("[]"))
-        s = ipaddress.ip_address(src)
+        d = parse_ip_sloppy(host.strip("[]"))  # as the agent reads addresses (IPv4-mapped: IPv4)
+        s = parse_ip_sloppy(src)
         n = int(port)
     except ValueError:
         raise ConfigError("expected SRC DST:PORT/PROTO, e.g. 10.0.0.5 10.96.0.10:53/UDP",

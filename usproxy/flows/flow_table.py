@@ -6,8 +6,8 @@ or one datagram), state (a FlowState, named as the kernel's conntrack names them
 activity (monotonic seconds). The table is bounded by
 `max_flows` (kube-proxy's conntrack max rule; see ProxyConfig.conntrack_max): `add` raises
 FlowTableFull instead of growing, so callers can refuse a new connection cleanly. Insert, lookup
-and delete are O(1). The table also counts live TCP flows per client address (`per_client`),
-which FlowAdmission reads for its fair share. A flow's owner may set `closer`, which ends the flow
+and delete are O(1). The table also counts live flows per client address, TCP (`per_client`) and
+UDP (`per_client_udp`), which FlowAdmission reads for its fair shares. A flow's owner may set `closer`, which ends the flow
 (both legs reset) when the relay times it out, and `settle`, which the relay's next sweep runs once on a
 flow still live then (set-up that short flows never need).
 """
@@ -104,6 +104,7 @@ class FlowTable:
         self.opened: dict[str, int] = {}
         self.live: dict[str, int] = {}
         self.per_client: dict[str, int] = {}  # client address -> live TCP flows
+        self.per_client_udp: dict[str, int] = {}  # client address -> live UDP flows
         self.bytes_done = [0, 0]  # original (client -> endpoint), reply
 
     def add(self, flow: Flow) -> Flow:
@@ -115,21 +116,26 @@ class FlowTable:
         p = flow.protocol
         self.opened[p] = self.opened.get(p, 0) + 1
         self.live[p] = self.live.get(p, 0) + 1
-        if p == "TCP":
+        counts = self._per_client(p)
+        if counts is not None:
             c = flow.client[0]
-            self.per_client[c] = self.per_client.get(c, 0) + 1
+            counts[c] = counts.get(c, 0) + 1
         return flow
+
+    def _per_client(self, protocol: str) -> dict[str, int] | None:
+        return self.per_client if protocol == "TCP" else self.per_client_udp if protocol == "UDP" else None
 
     def remove(self, flow: Flow) -> None:
         if self._flows.pop(flow.id, None) is None:
             return
         self.live[flow.protocol] -= 1
-        if flow.protocol == "TCP":
+        counts = self._per_client(flow.protocol)
+        if counts is not None:
             c = flow.client[0]
-            if self.per_client[c] <= 1:
-                del self.per_client[c]
+            if counts[c] <= 1:
+                del counts[c]
             else:
-                self.per_client[c] -= 1
+                counts[c] -= 1
         self.bytes_done[0] += flow.bytes_in
         self.bytes_done[1] += flow.bytes_out
 

@@ -56,6 +56,8 @@ class ProxyConfig:
     # bpf-lb-mode; usproxy/offload/bpf/dsr.h)
     bpf_lb_mode: BpfLbMode = "snat"
     bpf_lb_acceleration: BpfLbAcceleration = "disabled"
+    # how the relay captures a frontend whose port another local socket holds (relay/port_capture.py)
+    relay_capture: str = "auto"
     cleanup: bool = False
     # local-traffic detection and masquerade, as kube-proxy (usproxy/model/local_detector.py)
     detect_local_mode: str = "ClusterCIDR"

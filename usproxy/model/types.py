@@ -91,18 +91,39 @@ def sloppy_ip_text(text: str) -> str:
     return ".".join(str(int(p)) for p in m.groups())
 
 
+def unmapped(ip: IPAddress) -> IPAddress:
+    """An IPv4-mapped IPv6 address (::ffff:192.0.2.20) as the IPv4 address it carries, as Go's
+    net.IP (To4) and so kube-proxy's IPFamilyOf read it; any other address unchanged. Without
+    this, a mapped address is classed IPv6 and escapes every IPv4 check (issue 29 item 5)."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def unmapped_network(net: IPNetwork) -> IPNetwork:
+    """An IPv6 network inside ::ffff:0:0/96 as the IPv4 network it covers (::ffff:192.0.2.0/120
+    -> 192.0.2.0/24, ::ffff:0:0/96 -> 0.0.0.0/0), as kube-proxy's IPFamilyOfCIDR and
+    IPNet.String() read it; any other network unchanged. A mapped network address implies a
+    prefix of at least 96 (the ffff bits sit at 80-95)."""
+    if isinstance(net, ipaddress.IPv6Network) and net.network_address.ipv4_mapped is not None:
+        return ipaddress.IPv4Network((net.network_address.ipv4_mapped, net.prefixlen - 96))
+    return net
+
+
 def parse_ip_sloppy(text: str) -> IPAddress:
     """An address as kube-proxy parses Service and EndpointSlice addresses (ParseIPSloppy:
-    IPv4 leading zeros are decimal). Raises ValueError as ipaddress.ip_address."""
-    return ipaddress.ip_address(sloppy_ip_text(text))
+    IPv4 leading zeros are decimal; an IPv4-mapped IPv6 address is the IPv4 address, see
+    `unmapped`). Raises ValueError as ipaddress.ip_address."""
+    return unmapped(ipaddress.ip_address(sloppy_ip_text(text)))
 
 
 def parse_cidr_sloppy(text: str) -> IPNetwork:
     """A CIDR as kube-proxy parses them (netutils.ParseCIDRSloppy): IPv4 leading zeros are
     decimal, host bits are allowed ("010.244.000.005/16" -> 10.244.0.0/16); a bare address is a
-    host route. Raises ValueError as ipaddress.ip_network."""
+    host route; an IPv4-mapped range is the IPv4 range (`unmapped_network`). Raises ValueError
+    as ipaddress.ip_network."""
     addr, slash, bits = text.strip().partition("/")
-    return ipaddress.ip_network(f"{sloppy_ip_text(addr)}{slash}{bits}", strict=False)
+    return unmapped_network(ipaddress.ip_network(f"{sloppy_ip_text(addr)}{slash}{bits}", strict=False))
 
 
 def refused_address(ip: IPAddress) -> str | None:

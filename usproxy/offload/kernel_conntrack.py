@@ -1,27 +1,37 @@
-"""KernelConntrack: the kernel conntrack entries of offloaded ServicePorts, via pyroute2.
+"""KernelConntrack: the kernel conntrack entries of offloaded ServicePorts.
 
-Two jobs, as kube-proxy's pkg/proxy/conntrack (CleanStaleEntries): delete UDP entries whose reply
-comes from an endpoint that went away (else a one-way UDP sender keeps its DNAT to a dead endpoint
-forever, field case C03), and delete UDP entries to a frontend that had no endpoints (else a
-sender's earlier "refused" entry outlives the 0 -> N change). For up to FILTERED_MAX IPv4 addresses
-the kernel filters the dump (one CTA_FILTER dump per address, Linux >= 5.8), so a node with
-150,000 UDP entries sends only the matching ones; more addresses, and IPv6 (whose reply-tuple
-filter matched no entry on Linux 6.18 through pyroute2), take one dump of all UDP entries.
-pyroute2's Conntrack deletes one entry per request. The manager runs this beside the syncs, never
-inside one. It also lists the DNATed entries of offloaded frontends for /flows.
+Three jobs, as kube-proxy's pkg/proxy/conntrack: reconcile every UDP entry of the UDP Services'
+frontends against their serving endpoints (`reconcile_udp`, kube-proxy's CleanStaleEntries, at
+start and after syncs: an endpoint removed while the agent was down leaves entries no sync
+reports, issue 29 item 7); delete UDP entries whose reply comes from an endpoint that went away
+(`delete_udp(reply_src=...)`, field case C03); delete UDP entries to a frontend that had no
+endpoints (`delete_udp(orig_dst=...)`, else a sender's earlier "refused" entry outlives the 0 -> N
+change). It also lists the DNATed entries of offloaded frontends for /flows.
 
-pyroute2's synchronous API cannot run inside a running event loop, so every call runs in one
-worker thread (NetnsWorker), which first enters `netns` when one is given.
+The first two list the whole UDP table once and delete in batches, in a child process
+(usproxy/offload/ctnetlink.py: off the event loop and off the agent's GIL; with 150,000 entries
+pyroute2's one-request-per-delete took minutes of the agent's CPU, issue 29 item 8). The child is
+forked from a worker thread of its own, so it starts in `netns` and a long cleanup never holds
+the thread that lists /flows. The third (a few addresses, inside a transaction's apply) and
+/flows stay on pyroute2: for up to FILTERED_MAX IPv4 addresses the kernel filters the dump (one
+CTA_FILTER dump per address, Linux >= 5.8); more addresses, and IPv6 (whose reply-tuple filter
+matched no entry on Linux 6.18 through pyroute2), take one dump of all UDP entries. pyroute2's
+synchronous API cannot run inside a running event loop, so its calls run in one worker thread
+(NetnsWorker), which first enters `netns` when one is given.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from usproxy.offload.netns_worker import NetnsWorker
+from usproxy.core.stale_udp import StaleUdp
 from usproxy.model.types import format_hostport
 from usproxy.util.rows import FlowRow
 
@@ -34,6 +44,9 @@ PROTO_NAME = {v: k for k, v in PROTO_NUM.items()}
 FAMILIES = (socket.AF_INET, socket.AF_INET6)
 FrontendKey = tuple[str, str, int]  # (address or "*" for NodePorts, PROTO, port)
 FILTERED_MAX = 32  # addresses up to which the kernel filters each dump
+RECONCILE_TIMEOUT = 600.0  # seconds a cleanup child may run (150,000 entries: a few seconds)
+RECONCILE_NICE = 10  # the child yields the CPU to the relay and the agent
+CLEANUP_PASSES = 4  # children at once (usproxy.offload.stale_cleanup.MAX_PASSES)
 
 
 class KernelConntrack:
@@ -42,15 +55,29 @@ class KernelConntrack:
     def __init__(self, netns: str | None = None) -> None:
         self.netns = netns
         self._worker = NetnsWorker("conntrack", netns)
+        # threads that wait for cleanup children, one per pass StaleCleanup runs at once
+        self._cleaner = NetnsWorker("conntrack-cleanup", netns, threads=CLEANUP_PASSES)
+
+    async def reconcile_udp(self, rule: StaleUdp) -> dict[str, Any]:
+        """Delete every UDP entry `rule` calls stale (one listing per family, batched deletes,
+        in a child process). Returns the child's summary (entries listed, stale, deleted, the
+        kernel's refusals by errno, seconds). Raises OSError when the child fails."""
+        if not rule:
+            return {"listed": 0, "stale": 0, "deleted": 0, "errors": {}, "seconds": 0.0}
+        return await self._cleaner.run(_run_cleanup, rule.to_json())
 
     async def delete_udp(self, *, reply_src: Iterable[tuple[str, int]] = (),
                          orig_dst: Iterable[tuple[str, int]] = ()) -> int:
-        """Delete UDP entries whose reply source or original destination is one of the given
-        (address, port). Returns how many were deleted."""
+        """Delete DNATed UDP entries whose reply source is one of `reply_src` (as reconcile_udp),
+        and UDP entries whose original destination is one of `orig_dst` (address, port).
+        Returns how many were deleted."""
         rs, od = set(reply_src), set(orig_dst)
-        if not rs and not od:
-            return 0
-        return await self._worker.run(self._delete_udp, rs, od)
+        deleted = 0
+        if rs:
+            deleted += int((await self.reconcile_udp(StaleUdp.replying_from(rs)))["deleted"])
+        if od:
+            deleted += await self._worker.run(self._delete_udp, set(), od)
+        return deleted
 
     def _delete_udp(self, reply_src: set[tuple[str, int]], orig_dst: set[tuple[str, int]]) -> int:
         from pyroute2 import Conntrack
@@ -109,6 +136,21 @@ class KernelConntrack:
 
     def close(self) -> None:
         self._worker.close()
+        self._cleaner.close()
+
+
+def _run_cleanup(rule_json: str) -> dict[str, Any]:
+    """The cleanup child (python -m usproxy.offload.ctnetlink), started from the calling thread,
+    so in its network namespace; blocks that thread (not the GIL) until the child is done."""
+    cmd = [sys.executable, "-m", "usproxy.offload.ctnetlink", "--nice", str(RECONCILE_NICE)]
+    done = subprocess.run(cmd, input=rule_json, capture_output=True, text=True, timeout=RECONCILE_TIMEOUT)
+    try:
+        out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise OSError(f"conntrack cleanup exited {done.returncode}: {done.stderr.strip()[-300:]}") from None
+    if done.returncode != 0 or "error" in out:
+        raise OSError(f"conntrack cleanup: {out.get('error', done.returncode)}")
+    return out
 
 
 def _matching(ct: Any, family: int, reply_src: set[tuple[str, int]], orig_dst: set[tuple[str, int]]) -> list[Any]:

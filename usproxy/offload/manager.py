@@ -39,6 +39,7 @@ from usproxy.util.errors import OffloadError
 from usproxy.offload import external_route, registry
 from usproxy.offload.kernel_datapath import ALL_TRAFFIC, Capability, KernelDatapath, KernelDatapathDeclaration
 from usproxy.offload.settings import OffloadSettings
+from usproxy.offload.stale_cleanup import StaleCleanup
 from usproxy.offload.reason import ESTABLISHED, ESTABLISHING, NO_DATAPATH, PINNED, REMOVED, Cause, Fault, Phase, Reason
 from usproxy.model.types import IPAddress, ServicePortName
 from usproxy.util.rows import FlowRow
@@ -103,8 +104,8 @@ class OffloadManager:
         self._usable: list[KernelDatapath] | None = None
         self._waiting: set[ServicePortName] = set()
         self._timer: asyncio.TimerHandle | None = None
-        self._stale: dict[ServicePortName, frozenset[Endpoint]] = {}  # waiting for `_clean`
-        self._cleaner: asyncio.Task[None] | None = None
+        self.stale = StaleCleanup(self.usable_kernels, self._live_states,
+                                  lambda k, spn: spn not in self.ports or k in self.ports[spn].kernels)
         self._timer_due = 0.0
 
     def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
@@ -151,10 +152,11 @@ class OffloadManager:
         # Every full sync reads the kernel back: at start to adopt what a previous agent left,
         # later to repair what was changed behind our back (a deleted table, lost elements).
         installed = await self._read_back() if request.full else {}
+        gone = [self.ports[s].state for s, st in request.changes.items() if st is None and s in self.ports]
         self._track(request, now)
         plan = self._plan(now, installed)
         await self._apply(plan, now)
-        self._queue_stale(request.removed_endpoints)
+        self.stale.queue(request, gone)  # beside the syncs, never in one
         self._schedule(now)
 
     def _track(self, request: SyncRequest, now: float) -> None:
@@ -341,34 +343,12 @@ class OffloadManager:
         for f in faults:
             self.metrics.demotions.labels(f.datapath, f.cause.label).inc()
 
-    def _queue_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
-        """Clear the kernel's conntrack entries of removed endpoints off the sync's path: with
-        150,000 UDP entries a cleanup inside the sync held every sync for minutes (issue 18).
-        Requests made while one runs are merged into the next."""
-        for spn, eps in removed.items():
-            self._stale[spn] = self._stale.get(spn, frozenset()) | eps
-        if self._stale and (self._cleaner is None or self._cleaner.done()):
-            self._cleaner = asyncio.get_running_loop().create_task(self._clean())
-
-    async def _clean(self) -> None:
-        while self._stale:
-            batch, self._stale = self._stale, {}
-            await self._clear_stale(batch)
+    def _live_states(self) -> dict[ServicePortName, ServicePortState]:
+        return {spn: p.state for spn, p in self.ports.items() if p.reason.phase is not Phase.REMOVED}
 
     async def stale_cleared(self) -> None:
         """Wait until every queued conntrack cleanup has run (tests; a sync never waits)."""
-        while self._cleaner is not None and not self._cleaner.done():
-            await asyncio.shield(self._cleaner)
-
-    async def _clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
-        for k in self.usable_kernels():
-            mine = {spn: eps for spn, eps in removed.items()
-                    if spn not in self.ports or k.name in self.ports[spn].kernels}
-            if mine:
-                try:
-                    await k.clear_stale(mine)
-                except Exception as err:
-                    log.warning("%s: clearing stale conntrack entries: %s", k.name, err)
+        await self.stale.idle()
 
     def _schedule(self, now: float) -> None:
         """Wake the sync when the next waiting ServicePort's window ends."""
@@ -439,7 +419,6 @@ class OffloadManager:
         """Stop timers and threads. Kernel state stays: a restarted agent adopts it (C20)."""
         if self._timer is not None:
             self._timer.cancel()
-        if self._cleaner is not None:  # entries it would have deleted expire by themselves
-            self._cleaner.cancel()
+        self.stale.cancel()  # entries it would have deleted expire by themselves
         for k in self.kernels:
             k.close()

@@ -20,9 +20,10 @@ T = TypeVar("T")
 class NetnsWorker:
     """A single worker thread named `name`, inside `netns` (a name under /run/netns) when given."""
 
-    def __init__(self, name: str, netns: str | None = None) -> None:
+    def __init__(self, name: str, netns: str | None = None, threads: int = 1) -> None:
+        """`threads` > 1: that many calls may run at once (each thread enters `netns`)."""
         self.netns = netns
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._enter)
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=self._enter)
 
     def _enter(self) -> None:
         if self.netns is not None:

@@ -27,9 +27,15 @@ Fair share (issue 18: one client's 9,872 idle connections to one Service got eve
 every Service reset): while the table or the descriptor budget is under pressure (7/8 of its bound
 or more), a new TCP connection from a client address that holds its fair share of the pressure mark
 (the mark divided by the number of client addresses with live TCP flows) or more is refused; clients
-below their share are still admitted up to the bound. UDP flows are not limited this way: the
-longest-idle one is evicted to make room (above), so they cannot lock anyone out (C08). No client is limited while there is no pressure (an ingress
-controller or a NATed network is one address with many legitimate connections).
+below their share are still admitted up to the bound. UDP has the same share, counted over the
+client addresses with live UDP flows (issue 29 item 9: one address sending 20,000 fresh-port
+datagrams a second took the table, and the longest-idle flow of anyone, another client's live
+session, was evicted again and again, moving it between endpoints): a new UDP flow from a client
+at its share replaces that client's own longest-idle flow (`evict_own`), so a flooder churns its
+own flows and never reaches the bound where other clients' flows are evicted. Recycling instead of
+refusing keeps a busy resolver behind one address (a fresh source port per query) answered at
+its share. No client is limited while there is no pressure (an ingress controller or a NATed
+network is one address with many legitimate connections).
 """
 
 from __future__ import annotations
@@ -50,27 +56,30 @@ class FlowAdmission:
     """The flow table's bounds and eviction policy; `table` is read by /flows and the metrics."""
 
     def __init__(self, table: FlowTable, max_udp: int, evict_idle: Callable[[], bool], *,
-                 descriptors: int | None = None, listeners: Sized = ()) -> None:
+                 descriptors: int | None = None, listeners: Sized = (),
+                 evict_own: Callable[[str], bool] = lambda client: False) -> None:
         """`evict_idle()` closes the longest-idle UDP flow (which then calls `release`); it
-        returns False when there is none. `descriptors` is the budget (None: unbounded),
-        `listeners` the live set of listening sockets (its length is read at each admission)."""
+        returns False when there is none; `evict_own(client address)` the same among that
+        client's UDP flows. `descriptors` is the budget (None: unbounded), `listeners` the live
+        set of listening sockets (its length is read at each admission)."""
         self.table = table
         self.max_udp = max_udp
         self.evict_idle = evict_idle
+        self.evict_own = evict_own
         self.descriptors = descriptors
         self.listeners = listeners
         self.pipe_fds = 0  # descriptors of the spliced TCP flows' pipes
 
     @classmethod
     def within(cls, conntrack_max: int, nofile: int, evict_idle: Callable[[], bool],
-               listeners: Sized = ()) -> FlowAdmission:
+               listeners: Sized = (), evict_own: Callable[[str], bool] = lambda client: False) -> FlowAdmission:
         """Bounds for a process allowed `nofile` descriptors and a conntrack max of `conntrack_max`
         (0: none of its own, as kube-proxy leaves the kernel's limit alone when its rule gives 0;
         the descriptor budget still bounds the table)."""
         budget = max(MIN_FLOWS, nofile - min(FD_RESERVE, nofile // 4))
         table = FlowTable(min(conntrack_max, budget // 2) if conntrack_max > 0 else budget // 2)
         return cls(table, max(MIN_FLOWS, min(table.max_flows, budget)), evict_idle,
-                   descriptors=budget, listeners=listeners)
+                   descriptors=budget, listeners=listeners, evict_own=evict_own)
 
     def descriptors_held(self) -> int:
         """Descriptors the relay holds now: one per listener and UDP flow, two per TCP flow, four
@@ -99,6 +108,8 @@ class FlowAdmission:
             self.table.refused += 1
             self.table.refused_fair_share += 1
             raise FlowTableFull(f"client {client[0]} holds its fair share of the flow table")
+        if protocol == "UDP" and self._over_udp_share(client[0]):
+            self.evict_own(client[0])  # its own longest-idle flow makes room; nobody else's
         if protocol == "UDP" and self.table.live.get("UDP", 0) >= self.max_udp:
             self.evict_idle()
         if len(self.table) >= self.table.max_flows:
@@ -121,6 +132,20 @@ class FlowAdmission:
             pressed = self.descriptors_held() + need > self.descriptors * PRESSURE
             mark = min(mark, int(self.descriptors * PRESSURE) // 2)  # in flows: two descriptors each
         return pressed and held >= max(1, mark // len(self.table.per_client))
+
+    def _over_udp_share(self, client_ip: str) -> bool:
+        """TCP's fair share for UDP: under pressure (UDP flows, the table or the descriptor budget
+        at 7/8 of its bound), does `client_ip` hold the UDP mark divided by the number of client
+        addresses with UDP flows? A client without a UDP flow never does (one lookup)."""
+        held = self.table.per_client_udp.get(client_ip, 0)
+        if not held:
+            return False
+        mark = int(min(self.max_udp, self.table.max_flows) * PRESSURE)
+        pressed = self.table.live.get("UDP", 0) >= mark or len(self.table) >= int(self.table.max_flows * PRESSURE)
+        if self.descriptors is not None:
+            pressed = pressed or self.descriptors_held() + 1 > self.descriptors * PRESSURE
+            mark = min(mark, int(self.descriptors * PRESSURE))  # one descriptor per UDP flow
+        return pressed and held >= max(1, mark // len(self.table.per_client_udp))
 
     def reserve_pipes(self) -> bool:
         """Count a spliced flow's pipes (PIPE_FDS descriptors), unless that takes the budget to

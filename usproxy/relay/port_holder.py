@@ -10,11 +10,12 @@ holds for every kernel since SO_REUSEPORT exists):
 - UDP: the specific bind succeeds only with SO_REUSEADDR on both sockets (the specific socket
   then gets the datagrams). The relay sets no SO_REUSEADDR on UDP: with it, any local user
   could bind the very same ClusterIP:P and share its datagrams.
-Since ClusterIPs are local addresses (VipInterface), the wildcard listener then receives the
-Service's traffic. kube-proxy 1.0 redirected in netfilter before the socket lookup; without
-nftables the only kernel hook that runs before it is a BPF sk_lookup program, which the relay
-does not load. So the relay reports the port as failing (in /services, naming the holder) and
-retries, and takes the port as soon as the holder lets it go.
+Since ClusterIPs are local addresses (VipInterface), the wildcard listener would then receive
+the Service's traffic. kube-proxy 1.0 redirected in netfilter before the socket lookup, and so
+does the relay (port_capture.py): the frontend is captured to a port of the relay's own, and the
+holder named here is shown beside it in /services. Where no capture mechanism works, the relay
+reports the port as failing (naming the holder) and retries, and takes the port as soon as the
+holder lets it go.
 
 `describe_holder` reads /proc/net/{tcp,udp}[6] of the caller's network namespace for the
 holding socket's inode, then /proc/<pid>/fd for its process: O(processes x descriptors), a few
@@ -26,6 +27,8 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
+
+from usproxy.model.types import unmapped
 
 TCP_LISTEN = "0A"  # include/net/tcp_states.h
 PROC = Path("/proc")
@@ -56,7 +59,7 @@ def holding_sockets(addr: str, port: int, protocol: str, proc: Path = PROC) -> l
             fields = line.split()
             local, state, inode = fields[1], fields[3], int(fields[9])
             hexaddr, hexport = local.split(":")
-            bound = _address(hexaddr)
+            bound = unmapped(_address(hexaddr))  # a dual-stack socket bound to ::ffff:ClusterIP holds it
             if int(hexport, 16) != port or (protocol == "TCP" and state != TCP_LISTEN):
                 continue
             if bound == want or bound.is_unspecified:

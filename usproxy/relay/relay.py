@@ -32,6 +32,7 @@ import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 from usproxy.util.heap import HeapTrim
 from usproxy.util.metrics import Metrics
@@ -44,6 +45,7 @@ from usproxy.model.endpoint import usable
 from usproxy.model.node import NodeFacts
 from usproxy.relay.client_origin import ClientOrigin
 from usproxy.relay.flow_admission import FlowAdmission
+from usproxy.relay.port_capture import CaptureMode, PortCapture
 from usproxy.relay.service_port_relay import Listening, ServicePortRelay
 from usproxy.relay.udp import UdpRelay
 from usproxy.relay.vip_interface import VipInterface
@@ -83,12 +85,13 @@ class RelaySettings:
     tcp_established_timeout: float = 86400.0
     tcp_close_wait_timeout: float = 3600.0
     service_cidrs: tuple[IPNetwork, ...] = ()  # --service-cidr
+    capture: CaptureMode = "auto"  # --relay-capture (port_capture.py)
 
     @classmethod
     def from_config(cls, cfg: ProxyConfig) -> RelaySettings:
         return cls(cfg.vip_interface, cfg.lb_policy, cfg.conntrack_max(), cfg.udp_idle_timeout,
                    cfg.tcp_established_timeout, cfg.tcp_close_wait_timeout,
-                   parse_cidrs(cfg.service_cidrs, "--service-cidr"))
+                   parse_cidrs(cfg.service_cidrs, "--service-cidr"), cast(CaptureMode, cfg.relay_capture))
 
 
 def _kept_alive(flow: Flow, now: float, timeout: float) -> bool:
@@ -124,7 +127,7 @@ class Relay:
         self.udp = UdpRelay(settings.udp_idle_timeout)
         self.listening: Listening = set()
         self.admission = FlowAdmission.within(settings.conntrack_max, raise_nofile_limit(), self.udp.evict_oldest,
-                                              self.listening)
+                                              self.listening, evict_own=self.udp.evict_oldest_of)
         self.metrics.registry.register(FlowTableCollector(self.admission.table))
         self.ports: dict[ServicePortName, ServicePortRelay] = {}
         self.node_ips: list[str] = []
@@ -141,10 +144,12 @@ class Relay:
         self.drop_unallocated = True
         self.service_cidr_objects: tuple[IPNetwork, ...] = ()  # the ServiceCIDR objects' CIDRs
         self._routed: tuple[IPNetwork, ...] | None = None  # what service_cidr_routes holds (None: unknown)
+        self.capture = PortCapture(settings.capture)
 
     # -- Datapath ------------------------------------------------------------------------------
     async def sync(self, request: SyncRequest) -> None:
-        if not self._started:
+        first = not self._started
+        if first:
             await self._start()
         elif request.full:
             self.node_ips = await self._node_addresses()
@@ -152,14 +157,19 @@ class Relay:
             now = time.monotonic()
             for ip in self.vip.addresses - self._uses.keys() - self.released.keys():
                 self.released[ip] = now
-        await self.vip.add_many(ip for st in request.changes.values() if st is not None
-                                for ip, _ in st.service_port.frontends() if ip not in self.host_ips)
+        # Listeners (bound with IP_FREEBIND) and captures first, addresses after: a frontend's
+        # first packet can only arrive once its address is local, and then finds the port held
+        # by the relay or captured, never by a node daemon on a wildcard address (issue 29 item 6).
         self._refresh_origin()
         for spn, state in request.changes.items():
             try:
                 await self._sync_one(spn, state)
             except Exception:
                 log.exception("%s: relay sync failed", spn)
+        if first:
+            self.capture.settle()  # in the background
+        await self.vip.add_many(ip for st in request.changes.values() if st is not None
+                                for ip, _ in st.service_port.frontends() if ip not in self.host_ips)
         await self._sync_addresses()
         await self._sync_service_cidr_routes()
         await self._retry_failed()
@@ -194,6 +204,7 @@ class Relay:
                 self._failing.discard(spn)
 
     async def _start(self) -> None:
+        self.capture.start()  # probes in the background; a capture waits for it
         await self.vip.setup()
         self.node_ips = await self._node_addresses()
         log.info("NodePort addresses: %s", ", ".join(self.node_ips) or "none")
@@ -211,7 +222,7 @@ class Relay:
         if port is None:
             port = self.ports[spn] = ServicePortRelay(
                 state, admission=self.admission, udp=self.udp, listening=self.listening,
-                default_policy=self.default_policy, origin=self.origin)
+                default_policy=self.default_policy, origin=self.origin, capture=self.capture)
         await port.apply(state, self.node_ips)
         if port.errors:
             self._failing.add(spn)
@@ -254,7 +265,8 @@ class Relay:
             return None
         if port.errors:
             return Placement("userspace", "; ".join(sorted(set(port.errors.values()))), error=True)
-        listening = ", ".join(sorted(f"{format_hostport(a, p)}" for a, p, _ in port.listeners))
+        listening = ", ".join(sorted(format_hostport(a, p) + (f" ({port.captured[(a, p, k)]})" if (a, p, k) in port.captured
+                                                              else "") for a, p, k in port.listeners))
         reason = f"listening on {listening}" if listening else "no usable endpoints: refused by the kernel"
         return Placement("userspace", "; ".join([reason, *local_policy_notes(port.state)]))
 
@@ -283,11 +295,12 @@ class Relay:
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
+        await self.capture.close()
         for port in self.ports.values():
             port.stop()  # a connection accepted but not yet handed over must not start a flow now
         self.reset_tcp_flows()
         for port in list(self.ports.values()):
-            await port.close()
+            await port.close(keep_capture=True)  # captures refuse while no agent runs
         self.ports.clear()
         for uf in list(self.udp.flows.values()):
             self.udp.close_flow(uf)

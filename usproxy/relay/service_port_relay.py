@@ -8,9 +8,14 @@ listens only while its kind has a usable endpoint, so the kernel refuses at once
 C03); a connection accepted just before its listener closed is reset, never left hanging
 (TcpListener). `apply()` diffs listeners by (address, port, protocol) and touches nothing that did
 not change (C21); after it, no UDP flow points at an endpoint outside its kind's usable set.
-A frontend that cannot be bound (its port held by another local socket, e.g. a node daemon on
-0.0.0.0:P: see port_holder.py for why the relay cannot take it) is reported in `errors` naming
-the holder, logged once per change of cause, and retried until it binds or is no longer wanted.
+A frontend that cannot be bound because another local socket holds its port (a node daemon on
+0.0.0.0:P: port_holder.py says why the relay cannot share it) is captured (port_capture.py): a
+listener on the same address and a port of the kernel's choosing gets the frontend's traffic
+through a DNAT that runs before the socket lookup, so the holder never sees it; the frontend
+stays captured while it listens (its flows' NAT points there), and while its Service has no
+endpoint it is refused rather than left to the holder. Where no capture mechanism works, such a
+frontend is reported in `errors` naming the holder, logged once per change of cause, and retried
+until it binds or is no longer wanted.
 
 Where kube-proxy drops, the listener's socket filter drops (source_filter.py: the kernel drops a
 SYN or datagram before any answer, so the client times out as against kube-proxy's DROP):
@@ -48,6 +53,7 @@ from usproxy.relay.client_origin import ClientOrigin
 from usproxy.relay.endpoint_selector import EndpointSelector
 from usproxy.relay.flow_admission import FlowAdmission
 from usproxy.relay.flow_owner import RelayStopping, SourceRefused
+from usproxy.relay.port_capture import Frontend, PortCapture, port_held
 from usproxy.relay.port_holder import describe_holder
 from usproxy.relay.source_filter import DROP_ALL, Clause, allows, attach_clauses
 from usproxy.relay.tcp import ClientSide
@@ -69,12 +75,15 @@ class ServicePortRelay:
     """Listeners, selectors and flow bookkeeping of one ServicePort."""
 
     __slots__ = ("spn", "state", "admission", "udp", "listening", "default_policy", "selectors",
-                 "short", "origin", "listeners", "errors", "failures", "firewall", "filtered", "stopping")
+                 "short", "origin", "listeners", "errors", "failures", "firewall", "filtered", "stopping",
+                 "capture", "captured", "refusing")
 
     def __init__(self, state: ServicePortState, *, admission: FlowAdmission, udp: UdpRelay,
-                 listening: Listening, default_policy: LBPolicy, origin: ClientOrigin | None = None) -> None:
+                 listening: Listening, default_policy: LBPolicy, origin: ClientOrigin | None = None,
+                 capture: PortCapture | None = None) -> None:
         """`default_policy` applies where the ServicePort names no load-balancing policy; `origin`
-        tells pods and the node from outside clients (default: nothing is a pod or the node)."""
+        tells pods and the node from outside clients (default: nothing is a pod or the node);
+        `capture` takes the frontends whose port another socket holds (None: none is)."""
         self.spn: ServicePortName = state.service_port.name
         self.state = state
         self.admission = admission
@@ -93,6 +102,9 @@ class ServicePortRelay:
         self.firewall: dict[str, tuple[IPNetwork, ...]] = {}
         self.filtered: dict[ListenerKey, tuple[Clause, ...]] = {}
         self.stopping = False  # the relay stops: no new flow (`stop`)
+        self.capture = capture
+        self.captured: dict[ListenerKey, str] = {}  # listener -> how it is captured, for /services
+        self.refusing: set[Frontend] = set()  # held frontends without a listener: refused
 
     # -- configuration -------------------------------------------------------------------------
     def desired(self, state: ServicePortState, node_ips: Collection[str]) -> set[ListenerKey]:
@@ -110,6 +122,15 @@ class ServicePortRelay:
                         if (6 if ":" in ip else 4) in fams}
         return out
 
+    def frontends(self, state: ServicePortState, node_ips: Collection[str]) -> set[Frontend]:
+        """Every (address, port, protocol) of the ServicePort, with endpoints or not."""
+        sp, proto = state.service_port, self.spn.protocol
+        out: set[Frontend] = {(str(ip), p, proto) for ip, p in sp.frontends()}
+        if sp.node_port:
+            fams = {ip.version for ip in sp.cluster_ips}
+            out |= {(ip, sp.node_port, proto) for ip in node_ips if (6 if ":" in ip else 4) in fams}
+        return out
+
     async def apply(self, state: ServicePortState, node_ips: Collection[str]) -> None:
         """Take a new state: update selectors, then open and close listeners as needed."""
         self.state = state
@@ -121,8 +142,13 @@ class ServicePortRelay:
         self._close_stale_flows(state)
         self.firewall = firewall(sp, node_ips)
         want = self.desired(state, node_ips)
+        fronts = self.frontends(state, node_ips)
         for key in [k for k in self.listeners if k not in want]:
             await self._close_listener(key)
+        await self._refuse_held({f for f in fronts if (f[0], f[1]) not in {(a, p) for a, p, _ in want}})
+        if self.capture is not None:
+            await self.capture.release(self.refusing - fronts)
+            self.refusing &= fronts
         for key in [k for k in self.errors if k not in want and k not in self.listeners]:
             del self.errors[key]  # a frontend no longer wanted is not retried
             self.failures.pop(key, None)
@@ -171,19 +197,49 @@ class ServicePortRelay:
         if isinstance(listener, UdpListener):
             listener.sources = self.firewall.get(key[0], ()) if key[2] == "external" else ()
 
+    async def _listen(self, key: ListenerKey, bind_port: int | None = None) -> Listener:
+        """A listener of frontend `key`, bound to its port or to `bind_port` (0: the kernel's pick)."""
+        addr, port, kind = key
+        if self.spn.protocol == "TCP":
+            return await TcpListener.open(addr, port if bind_port is None else bind_port,
+                                          lambda: ClientSide(self, kind, (addr, port)))
+        return UdpListener(self.udp, self, (addr, port), kind, bind_port)
+
+    async def _captured_listener(self, key: ListenerKey) -> Listener:
+        """A listener on a port of its own, with the frontend's traffic captured to it. Raises
+        OSError when the capture is refused (the listener is closed again)."""
+        assert self.capture is not None
+        listener = await self._listen(key, 0)
+        frontend = (key[0], key[1], self.spn.protocol)
+        try:
+            await self.capture.capture(frontend, listener.port)
+        except BaseException:  # never a listener nobody knows of, the capture pointing at it
+            listener.close()
+            raise
+        self.refusing.discard(frontend)
+        return listener
+
     async def _open_listener(self, key: ListenerKey) -> None:
         addr, port, kind = key
+        frontend = (addr, port, self.spn.protocol)
         try:
-            if self.spn.protocol in ("TCP", "UDP"):
-                self.admission.reserve_listener()  # listeners count against the flows' descriptor budget
-            if self.spn.protocol == "TCP":
-                self.listeners[key] = await TcpListener.open(
-                    addr, port, lambda: ClientSide(self, kind, (addr, port)))
-            elif self.spn.protocol == "UDP":
-                self.listeners[key] = UdpListener(self.udp, self, (addr, port), kind)
-            else:
+            if self.spn.protocol not in ("TCP", "UDP"):
                 self.errors[key] = f"{self.spn.protocol} is not relayed in userspace"
                 return
+            self.admission.reserve_listener()  # listeners count against the flows' descriptor budget
+            try:
+                self.listeners[key] = await self._listen(key)
+                if self.capture is not None and frontend in self.refusing:  # the holder has gone
+                    self.refusing.discard(frontend)
+                    await self.capture.release([frontend])
+            except OSError as err:
+                if err.errno != errno.EADDRINUSE or self.capture is None:
+                    raise
+                await self.capture.ready()
+                if not self.capture.can(addr):
+                    raise
+                self.listeners[key] = await self._captured_listener(key)
+                self.captured[key] = await self._capture_note(key)
         except OSError as err:
             await self._listen_failed(key, err)
             return
@@ -209,21 +265,61 @@ class ServicePortRelay:
                 self.errors[key] = f"{cause} ({holder}; its traffic goes there)"
         log.error("%s: %s", self.spn, self.errors.get(key, cause))
 
-    async def _close_listener(self, key: ListenerKey) -> None:
+    async def _capture_note(self, key: ListenerKey) -> str:
+        """How a captured frontend is served, for /services and the log (once per capture)."""
+        assert self.capture is not None
+        addr, port, _ = key
+        holder = await asyncio.to_thread(describe_holder, addr, port, self.spn.protocol)
+        note = (f"{holder}; " if holder else "") + f"captured by {self.capture.mode}"
+        log.info("%s: %s/%s is held by another socket; %s", self.spn, format_hostport(addr, port),
+                 self.spn.protocol, note)
+        return note
+
+    async def _refuse_held(self, frontends: set[Frontend]) -> None:
+        """Frontends without a listener (no endpoints) whose port another socket holds are
+        refused, not handed to the holder (kube-proxy rejects them). Checked with a throwaway
+        bind when the ServicePort changes; one captured before stays refused."""
+        if self.capture is None:
+            return
+        for f in sorted(frontends - self.refusing):
+            if not port_held(*f):
+                continue
+            await self.capture.ready()
+            if self.capture.can(f[0]):
+                try:
+                    await self.capture.refuse(f)
+                    self.refusing.add(f)
+                except OSError as err:
+                    log.error("%s: refusing %s/%s: %s", self.spn, format_hostport(f[0], f[1]), f[2], err)
+
+    async def _close_listener(self, key: ListenerKey, keep_capture: bool = False) -> None:
         # Established connections keep running (as kube-proxy); only accepting stops.
         self.listeners.pop(key).close()
         self.listening.discard((key[0], key[1], self.spn.protocol))
         self.errors.pop(key, None)
         self.filtered.pop(key, None)
+        if self.captured.pop(key, None) is not None and self.capture is not None and not keep_capture:
+            frontend = (key[0], key[1], self.spn.protocol)
+            try:  # refused until it listens again or goes: never handed to the holder
+                await self.capture.refuse(frontend)
+                self.refusing.add(frontend)
+            except OSError as err:
+                log.error("%s: refusing %s/%s: %s", self.spn, format_hostport(key[0], key[1]), key[2], err)
 
     async def retry_failed(self) -> None:
         for key in list(self.errors):
             if key not in self.listeners:
                 await self._open_listener(key)
 
-    async def close(self) -> None:
+    async def close(self, keep_capture: bool = False) -> None:
+        """Close every listener. `keep_capture` (the agent's exit): the capture rules stay, and
+        with the relay's ports closed they refuse until the next agent writes its own, so the
+        holder never gets the frontends' traffic during a restart."""
         for key in list(self.listeners):
-            await self._close_listener(key)
+            await self._close_listener(key, keep_capture)
+        if self.capture is not None and self.refusing and not keep_capture:
+            await self.capture.release(self.refusing)
+            self.refusing.clear()
 
     def _close_stale_flows(self, state: ServicePortState) -> None:
         """UDP flows whose endpoint left its kind's usable set (removed, not ready any more, port

@@ -33,7 +33,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from usproxy.model.types import IPNetwork
+from usproxy.model.types import IPNetwork, unmapped
 
 SO_ATTACH_FILTER, SO_DETACH_FILTER = 26, 27  # asm-generic/socket.h
 SKF_NET_OFF = -0x100000  # linux/filter.h: offsets from the network header
@@ -135,7 +135,7 @@ def allows(sources: Sequence[IPNetwork], client: str) -> bool:
     if not sources:
         return True
     try:
-        ip = ipaddress.ip_address(client.split("%", 1)[0])
+        ip = unmapped(ipaddress.ip_address(client.split("%", 1)[0]))  # a dual-stack socket's v4 peer
     except ValueError:
         return False
     return any(ip in n for n in sources)

@@ -18,8 +18,11 @@ over fails is reset. uvloop accepts and makes the transport inside one libuv cal
 Server is kept there, which costs one task per connection less.
 
 The socket is made here on both loops: SO_REUSEADDR (a restarted agent rebinds at once),
-SO_KEEPALIVE (inherited by every accepted connection on Linux), IPV6_V6ONLY for IPv6, backlog
-BACKLOG. A failed bind raises OSError with the kernel's strerror.
+SO_KEEPALIVE (inherited by every accepted connection on Linux), IPV6_V6ONLY for IPv6,
+IP_FREEBIND (the relay binds a new frontend before its address is on the ClusterIP interface,
+so a capture of its port, port_capture.py, is in place before the first packet can arrive),
+backlog BACKLOG. A failed bind raises OSError with the kernel's strerror. Port 0 binds a port the
+kernel picks (`port`), where a captured frontend's traffic is sent.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
 
 BACKLOG = 4096
+IP_FREEBIND, IPV6_FREEBIND = 15, 78  # linux/in.h, linux/in6.h
 ACCEPT_RETRY = 1.0  # seconds without accepting after the process ran out of descriptors (as asyncio)
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -53,6 +57,7 @@ def listening_socket(addr: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        freebind(sock)
         sock.setblocking(False)
         sock.bind((addr, port))
         sock.listen(BACKLOG)
@@ -60,6 +65,14 @@ def listening_socket(addr: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def freebind(sock: socket.socket) -> None:
+    """Allow binding an address that is not (yet) local: IP_FREEBIND, IPV6_FREEBIND for IPv6."""
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, IPV6_FREEBIND, 1)
+    else:
+        sock.setsockopt(socket.IPPROTO_IP, IP_FREEBIND, 1)
 
 
 def accepts_atomically(loop: asyncio.AbstractEventLoop) -> bool:
@@ -94,6 +107,11 @@ class TcpListener:
             listener.sock.close()
             raise
         return listener
+
+    @property
+    def port(self) -> int:
+        """The port the socket is bound to (the kernel's pick when opened with port 0)."""
+        return int(self.sock.getsockname()[1])
 
     def close(self) -> None:
         """Stop listening: the kernel resets the connections still in the accept queue, and the

@@ -7,10 +7,12 @@ with 64 KiB free, so a datagram of any size up to 65,507 bytes (65,527 over IPv6
 boundaries and is never truncated (C05); datagrams read back to back for one flow leave in one
 UDP_SEGMENT send, which the kernel cuts into the same datagrams (udp_batch.py).
 Replies leave through the listener socket, which is bound to exactly the address the client sent
-to, so the reply's source is that address and port (C06). Flows are kept in last-activity order:
-idle ones (either direction counts) expire after `idle_timeout`, and `evict_oldest` closes the
-longest-idle one when FlowAdmission needs room (C08), or when a socket cannot be opened for lack of
-descriptors (the budget was wrong: recover rather than drop the flow). ICMP errors from an
+to, so the reply's source is that address and port (C06). Flows are kept in last-activity order,
+all of them and each client address's own (`by_client`): idle ones (either direction counts)
+expire after `idle_timeout`, `evict_oldest` closes the longest-idle one when FlowAdmission needs
+room (C08), or when a socket cannot be opened for lack of descriptors (the budget was wrong:
+recover rather than drop the flow), and `evict_oldest_of` closes a client's own longest-idle one
+when that client holds its fair share (FlowAdmission, issue 29 item 9). ICMP errors from an
 endpoint surface as ECONNREFUSED on its flow: logged at a bounded rate, never fatal, and the flow's
 socket is watched anew (on uvloop an error event stops the watch), so the error is transient.
 """
@@ -30,6 +32,7 @@ from usproxy.model.endpoint import Endpoint
 from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.relay.flow_owner import FlowOwner, SourceRefused
 from usproxy.relay.source_filter import allows
+from usproxy.relay.tcp_listener import freebind
 from usproxy.relay.udp_batch import MAX_DATAGRAM, MIN_SEGMENT, UdpBatch, refused, send_segments
 from usproxy.model.types import IPNetwork, Scope
 from usproxy.model.types import format_hostport
@@ -53,15 +56,16 @@ def rewatch(sock: socket.socket, callback: Callable[..., None], *args: object) -
 class UdpFlow:
     """One client association: a socket connected to the chosen endpoint."""
 
-    __slots__ = ("key", "listener", "endpoint", "sock", "flow")
+    __slots__ = ("key", "listener", "endpoint", "sock", "flow", "peers")
 
     def __init__(self, key: FlowKey, listener: UdpListener, endpoint: Endpoint, sock: socket.socket,
-                 flow: Flow) -> None:
+                 flow: Flow, peers: OrderedDict[FlowKey, UdpFlow]) -> None:
         self.key = key
         self.listener = listener
         self.endpoint = endpoint
         self.sock = sock
         self.flow = flow
+        self.peers = peers  # the flows of the same client address, in last-activity order
 
 
 class UdpRelay:
@@ -70,6 +74,7 @@ class UdpRelay:
     def __init__(self, idle_timeout: float) -> None:
         self.idle_timeout = idle_timeout
         self.flows: OrderedDict[FlowKey, UdpFlow] = OrderedDict()
+        self.by_client: dict[str, OrderedDict[FlowKey, UdpFlow]] = {}  # client address -> its flows
         self.batch = UdpBatch()  # the receive buffer of every callback, and what they send next
 
     # -- flows ---------------------------------------------------------------------------------
@@ -78,6 +83,7 @@ class UdpRelay:
         uf = self.flows.get(key)
         if uf is not None:
             self.flows.move_to_end(key)
+            uf.peers.move_to_end(key)
             return uf
         return self._open(listener, key)
 
@@ -102,8 +108,11 @@ class UdpRelay:
         flow.endpoint, flow.state = (ep.host, ep.port), "UNREPLIED"
         local = sock.getsockname()
         flow.local = (local[0], local[1])
-        uf = UdpFlow(key, listener, ep, sock, flow)
-        self.flows[key] = listener.flows[key] = uf
+        peers = self.by_client.get(key[1][0])
+        if peers is None:
+            peers = self.by_client[key[1][0]] = OrderedDict()
+        uf = UdpFlow(key, listener, ep, sock, flow, peers)
+        self.flows[key] = listener.flows[key] = peers[key] = uf
         owner.opened(listener.kind, ep)
         asyncio.get_running_loop().add_reader(sock.fileno(), self._reply, uf)
         return uf
@@ -132,6 +141,9 @@ class UdpRelay:
         if self.flows.pop(uf.key, None) is None:
             return
         del uf.listener.flows[uf.key]
+        del uf.peers[uf.key]
+        if not uf.peers:
+            del self.by_client[uf.key[1][0]]
         try:
             asyncio.get_running_loop().remove_reader(uf.sock.fileno())
         except RuntimeError:
@@ -145,6 +157,14 @@ class UdpRelay:
         if not self.flows:
             return False
         self.close_flow(next(iter(self.flows.values())))
+        return True
+
+    def evict_oldest_of(self, client_ip: str) -> bool:
+        """Close the longest-idle flow of client address `client_ip`; False when it has none."""
+        peers = self.by_client.get(client_ip)
+        if not peers:
+            return False
+        self.close_flow(next(iter(peers.values())))
         return True
 
     def expire(self, now: float | None = None) -> int:
@@ -180,6 +200,7 @@ class UdpRelay:
                 uf.flow.seen_out(n)
                 uf.flow.state = "ASSURED"
                 self.flows.move_to_end(uf.key)
+                uf.peers.move_to_end(uf.key)
                 if n < MIN_SEGMENT and not batch.count:  # small, nothing pending: at once
                     uf.listener.send(uf.key[1], batch.free[:n])
                     continue
@@ -189,11 +210,16 @@ class UdpRelay:
 
 
 class UdpListener:
-    """A UDP socket bound to one frontend (ClusterIP:port, external IP:port or node IP:NodePort)."""
+    """A UDP socket bound to one frontend (ClusterIP:port, external IP:port or node IP:NodePort),
+    or, for a frontend whose port another socket holds, to a port of its own on the same address
+    (`port` 0: the kernel's pick), where the capture sends the frontend's datagrams and whose
+    replies conntrack gives the frontend's port back (port_capture.py). Flows are keyed by the
+    frontend either way."""
 
-    __slots__ = ("relay", "owner", "frontend", "kind", "flows", "sources", "sock")
+    __slots__ = ("relay", "owner", "frontend", "kind", "flows", "sources", "sock", "port")
 
-    def __init__(self, relay: UdpRelay, owner: FlowOwner, frontend: HostPort, kind: Scope) -> None:
+    def __init__(self, relay: UdpRelay, owner: FlowOwner, frontend: HostPort, kind: Scope,
+                 port: int | None = None) -> None:
         self.relay = relay
         self.owner = owner
         self.frontend = frontend
@@ -204,7 +230,9 @@ class UdpListener:
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         try:
             self.sock.setblocking(False)
-            self.sock.bind(frontend)
+            freebind(self.sock)  # bound before the address is on the ClusterIP interface
+            self.sock.bind((frontend[0], frontend[1] if port is None else port))
+            self.port = int(self.sock.getsockname()[1])
         except OSError:
             self.sock.close()
             raise

@@ -25,6 +25,7 @@ from usproxy.model.node import LocalAddresses, NodeFacts, read_local_addresses
 from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.offload.netns_worker import NetnsWorker
+from usproxy.core.stale_udp import StaleUdp
 from usproxy.offload.nftables.commands import Command, HookSettings, render
 from usproxy.offload.nftables.names import TABLE, affinity_endpoint, nft_family
 from usproxy.offload.nftables.pins import Pin, parse_pins
@@ -275,6 +276,13 @@ class NftablesDatapath:
                 continue
             self.tables[f] = read_table(f, items)
             self.tables[f].not_local, self.tables[f].if_local = self._not_local(f), self._if_local(f)
+
+    async def reconcile_udp(self, rule: StaleUdp) -> None:
+        """Delete the UDP conntrack entries `rule` calls stale (KernelConntrack.reconcile_udp)."""
+        summary = await self.conntrack.reconcile_udp(rule)
+        log.log(logging.INFO if summary["deleted"] else logging.DEBUG,
+                "conntrack: %s stale UDP entries of %s deleted in %.2fs%s", summary["deleted"], summary["listed"],
+                summary["seconds"], f" (refused: {summary['errors']})" if summary["errors"] else "")
 
     async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
         targets = {(str(ep.ip), ep.port) for spn, eps in removed.items() if spn.protocol == "UDP" for ep in eps}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from usproxy.core.datapath import ServiceCIDRHandler
+from usproxy.core.datapath import ServiceCIDRHandler, UdpConntrackReconciler
 from usproxy.offload.kernel_datapath import ALL_TRAFFIC, BuildContext, Capability, KernelDatapath, KernelDatapathDeclaration
 
 if TYPE_CHECKING:
@@ -79,5 +79,5 @@ DECLARATION = KernelDatapathDeclaration(
     probes=probes,
     leftovers=leftovers,
     remove=remove,
-    optional=(ServiceCIDRHandler,),
+    optional=(ServiceCIDRHandler, UdpConntrackReconciler),
 )

@@ -1,0 +1,110 @@
+"""Stale UDP conntrack entries (issue 29 items 7 and 8): the rule as a pure function of the UDP
+Services (usproxy.core.stale_udp, kube-proxy's CleanStaleEntries with usproxy's safe-side
+differences), and the child process that lists the kernel's table once and deletes in batches
+(usproxy.offload.ctnetlink), on entries made in a throwaway namespace. The agent-level tests with
+live sessions are tests/offload/test_udp_conntrack_reconcile.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from tests.netns import Topology, inside, nsexec
+from tests.offload.conntrack_fill import fill_udp
+from tests.offload.helpers import ep, spn, state
+from usproxy.offload.kernel_conntrack import KernelConntrack, _run_cleanup
+from usproxy.core.stale_udp import StaleUdp, packed
+
+DNS = spn("dns", "dns", "UDP")
+WEB = spn("web", "http")
+
+
+def hp(ip: str, port: int) -> tuple[bytes, int]:
+    return packed(ip), port
+
+
+def dns(*eps: str, node_port: int = 30053, **kw: object) -> object:
+    return state(DNS, "10.96.0.10", 53, [ep(i, 53, **kw) for i in eps], node_port=node_port)
+
+
+def test_a_frontends_entries_must_reply_from_a_serving_endpoint() -> None:
+    rule = StaleUdp.of([dns("10.244.1.5", "10.244.1.6")])  # type: ignore[list-item]
+    front = hp("10.96.0.10", 53)
+    assert not rule.stale(front, hp("10.244.1.5", 53))
+    assert rule.stale(front, hp("10.244.1.7", 53))  # an endpoint no longer there (removed while down)
+    assert rule.stale(front, hp("10.244.1.5", 5353))  # its port changed: compared with the port
+    assert not rule.stale(hp("10.96.0.99", 53), hp("10.244.1.7", 53))  # not a UDP frontend: not ours
+
+
+def test_entries_that_were_not_dnated_are_never_stale() -> None:
+    """The relay's own flows (and flows captured to the relay's port on the same address) reply
+    from the frontend address itself: a reconcile must not move a session the relay drains."""
+    rule = StaleUdp.of([dns("10.244.1.5")])  # type: ignore[list-item]
+    assert not rule.stale(hp("10.96.0.10", 53), hp("10.96.0.10", 53))
+    assert not rule.stale(hp("10.96.0.10", 53), hp("10.96.0.10", 41234))
+    assert not rule.stale(hp("192.0.2.10", 30053), hp("192.0.2.10", 30053))
+
+
+def test_serving_counts_not_ready_or_policy() -> None:
+    """kube-proxy: IsServing, whatever readiness and traffic policies say (a policy change moves
+    no live flow); an endpoint that stopped serving is stale."""
+    rule = StaleUdp.of([dns("10.244.1.5", ready=False, serving=True)])  # type: ignore[list-item]
+    assert not rule.stale(hp("10.96.0.10", 53), hp("10.244.1.5", 53))
+    rule = StaleUdp.of([dns("10.244.1.5", ready=False, serving=False)])  # type: ignore[list-item]
+    assert rule.stale(hp("10.96.0.10", 53), hp("10.244.1.5", 53))
+
+
+def test_nodeports_judge_any_address_that_is_no_frontend() -> None:
+    rule = StaleUdp.of([dns("10.244.1.5"),  # type: ignore[list-item]
+                        state(spn("other", "x", "UDP"), "10.96.0.20", 30053, [ep("10.244.3.3", 30053)])])
+    assert rule.stale(hp("192.0.2.10", 30053), hp("10.244.1.7", 53))
+    assert not rule.stale(hp("192.0.2.10", 30053), hp("10.244.1.5", 53))
+    # a ClusterIP whose port equals the NodePort keeps its own rule
+    assert not rule.stale(hp("10.96.0.20", 30053), hp("10.244.3.3", 30053))
+
+
+def test_a_removed_services_frontends_count_with_no_endpoint() -> None:
+    gone = dns("10.244.1.5")
+    rule = StaleUdp.of([], [gone])  # type: ignore[list-item]
+    assert rule.stale(hp("10.96.0.10", 53), hp("10.244.1.5", 53))
+    again = StaleUdp.of([dns("10.244.1.5")], [gone])  # type: ignore[list-item]
+    assert not again.stale(hp("10.96.0.10", 53), hp("10.244.1.5", 53))  # the frontend is used again
+
+
+def test_tcp_services_are_not_judged_and_the_rule_survives_json() -> None:
+    tcp = state(WEB, "10.96.0.30", 80, [ep("10.244.1.5")])
+    rule = StaleUdp.of([tcp, dns("10.244.1.5")])  # type: ignore[list-item]
+    assert hp("10.96.0.30", 80) not in rule.frontends
+    gone = StaleUdp.replying_from([("10.244.9.9", 53)])
+    for r in (rule, gone, StaleUdp.of([state(DNS, "fd00::10", 53, [ep("fd00::5", 53)])])):
+        assert StaleUdp.from_json(r.to_json()) == r
+    assert gone.stale(hp("10.96.0.77", 53), hp("10.244.9.9", 53))
+    assert rule.families() == (socket.AF_INET, socket.AF_INET6)  # a NodePort: either family
+    assert StaleUdp.of([tcp]).families() == () and not StaleUdp.of([tcp])
+
+
+@pytest.mark.netns
+def test_the_cleanup_child_deletes_exactly_the_stale_entries(topology: Topology) -> None:
+    with inside(topology.node):
+        assert fill_udp(3000, ("10.96.0.10", 53), ("10.244.1.5", 53)) == 3000
+        assert fill_udp(2000, ("10.96.0.10", 53), ("10.244.1.6", 53), clients="10.244.201.0") == 2000
+        assert fill_udp(1000, ("10.96.0.10", 53), ("10.96.0.10", 53), clients="10.244.202.0") == 1000  # the relay's
+        assert fill_udp(500, ("10.96.0.11", 53), ("10.244.1.9", 53)) == 500  # no UDP Service: not ours
+    nsexec(topology.node, "sysctl", "-qw", "net.netfilter.nf_conntrack_acct=1")
+    ct = KernelConntrack(topology.node)
+    try:
+        summary = asyncio.run(ct.reconcile_udp(StaleUdp.of([dns("10.244.1.6")])))  # type: ignore[list-item]
+    finally:
+        ct.close()
+    # one dump the kernel filters per frontend and NodePort: the other frontend's 500 are not even read
+    assert summary["listed"] == 6000 and summary["stale"] == summary["deleted"] == 3000, summary
+    left = nsexec(topology.node, "conntrack", "-L", "-p", "udp").stdout
+    assert "src=10.244.1.5" not in left and left.count("src=10.244.1.6") == 2000
+    assert left.count("] src=10.96.0.10 ") == 1000 and left.count("src=10.244.1.9") == 500
+
+
+def test_a_failing_child_is_an_error_naming_it() -> None:
+    with pytest.raises(OSError, match="conntrack cleanup: not a StaleUdp rule: Expecting property name"):
+        _run_cleanup("{not json")
