@@ -170,9 +170,23 @@ def kernel_scenario(res: Result) -> None:
         cleanup()
 
 
+def wait_serving(res: Result, frontends: dict[str, tuple[str, int, str]], timeout: float = 90) -> None:
+    """Until a probe through each frontend is answered: the agent lists its Services before its
+    relay has bound every ClusterIP (until then the node has no route and answers unreachable)."""
+    start = time.monotonic()
+    for spn, (ip, port, proto) in frontends.items():
+        while traffic.probe(ip, port, proto).startswith("error"):
+            if time.monotonic() - start > timeout:
+                res.fail(f"{spn} ({ip}:{port}/{proto}) not served {timeout:.0f} s after the agent listed it")
+                return
+            time.sleep(0.5)
+    res.data["figures"]["serving_s"] = round(time.monotonic() - start, 1)
+
+
 def traffic_through(res: Result, agent: Agent, frontends: dict[str, tuple[str, int, str]], forwarded: str,
                     socket_lb: bool) -> None:
     probes: dict[str, Any] = {"before": {}, "after": {}}
+    wait_serving(res, {**frontends, "nodePort": (node.NODE_IP, 30080, "TCP")})
     for spn, (ip, port, proto) in frontends.items():
         probes["before"][spn] = held_probe(agent, ip, port, proto)
     probes["before"]["nodeport 192.0.2.10:30080"] = held_probe(agent, node.NODE_IP, 30080, "TCP")

@@ -20,15 +20,13 @@ from node import netns, pod_ip  # noqa: E402
 class Udp(asyncio.DatagramProtocol):
     def __init__(self, pod: str) -> None:
         self.pod = pod.encode()
-        self.transport: asyncio.DatagramTransport | None = None
+        self.transport: asyncio.BaseTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self.transport = transport
+        self.transport = transport  # a datagram transport (the selector loop's is no DatagramTransport subclass)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        assert self.transport is not None
-        self.transport.sendto(self.pod + b" " + data, addr)
+        self.transport.sendto(self.pod + b" " + data, addr)  # type: ignore[union-attr]
 
 
 def tcp_handler(pod: str):  # type: ignore[no-untyped-def]
