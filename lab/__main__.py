@@ -162,10 +162,10 @@ def main(argv: list[str]) -> int:
             print(json.dumps({"arch": arch, "rootfs": str(r.directory), "seconds": round(time.monotonic() - t, 1),
                               **r.info()}))
         return 0
-    s = SCENARIOS.get(args.scenario)
-    if s is None:
+    if args.scenario not in SCENARIOS:
         print(f"vm.sh: unknown scenario {args.scenario!r}; one of {', '.join(SCENARIOS)}", file=sys.stderr)
         return 2
+    s = SCENARIOS[args.scenario]
     missing = need_tools(s.arch)
     if missing:
         print(f"vm.sh: {missing}", file=sys.stderr)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from lab.rootfs import BOOT_MODULES, CACHE, Rootfs, log
+from lab.rootfs import CACHE, Rootfs, log
 from lab.scenarios import Arch
 
 OUTPUT_DISK_MIB = 128
@@ -113,9 +113,9 @@ def build_initramfs(root: Rootfs | Path, dest: Path) -> Path:
     (tree / "bin").mkdir(parents=True)
     (tree / "mods").mkdir()
     shutil.copy(boot / "busybox", tree / "bin" / "busybox")
-    for ko in boot.glob("*.ko"):
+    for ko in boot.glob("*.ko*"):
         shutil.copy(ko, tree / "mods" / ko.name)
-    (tree / "boot-modules").write_text(" ".join(BOOT_MODULES) + "\n")
+    shutil.copy(boot / "modules.order", tree / "boot-modules")
     (tree / "init").write_text(INIT)
     (tree / "init").chmod(0o755)
     out = dest / "initramfs.cpio"

@@ -21,6 +21,7 @@ Kept 30 days; `--fresh` rebuilds.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import json
@@ -47,9 +48,9 @@ PACKAGES = ("kmod", "iproute2", "nftables", "iptables", "ipvsadm", "conntrack", 
 KERNEL_PACKAGE: dict[Arch, str] = {"amd64": "linux-image-cloud-amd64", "arm64": "linux-image-arm64"}
 PIP_MACHINE: dict[Arch, str] = {"amd64": "x86_64", "arm64": "aarch64"}
 TEST_TOOLS = ("pytest>=8", "pytest-asyncio>=0.23", "hypothesis>=6")
-# what the lab's initramfs loads to reach the root disk (in this order; a built-in one is skipped)
-BOOT_MODULES = ("virtio", "virtio_ring", "virtio_mmio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev",
-                "virtio_pci", "virtio_blk")
+# what the lab's initramfs loads to reach the root disk, with what they depend on (modules.dep);
+# a module built into a kernel (ext4 on amd64, not on arm64) has no file and is skipped
+BOOT_MODULES = ("virtio_mmio", "virtio_pci", "virtio_blk", "crc32c_generic", "ext4")
 HEADROOM_MIB = 1536  # free space in the image for what a guest writes (its writes go to an overlay)
 
 
@@ -128,12 +129,16 @@ def cached(arch: Arch) -> Rootfs | None:
 
 
 def ensure(arch: Arch, fresh: bool = False) -> Rootfs:
-    """The root for `arch`: cached, or built now (minutes; the log says which step runs)."""
-    if not fresh:
-        found = cached(arch)
-        if found is not None:
-            return found
-    return build(arch)
+    """The root for `arch`: cached, or built now (minutes; the log says which step runs). One
+    build per architecture at a time on this machine: a second caller waits and takes its result."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with (CACHE / f".lock-{arch}").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not fresh:
+            found = cached(arch)
+            if found is not None:
+                return found
+        return build(arch)
 
 
 def run(cmd: list[str], log_to: Path, env: dict[str, str] | None = None, timeout: float = 3600) -> None:
@@ -203,13 +208,35 @@ def boot_files(root: Path, into: Path, debs: Path | None = None) -> str:
     (into / "boot").mkdir(parents=True, exist_ok=True)
     shutil.copy(kernel, into / "vmlinuz")
     shutil.copy(src / "bin" / "busybox", into / "boot" / "busybox")
-    modules = src / "lib" / "modules" / version / "kernel"
-    for name in BOOT_MODULES:
-        for found in modules.rglob(f"{name}.ko*"):
-            shutil.copy(found, into / "boot" / found.name)
+    for ko in boot_modules(src / "lib" / "modules" / version, version):
+        shutil.copy(ko, into / "boot" / ko.name)
+    (into / "boot" / "modules.order").write_text(" ".join(
+        ko.name.split(".ko")[0] for ko in boot_modules(src / "lib" / "modules" / version, version)) + "\n")
     if debs is not None:
         shutil.rmtree(src)
     return version
+
+
+def boot_modules(moddir: Path, version: str) -> list[Path]:
+    """BOOT_MODULES' files and what they depend on, each after what it needs (insmod order). The
+    dependencies are read from each module's own .modinfo ("depends=a,b"), so this works on a
+    foreign architecture's modules, before depmod ever ran."""
+    files = {ko.name.split(".ko")[0].replace("-", "_"): ko for ko in (moddir / "kernel").rglob("*.ko")}
+    order: list[Path] = []
+
+    def visit(name: str) -> None:
+        ko = files.get(name)
+        if ko is None or ko in order:
+            return  # built in, or already placed
+        found = re.search(rb"depends=([^\0]*)", ko.read_bytes())
+        for dep in (found.group(1).decode().split(",") if found else []):
+            if dep:
+                visit(dep.replace("-", "_"))
+        order.append(ko)
+
+    for name in BOOT_MODULES:
+        visit(name)
+    return order
 
 
 def make_image(root: Path, image: Path, log_to: Path, headroom_mib: int = HEADROOM_MIB) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 
 from node import CLIENT, netns
