@@ -41,6 +41,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--memory", type=int, metavar="MiB", help="guest memory (default: the scenario's)")
     p.add_argument("--smp", type=int, metavar="N", help="vCPUs (default: the scenario's)")
     p.add_argument("--duration", type=float, metavar="S", help="edge-256: soak length in seconds (default 600)")
+    p.add_argument("--offload", choices=["auto", "nftables", "bpf", "none"],
+                   help="edge-256: the agent's --offload (default nftables: see docs/lab.md, The edge machine)")
     p.add_argument("--run", metavar="CMD", help="run CMD (sh -c) from a copy of the repository in the guest instead")
     p.add_argument("--results", type=Path, metavar="DIR", help="keep the guest's results here (default: a new /tmp dir)")
     p.add_argument("--timeout", type=float, metavar="S", help="give up on the guest after S seconds")
@@ -61,7 +63,8 @@ def need_tools(arch: str) -> str | None:
 def params_for(s: Scenario, args: argparse.Namespace) -> dict[str, Any]:
     return {"scenario": s.name, "arch": s.arch, "smp": args.smp or s.smp, "memory_mib": args.memory or s.memory_mib,
             "blacklist": list(s.blacklist), "cgroups": s.cgroups, "load_modules": list(s.load_modules),
-            "duration_s": args.duration if args.duration is not None else s.soak_s, "run": args.run}
+            "duration_s": args.duration if args.duration is not None else s.soak_s, "run": args.run,
+            "offload": args.offload or "nftables"}
 
 
 def params_sh(p: dict[str, Any]) -> str:
@@ -101,7 +104,10 @@ def run_scenario(s: Scenario, args: argparse.Namespace) -> int:
         summary["error"] = f"{type(err).__name__}: {err}"
     times["wall_s"] = round(time.monotonic() - start, 1)
     summary["times"] = times
-    print(json.dumps(summary, default=str))
+    line = json.dumps(summary, default=str)
+    if results.is_dir():
+        (results / "summary.json").write_text(line + "\n")
+    print(line)
     if args.run:
         return int(summary.get("run_exit", 1))
     return 0 if summary["passed"] else 1
@@ -137,7 +143,7 @@ def judge(s: Scenario, args: argparse.Namespace, out: machine.Outcome, results: 
         return {"error": f"the scenario wrote no result.json ({out.exit_reason}): {tail}"}
     r = json.loads(result_file.read_text())
     keep = ("passed", "uname_r", "arch", "memory_kib", "vcpus", "missing", "datapaths", "expected", "figures",
-            "failures", "pending", "iptables_datapath", "check_disagrees", "bpf_object", "soak", "memory_128")
+            "failures", "pending", "iptables_datapath", "datapath_log", "check_disagrees", "bpf_object", "soak", "offload")
     summary = {k: r[k] for k in keep if k in r}
     summary["missing"] = {k: not v.get("present", True) for k, v in r.get("missing", {}).items()}
     summary["check"] = {c["name"]: c["available"] for c in r.get("check", [])}

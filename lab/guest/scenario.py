@@ -167,7 +167,13 @@ def kernel_scenario(res: Result) -> None:
         res.data["figures"]["agent_rss_kib"] = agent.rss_kib()
         res.data["figures"]["agent_cpu_s"] = round(agent.cpu_s(), 2)
         res.expect(agent.stop() in (0, -15), "agent did not exit cleanly on SIGTERM")
+        res.data["datapath_log"] = datapath_lines(agent.log)
         cleanup()
+
+
+def datapath_lines(log: Path) -> list[str]:
+    """The agent's own words on each kernel datapath ("kernel datapath bpf: unavailable (...)")."""
+    return [line.split(": ", 1)[1] for line in log.read_text(errors="replace").splitlines() if "kernel datapath " in line]
 
 
 def wait_serving(res: Result, frontends: dict[str, tuple[str, int, str]], timeout: float = 90) -> None:

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,8 @@ def test_cgroup1(tmp_path: Path) -> None:
     assert out["check"]["bpf cgroup hooks"] is False
     assert set(out["datapaths"].values()) == {"nftables"}, out["datapaths"]
     assert any("cgroup v2" in c["detail"] for c in result["check"] if c["name"] == "bpf cgroup hooks")
+    # the reason is shown: the agent's log says why the socket LB is not used
+    assert any(line.startswith("kernel datapath bpf: unavailable") and "cgroup v2" in line for line in out["datapath_log"])
 
 
 @needs_lab
@@ -145,3 +148,45 @@ def test_run_a_command_in_a_guest(tmp_path: Path) -> None:
     assert code == 3 and out["run_exit"] == 3, f"{out}\n{err}"
     log = (tmp_path / "results" / "guest" / "run.log").read_text()
     assert " passed" in log and "x86_64" in log, log
+
+
+def lab_qemus() -> dict[int, str]:
+    """qemu processes of lab runs: pid -> the run directory named on their command line."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].startswith("qemu-system"):
+            runs = [a for a in " ".join(cmd).replace(",", " ").split() if "/usproxy-lab-" in a]
+            if runs:
+                found[int(proc.name)] = runs[0]
+    return found
+
+
+@needs_lab
+def test_interrupted_run_tears_down(tmp_path: Path) -> None:
+    """SIGTERM while the guest boots: qemu killed, the run's directory removed, a JSON line saying so."""
+    before = set(Path("/var/tmp").glob("usproxy-lab-*"))
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "vm.sh"), "no-xtables", "--results", str(tmp_path / "r")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if line.startswith("lab: booting"):
+            break
+    ours: set[int] = set()
+    for _ in range(150):  # until this run's qemu is up
+        ours = {pid for pid, run in lab_qemus().items() if not any(str(b) in run for b in before)}
+        if ours:
+            break
+        time.sleep(0.1)
+    assert ours, "no qemu started"
+    proc.terminate()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["error"] == "interrupted by SIGTERM"
+    left = set(Path("/var/tmp").glob("usproxy-lab-*")) - before
+    assert not left, f"run directories left behind: {left}"
+    assert not ours & set(lab_qemus()), "qemu still running after the lab was interrupted"
