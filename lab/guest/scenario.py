@@ -151,6 +151,8 @@ def kernel_scenario(res: Result) -> None:
     for wrong in res.data["check_disagrees"]:
         res.fail(f"usproxy check disagrees with the kernel: {wrong}")
     forwarded, socket_lb = kernel_expectation(res, caps)
+    from arm64 import bpf_object  # the same report on every architecture: compared by the host
+    res.data["bpf_object"] = bpf_object()
 
     pods = node.build(3)
     node.start_servers(3, [manifests.TCP_PORT], [manifests.UDP_PORT])

@@ -69,6 +69,14 @@ def guest_result(tmp_path: Path) -> dict[str, Any]:
     return dict(json.loads((tmp_path / "results" / "guest" / "result.json").read_text()))
 
 
+def wheel_bpf_object(wheel_name: str) -> str:
+    """sha256 of the BPF object inside the wheel the lab built (the one every guest installs)."""
+    wheel = next(Path("/var/cache/usproxy-lab/wheels").glob(f"*/{wheel_name}"))
+    with zipfile.ZipFile(wheel) as z:
+        (name,) = [n for n in z.namelist() if n.startswith("usproxy/offload/bpf/sock_lb-") and n.endswith(".o")]
+        return hashlib.sha256(z.read(name)).hexdigest()
+
+
 @needs_lab
 def test_no_nftables(tmp_path: Path) -> None:
     code, out, err = vm(tmp_path, "no-nftables")
@@ -86,6 +94,8 @@ def test_no_xtables(tmp_path: Path) -> None:
     code, out, err = vm(tmp_path, "no-xtables")
     assert code == 0 and out["passed"], f"{out}\n{err}"
     assert out["missing"] == {"nf_tables": True, "x_tables": True, "ip_tables": True}
+    # amd64 loads the wheel's object as it is, the same bytes the arm64 guest loads (test_arm64)
+    assert out["bpf_object"]["sha256"] == wheel_bpf_object(out["wheel"]), out["bpf_object"]
     assert {forwarded(d) for d in out["datapaths"].values()} == {"userspace"}, out["datapaths"]
     probes = guest_result(tmp_path)["probes"]["after"]
     assert all(p["carried_by"] == "userspace" for p in probes.values()), probes
@@ -133,11 +143,8 @@ def test_arm64(tmp_path: Path) -> None:
     code, out, err = vm(tmp_path, "arm64", timeout=3600)
     assert code == 0 and out["passed"], f"{out}\n{err}"
     assert out["arch"] == "aarch64"
-    wheel = next((Path("/var/cache/usproxy-lab/wheels")).glob(f"*/{out['wheel']}"))
-    with zipfile.ZipFile(wheel) as z:
-        (name,) = [n for n in z.namelist() if n.startswith("usproxy/offload/bpf/sock_lb-") and n.endswith(".o")]
-        in_wheel = hashlib.sha256(z.read(name)).hexdigest()
-    assert out["bpf_object"]["sha256"] == in_wheel and out["bpf_object"]["e_machine"] == 247, out["bpf_object"]
+    assert out["bpf_object"]["sha256"] == wheel_bpf_object(out["wheel"]) and out["bpf_object"]["e_machine"] == 247, \
+        out["bpf_object"]
 
 
 @needs_lab
