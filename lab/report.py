@@ -11,13 +11,20 @@ from typing import Any
 CAPS = ("nftables", "bpf cgroup hooks", "bpf tc (tcx) attach", "conntrack", "ipvs")
 
 
+def placed(datapath: str) -> str:
+    """"bpf" alone serves only the node's own processes (the socket LB): forwarded traffic is the relay's."""
+    parts = datapath.split("+")
+    return f"{datapath} (forwarded: relay)" if parts == ["bpf"] else datapath
+
+
 def row(directory: Path) -> str:
     s: dict[str, Any] = json.loads((directory / "summary.json").read_text())
     r: dict[str, Any] = json.loads((directory / "guest" / "result.json").read_text())
     missing = ", ".join(k for k, v in s.get("missing", {}).items() if v) or "-"
     check = " ".join(f"{c.split()[0] if c != 'bpf tc (tcx) attach' else 'tcx'}:{'y' if s['check'].get(c) else 'n'}"
                      for c in CAPS if c in s.get("check", {}))
-    paths = sorted(set(s.get("datapaths", {}).values())) if isinstance(s.get("datapaths"), dict) else []
+    paths = sorted({placed(str(d)) for d in s.get("datapaths", {}).values()}) if s["scenario"] != "edge-256" else \
+        [f"{k} ({v})" for k, v in s.get("datapaths", {}).items()]
     fig = s.get("figures", {})
     verdict = "passed" if s.get("passed") else "FAILED"
     if s.get("pending"):

@@ -161,12 +161,15 @@ def kernel_scenario(res: Result) -> None:
     if socket_lb:
         BPF_CGROUP.mkdir(exist_ok=True)
         flags += ["--bpf-cgroup", str(BPF_CGROUP)]
+    res.data["figures"]["mem_available_before_agent_kib"] = meminfo("MemAvailable")
     agent = Agent(WORK / "services", *flags)
     res.data["figures"]["agent_start_s"] = agent.start_s
     try:
         traffic_through(res, agent, frontends, forwarded, socket_lb)
     finally:
         res.data["figures"]["agent_rss_kib"] = agent.rss_kib()
+        # the node's memory the agent took, its RSS plus what it made the kernel hold (BPF maps)
+        res.data["figures"]["mem_taken_kib"] = res.data["figures"]["mem_available_before_agent_kib"] - meminfo("MemAvailable")
         res.data["figures"]["agent_cpu_s"] = round(agent.cpu_s(), 2)
         res.expect(agent.stop() in (0, -15), "agent did not exit cleanly on SIGTERM")
         res.data["datapath_log"] = datapath_lines(agent.log)
