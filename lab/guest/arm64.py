@@ -59,8 +59,9 @@ def local_probe(agent: Agent, cgroup: Path) -> dict[str, Any]:
         line = proc.stdout.readline()
         seen: dict[str, Any] = json.loads(line) if line else {"error": proc.stderr.read() if proc.stderr else ""}
         if "sport" in seen:
-            seen["relay_flows"] = [f for f in agent.get("/flows")
-                                   if str(f.get("original", {}).get("src", "")).endswith(f":{seen['sport']}")]
+            seen["flows"] = [f for f in agent.get("/flows")
+                             if str(f.get("original", {}).get("src", "")).endswith(f":{seen['sport']}")]
+            seen["relay_flows"] = [f for f in seen["flows"] if f.get("datapath") == "userspace"]
         proc.stdin.write("\n")
         proc.stdin.flush()
     finally:
