@@ -38,14 +38,15 @@ class Agent:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"agent exited {self.proc.returncode}: {self.log.read_text()[-1500:]}")
+                raise RuntimeError(f"agent exited {self.proc.returncode} ({memory_state()}): {self.log.read_text()[-1500:]}")
             try:
                 if self.get("/services"):
                     return round(time.monotonic() - self.started, 1)
             except OSError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"agent did not list its Services in 300 s: {self.log.read_text()[-1500:]}")
+        raise RuntimeError(f"agent did not list its Services in 300 s ({memory_state()}); "
+                           f"log tail: {self.log.read_text()[-800:]}")
 
     def datapaths(self) -> dict[str, str]:
         return {row["servicePortName"]: row["datapath"] for row in self.get("/services")}
@@ -90,6 +91,21 @@ class Agent:
                 self.proc.kill()
                 self.proc.wait()
         return int(self.proc.returncode)
+
+
+def memory_state() -> str:
+    """The node's memory in one line, for a failure's message: what is left, how much time tasks
+    lose waiting for memory (PSI), whether the OOM killer ran."""
+    info = {line.split(":")[0]: int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()}
+    words = [f"MemAvailable {info.get('MemAvailable', 0) // 1024} MiB of {info.get('MemTotal', 0) // 1024} MiB"]
+    try:
+        some = Path("/proc/pressure/memory").read_text().split("\n")[0]
+        words.append("memory pressure " + some.split()[1].replace("=", " ") + "%")
+    except OSError:
+        pass
+    ooms = [line for line in sh("dmesg", check=False).stdout.splitlines() if "Killed process" in line]
+    words.append(f"OOM kills: {len(ooms)}" + (f" (last: {ooms[-1].split('] ', 1)[-1][:120]})" if ooms else ""))
+    return ", ".join(words)
 
 
 def cleanup() -> None:
