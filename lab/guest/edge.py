@@ -22,7 +22,7 @@ from typing import Any
 import manifests
 import node
 import traffic
-from agent import Agent
+from agent import Agent, memory_state
 from node import say
 
 SERVICES = 100
@@ -58,13 +58,20 @@ def run(res: Any) -> None:
     BPF_CGROUP.mkdir(exist_ok=True)
     mem_before = node_mem()
     res.data["offload"] = PARAMS["offload"]
-    agent = Agent(services, "--offload", PARAMS["offload"], "--offload-after", "5", "--bpf-cgroup", str(BPF_CGROUP))
+    try:
+        agent = Agent(services, "--offload", PARAMS["offload"], "--offload-after", "5", "--bpf-cgroup", str(BPF_CGROUP))
+    except RuntimeError as err:
+        res.fail(f"{res.data['memory_kib'] // 1024} MiB usable is too little: {err}")
+        return
     fig: dict[str, Any] = res.data["figures"]
     fig["agent_start_s"] = agent.start_s
     fig["rss_start_kib"] = agent.rss_kib()
     fig["mem_available_start_kib"] = node_mem()
     try:
         soak(res, agent, manifest, pods, duration)
+    except OSError as err:  # the admin endpoint or a probe gave up: say what the memory was doing
+        res.fail(f"{res.data['memory_kib'] // 1024} MiB usable is too little: the agent stopped answering "
+                 f"({type(err).__name__}: {err}) with {memory_state()}")
     finally:
         fig["oom_lines"] = oom_lines()
         alive = agent.proc.poll() is None

@@ -48,5 +48,5 @@ dmesg > /lab/out/dmesg.txt 2>&1
 say "writing results"
 tar -cf /dev/vdc -C /lab/out . && sync
 say "done"
-echo o > /proc/sysrq-trigger
+busybox poweroff -f 2>/dev/null || echo o > /proc/sysrq-trigger  # sysrq has no poweroff on arm64
 sleep 60
