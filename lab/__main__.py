@@ -1,7 +1,7 @@
 """`python3 -m lab` (scripts/vm.sh): boot a lab machine and run a scenario, or a command, inside.
 
     vm.sh SCENARIO [--memory MiB] [--smp N] [--duration S] [--results DIR]
-    vm.sh SCENARIO --run 'pytest -q tests/offload/ipvs'     the repository copied in, command run from it
+    vm.sh SCENARIO --run 'python -m pytest -q tests/offload -k ipvs'     the repository copied in, command run from it
     vm.sh build [amd64|arm64|all] [--fresh]                 build (or refresh) the cached root file systems
     vm.sh list
 

@@ -49,6 +49,7 @@ def run(res: Any) -> None:
     from scenario import BPF_CGROUP, PARAMS, WORK
 
     duration = float(PARAMS["duration_s"] or 60)
+    res.data["check"] = __import__("proofs").check_json()
     pods = node.build(PODS)
     node.start_servers(PODS, [manifests.TCP_PORT], [manifests.UDP_PORT])
     services = WORK / "services"
