@@ -164,7 +164,12 @@ def main(argv: list[str]) -> int:
                 print(f"vm.sh: {missing}", file=sys.stderr)
                 return 1
             t = time.monotonic()
-            r = rootfs.ensure(arch, fresh=args.fresh)  # type: ignore[arg-type]
+            try:
+                with machine.signals_raise():  # SIGTERM: the build's children stop, its directory goes
+                    r = rootfs.ensure(arch, fresh=args.fresh)  # type: ignore[arg-type]
+            except machine.Interrupted as sig:
+                print(f"vm.sh: build interrupted by {sig}", file=sys.stderr)
+                return 1
             print(json.dumps({"arch": arch, "rootfs": str(r.directory), "seconds": round(time.monotonic() - t, 1),
                               **r.info()}))
         return 0

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -142,14 +143,22 @@ def ensure(arch: Arch, fresh: bool = False) -> Rootfs:
 
 
 def run(cmd: list[str], log_to: Path, env: dict[str, str] | None = None, timeout: float = 3600) -> None:
-    """cmd with its output appended to log_to; on failure, raise with the log's tail."""
+    """cmd with its output appended to log_to; on failure, raise with the log's tail. It runs in a
+    process group of its own, killed whole if the build is interrupted (debootstrap's wget and
+    dpkg would otherwise go on writing into a directory being removed)."""
     with log_to.open("a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout)
-    if proc.returncode != 0:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    if code != 0:
         tail = "\n".join(log_to.read_text().splitlines()[-25:])
-        raise RuntimeError(f"{cmd[0]} failed (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(f"{cmd[0]} failed (exit {code}):\n{tail}")
 
 
 def pip_download(arch: Arch, dest: Path, log_to: Path) -> None:
