@@ -103,8 +103,9 @@ def memory_state() -> str:
         words.append("memory pressure " + some.split()[1].replace("=", " ") + "%")
     except OSError:
         pass
-    ooms = [line for line in sh("dmesg", check=False).stdout.splitlines() if "Killed process" in line]
-    words.append(f"OOM kills: {len(ooms)}" + (f" (last: {ooms[-1].split('] ', 1)[-1][:120]})" if ooms else ""))
+    # /proc/vmstat's counter, not dmesg: a thrashing machine may not fork a reader in minutes
+    vmstat = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+    words.append(f"OOM kills so far: {vmstat.get('oom_kill', '?')}")
     return ", ".join(words)
 
 
