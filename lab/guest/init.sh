@@ -44,6 +44,8 @@ else
   python /lab/guest/scenario.py > /lab/out/scenario.log 2>&1
   echo $? > /lab/out/scenario.rc
 fi
+kill -9 -1 2>/dev/null  # whatever the run left (an agent on a thrashing machine): free its memory first
+sleep 1
 dmesg > /lab/out/dmesg.txt 2>&1
 say "writing results"
 tar -cf /dev/vdc -C /lab/out . && sync
