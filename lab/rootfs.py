@@ -15,8 +15,9 @@ and pip install run inside an emulated arm64 guest booted on the half-built root
 Cache: USPROXY_LAB_CACHE (default /var/cache/usproxy-lab)/<arch>-<key>/ with rootfs.img (ext4,
 sparse), vmlinuz, boot/ (busybox and the virtio modules the lab's initramfs loads) and info.json,
 written last: a directory without info.json is a build that did not finish and is rebuilt. The
-key hashes the suite, architecture, mirror, package list, Python requirements and BUILD_VERSION.
-Kept 30 days; `--fresh` rebuilds.
+key hashes the suite, architecture, mirror, package list, Python requirements and BUILD_VERSION;
+roots of other keys (other branches' requirements) are kept beside it. Kept 30 days; `--fresh`
+rebuilds.
 """
 
 from __future__ import annotations
@@ -293,8 +294,10 @@ def build(arch: Arch) -> Rootfs:
         if final.exists():
             shutil.rmtree(final)
         work.rename(final)  # whole or absent under the cached name
+        # other roots of this architecture stay while young: worktrees of other branches (other
+        # requirements, another key) use them, maybe right now
         for old in CACHE.glob(f"{arch}-*"):
-            if old != final:
+            if old != final and time.time() - old.stat().st_mtime > MAX_AGE_DAYS * 86400:
                 shutil.rmtree(old, ignore_errors=True)
         log(f"{arch} root built in {time.monotonic() - start:.0f} s: {final}")
         return Rootfs(arch, final)
