@@ -3,16 +3,18 @@
 Built from a copy of the source (pyproject.toml, setup.py, usproxy/), so the checkout gets no
 build/ or egg-info; setup.py compiles the BPF object into it with the host's clang. The same
 wheel goes to amd64 and arm64 guests. Cached under the lab's cache by a hash of that source:
-another build of the same source is skipped.
+another build of the same source is skipped; other sources' wheels stay a day (other worktrees).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from lab.rootfs import CACHE, REPO, log
@@ -53,7 +55,10 @@ def usproxy_wheel() -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"pip wheel failed: {proc.stderr.strip()[-1500:]}")
         (wheel,) = dist.glob("usproxy-*.whl")
-        shutil.rmtree(CACHE / "wheels", ignore_errors=True)  # one source at a time
-        out.mkdir(parents=True)
-        shutil.copy(wheel, out / wheel.name)
+        for old in (CACHE / "wheels").glob("*"):  # other sources' wheels: kept a day (other worktrees)
+            if time.time() - old.stat().st_mtime > 86400:
+                shutil.rmtree(old, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(wheel, out / f".{wheel.name}.tmp")
+        os.replace(out / f".{wheel.name}.tmp", out / wheel.name)  # whole or absent
     return out / wheel.name
