@@ -38,6 +38,7 @@ pip install --disable-pip-version-check -q --no-deps --no-index --no-compile /la
 say "usproxy wheel installed in $(awk -v t0="$t0" '{print $1 - t0}' /proc/uptime)s"
 if [ -f /lab/run.sh ]; then
   say "--run: $(cat /lab/run.sh)"
+  ln -sfn /opt/usproxy /lab/repo/.venv  # the tests start .venv/bin/usproxy, as on the host
   (cd /lab/repo && sh /lab/run.sh) > /lab/out/run.log 2>&1
   echo $? > /lab/out/run.rc
 else
