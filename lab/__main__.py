@@ -97,7 +97,7 @@ def run_scenario(s: Scenario, args: argparse.Namespace) -> int:
         times["boot_to_poweroff_s"] = out.wall_s
         summary.update(judge(s, args, out, results))
         summary.update({"accel": out.accel, "exit_reason": out.exit_reason, "kernel_package": root.info().get("kernel"),
-                        "wheel": wheel.name})
+                        "wheel": str(wheel)})
     except machine.Interrupted as sig:
         summary["error"] = f"interrupted by {sig}"
     except Exception as err:  # noqa: BLE001 - the lab failed: one line, in the JSON

@@ -69,9 +69,9 @@ def guest_result(tmp_path: Path) -> dict[str, Any]:
     return dict(json.loads((tmp_path / "results" / "guest" / "result.json").read_text()))
 
 
-def wheel_bpf_object(wheel_name: str) -> str:
-    """sha256 of the BPF object inside the wheel the lab built (the one every guest installs)."""
-    wheel = next(Path("/var/cache/usproxy-lab/wheels").glob(f"*/{wheel_name}"))
+def wheel_bpf_object(wheel: str) -> str:
+    """sha256 of the BPF object inside the wheel the run installed (its path is in the summary:
+    every build of the wheel compiles the object anew, and its debug info names the build directory)."""
     with zipfile.ZipFile(wheel) as z:
         (name,) = [n for n in z.namelist() if n.startswith("usproxy/offload/bpf/sock_lb-") and n.endswith(".o")]
         return hashlib.sha256(z.read(name)).hexdigest()
