@@ -14,6 +14,7 @@ APT_PACKAGES=(
   wrk iperf3 redis-server redis-tools nginx-light   # bench/tools.py: the real tools and their servers
   debootstrap buildah openssl systemd   # scripts/image.sh and tests/deploy (image, TLS API server, systemd-analyze)
   chromium                              # the web view tests (tests/offload/test_web_view_browser.py): headless
+  qemu-system-x86 qemu-system-arm cpio  # the VM lab (scripts/vm.sh, tests/vm): guests under qemu, their initramfs
 )
 
 need_apt=()

@@ -7,6 +7,6 @@ bash scripts/setup.sh
 echo "== mypy --strict"
 .venv/bin/mypy
 echo "== pyflakes"
-.venv/bin/python -m pyflakes usproxy bench tests demo
+.venv/bin/python -m pyflakes usproxy bench tests demo lab
 echo "== pytest"
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 "$@"
