@@ -144,3 +144,30 @@ def test_the_nftables_probe_is_the_declarations() -> None:
     from usproxy.offload.nftables.declaration import probe_nftables
 
     assert probe_nftables(FakeNftClient()).available
+
+
+async def test_nftables_leftovers_on_a_kernel_without_nf_tables_are_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lab's no-nftables guest logged an ERROR at every start: listing the tables fails there
+    (EINVAL). Where the probe says nf_tables is missing, nothing can have been left; where it is
+    present, a failing listing is still an error."""
+    from usproxy.model.config import ProxyConfig
+    from usproxy.offload.kernel_datapath import Capability
+    from usproxy.offload.nftables import datapath, declaration
+    from usproxy.util.errors import OffloadError
+
+    class Failing:
+        async def list_table(self, family: str, table: str) -> None:
+            raise OffloadError("Invalid argument", 22)
+
+    class NoTables:
+        transport = Failing()
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(datapath, "NftablesDatapath", NoTables)
+    monkeypatch.setattr(declaration, "probe_nftables", lambda: Capability("nftables", False, "no nf_tables"))
+    assert await declaration.leftovers(ProxyConfig()) == []
+    monkeypatch.setattr(declaration, "probe_nftables", lambda: Capability("nftables", True, "present"))
+    with pytest.raises(OffloadError):
+        await declaration.leftovers(ProxyConfig())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from usproxy.util.errors import OffloadError
 from usproxy.core.datapath import ServiceCIDRHandler, UdpConntrackReconciler
 from usproxy.offload.kernel_datapath import ALL_TRAFFIC, BuildContext, Capability, KernelDatapath, KernelDatapathDeclaration
 
@@ -43,7 +44,9 @@ def probes(cfg: ProxyConfig) -> list[Capability]:
 
 
 async def leftovers(cfg: ProxyConfig) -> list[str]:
-    """The usproxy tables of either family that exist in this network namespace."""
+    """The usproxy tables of either family that exist in this network namespace; none on a
+    kernel without nf_tables (the listing fails there and the probe says so: nothing can have
+    been left)."""
     from usproxy.offload.nftables.datapath import NftablesDatapath
     from usproxy.model.types import FAMILIES
     from usproxy.offload.nftables.names import TABLE, nft_family
@@ -52,6 +55,10 @@ async def leftovers(cfg: ProxyConfig) -> list[str]:
     try:
         return [f"nftables table {nft_family(f)} {TABLE}" for f in FAMILIES
                 if await dp.transport.list_table(nft_family(f), TABLE) is not None]
+    except OffloadError:
+        if not probe_nftables().available:
+            return []
+        raise
     finally:
         dp.close()
 
