@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.cluster.cluster import LAN, Cluster
-from tests.cluster.test_tc_nodeport import Agents, node_dirs, served_by_bpf, udp_service, udp_slice
-from tests.cluster.test_three_nodes import AGENT_FLAGS, offloaded, service, slice_of
+from tests.cluster.bpf_agents import Agents, node_dirs, served_by_bpf
+from tests.cluster.test_three_nodes import AGENT_FLAGS, offloaded
+from tests.cluster.workload import service, slice_of, udp_service, udp_slice
 from tests.netns import inside
 
 PUSH_NP, ID_NP, UDP_NP = 30290, 30291, 30292

@@ -30,7 +30,7 @@ def csum(data: bytes) -> int:
     """The Internet checksum (RFC 1071) of `data`."""
     if len(data) % 2:
         data += b"\0"
-    s = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    s: int = sum(struct.unpack(f"!{len(data) // 2}H", data))
     while s >> 16:
         s = (s & 0xFFFF) + (s >> 16)
     return ~s & 0xFFFF
