@@ -158,13 +158,17 @@ class Line:
     def __init__(self, ns: str, addr: str, port: int, timeout: float = 3.0, bind: tuple[str, int] | None = None) -> None:
         with inside(ns):
             self.sock = socket.socket()
-        self.sock.settimeout(timeout)
-        if bind:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.sock.bind(bind)
-        self.sock.connect((addr, port))
         self.buf = b""
-        self.name, self.peer = self.line().split()[:2]
+        try:
+            self.sock.settimeout(timeout)
+            if bind:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self.sock.bind(bind)
+            self.sock.connect((addr, port))
+            self.name, self.peer = self.line().split()[:2]
+        except BaseException:
+            self.sock.close()
+            raise
 
     def line(self) -> str:
         while b"\n" not in self.buf:

@@ -4,6 +4,7 @@ Per connection it writes b"NAME <peer ip>\\n", then serves lines:
   "wait PATH"  waits (polling) until the file PATH exists, then pushes b"pushed\\n": a server push
                on a connection the client left idle meanwhile;
   "bulk N"     sends N bytes (a download), then b"done\\n";
+  "bye"        closes the connection (the server's FIN first);
   anything else is echoed.
 Stdlib only, a thread per connection.
 """
@@ -36,6 +37,8 @@ def serve(name: bytes, conn: socket.socket, peer: str) -> None:
                     while not os.path.exists(path):
                         time.sleep(0.05)
                     conn.sendall(b"pushed\n")
+                elif line == b"bye":
+                    return  # the server closes first
                 elif line.startswith(b"bulk "):
                     size = int(line[5:])
                     conn.sendall((bytes(range(256)) * (size // 256 + 1))[:size] + b"done\n")

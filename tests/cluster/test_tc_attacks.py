@@ -28,16 +28,21 @@ From outside (ext, raw sockets):
   n1, where no DSR flow is): served through tc with SNAT (XDP passes a header longer than 20);
 - a RST with a random sequence number on the live connection's tuple, then 12 s of silence: the
   client's side closes no entry (sock_lb.c ct_touch), so the push still arrives. Before issue 29
-  the RST marked the entries closing and they expired after 10 s idle.
+  the RST marked the entries closing and they expired after 10 s idle;
+- a client port reused at once for a new connection after the server closed the last one (its
+  entries are closing): the SYN opens a new flow (XDP leaves it to tc), which a push after the same
+  12 s of silence still reaches, rather than riding the closing entries until they expire.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import random
 import socket
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -134,6 +139,26 @@ def options_connection(ns: str) -> str:
         s.close()
 
 
+def closed_and_reopened(ns: str, port: int) -> Line:
+    """A connection from EXT:`port` that the server closes first, then a new one from the same
+    port to the same frontend (no TIME_WAIT on either side: the client closed second, the pod keeps
+    none)."""
+    first = Line(ns, N1, PUSH_NP, bind=(EXT, port))
+    try:
+        first.send("bye")
+        assert first.sock.recv(100) == b""  # the server's FIN
+    finally:
+        first.close()
+    for _ in range(20):  # until the pod's last ACK frees the tuple here
+        try:
+            return Line(ns, N1, PUSH_NP, bind=(EXT, port))
+        except OSError as err:
+            if err.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+                raise
+            time.sleep(0.1)
+    return Line(ns, N1, PUSH_NP, bind=(EXT, port))
+
+
 def lan_entries(c_pins: Path, addr: str) -> list[object]:
     return [e for e in ct_entries(c_pins) if addr in (str(e.saddr), str(e.daddr))]
 
@@ -173,6 +198,11 @@ async def test_attacks_on_the_tc_and_xdp_programs(tmp_path: Path) -> None:
             await asyncio.to_thread(fragment_storm, ext, 10_000)
             assert await asyncio.to_thread(options_connection, ext) == "push-b with options"
 
+            # a client port reused at once after the server closed: a new flow, not the closing one
+            nsexec(c.ns("push-b"), "sysctl", "-qw", "net.ipv4.tcp_max_tw_buckets=0")
+            reused = await asyncio.to_thread(closed_and_reopened, ext, 47000)
+            reused.send(f"wait {flag}")
+
             # a forged RST from the client's side, then silence past the closing timeout
             rst = packets.tcp(EXT, N1, port, PUSH_NP, packets.TCP_RST, seq=random.getrandbits(32))
             with packets.RawSender(ext) as sender:
@@ -181,6 +211,8 @@ async def test_attacks_on_the_tc_and_xdp_programs(tmp_path: Path) -> None:
 
             flag.touch()
             assert await asyncio.to_thread(conn.line) == "pushed"
+            assert await asyncio.to_thread(reused.line) == "pushed"
+            reused.close()
             assert await asyncio.to_thread(conn.ask, "after the attacks") == "after the attacks"
             assert await asyncio.to_thread(udp_ask, dgram, "after") == first
         finally:

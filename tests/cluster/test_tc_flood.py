@@ -92,7 +92,7 @@ async def test_a_flood_from_one_outside_host_drops_no_established_flow(tmp_path:
             assert await asyncio.to_thread(conn.line) == "pushed", mode
             assert await asyncio.to_thread(conn.ask, "after") == "after"
             assert await asyncio.to_thread(udp_ask, dgram, "after") == first
-            fresh = await asyncio.to_thread(Line, ext, N1, PUSH_NP)
+            fresh = await asyncio.to_thread(Line, ext, N1, PUSH_NP, 10.0)  # SYN retransmits allowed
             assert await asyncio.to_thread(fresh.ask, "new") == "new"
             fresh.close()
         finally:

@@ -981,14 +981,21 @@ static __always_inline int ct_promote(struct ct_key *k, struct ct_new_val *n)
 }
 
 /* A client packet of a pending flow: when it confirms the flow (ct_confirms), its REPLY entry
- * `rk` and its ORIGINAL entry `ok` (none on a DSR backend's node) move to the confirmed table.
- * Entries looked up before are stale afterwards. */
+ * `rk` and its ORIGINAL entry `ok` (none on a DSR backend's node) move to the confirmed table; an
+ * ORIGINAL entry left pending beside a confirmed REPLY entry follows it. Entries looked up before
+ * are stale afterwards. */
 static __always_inline void ct_try_confirm(struct pkt *p, struct ct_key *rk, struct ct_key *ok)
 {
 	struct ct_new_val *r = bpf_map_lookup_elem(&usp_ct_new, rk);
 	struct ct_new_val *o;
 
-	if (!r || !ct_confirms(p, r) || ct_promote(rk, r) < 0 || !ok)
+	if (r) {
+		if (!ct_confirms(p, r) || ct_promote(rk, r) < 0)
+			return;
+	} else if (!ct_confirmed(rk)) {
+		return;
+	}
+	if (!ok)
 		return;
 	o = bpf_map_lookup_elem(&usp_ct_new, ok);
 	if (o)

@@ -227,6 +227,8 @@ static __always_inline int xdp_known(struct xdp_md *ctx, struct xdp_hdrs *h, str
 		return xdp_pending(&p->t);
 	if (v->flags & CT_DSR)	/* dsr_known at tc: the option again on a retransmitted SYN, UDP */
 		return XDP_PASS;
+	if ((v->flags & CT_CLOSING) && ct_may_open(p))
+		return XDP_PASS;	/* a SYN reusing a closed flow's tuple: tc opens a new flow */
 	be = bpf_map_lookup_elem(&usp_backends, &v->backend_id);
 	if (!be || be->addr[3] != v->nat_daddr || (__u16)be->port != v->nat_dport)
 		return XDP_PASS;
