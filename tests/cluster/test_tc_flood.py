@@ -8,7 +8,9 @@ A TCP connection is left idle waiting for a server push and a UDP session is ope
 n1 from one process with 150,000 spoofed SYNs (SNAT: then 150,000 spoofed ACKs and 150,000
 one-datagram UDP flows too; packets.py: raw socket, struct-made packets, correct checksums, sources
 across 203.0.113.128/25). Afterwards the push arrives, the connection echoes, the UDP session is
-answered by the same pod from n1's NodePort, and a new connection works. Before issue 29 usp_ct was
+answered by the same pod from n1's NodePort, and a new connection works (at tc: a new flow may take
+the SNAT port of a flow not confirmed yet; nftables, the control, holds the established flows but
+new ones wait while the flood's unassured entries hold the masquerade ports). Before issue 29 usp_ct was
 one LRU that every one of those packets wrote two entries into: the established entries were
 evicted or their SNAT port taken, the push or the session's answer never arrived (SNAT and XDP:
 each flood alone did it; DSR, one entry per flow on each node, held 150,000 SYNs; nftables held).
@@ -92,9 +94,11 @@ async def test_a_flood_from_one_outside_host_drops_no_established_flow(tmp_path:
             assert await asyncio.to_thread(conn.line) == "pushed", mode
             assert await asyncio.to_thread(conn.ask, "after") == "after"
             assert await asyncio.to_thread(udp_ask, dgram, "after") == first
-            fresh = await asyncio.to_thread(Line, ext, N1, PUSH_NP, 10.0)  # SYN retransmits allowed
-            assert await asyncio.to_thread(fresh.ask, "new") == "new"
-            fresh.close()
+            if mode != "nftables":  # there the flood's unassured entries hold every masquerade
+                # port to push-b's address for up to 60 s (SYN_RECV): new connections wait for them
+                fresh = await asyncio.to_thread(Line, ext, N1, PUSH_NP, 10.0)  # SYN retransmits allowed
+                assert await asyncio.to_thread(fresh.ask, "new") == "new"
+                fresh.close()
         finally:
             conn.close()
             dgram.close()

@@ -31,7 +31,8 @@ XDP_NOTE = (
     "XDP: with --bpf-lb-acceleration native, usp_xdp runs this same lookup first on an interface "
     "whose driver has native XDP, for NodePort flows whose backend leaves by the interface they came "
     "in on (sent with XDP_TX); it passes to tc LB IPs and externalIPs, sessionAffinity, DSR, "
-    "NodePorts without endpoints and backends behind another interface")
+    "NodePorts without endpoints, backends behind another interface, and every packet of a flow not "
+    "confirmed yet (tc confirms it)")
 
 
 def trace(ss: ServiceSet, pkt: Packet, lb_mode: str) -> list[Path] | str:
