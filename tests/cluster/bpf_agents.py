@@ -1,6 +1,7 @@
 """Node agents with `--offload bpf` on the three-node cluster: each node's own pins and cgroup
 (unique to the test, removed after), starting the agents, waiting until BPF carries every
-ServicePort, and reading a node's usp_ct (test_tc_nodeport, test_tc_dsr, test_xdp_maglev)."""
+ServicePort, and reading a node's tc conntrack tables (test_tc_nodeport, test_tc_dsr, test_xdp_maglev,
+the hostile-network tests)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from tests.cluster.cluster import Cluster
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf import loader, nodeport
-from usproxy.offload.bpf.layout import CtEntry
+from usproxy.offload.bpf.layout import CT_MAPS, CtEntry
 from usproxy.offload.pin_root import PIN_ROOT_ENV
 
 CGROUP2 = Path("/sys/fs/cgroup/unified")
@@ -36,11 +37,13 @@ def node_dirs(tag: str) -> Iterator[dict[int, tuple[Path, Path]]]:
 
 
 def ct_entries(pins: Path) -> list[CtEntry]:
-    fd = bpf.obj_get(str(loader.PinLayout(pins).maps / "usp_ct"))
+    """Every tc conntrack entry (confirmed and not yet) in the pins at `pins`."""
+    fds = {name: bpf.obj_get(str(loader.PinLayout(pins).maps / name)) for name in CT_MAPS}
     try:
-        return nodeport.ct_entries(fd)
+        return nodeport.ct_entries(fds)
     finally:
-        os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
 
 
 async def served_by_bpf(c: Cluster, nodes: range, timeout: float = 15.0) -> None:

@@ -60,6 +60,9 @@ BPFFS = Path("/sys/fs/bpf")
 BPF_DATAPATHS = ("bpf", "bpf-tc", "bpf-tc-dsr")  # `--offload bpf` agents, judged on other flows
 TC_DATAPATHS = ("bpf-tc", "bpf-tc-dsr")  # judged on the flows the tc programs serve
 PEER_NODE_NAME = "remote"  # TestInternalExternalMasquerade's name for the node of 10.180.1.B
+# the node networks of the lab for the peer's agent: its own addresses (10.244.0.250 and its pod
+# bridge) and the node's NodePort addresses (addresses.NODE_ADDRESSES)
+PEER_NODE_NETWORKS = ("10.244.0.0/16", "192.0.2.0/24", "203.0.113.1/32")
 NFT_FLAGS = ("--offload", "nftables", "--offload-after", "1", "--min-sync-period", "200ms")
 
 
@@ -255,10 +258,13 @@ class Lab:
         self._wait_placed(datapath)
 
     def _peer_follows(self, group: Group) -> None:
-        """The peer node's agent in DSR mode as node "remote" (no nodePortAddresses: it hooks its
-        eth0, where DSR packets arrive, and its pod bridge, where the replies start), on manifests
-        of its own that hold the group's: started once, it follows group changes as a node's agent
-        follows the API server (a restart per group would only cost time)."""
+        """The peer node's agent in DSR mode as node "remote", on manifests of its own that hold
+        the group's: started once, it follows group changes as a node's agent follows the API
+        server (a restart per group would only cost time). Its nodePortAddresses are the lab's
+        node networks (PEER_NODE_NETWORKS): it hooks its eth0, where DSR packets arrive, and its
+        pod bridge, where the replies start, and accepts the DSR option of a NodePort only at an
+        address inside them (usproxy/offload/bpf/dsr.h): the node's addresses are not on its
+        networks here."""
         if self.peer_agent is not None:
             self._write_peer(objects(group, 0))
             return
@@ -266,7 +272,8 @@ class Lab:
         manifests = Manifests(d / "services")
         config = d / "kube-proxy.yaml"
         config.write_text(yaml.safe_dump({"apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
-                                          "kind": "KubeProxyConfiguration", "hostnameOverride": PEER_NODE_NAME}))
+                                          "kind": "KubeProxyConfiguration", "hostnameOverride": PEER_NODE_NAME,
+                                          "nodePortAddresses": list(PEER_NODE_NETWORKS)}))
         self.peer_items = _peer_objects(objects(group, 0))
         manifests.write(*self.peer_items)
         self.peer_agent = BpfAgent(self.topo, manifests, config, self.peer_cgroup, self.peer_pins, "dsr", ns=self.peer)

@@ -31,7 +31,8 @@ XDP_NOTE = (
     "XDP: with --bpf-lb-acceleration native, usp_xdp runs this same lookup first on an interface "
     "whose driver has native XDP, for NodePort flows whose backend leaves by the interface they came "
     "in on (sent with XDP_TX); it passes to tc LB IPs and externalIPs, sessionAffinity, DSR, "
-    "NodePorts without endpoints and backends behind another interface")
+    "NodePorts without endpoints, backends behind another interface, and every packet of a flow not "
+    "confirmed yet (tc confirms it)")
 
 
 def trace(ss: ServiceSet, pkt: Packet, lb_mode: str) -> list[Path] | str:
@@ -46,10 +47,14 @@ def trace(ss: ServiceSet, pkt: Packet, lb_mode: str) -> list[Path] | str:
         return ("no tc frontend for this destination (not a NodePort at a --nodeport-addresses "
                 "address, an LB IP or an externalIP): passed to the stack")
     p = Path()
-    p.note("tc ingress (tcx) on the interface that received it: usp_tc_ingress; no usp_ct entry for "
-           "a new flow (a fragment would be passed to the stack, to nftables or the relay)")
+    p.note("tc ingress (tcx) on the interface that received it: usp_tc_ingress; no conntrack entry "
+           "for a new flow (usp_ct holds confirmed TCP flows, usp_ct_any confirmed UDP ones, usp_ct_new "
+           "those not confirmed yet). Only a TCP SYN or a UDP datagram opens a flow: a TCP segment of a "
+           "flow no table holds passes to the stack, which resets it (at a DSR frontend it goes again "
+           "to the backend the Maglev table names, without an entry); the later fragments of a "
+           "datagram follow their first fragment (usp_frags)")
     p.note(XDP_NOTE)
-    p.lookups += 2  # usp_ct, then usp_services for (destination, port, protocol)
+    p.lookups += 7  # confirmed table and usp_ct_new for three keys (reply, flow, DSR reply), then usp_services
     _lookup_note(ss, pkt, fe, p)
     refused = _refused(ss, pkt, fe, p)
     if refused:
@@ -158,13 +163,18 @@ def _translate(ss: ServiceSet, pkt: Packet, fe: bpf.Frontend, ep: Endpoint, q: P
 def reply_lines(pkt: Packet, p: Path) -> list[str]:
     """After the first packet of a tc path that reached a backend: usp_ct and the reply."""
     orig, client = format_hostport(pkt.dst, pkt.dport), f"{pkt.src}:<port>"
-    ct = "usp_ct (LRU; TCP 6 h, UDP 60 s, 10 s after FIN or RST)"
+    ct = ("conntrack (LRU tables: both entries start in usp_ct_new, 60 s; they move to usp_ct, TCP 6 h, "
+          "once the backend's SYN-ACK passed and the client acknowledged it, or to usp_ct_any, UDP 60 s, "
+          "once a reply passed and the client sent again; 10 s after the backend's FIN or RST; ICMP "
+          "errors about the flow are reverse-NATed with it)")
     if "DSR:" in p.result:
         return [f"{ct} on this node: only the ORIGINAL entry ({client} -> {orig} => {p.lands}, flag "
-                "CT_DSR); later packets follow it (TCP carries the option on the SYN only, UDP on "
-                "every datagram that fits)",
+                "CT_DSR), never confirmed here (no reply passes); later packets follow it (TCP carries "
+                "the option on the SYN only, UDP on every datagram that fits)",
                 f"the backend's node (dsr_recv at its tc ingress) records a REPLY entry {p.lands} -> "
-                f"{client} naming {orig}, when it serves that frontend in DSR mode too",
+                f"{client} naming {orig} from the SYN, when it serves that frontend in DSR mode too (a "
+                "NodePort only at a peer node's address: in usp_dsr_peers, reached through the interface "
+                f"the SYN came in on) and {p.lands} is one of its backends; no later packet rewrites it",
                 f"the backend {p.lands} sees the client's own address {pkt.src}",
                 f"reply from {p.lands}: its node's tc rewrites the source to {orig} where the reply "
                 "first meets a hooked interface (the pod bridge) and sends it straight to the client: "

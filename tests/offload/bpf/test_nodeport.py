@@ -17,8 +17,9 @@ from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf import loader, nodeport, view
 from usproxy.offload.bpf.tables import Group
 from usproxy.offload.bpf.datapath import LB_GROUP, NODEPORT_GROUP, BpfDatapath
-from usproxy.offload.bpf.layout import (CT_REPLY, F_AFFINITY, F_DROP_EMPTY, F_LB_IPS, F_LOCAL_ONLY, F_SOURCE_RANGES,
-                                        F_TC_ONLY, NODEPORT_ANY, CtEntry, SvcKey, SvcVal, pack_src_range, unpack_src_range)
+from usproxy.offload.bpf.layout import (CT_MAPS, CT_PENDING, CT_REPLY, F_AFFINITY, F_DROP_EMPTY, F_LB_IPS, F_LOCAL_ONLY,
+                                        F_SOURCE_RANGES, F_TC_ONLY, NODEPORT_ANY, CtEntry, SvcKey, SvcVal, pack_peer_net,
+                                        pack_src_range, unpack_peer_net, unpack_src_range)
 
 V4 = ipaddress.IPv4Address
 LINKS = {1: "lo", 2: "eth0", 3: "cbr0", 4: "usproxy0", 5: "eth1"}
@@ -57,6 +58,33 @@ def test_ct_entry_reads_the_c_layout() -> None:
     assert (str(e.saddr), e.sport, str(e.daddr), e.dport, e.proto, e.direction) == ("10.244.2.10", 8080, "192.0.2.11", 40000, 6, CT_REPLY)
     assert (str(e.nat_saddr), e.nat_sport, str(e.nat_daddr), e.nat_dport) == ("192.0.2.11", 30080, "203.0.113.10", 51000)
     assert (e.svc_id, e.backend_id, e.flags, e.created, e.last, e.packets) == (7, 9, 1, 100, 200, 3)
+
+
+def test_a_pending_entry_reads_as_not_confirmed_and_shows_as_new() -> None:
+    """usp_ct_new's values are struct ct_new_val: a struct ct_val, then the SYN-ACK's sequence."""
+    key = socket.inet_aton("203.0.113.10") + socket.inet_aton("192.0.2.11") + struct.pack("!HHBB", 51000, 30080, 6, 0) + b"\0\0"
+    val = (b"\0" * 4 + socket.inet_aton("10.244.2.10") + struct.pack("!HH", 0, 8080)
+           + struct.pack("<IIIQQQ", 7, 9, 0, 100, 200, 3) + struct.pack("<II", 12345, 0))
+    assert len(val) == CT_MAPS[CT_PENDING]
+    e = CtEntry.unpack(key, val, confirmed=False)
+    assert (str(e.nat_daddr), e.nat_dport, e.confirmed) == ("10.244.2.10", 8080, False)
+    assert nodeport.ct_row(e, "default/web:http", 300)["state"] == "NEW"
+    assert nodeport.ct_row(CtEntry.unpack(key, val[:48]), "default/web:http", 300)["state"] == "NAT"
+
+
+def test_dsr_peers_are_the_nodeport_cidrs_and_the_networks_of_the_nodeport_addresses() -> None:
+    """An interface's addresses come with their networks (netlink's prefix length): the node
+    networks a DSR option's NodePort address must be in (dsr.h)."""
+    addrs = [(2, ipaddress.IPv4Interface("192.0.2.12/24")), (3, ipaddress.IPv4Interface("10.244.2.1/24")),
+             (3, ipaddress.IPv4Interface("10.244.2.2/24")), (1, ipaddress.IPv4Interface("127.0.0.1/8"))]
+    hooked = nodeport.choose(LINKS, addrs, ())
+    assert [(h.name, h.addresses, h.networks) for h in hooked] == [
+        ("eth0", (V4("192.0.2.12"),), (ipaddress.IPv4Network("192.0.2.0/24"),)),
+        ("cbr0", (V4("10.244.2.1"), V4("10.244.2.2")), (ipaddress.IPv4Network("10.244.2.0/24"),))]
+    cidrs = (ipaddress.ip_network("198.51.100.0/24"), ipaddress.ip_network("2001:db8::/64"))
+    assert [str(n) for n in nodeport.dsr_peers(hooked, cidrs)] == ["10.244.2.0/24", "192.0.2.0/24", "198.51.100.0/24"]
+    assert [str(n) for n in nodeport.dsr_peers(nodeport.follow(hooked, hooked[:1]), ())] == ["192.0.2.0/24"]
+    assert unpack_peer_net(pack_peer_net(ipaddress.IPv4Network("192.0.2.0/24"))) == ipaddress.IPv4Network("192.0.2.0/24")
 
 
 @pytest.mark.parametrize("etp", ["Cluster", "Local"])

@@ -20,7 +20,8 @@ kube-proxy REJECTs) or drops (eTP Local with
 endpoints only elsewhere, as kube-proxy). The datapath then claims "forwarded" traffic. When the
 tc programs cannot be loaded (probe) or attached (open), it serves "local" only, says why in its
 capability, and external traffic stays with the relay, whose listeners stay up under the tc hooks
-in every case: whatever tc passes (IPv6, fragments, refusals) is served there.
+in every case: whatever tc passes (IPv6, refusals, a fragment whose first one tc did not see) is
+served there.
 With `lb_mode` "dsr" (--bpf-lb-mode) the Cluster-policy tc groups (NodePorts, externalIPs, LB IPs)
 are flagged F_DSR: a backend on another node gets the client's packet unSNATed with the service
 address in an IP option and answers the client directly (dsr.h; the backend's node finds the
@@ -205,6 +206,8 @@ class BpfDatapath:
             self._lb, self._tables = lb, Tables(lb.maps)
             self._groups = self._tables.read_groups()
             self._drop_orphans(self._tables)
+            if self._tables.index_backends(self._groups.values()):
+                log.info("bpf: indexed the tc groups' backends in usp_backend_ids (pins of an earlier layout)")
             self._index()
             log.info("bpf socket LB attached to %s (%s, %d service groups)", self.cgroup,
                      "maps read back from pins" if lb.reused else "new maps", len(self._groups))
@@ -218,7 +221,7 @@ class BpfDatapath:
                                self.xdp_plan.ifindexes if self.acceleration == "native" else None)
             try:
                 lb.open()
-                nodeport.write_maps(lb.maps, self.hooked)
+                nodeport.write_maps(lb.maps, self.hooked, self.nodeport_cidrs or ())
                 self._xdp_attached(lb)
                 return lb
             except bpf.BpfError as err:
@@ -240,7 +243,7 @@ class BpfDatapath:
         try:
             now = await asyncio.to_thread(nodeport.interfaces, self.nodeport_cidrs or ())
             hooked = nodeport.follow(self.hooked, now)
-            nodeport.write_maps(self._lb.maps, hooked)
+            nodeport.write_maps(self._lb.maps, hooked, self.nodeport_cidrs or ())
         except Exception as err:  # noqa: BLE001 - the next change or a restart retries
             log.warning("bpf: following the NodePort addresses at tc: %s", err)
             return
@@ -439,7 +442,7 @@ class BpfDatapath:
         """The tc programs' connection tracking entries (both directions)."""
         if self._tables is None:
             return []
-        return nodeport.ct_entries(self._tables.fds["usp_ct"], FLOW_ROWS_MAX)
+        return nodeport.ct_entries(self._tables.fds, FLOW_ROWS_MAX)
 
     def _service_text(self, svc_id: int) -> str:
         g = self._groups.get(svc_id)

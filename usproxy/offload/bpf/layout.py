@@ -16,10 +16,15 @@ slots, backends by id, affinity by client netns, reverse entries by socket cooki
   usp_flows     socket cookie                 -> the socket's steering (for `usproxy flows`) [LRU]
   usp_maglev    service id                    -> inner array of MAGLEV_M backend ids
   usp_names     service id                    -> ServicePortName key text (for read-back)
-  usp_ct        packet tuple + direction      -> NAT of a NodePort flow at tc           [LRU]
+  usp_backend_ids (service id, addr, port)    -> backend id (dsr.h: is a destination a backend of it)
+  usp_ct        packet tuple + direction      -> NAT of a confirmed TCP flow at tc      [LRU]
+  usp_ct_any    packet tuple + direction      -> NAT of a confirmed UDP flow at tc      [LRU]
+  usp_ct_new    packet tuple + direction      -> NAT of a flow not yet confirmed, the reply's seq [LRU]
+  usp_frags     (src, dst, IP id, protocol)   -> the ports of a first fragment          [LRU]
   usp_tc_addrs  IPv4 address                  -> ifindex: addresses that serve NodePorts
   usp_tc_ifaces ifindex                       -> IPv4 address: hooked interfaces (SNAT source)
   usp_tc_sources (service id, IPv4 prefix)    -> 1: loadBalancerSourceRanges of an LB IP group [LPM]
+  usp_dsr_peers IPv4 prefix                   -> 1: the node networks DSR peers are in   [LPM]
 
 A NodePort is a usp_services entry at NODEPORT_ANY (0.0.0.0): the tc programs look it up by
 port and protocol for packets to any usp_tc_addrs address. LoadBalancer IPs and externalIPs are
@@ -51,7 +56,8 @@ F_LB_IPS = 1 << 11  # not read by the programs: marks a ServicePort's LoadBalanc
 F_DSR = 1 << 12  # tc frontend in --bpf-lb-mode dsr (dsr.h): a backend on another node answers directly
 NODEPORT_ANY = ipaddress.IPv4Address("0.0.0.0")
 CT_ORIGINAL, CT_REPLY = 0, 1
-CT_DSR = 1 << 1  # usp_ct flag (dsr.h): a DSR flow; its reply does not come back through this node
+CT_DSR = 1 << 1  # ct flag (dsr.h): a DSR flow; its reply does not come back through this node
+CT_SEEN_REPLY = 1 << 2  # usp_ct_new flag: a reply passed (the flow is confirmed by the client's next packet)
 
 PROTO_NUMBERS: dict[str, int] = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
 PROTO_NAMES: dict[int, Protocol] = {socket.IPPROTO_TCP: "TCP", socket.IPPROTO_UDP: "UDP"}
@@ -127,6 +133,14 @@ def pack_slot_key(svc_id: int, slot: int) -> bytes:
 def unpack_slot_key(raw: bytes) -> tuple[int, int]:
     sid, slot = struct.unpack("<II", raw)
     return int(sid), int(slot)
+
+
+def pack_backend_key(svc_id: int, ip: IPAddress, port: int) -> bytes:
+    """struct backend_key (24 bytes): a usp_backend_ids key."""
+    return struct.pack("<I", svc_id) + pack_port(port) + pack_addr(ip)
+
+
+BACKEND_KEY_SIZE = 24
 
 
 def pack_u32(value: int) -> bytes:
@@ -246,19 +260,27 @@ class CtEntry:
     created: int
     last: int
     packets: int
+    confirmed: bool = True  # False: an entry of usp_ct_new (the flow is not confirmed yet)
 
     KEY_SIZE = 16
     VAL_SIZE = 48
 
     @classmethod
-    def unpack(cls, key: bytes, val: bytes) -> CtEntry:
+    def unpack(cls, key: bytes, val: bytes, confirmed: bool = True) -> CtEntry:
+        """An entry from its key and value (a usp_ct_new value: its struct ct_val part)."""
         s, d, sp, dp, proto, direction = struct.unpack("!4s4sHHBB", key[:14])
         ns, nd, nsp, ndp = struct.unpack("!4s4sHH", val[:12])
         sid, bid, flags, created, last, packets = struct.unpack("<IIIQQQ", val[12:48])
         v4 = ipaddress.IPv4Address
         return cls(v4(s), v4(d), sp, dp, proto, direction, v4(ns), v4(nd), nsp, ndp, sid, bid, flags,
-                   created, last, packets)
+                   created, last, packets, confirmed)
 
+
+# The tc conntrack tables (sock_lb.c) and the size of their values: confirmed TCP flows, confirmed
+# flows of other protocols (UDP), and flows not yet confirmed (struct ct_new_val: ct_val + the
+# sequence number of the reply's SYN-ACK). Every key is a struct ct_key.
+CT_MAPS: dict[str, int] = {"usp_ct": 48, "usp_ct_any": 48, "usp_ct_new": 56}
+CT_PENDING = "usp_ct_new"
 
 SRC_RANGE_KEY_SIZE = 12
 
@@ -267,6 +289,18 @@ def pack_src_range(svc_id: int, net: ipaddress.IPv4Network) -> bytes:
     """struct src_range_key (12 bytes): an LPM trie key matching the service id in full, then
     `net`'s prefix of the source address."""
     return struct.pack("<II", 32 + net.prefixlen, svc_id) + net.network_address.packed
+
+
+PEER_KEY_SIZE = 8
+
+
+def pack_peer_net(net: ipaddress.IPv4Network) -> bytes:
+    """struct peer_key (8 bytes): a usp_dsr_peers key, the prefix length then the network."""
+    return struct.pack("<I", net.prefixlen) + net.network_address.packed
+
+
+def unpack_peer_net(raw: bytes) -> ipaddress.IPv4Network:
+    return ipaddress.IPv4Network((raw[4:8], struct.unpack("<I", raw[:4])[0]))
 
 
 def unpack_src_range(raw: bytes) -> tuple[int, ipaddress.IPv4Network]:

@@ -57,8 +57,9 @@ TC_PROGRAMS: dict[str, int] = {
     "usp_tc_egress": bpf.BPF_TCX_EGRESS,
 }
 XDP_PROGRAM = "usp_xdp"
-MAPS = ("usp_xdp_stats", "usp_ct", "usp_tc_addrs", "usp_tc_ifaces", "usp_tc_sources", "usp_services", "usp_slots", "usp_backends", "usp_affinity", "usp_revnat", "usp_flows",
-        "usp_maglev", "usp_names")
+MAPS = ("usp_xdp_stats", "usp_ct", "usp_ct_any", "usp_ct_new", "usp_frags", "usp_tc_addrs", "usp_tc_ifaces",
+        "usp_tc_sources", "usp_dsr_peers", "usp_services", "usp_slots", "usp_backends", "usp_backend_ids",
+        "usp_affinity", "usp_revnat", "usp_flows", "usp_maglev", "usp_names")
 
 
 def probe_tc_attach(ifindex: int) -> None:

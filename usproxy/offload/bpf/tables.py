@@ -22,6 +22,7 @@ from usproxy.offload.bpf.layout import (
     F_AFFINITY,
     F_MAGLEV,
     F_SOURCE_RANGES,
+    F_TC_ONLY,
     MAGLEV_M,
     SRC_RANGE_KEY_SIZE,
     NAME_SIZE,
@@ -29,6 +30,7 @@ from usproxy.offload.bpf.layout import (
     BackendVal,
     SvcKey,
     SvcVal,
+    pack_backend_key,
     pack_name,
     pack_slot_key,
     pack_src_range,
@@ -137,7 +139,7 @@ class Tables:
         if old is None:
             j.put(self.fds["usp_names"], pack_u32(g.id), pack_name(want.name), NAME_SIZE)
         before = set(g.backends.values())
-        gone = self._put_backends(j, g, want.endpoints, ids)
+        gone = self._put_backends(j, g, want, ids)
         self._put_slots(j, g, want.endpoints)
         self._put_maglev(j, g, want, changed=before != set(want.endpoints))
         ranged = bool(want.sources) or (old is not None and bool(old.val.flags & F_SOURCE_RANGES))
@@ -150,15 +152,17 @@ class Tables:
         self._drop_backends(j, g, gone, old)
         return g
 
-    def _put_backends(self, j: Journal, g: Group, eps: tuple[Address, ...], ids: IdAllocator) -> list[int]:
+    def _put_backends(self, j: Journal, g: Group, want: Want, ids: IdAllocator) -> list[int]:
         have = g.backend_ids()
-        for addr in eps:
+        for addr in want.endpoints:
             if addr not in have:
                 bid = ids.backend()
                 j.put(self.fds["usp_backends"], pack_u32(bid), BackendVal(addr[0], addr[1], g.id).pack(),
                       BackendVal.SIZE)
+                if want.flags & F_TC_ONLY:  # only the tc programs ask whether an address is a backend
+                    j.put(self.fds["usp_backend_ids"], pack_backend_key(g.id, *addr), pack_u32(bid), 4)
                 g.backends[bid] = addr
-        wanted = set(eps)
+        wanted = set(want.endpoints)
         return [bid for bid, addr in g.backends.items() if addr not in wanted]
 
     def _put_slots(self, j: Journal, g: Group, eps: tuple[Address, ...]) -> None:
@@ -241,13 +245,32 @@ class Tables:
 
     def _drop_backends(self, j: Journal, g: Group, gone: list[int], old: Group | None) -> None:
         for bid in gone:
-            j.delete(self.fds["usp_backends"], pack_u32(bid), BackendVal.SIZE)
+            self._drop_backend(j, g, bid)
             del g.backends[bid]
         had = old is not None and bool(old.val.flags & F_AFFINITY)
         if had and not g.val.flags & F_AFFINITY:
             self.purge_affinity(j, g.id, set(), everything=True)
         elif gone and (had or g.val.flags & F_AFFINITY):  # only affinity services pay for the walk
             self.purge_affinity(j, g.id, set(gone), everything=False)
+
+    def _drop_backend(self, j: Journal, g: Group, bid: int) -> None:
+        j.delete(self.fds["usp_backends"], pack_u32(bid), BackendVal.SIZE)
+        if g.val.flags & F_TC_ONLY:
+            j.delete(self.fds["usp_backend_ids"], pack_backend_key(g.id, *g.backends[bid]), 4)
+
+    def index_backends(self, groups: Iterable[Group]) -> int:
+        """usp_backend_ids entries for the tc groups' backends that lack one (pins an agent from
+        before the map left: the map is new and empty); how many were written."""
+        written = 0
+        for g in groups:
+            if not g.val.flags & F_TC_ONLY:
+                continue
+            for bid, addr in g.backends.items():
+                key = pack_backend_key(g.id, *addr)
+                if bpf.map_lookup(self.fds["usp_backend_ids"], key, 4) is None:
+                    bpf.map_update(self.fds["usp_backend_ids"], key, pack_u32(bid))
+                    written += 1
+        return written
 
     # -- removing a group ---------------------------------------------------------------------
     def remove_group(self, j: Journal, g: Group) -> None:
@@ -259,7 +282,7 @@ class Tables:
         if g.maglev is not None:
             j.delete(self.fds["usp_maglev"], pack_u32(g.id), 4)
         for bid in sorted(g.backends):
-            j.delete(self.fds["usp_backends"], pack_u32(bid), BackendVal.SIZE)
+            self._drop_backend(j, g, bid)
         j.delete(self.fds["usp_names"], pack_u32(g.id), NAME_SIZE)
         if g.val.flags & F_SOURCE_RANGES:
             self._put_sources(j, g.id, (), add=False)

@@ -97,6 +97,10 @@ def affinity_row(e: AffinityEntry, groups: Mapping[int, Group], now: int) -> dic
             "idle": max(0, now - e.last_used) / 1e9}
 
 
+# maps newer than the first pinned layout: pins of an agent from before them lack them
+OPTIONAL_MAPS = frozenset({"usp_ct_any", "usp_ct_new", "usp_frags", "usp_dsr_peers", "usp_backend_ids"})
+
+
 def render_pinned(pin_root: Path | None = None) -> str | None:
     """The pinned socket LB as text, or None when nothing is pinned at `pin_root`."""
     pins = loader.PinLayout(pin_root or default_pin_root())
@@ -105,7 +109,8 @@ def render_pinned(pin_root: Path | None = None) -> str | None:
     fds: dict[str, int] = {}
     try:
         for name in loader.MAPS:
-            fds[name] = bpf.obj_get(str(pins.maps / name))
+            if (pins.maps / name).exists() or name not in OPTIONAL_MAPS:
+                fds[name] = bpf.obj_get(str(pins.maps / name))
         return _render(pins, Tables(fds))
     finally:
         for fd in fds.values():
@@ -135,8 +140,8 @@ def _render(pins: loader.PinLayout, tables: Tables) -> str:
 
 def _ct_lines(tables: Tables, groups: Mapping[int, Group], now: int) -> list[str]:
     """The tc NodePort flows (ORIGINAL conntrack entries), as `cilium-dbg bpf ct list` lists."""
-    entries = [e for e in nodeport.ct_entries(tables.fds["usp_ct"]) if e.direction == CT_ORIGINAL]
-    out = [f"tc NodePort flows: {len(entries)}"]
+    entries = [e for e in nodeport.ct_entries(tables.fds) if e.direction == CT_ORIGINAL]
+    out = [f"tc NodePort flows: {len(entries)} ({sum(not e.confirmed for e in entries)} not confirmed yet)"]
     for e in entries[:50]:
         r = nodeport.ct_row(e, spn_text(groups[e.svc_id].name) if e.svc_id in groups else str(e.svc_id), now)
         out.append(f"  {r['protocol'].lower()} {r['original']['src']} -> {r['original']['dst']} => "

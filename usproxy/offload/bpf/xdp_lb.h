@@ -75,13 +75,15 @@ static __always_inline int xdp_parse(struct xdp_md *ctx, struct xdp_hdrs *h, str
 		return -1;
 	if (ip->version != 4 || ip->ihl != 5 || (ip->frag_off & bpf_htons(IP_FRAG_MASK)))
 		return -1;
+	if ((void *)ip + bpf_ntohs(ip->tot_len) > end)
+		return -1;	/* a truncated packet: the stack drops it */
 	if (ip->protocol == IPPROTO_TCP) {
-		if (l4 + 20 > (__u8 *)end)
+		if (l4 + 20 > (__u8 *)end || bpf_ntohs(ip->tot_len) < sizeof(*ip) + 20)
 			return -1;
 		h->csum = (__u16 *)(l4 + TCP_CSUM_OFF);
 		p->tcp_flags = l4[TCP_FLAGS_OFF];
 	} else if (ip->protocol == IPPROTO_UDP) {
-		if (l4 + 8 > (__u8 *)end)
+		if (l4 + 8 > (__u8 *)end || bpf_ntohs(ip->tot_len) < sizeof(*ip) + 8)
 			return -1;
 		h->csum = *(__u16 *)(l4 + UDP_CSUM_OFF) ? (__u16 *)(l4 + UDP_CSUM_OFF) : NULL;
 	} else {
@@ -97,23 +99,6 @@ static __always_inline int xdp_parse(struct xdp_md *ctx, struct xdp_hdrs *h, str
 	p->t.proto = ip->protocol;
 	p->t.dir = CT_ORIGINAL;
 	return 0;
-}
-
-/* RFC 1624 incremental update of a ones' complement sum for a 16-bit word (any byte order, as
- * long as old and new are read the same way as the sum). */
-static __always_inline __u16 csum_add16(__u16 sum, __u16 old, __u16 new)
-{
-	__u32 s = (__u16)~sum + (__u32)(__u16)~old + new;
-
-	s = (s & 0xffff) + (s >> 16);
-	s = (s & 0xffff) + (s >> 16);
-	return (__u16)~s;
-}
-
-static __always_inline __u16 csum_add32(__u16 sum, __u32 old, __u32 new)
-{
-	sum = csum_add16(sum, (__u16)old, (__u16)new);
-	return csum_add16(sum, (__u16)(old >> 16), (__u16)(new >> 16));
 }
 
 static __always_inline void l4_csum(struct xdp_hdrs *h, __u8 proto, __u16 sum)
@@ -186,15 +171,22 @@ static __always_inline int xdp_send(struct xdp_hdrs *h, struct bpf_fib_lookup *f
 	return XDP_TX;
 }
 
-/* A live ct entry without touching it: XDP refreshes an entry only once it sends the frame, and
- * leaves expired ones to tc (which deletes them). */
+/* A live confirmed entry without touching it: XDP refreshes an entry only once it sends the frame,
+ * and leaves expired ones to tc (which deletes them), as it leaves flows not yet confirmed (tc
+ * confirms them: ct_saw_reply, ct_try_confirm). */
 static __always_inline struct ct_val *ct_peek(struct ct_key *k, __u64 now)
 {
-	struct ct_val *v = bpf_map_lookup_elem(&usp_ct, k);
+	struct ct_val *v = ct_confirmed(k);
 
-	if (!v || v->last + ct_lifetime(v, k->proto) <= now)
+	if (!v || v->last + ct_lifetime(v, k->proto, 0) <= now)
 		return NULL;
 	return v;
+}
+
+/* XDP_PASS when `k` has an entry not yet confirmed (tc's), else -1. */
+static __always_inline int xdp_pending(struct ct_key *k)
+{
+	return bpf_map_lookup_elem(&usp_ct_new, k) ? XDP_PASS : -1;
 }
 
 /* A reply of a known flow, reverse-NATed (backend -> SNAT address becomes NodePort -> client) and
@@ -203,20 +195,21 @@ static __always_inline struct ct_val *ct_peek(struct ct_key *k, __u64 now)
 static __always_inline int xdp_reply(struct xdp_md *ctx, struct xdp_hdrs *h, struct pkt *p, __u64 now)
 {
 	struct bpf_fib_lookup fib = {};
+	struct ct_new_val *pending;
 	struct ct_key k = p->t;
 	struct ct_val *v;
 
 	k.dir = CT_REPLY;
 	v = ct_peek(&k, now);
 	if (!v)
-		return -1;
+		return xdp_pending(&k);
 	if (v->flags & CT_DSR)
 		return XDP_PASS;
 	if (xdp_csum_partial(h)) {
 		xdp_count(XDP_STAT_PARTIAL);
 		return XDP_PASS;
 	}
-	if (xdp_route(ctx, h, v->nat_saddr, v->nat_daddr, &fib) < 0 || !ct_get(&k, p, now))
+	if (xdp_route(ctx, h, v->nat_saddr, v->nat_daddr, &fib) < 0 || !ct_get(&k, p, now, &pending))
 		return XDP_PASS;
 	xdp_rewrite(h, p, v->nat_saddr, v->nat_sport, v->nat_daddr, v->nat_dport);
 	return xdp_send(h, &fib, XDP_STAT_REPLY);
@@ -226,13 +219,16 @@ static __always_inline int xdp_reply(struct xdp_md *ctx, struct xdp_hdrs *h, str
 static __always_inline int xdp_known(struct xdp_md *ctx, struct xdp_hdrs *h, struct pkt *p, __u64 now)
 {
 	struct bpf_fib_lookup fib = {};
+	struct ct_new_val *pending;
 	struct backend_val *be;
 	struct ct_val *v = ct_peek(&p->t, now);
 
 	if (!v)
-		return -1;
+		return xdp_pending(&p->t);
 	if (v->flags & CT_DSR)	/* dsr_known at tc: the option again on a retransmitted SYN, UDP */
 		return XDP_PASS;
+	if ((v->flags & CT_CLOSING) && ct_may_open(p))
+		return XDP_PASS;	/* a SYN reusing a closed flow's tuple: tc opens a new flow */
 	be = bpf_map_lookup_elem(&usp_backends, &v->backend_id);
 	if (!be || be->addr[3] != v->nat_daddr || (__u16)be->port != v->nat_dport)
 		return XDP_PASS;
@@ -240,7 +236,8 @@ static __always_inline int xdp_known(struct xdp_md *ctx, struct xdp_hdrs *h, str
 		xdp_count(XDP_STAT_PARTIAL);
 		return XDP_PASS;
 	}
-	if (xdp_route(ctx, h, v->nat_saddr ? v->nat_saddr : p->t.saddr, v->nat_daddr, &fib) < 0 || !ct_get(&p->t, p, now))
+	if (xdp_route(ctx, h, v->nat_saddr ? v->nat_saddr : p->t.saddr, v->nat_daddr, &fib) < 0 ||
+	    !ct_get(&p->t, p, now, &pending))
 		return XDP_PASS;
 	xdp_rewrite(h, p, v->nat_saddr ? v->nat_saddr : p->t.saddr, v->nat_saddr ? v->nat_sport : p->t.sport,
 		    v->nat_daddr, v->nat_dport);
@@ -263,8 +260,8 @@ static __always_inline int xdp_new(struct xdp_md *ctx, struct xdp_hdrs *h, struc
 	svc = bpf_map_lookup_elem(&usp_services, &key);
 	if (!svc)
 		return XDP_PASS;
-	if (!svc->count || (svc->flags & (F_AFFINITY | F_DSR)) || xdp_csum_partial(h))	/* DSR writes an IP option: tc's */
-		goto to_tc;
+	if (!svc->count || (svc->flags & (F_AFFINITY | F_DSR)) || xdp_csum_partial(h) || !ct_may_open(p))
+		goto to_tc;	/* DSR writes an IP option; a segment that opens no flow: tc's */
 	id = tc_pick(p, svc);
 	be = backend_of(svc, id);
 	if (!be || !is_v4_mapped(be->addr) || xdp_route(ctx, h, p->t.saddr, be->addr[3], &fib) < 0)
@@ -273,6 +270,8 @@ static __always_inline int xdp_new(struct xdp_md *ctx, struct xdp_hdrs *h, struc
 	if (ifaddr && !(svc->flags & F_LOCAL_ONLY)) {
 		snat = *ifaddr;
 		sport = snat_port(p, snat, be->addr[3], (__u16)be->port);
+		if (!sport)
+			goto to_tc;
 	}
 	__sync_fetch_and_add(&be->selected, 1);
 	if (ct_create(p, svc, id, be, snat, sport, now) < 0)
