@@ -293,8 +293,8 @@ def test_a_file_rewritten_in_place_while_read_is_read_again(tmp_path: Path, monk
     rename_into(f, service_yaml("a", 81) + "---\n")
     real = manifest.load_file
 
-    def load_then_append(path: Path) -> Any:
-        out = real(path)
+    def load_then_append(path: Path, *parser: Any) -> Any:
+        out = real(path, *parser)
         with path.open("a") as w:
             w.write(service_yaml("b", 82))
         return out

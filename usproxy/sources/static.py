@@ -40,7 +40,7 @@ from pathlib import Path
 from usproxy.model.endpoint_slice import EndpointSlice
 from usproxy.util.errors import ConfigError
 from usproxy.util.gc_pause import gc_paused, promote_survivors
-from usproxy.model.manifest import ManifestReadError, Manifests, load_file, manifest_files
+from usproxy.model.manifest import ManifestParser, ManifestReadError, Manifests, load_file, manifest_files
 from usproxy.model.node import NodeFacts
 from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.model.service import Service
@@ -124,6 +124,7 @@ class StaticSource:
         self._seen: dict[Path, tuple[FileKey | None, float]] = {}  # a new key, and since when
         self._pending: dict[Path, float] = {}  # since when a change of the file waits to be taken
         self._good: dict[Path, Manifests] = {}
+        self._parsers: dict[Path, ManifestParser] = {}  # each file's pieces, to parse only what changed
         self.services: dict[NamespacedName, Service] = {}
         self.slices: dict[NamespacedName, EndpointSlice] = {}
         self.service_cidrs = ServiceCIDRTracker(self._service_cidrs_changed)
@@ -135,7 +136,7 @@ class StaticSource:
             raise ConfigError("no such file or directory", obj=str(self.path))
         for f in manifest_files(self.path):
             self._keys[f] = _stat_key(f)
-            self._good[f] = self._report(load_file(f))
+            self._good[f] = self._report(load_file(f, self._parser(f)))
         self._deliver()
         self.provider.on_services_synced()
         self.provider.on_endpoint_slices_synced()
@@ -218,12 +219,18 @@ class StaticSource:
             self._seen[f] = seen = (key, now)
         return now - seen[1] >= period
 
-    @staticmethod
-    def _read(files: dict[Path, FileKey | None]) -> dict[Path, Read]:
+    def _parser(self, f: Path) -> ManifestParser:
+        parser = self._parsers.get(f)
+        if parser is None:
+            parser = self._parsers[f] = ManifestParser()
+        return parser
+
+    def _read(self, files: dict[Path, FileKey | None]) -> dict[Path, Read]:
+        """Read and parse `files` (in a worker thread: nothing else touches the parsers then)."""
         out: dict[Path, Read] = {}
         for f, key in files.items():
             try:
-                result: Manifests | ConfigError = load_file(f)
+                result: Manifests | ConfigError = load_file(f, self._parser(f))
             except ConfigError as err:
                 result = err
             out[f] = Read(result, key, not _written_during_read(key, _stat_key(f)))
@@ -242,6 +249,7 @@ class StaticSource:
         or went away."""
         for f in scan.gone:
             self._good.pop(f, None)
+            self._parsers.pop(f, None)
             self._keys.pop(f, None)
             self._seen.pop(f, None)
             self._pending.pop(f, None)
@@ -328,7 +336,8 @@ class StaticSource:
             self.provider.on_service_update(self.services.pop(name), None)
             yield
         for name, svc in merged.services.items():
-            if self.services.get(name) != svc:
+            old = self.services.get(name)
+            if old is not svc and old != svc:  # an unchanged piece of a file yields the same object
                 self.provider.on_service_update(self.services.get(name), svc)
                 self.services[name] = svc
                 yield
@@ -336,7 +345,8 @@ class StaticSource:
             self.provider.on_endpoint_slice_update(self.slices.pop(name), None)
             yield
         for name, es in merged.slices.items():
-            if self.slices.get(name) != es:
+            prev = self.slices.get(name)
+            if prev is not es and prev != es:
                 self.provider.on_endpoint_slice_update(self.slices.get(name), es)
                 self.slices[name] = es
                 yield
