@@ -10,6 +10,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.sources.conftest import Recorder, service_yaml
 from usproxy.model.types import NamespacedName
 from usproxy.util.errors import ConfigError
@@ -78,6 +80,30 @@ async def test_sighup_forces_a_reload(tmp_path: Path) -> None:
         assert ports(rec, "a") == [88]
     finally:
         asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+async def test_a_renamed_in_manifest_is_read_at_once_not_at_the_next_poll(tmp_path: Path, as_file: bool) -> None:
+    """inotify wakes the source (file_watch.py): with polling an hour apart, a file replaced by a
+    rename (as an editor or `mv` does), in a watched directory or given as the path itself, is
+    read within moments."""
+    f = tmp_path / "a.yaml"
+    f.write_text(service_yaml("a", 80))
+    rec = Recorder()
+    src = StaticSource(f if as_file else tmp_path, rec, poll_interval=3600)
+    src.load_initial()
+    task = asyncio.create_task(src.run())
+    try:
+        await asyncio.sleep(0.05)
+        rename_into(f, service_yaml("a", 81))
+        for _ in range(200):
+            if ports(rec, "a") == [81]:
+                break
+            await asyncio.sleep(0.01)
+        assert ports(rec, "a") == [81]
+    finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 

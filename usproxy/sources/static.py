@@ -1,7 +1,8 @@
 """Static source: Kubernetes manifests from a file or a directory, reloaded on change and SIGHUP.
 
-Files are polled (stat: inode, size, mtime) every `poll_interval` seconds, so an edit in place and
-an atomic rename are both seen within a second. Each file keeps its last good parse: a broken edit
+Files are polled (stat: inode, size, mtime) every `poll_interval` seconds, and looked at as soon
+as inotify reports a change in their directory (file_watch.py), so an atomic rename is read at
+once and an edit in place once it settles. Each file keeps its last good parse: a broken edit
 leaves that file's objects as they were and logs why; a bad object inside a good file is skipped
 with an error and counted. The first load is strict: a file that cannot be parsed at all raises
 ConfigError (the CLI exits 2).
@@ -47,6 +48,7 @@ from usproxy.model.service import Service
 from usproxy.core.datapath import ServiceCIDRHandler
 from usproxy.model.service_cidr import ServiceCIDRTracker
 from usproxy.sources import Provider, hold_syncs
+from usproxy.sources.file_watch import FileWatch
 from usproxy.util.time_slice import TimeSlice
 from usproxy.model.types import IPNetwork, NamespacedName
 
@@ -128,7 +130,8 @@ class StaticSource:
         self.services: dict[NamespacedName, Service] = {}
         self.slices: dict[NamespacedName, EndpointSlice] = {}
         self.service_cidrs = ServiceCIDRTracker(self._service_cidrs_changed)
-        self._reload = asyncio.Event()
+        self._wake = asyncio.Event()  # SIGHUP, or inotify: look now
+        self._forced = False  # SIGHUP: read every file, changed or not
 
     def load_initial(self) -> None:
         """First load; raises ConfigError when a file cannot be read or parsed at all."""
@@ -143,18 +146,32 @@ class StaticSource:
 
     def request_reload(self) -> None:
         """Reload now (SIGHUP)."""
-        self._reload.set()
+        self._forced = True
+        self._wake.set()
 
     async def run(self) -> None:
-        """Poll for changes until cancelled. Scanning and parsing run in a worker thread, so a
-        large manifest does not stall the relay; no error ends the loop."""
+        """Poll for changes until cancelled, and look at once when inotify says the path changed
+        (file_watch.py). Scanning and parsing run in a worker thread, so a large manifest does
+        not stall the relay; no error ends the loop."""
+        loop = asyncio.get_running_loop()
+        watch = FileWatch.of(self.path) if self.path.exists() else None
+        if watch is not None:
+            loop.add_reader(watch.fd, watch.reader(self._wake.set))
+        try:
+            await self._poll_forever()
+        finally:
+            if watch is not None:
+                loop.remove_reader(watch.fd)
+                watch.close()
+
+    async def _poll_forever(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._reload.wait(), self.poll_interval)
+                await asyncio.wait_for(self._wake.wait(), self.poll_interval)
             except TimeoutError:
                 pass
-            forced = self._reload.is_set()
-            self._reload.clear()
+            forced, self._forced = self._forced, False
+            self._wake.clear()
             try:
                 scan = await asyncio.to_thread(self._scan, forced)
                 if scan is not None:
