@@ -166,7 +166,7 @@ class Spawned:
                     return time.monotonic() - self.t0
             except (OSError, http.client.HTTPException, ValueError):
                 pass
-            time.sleep(0.005)
+            time.sleep(0.02)  # each poll costs the agent an HTTP request: not more often
         raise RuntimeError(f"agent did not sync within {timeout}s")
 
     def placed(self) -> dict[str, float]:

@@ -25,7 +25,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from usproxy.model import block_yaml
 from usproxy.model.endpoint_slice import EndpointSlice, parse_endpoint_slice
 from usproxy.model.manifest_pieces import DocumentCut, cut
 from usproxy.util.errors import ConfigError
-from usproxy.util.gc_pause import gc_paused
+from usproxy.util.gc_pause import gc_paused, promote_survivors
 from usproxy.model.fields import describe
 from usproxy.model.node import NodePodCIDRs, parse_node_pod_cidrs
 from usproxy.model.service import Service, parse_service, skip_reason
@@ -145,7 +145,7 @@ def parse_documents(text: str, source: str = "<input>") -> list[Mapping[str, Any
     with gc_paused(True):
         pieces = _read_pieces(text)
         if pieces is not None:
-            return [raw for key, value, where in pieces for raw in _raws(value, key[0], where(source))]
+            return [raw for key, value, where in pieces for raw in _raws(value, key[0], _where(source, where))]
         return _parse_whole(text, source)
 
 
@@ -296,11 +296,20 @@ class _Whole(Exception):
 
 
 PieceKey = tuple[bool, bytes]  # (an item of a List or a whole document, a digest of its text)
+Where = tuple[int, int]  # (document, item; -1: the whole document), for errors
 
 
-def _key(item: bool, text: str) -> PieceKey:
-    """A piece's key: a 128-bit digest of its text, not the text (10,000 Services: 7 MiB less)."""
-    return item, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+class _Digests:
+    """128-bit digests of the pieces of one text (the cache's keys: 10,000 Services' pieces
+    would hold 7 MiB as texts), taken from the encoded text without copying each piece."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.data = memoryview(text.encode("ascii")) if text.isascii() else None  # offsets = indices
+
+    def key(self, item: bool, a: int, b: int) -> PieceKey:
+        chunk = self.data[a:b] if self.data is not None else self.text[a:b].encode("utf-8", "surrogatepass")
+        return item, hashlib.blake2b(chunk, digest_size=16).digest()
 
 
 class ManifestParser:
@@ -319,56 +328,76 @@ class ManifestParser:
             pieces = _read_pieces(text, self._pieces)
             if pieces is None:
                 return objects_from(parse_documents(text, source))
-            out = Manifests()
             kept: dict[PieceKey, tuple[Entry, ...]] = {}
+            order: list[tuple[Entry, ...]] = []
             for key, value, where in pieces:
                 entries = kept.get(key)
                 if entries is None:
                     entries = self._pieces.get(key)
                 if entries is None:
-                    entries = tuple(e for raw in _raws(value, key[0], where(source)) if (e := _entry(raw)) is not None)
+                    entries = tuple(e for raw in _raws(value, key[0], _where(source, where))
+                                    if (e := _entry(raw)) is not None)
                 kept[key] = entries
-                for entry in entries:
-                    _take(out, entry)
+                order.append(entries)
             self._pieces = kept
+            out = _manifests([e for entries in order for e in entries])
+            promote_survivors()  # unscanned into the oldest generation: no collection walks them now
             return out
+
+
+def _manifests(entries: list[Entry]) -> Manifests:
+    """The Manifests of `entries` in order (a later object of the same name wins, as _take)."""
+    return Manifests(services={k: v for what, k, v in entries if what == "service"},
+                     slices={k: v for what, k, v in entries if what == "slice"},
+                     service_cidrs={k: v for what, k, v in entries if what == "cidr"},
+                     nodes={k: v for what, k, v in entries if what == "node"},
+                     errors=[v for what, _, v in entries if what == "error"],
+                     skipped=[v for what, _, v in entries if what == "skipped"])
+
+
+def _where(source: str, where: Where) -> str:
+    doc, item = where
+    return f"{source}: document {doc}" + (f" item {item}" if item >= 0 else "")
 
 
 _CACHED = object()  # a piece whose value was not read again: its entries are kept
 
 
 def _read_pieces(text: str, cache: Mapping[PieceKey, object] | None = None
-                 ) -> list[tuple[PieceKey, Any, Callable[[str], str]]] | None:
+                 ) -> list[tuple[PieceKey, Any, Where]] | None:
     """Each piece of `text` with its YAML value (_CACHED when `cache` holds its key) and where it
     is (for errors); None when the text is not cut, or its cut did not hold."""
     cuts = cut(text)
     if cuts is None:
         return None
     memo: dict[str, Any] = {}  # line shapes, shared by the pieces of this text
-    out: list[tuple[PieceKey, Any, Callable[[str], str]]] = []
+    digests = _Digests(text)
+    out: list[tuple[PieceKey, Any, Where]] = []
     try:
         for doc in cuts:
-            out.extend(_document_pieces(doc, memo, cache or {}))
+            _document_pieces(doc, text, digests, memo, cache or {}, out)
     except _Whole:
         return None
     return out
 
 
-def _document_pieces(doc: DocumentCut, memo: dict[str, Any], cache: Mapping[PieceKey, object]
-                     ) -> Iterator[tuple[PieceKey, Any, Callable[[str], str]]]:
+def _document_pieces(doc: DocumentCut, text: str, digests: _Digests, memo: dict[str, Any],
+                     cache: Mapping[PieceKey, object], out: list[tuple[PieceKey, Any, Where]]) -> None:
     i = doc.index
     if doc.items is not None and (doc.skeleton is None or _is_list_skeleton(_load_piece(doc.skeleton, memo))):
-        for j, text in enumerate(doc.items):
-            key = _key(True, text)
+        key_of = digests.key
+        for j, (a, b) in enumerate(doc.item_spans()):
+            key = key_of(True, a, b)
             value: Any = _CACHED
             if key not in cache:
-                value = _load_piece(text, memo)
+                value = _load_piece(text[a:b], memo)
                 if not (isinstance(value, list) and len(value) == 1):
                     raise _Whole  # the cut was not at entries
-            yield key, value, lambda source, j=j: f"{source}: document {i} item {j}"  # type: ignore[misc]
+            out.append((key, value, (i, j)))
         return
-    key = _key(False, doc.text)
-    yield key, (_CACHED if key in cache else _load_piece(doc.text, memo)), lambda source: f"{source}: document {i}"
+    a, b = doc.span
+    key = digests.key(False, a, b)
+    out.append((key, _CACHED if key in cache else _load_piece(text[a:b], memo), (i, -1)))
 
 
 def _is_list_skeleton(value: Any) -> bool:

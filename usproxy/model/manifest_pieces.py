@@ -19,6 +19,7 @@ cut.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 # Each pattern matches the newline before a line (the text is searched with one newline put in
@@ -33,14 +34,19 @@ _ENTRY = re.compile(r"\n-(?= |\n|\Z)")
 
 @dataclass(frozen=True, slots=True)
 class DocumentCut:
-    """One document: `index` as PyYAML numbers them; `skeleton` the text of a List without its
-    items (None for a document that is a sequence, or that is not cut); `items` each item's text
-    (a `- ` entry at column 0); `text` the whole document."""
+    """One document: `index` as PyYAML numbers them; `span` where it is in the text; `skeleton`
+    the text of a List without its items (None for a document that is a sequence, or that is not
+    cut); `items` where each item (a `- ` entry at column 0) starts, and where the last one ends
+    (None: the document is one piece). Spans, not texts: a piece already parsed is never copied."""
 
     index: int
-    text: str
+    span: tuple[int, int]
     skeleton: str | None
-    items: tuple[str, ...] | None  # None: the document is one piece
+    items: list[int] | None
+
+    def item_spans(self) -> Iterator[tuple[int, int]]:
+        assert self.items is not None
+        return zip(self.items, self.items[1:])
 
 
 class _Lines:
@@ -85,7 +91,7 @@ def cut(text: str) -> list[DocumentCut] | None:
 
 def _document(index: int, lines: _Lines, start: int, end: int) -> DocumentCut:
     text = lines.text
-    doc = text[start:end]
+    doc = (start, end)
     first = lines.find(_CONTENT, start, end)
     if first >= 0 and lines.is_at(_ENTRY, first):  # the document is a sequence
         return DocumentCut(index, doc, None, _items(lines, first, end))
@@ -98,18 +104,18 @@ def _document(index: int, lines: _Lines, start: int, end: int) -> DocumentCut:
     first_item = lines.find(_CONTENT, region, region_end)
     if first_item < 0 or not lines.is_at(_ENTRY, first_item):
         return DocumentCut(index, doc, None, None)  # `items:` without a block sequence at column 0
-    items = _items(lines, first_item, region_end)
+    items = _items(lines, first_item, region_end, checked=True)
     if items is None:
         return DocumentCut(index, doc, None, None)
     return DocumentCut(index, doc, text[start:region] + text[region_end:end], items)
 
 
-def _items(lines: _Lines, start: int, end: int) -> tuple[str, ...] | None:
-    """The entries from `start` (an entry) to `end`, one text each; None when a line at column 0
-    other than an entry or a comment lies between them (not a block sequence at column 0)."""
-    if lines.find(_OTHER, start, end) >= 0:
+def _items(lines: _Lines, start: int, end: int, checked: bool = False) -> list[int] | None:
+    """Where the entries from `start` (an entry) to `end` start, then `end`; None when a line at
+    column 0 other than an entry or a comment lies between them (not a block sequence at column 0;
+    `checked`: the caller ended the region at the first such line)."""
+    if not checked and lines.find(_OTHER, start, end) >= 0:
         return None
     starts = lines.starts(_ENTRY, start, end)
     starts.append(end)
-    text = lines.text
-    return tuple(text[a:b] for a, b in zip(starts, starts[1:]))
+    return starts

@@ -14,6 +14,13 @@ and timing out; an address that is needed again is simply kept. A UDP sweeper ex
 once a second; that sweep also gives freed flow buffers back to the system after many flows
 ended (HeapTrim).
 
+A new ServicePort that a kernel datapath serves from this very sync (`kernel_serves`: the offload
+manager's serves_at_once, for --offload-after 0) does not wait for its listeners: they open right
+after the sync, a batch at a time, so a cold start's kernel step is not queued behind 10,000
+listeners (no flow exists yet that one could carry). They still open: the relay stays the fallback
+under the kernel (a transaction refused later, a table flushed behind our back). A sync and that
+opener never apply at the same time (`_applying`).
+
 It owns what the ServicePortRelays share and hands it to each through its constructor: the
 FlowAdmission (flow bounds and eviction, sized from the descriptor limit), the UdpRelay, the set
 of every listening (address, port, protocol) and the ClientOrigin (pods and the node, for the
@@ -30,7 +37,7 @@ import asyncio
 import logging
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -56,6 +63,7 @@ from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
 RELEASE_AFTER = 60.0  # seconds an address no Service uses stays local (refused), covering DNS TTLs
+OPEN_BATCH = 64  # deferred ServicePorts whose listeners open between two turns of the loop (~3 ms)
 MAX_RELEASED = 1024  # such addresses kept at most
 
 
@@ -145,9 +153,21 @@ class Relay:
         self.service_cidr_objects: tuple[IPNetwork, ...] = ()  # the ServiceCIDR objects' CIDRs
         self._routed: tuple[IPNetwork, ...] | None = None  # what service_cidr_routes holds (None: unknown)
         self.capture = PortCapture(settings.capture)
+        # Whether a kernel datapath serves a new ServicePort from this very sync (the agent wires
+        # the offload manager's serves_at_once): its listeners then open after the sync.
+        self.kernel_serves: Callable[[ServicePortState], bool] | None = None
+        self._deferred: set[ServicePortName] = set()  # new ServicePorts whose listeners wait
+        self._opener: asyncio.Task[None] | None = None
+        self._applying = asyncio.Lock()  # a sync and the deferred opener never apply at once
 
     # -- Datapath ------------------------------------------------------------------------------
     async def sync(self, request: SyncRequest) -> None:
+        async with self._applying:
+            await self._sync(request)
+        if self._deferred and (self._opener is None or self._opener.done()):
+            self._opener = asyncio.get_running_loop().create_task(self._open_deferred())
+
+    async def _sync(self, request: SyncRequest) -> None:
         first = not self._started
         if first:
             await self._start()
@@ -215,6 +235,7 @@ class Relay:
         port = self.ports.get(spn)
         self._count_addresses(port.state if port is not None else None, state)
         if state is None:
+            self._deferred.discard(spn)
             if port is not None:
                 del self.ports[spn]
                 await port.close()
@@ -223,6 +244,11 @@ class Relay:
             port = self.ports[spn] = ServicePortRelay(
                 state, admission=self.admission, udp=self.udp, listening=self.listening,
                 default_policy=self.default_policy, origin=self.origin, capture=self.capture)
+            if self.kernel_serves is not None and self.kernel_serves(state):
+                port.configure(state, self.node_ips)  # the kernel serves it now; listeners after the sync
+                self._deferred.add(spn)
+                return
+        self._deferred.discard(spn)
         await port.apply(state, self.node_ips)
         if port.errors:
             self._failing.add(spn)
@@ -259,10 +285,29 @@ class Relay:
         self.host_ips = {ip for ifname, ip in local if ifname != self.vip.name}
         return sorted(str(ip) for ip in self.node.nodeport_ips(local, self.vip.name))
 
+    async def _open_deferred(self) -> None:
+        """Open the deferred listeners, OPEN_BATCH ServicePorts at a time with the loop running in
+        between; a sync that comes meanwhile goes first and opens those it touches itself."""
+        try:
+            while self._deferred:
+                async with self._applying:
+                    for _ in range(min(OPEN_BATCH, len(self._deferred))):
+                        spn = self._deferred.pop()
+                        port = self.ports.get(spn)
+                        if port is not None:
+                            await port.apply(port.state, self.node_ips)
+                            if port.errors:
+                                self._failing.add(spn)
+                await asyncio.sleep(0)
+        except Exception:
+            log.exception("opening deferred listeners failed; the next sync retries")
+
     def placement(self, spn: ServicePortName) -> Placement | None:
         port = self.ports.get(spn)
         if port is None:
             return None
+        if spn in self._deferred:
+            return Placement("userspace", "served by the kernel; the relay's listeners open after the kernel step")
         if port.errors:
             return Placement("userspace", "; ".join(sorted(set(port.errors.values()))), error=True)
         listening = ", ".join(sorted(format_hostport(a, p) + (f" ({port.captured[(a, p, k)]})" if (a, p, k) in port.captured
@@ -292,9 +337,10 @@ class Relay:
         hands to its protocol only later is reset, not relayed into the exit's FIN), reset every
         relayed TCP connection on both legs, close the listeners and UDP flows, give up the VIP
         interface's addresses."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
+        for task in (self._sweeper, self._opener):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.capture.close()
         for port in self.ports.values():
             port.stop()  # a connection accepted but not yet handed over must not start a flow now
@@ -320,7 +366,8 @@ class Relay:
                     self.expire_tcp()
                     self.settle_tcp()
                     next_tcp = time.monotonic() + tcp_every
-                await self._retry_failed()  # a listener address freed by someone else: take it
+                async with self._applying:  # never beside a sync or the deferred opener
+                    await self._retry_failed()  # a listener address freed by someone else: take it
                 self._refresh_origin()
                 await self.heap.tick(len(self.admission.table))
             except Exception:
