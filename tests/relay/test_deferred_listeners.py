@@ -92,3 +92,55 @@ async def _listeners_open_after_the_sync(topology: Topology) -> None:
             assert placement is not None and placement.reason.startswith("listening on 10.96.77.1:80")
         finally:
             await relay.close()
+
+
+class GatedVip(Vip):
+    """add_many waits for `gate` (the kernel adding 10,000 addresses) and fails `fail` times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.fail = 0
+        self.calls: list[set[IPAddress]] = []
+
+    async def add_many(self, ips: Iterable[IPAddress]) -> None:
+        wanted = set(ips)
+        self.calls.append(wanted)
+        await self.gate.wait()
+        if self.fail:
+            self.fail -= 1
+            raise OSError(105, "No buffer space available")
+        self.addresses.update(wanted)
+
+
+def test_addresses_of_what_the_kernel_serves_are_added_beside_the_sync(topology: Topology, loop_name: str) -> None:
+    """When every ServicePort a sync brings waits for the kernel step, the sync does not wait for
+    its addresses (the kernel's O(n) per address); the deferred listeners do; a failed add is
+    done again, all of it, at the next sync."""
+    run = uvloop.run if loop_name == "uvloop" else asyncio.run
+    run(_addresses_beside_the_sync(topology))
+
+
+async def _addresses_beside_the_sync(topology: Topology) -> None:
+    for ip in ("10.96.78.1", "10.96.78.2"):
+        nsexec(topology.node, "ip", "addr", "add", f"{ip}/32", "dev", "lo")
+    with inside(topology.node):
+        vip = GatedVip()
+        relay = Relay(RelaySettings.from_config(ProxyConfig()), NodeFacts(), vip=vip)  # type: ignore[arg-type]
+        relay.kernel_serves = lambda st: True
+        try:
+            a, b = state("a", "10.96.78.1"), state("b", "10.96.78.2")
+            vip.fail = 1
+            await asyncio.wait_for(relay.sync(SyncRequest(dict([a]))), 5)  # returns with the add pending
+            assert vip.addresses == set() and not listening(relay, "10.96.78.1")
+            await asyncio.sleep(0.05)
+            assert not listening(relay, "10.96.78.1")  # the listener waits for its address
+            vip.gate.set()  # the add fails: logged, done again at the next sync
+            await wait_opened(relay)
+            await relay.sync(SyncRequest(dict([b])))
+            await wait_opened(relay)
+            assert vip.calls[-2:] == [{ipaddress.ip_address("10.96.78.1")}, {ipaddress.ip_address("10.96.78.2")}]
+            assert vip.addresses == {ipaddress.ip_address("10.96.78.1"), ipaddress.ip_address("10.96.78.2")}
+            assert listening(relay, "10.96.78.1") and listening(relay, "10.96.78.2")
+        finally:
+            await relay.close()

@@ -18,7 +18,10 @@ A new ServicePort that a kernel datapath serves from this very sync (`kernel_ser
 manager's serves_at_once, for --offload-after 0) does not wait for its listeners: they open right
 after the sync, a batch at a time, so a cold start's kernel step is not queued behind 10,000
 listeners (no flow exists yet that one could carry). They still open: the relay stays the fallback
-under the kernel (a transaction refused later, a table flushed behind our back). A sync and that
+under the kernel (a transaction refused later, a table flushed behind our back). When every
+ServicePort a sync brings is such, its frontend addresses are added in the netlink thread while
+the sync goes on (the kernel's work, O(n) per address on one interface, overlaps the kernel
+datapath's transaction); the deferred listeners, and the next sync, wait for them. A sync and that
 opener never apply at the same time (`_applying`).
 
 It owns what the ServicePortRelays share and hands it to each through its constructor: the
@@ -159,6 +162,8 @@ class Relay:
         self._deferred: set[ServicePortName] = set()  # new ServicePorts whose listeners wait
         self._opener: asyncio.Task[None] | None = None
         self._applying = asyncio.Lock()  # a sync and the deferred opener never apply at once
+        self._adding: asyncio.Future[None] | None = None  # addresses added while the sync goes on
+        self._readd = False  # that failed: add every frontend address again
 
     # -- Datapath ------------------------------------------------------------------------------
     async def sync(self, request: SyncRequest) -> None:
@@ -177,19 +182,31 @@ class Relay:
             now = time.monotonic()
             for ip in self.vip.addresses - self._uses.keys() - self.released.keys():
                 self.released[ip] = now
+        await self._addresses_added()
+        if self._readd:
+            await self._readd_addresses()
+        defer = self._kernel_served(request)
         # Listeners (bound with IP_FREEBIND) and captures first, addresses after: a frontend's
         # first packet can only arrive once its address is local, and then finds the port held
         # by the relay or captured, never by a node daemon on a wildcard address (issue 29 item 6).
         self._refresh_origin()
         for spn, state in request.changes.items():
             try:
-                await self._sync_one(spn, state)
+                await self._sync_one(spn, state, spn in defer)
             except Exception:
                 log.exception("%s: relay sync failed", spn)
         if first:
             self.capture.settle()  # in the background
-        await self.vip.add_many(ip for st in request.changes.values() if st is not None
-                                for ip, _ in st.service_port.frontends() if ip not in self.host_ips)
+        adding = self.vip.add_many(ip for st in request.changes.values() if st is not None
+                                   for ip, _ in st.service_port.frontends() if ip not in self.host_ips)
+        if defer and len(defer) == sum(st is not None for st in request.changes.values()):
+            # nothing this sync brings listens before the kernel step (its frontends' first
+            # packets are the kernel's): the kernel adds the addresses (O(n) each on one
+            # interface: 1.2 s of its time for 10,000) in the netlink thread while the loop goes on
+            # to the kernel datapaths' transaction
+            self._adding = asyncio.ensure_future(adding)
+        else:
+            await adding
         await self._sync_addresses()
         await self._sync_service_cidr_routes()
         await self._retry_failed()
@@ -231,7 +248,32 @@ class Relay:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._started = True
 
-    async def _sync_one(self, spn: ServicePortName, state: ServicePortState | None) -> None:
+    def _kernel_served(self, request: SyncRequest) -> set[ServicePortName]:
+        """The new ServicePorts of `request` a kernel datapath serves from this sync on."""
+        serves = self.kernel_serves
+        if serves is None:
+            return set()
+        return {spn for spn, st in request.changes.items() if st is not None and spn not in self.ports and serves(st)}
+
+    async def _readd_addresses(self) -> None:
+        """After a failed background add: every frontend address again (EEXIST counts as added)."""
+        await self.vip.add_many(ip for port in self.ports.values() for ip, _ in port.state.service_port.frontends()
+                                if ip not in self.host_ips)
+        self._readd = False
+
+    async def _addresses_added(self) -> None:
+        """Wait for the addresses a previous sync is adding in the background; when that failed,
+        log it and add them all again at the next sync (or sweep)."""
+        task, self._adding = self._adding, None
+        if task is None:
+            return
+        try:
+            await task
+        except Exception as err:
+            log.error("adding frontend addresses to %s: %s; adding them again", self.vip.name, err)
+            self._readd = True
+
+    async def _sync_one(self, spn: ServicePortName, state: ServicePortState | None, defer: bool = False) -> None:
         port = self.ports.get(spn)
         self._count_addresses(port.state if port is not None else None, state)
         if state is None:
@@ -244,7 +286,7 @@ class Relay:
             port = self.ports[spn] = ServicePortRelay(
                 state, admission=self.admission, udp=self.udp, listening=self.listening,
                 default_policy=self.default_policy, origin=self.origin, capture=self.capture)
-            if self.kernel_serves is not None and self.kernel_serves(state):
+            if defer:
                 port.configure(state, self.node_ips)  # the kernel serves it now; listeners after the sync
                 self._deferred.add(spn)
                 return
@@ -289,6 +331,10 @@ class Relay:
         """Open the deferred listeners, OPEN_BATCH ServicePorts at a time with the loop running in
         between; a sync that comes meanwhile goes first and opens those it touches itself."""
         try:
+            async with self._applying:
+                await self._addresses_added()  # a listener binds only to an address that is there
+                if self._readd:
+                    await self._readd_addresses()
             while self._deferred:
                 async with self._applying:
                     for _ in range(min(OPEN_BATCH, len(self._deferred))):
@@ -341,6 +387,8 @@ class Relay:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        if self._adding is not None:  # the netlink thread finishes it; the interface is closed after
+            await asyncio.gather(self._adding, return_exceptions=True)
         await self.capture.close()
         for port in self.ports.values():
             port.stop()  # a connection accepted but not yet handed over must not start a flow now
@@ -367,6 +415,8 @@ class Relay:
                     self.settle_tcp()
                     next_tcp = time.monotonic() + tcp_every
                 async with self._applying:  # never beside a sync or the deferred opener
+                    if self._readd:
+                        await self._readd_addresses()
                     await self._retry_failed()  # a listener address freed by someone else: take it
                 self._refresh_origin()
                 await self.heap.tick(len(self.admission.table))
