@@ -220,6 +220,16 @@ def _agent_args(mode: str, manifest: Path, api: ApiServer | None, vip: str) -> l
 
 
 # -- cold start --------------------------------------------------------------------------------------
+def wait_listening(ns: str, count: int, t0: float, timeout: float = 120.0) -> float | None:
+    """Seconds from `t0` until `count` TCP sockets listen in `ns` (None: not within `timeout`)."""
+    while time.monotonic() < t0 + timeout:
+        out = nsexec(ns, "ss", "-Hltn", check=False).stdout
+        if out.count("\n") >= count:
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return None
+
+
 def cold(procs: Procs, mode: str, n: int, work: Path) -> dict[str, Any]:
     """One cold start in a fresh namespace."""
     objects = scale_objects(n)
@@ -234,8 +244,13 @@ def cold(procs: Procs, mode: str, n: int, work: Path) -> dict[str, Any]:
         try:
             seconds = agent.wait_synced()
             out = {"services": n, "mode": mode, "spawn_to_kernel_s": seconds, "cpu_s": agent.cpu(), **agent.memory(),
-                   "load1": load, "placed": agent.placed(),
-                   "manifest_mb": manifest.stat().st_size / 1e6 if mode == "static" else None}
+                   "load1": load, "manifest_mb": manifest.stat().st_size / 1e6 if mode == "static" else None}
+            # the relay's listeners open after the kernel step (the fallback): when all are open
+            extra = 3 if mode == "kubernetes" else 2  # the admin ports, the API server
+            out["spawn_to_listeners_s"] = wait_listening(ns, n + extra, agent.t0)
+            out["cpu_listeners_s"] = agent.cpu()
+            out["rss_settled"] = agent.memory()["VmRSS"]
+            out["placed"] = agent.placed()
         finally:
             agent.stop()
             if api is not None:
@@ -333,11 +348,13 @@ def measure(procs: Procs, topo: BenchTopology, work: Path, sizes: tuple[int, ...
         for mode in modes:
             runs = [cold(procs, mode, n, work) for _ in range(rounds)]
             row = {"services": n, "mode": mode, "runs": runs,
-                   **{k: _median(runs, k) for k in ("spawn_to_kernel_s", "cpu_s", "VmRSS", "VmHWM", "load1")}}
+                   **{k: _median(runs, k) for k in ("spawn_to_kernel_s", "cpu_s", "VmRSS", "VmHWM", "load1",
+                                                    "rss_settled", "cpu_listeners_s")}}
             out["cold"].append(row)
             each = ", ".join(f"{r['spawn_to_kernel_s']:.2f}" for r in runs)
             log(f"  cold {mode} {n}: spawn->kernel {row['spawn_to_kernel_s']:.2f}s (runs {each}), cpu {row['cpu_s']:.2f}s, "
-                f"RSS {row['VmRSS']:.0f} MiB (peak {row['VmHWM']:.0f}), load {row['load1']:.1f}"
+                f"RSS {row['VmRSS']:.0f} MiB, {row['rss_settled']:.0f} with listeners (peak {row['VmHWM']:.0f}), "
+                f"load {row['load1']:.1f}"
                 + "".join(f" ERROR {r['error']}" for r in runs if "error" in r))
             ch = changes(procs, topo, mode, n, count, work)
             out["change"].append(ch)
