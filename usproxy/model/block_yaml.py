@@ -29,6 +29,11 @@ _CONSTRUCTED = frozenset({"tag:yaml.org,2002:null", "tag:yaml.org,2002:bool", "t
                           "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp"})
 # a plain scalar cannot start with these (YAML's c-indicator), nor with "-", "?", ":" followed by a space
 _INDICATORS = frozenset("#,[]{}&*!|>'\"%@`")
+# the first characters PyYAML's implicit resolvers look at (a plain scalar starting otherwise is a
+# string), and a dotted quad, which no YAML 1.1 pattern (int, float, timestamp) matches
+_RESOLVED_FIRST = frozenset(k for k in yaml.resolver.Resolver.yaml_implicit_resolvers if k)
+_FIRST_DECIDES = None not in yaml.resolver.Resolver.yaml_implicit_resolvers  # no resolver for any first character
+_DOTTED_QUAD = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+")
 _MEMO_MAX = 20_000  # resolved scalars kept (a short string and its value each), then forgotten
 
 
@@ -48,7 +53,10 @@ class _Scalars:
         memo = self.memo
         if text in memo:
             return memo[text]
-        tag = self.resolve(yaml.ScalarNode, text, (True, False))
+        if _FIRST_DECIDES and (text[0] not in _RESOLVED_FIRST or _DOTTED_QUAD.fullmatch(text)):
+            tag = _STR  # no implicit resolver starts with that character; an IPv4 address is text
+        else:
+            tag = self.resolve(yaml.ScalarNode, text, (True, False))
         if tag == _STR:
             value: Any = text
         elif tag in _CONSTRUCTED:
