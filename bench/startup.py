@@ -372,6 +372,39 @@ def measure(procs: Procs, topo: BenchTopology, work: Path, sizes: tuple[int, ...
     return out
 
 
+def _row(rows: list[dict[str, Any]], n: int, mode: str | None = None) -> dict[str, Any]:
+    return next((r for r in rows if r["services"] == n and (mode is None or r.get("mode") == mode)), {})
+
+
+def table(res: dict[str, Any]) -> list[str]:
+    """The README's control-plane table: per size, end to end (static, Kubernetes mode), the
+    kernel step alone and kube-proxy's layout through nft."""
+    head = ["| Services × 2 endpoints | static: spawn → kernel (s) [agent CPU] | its change p50 / p99 (ms) [CPU] "
+            "| Kubernetes: spawn → kernel (s) [CPU] | its change p50 / p99 (ms) | RSS after start (MiB) "
+            "| kernel step (s) | kube-proxy layout `nft -f -` (s) | its change p50 (ms) |", "|" + "---|" * 9]
+    out = list(head)
+    for n in sorted({r["services"] for r in res.get("cold", [])}):
+        st, kb = _row(res["cold"], n, "static"), _row(res["cold"], n, "kubernetes")
+        stc, kbc = _row(res["change"], n, "static"), _row(res["change"], n, "kubernetes")
+        ks, kp = _row(res["kernel_step"], n), _row(res["kube_proxy"], n)
+
+        def cold(r: dict[str, Any]) -> str:
+            return f"{r['spawn_to_kernel_s']:.2f} [{r['cpu_s']:.2f}]" if r else "–"
+
+        def change(r: dict[str, Any], cpu: bool) -> str:
+            if not r or not r["edit_to_connection_s"]:
+                return "–"
+            e = r["edit_to_connection_s"]
+            extra = f" [{r['cpu_s']['p50'] * 1e3:.0f}]" if cpu else ""
+            return f"{e['p50'] * 1e3:.0f} / {e['p99'] * 1e3:.0f}{extra}"
+        rss = f"{st['rss_settled']:.0f} / {kb['rss_settled']:.0f}" if st and kb else "–"
+        kpc = kp.get("one_change_s", {}).get("p50")
+        out.append(f"| {n:,} | {cold(st)} | {change(stc, True)} | {cold(kb)} | {change(kbc, False)} | {rss} "
+                   f"| {ks.get('cold_s', float('nan')):.3f} | {kp.get('cold_s', float('nan')):.2f} "
+                   f"| {kpc * 1e3 if kpc is not None else float('nan'):.1f} |")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--sizes", default="1000,5000,10000")
@@ -396,6 +429,7 @@ def main() -> int:
         res["meta"] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cores": os.cpu_count(), "id": secrets.token_hex(3)}
         if args.out:
             args.out.write_text(json.dumps(res, indent=1))
+        print("\n".join(table(res)))
     finally:
         procs.close()
         topo.close()

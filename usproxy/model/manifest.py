@@ -145,7 +145,7 @@ def parse_documents(text: str, source: str = "<input>") -> list[Mapping[str, Any
     with gc_paused(True):
         pieces = _read_pieces(text)
         if pieces is not None:
-            return [raw for key, value, where in pieces for raw in _raws(value, key[0], _where(source, where))]
+            return [raw for key, value, where in pieces for raw in _raws(value, key[:1] == b"i", _where(source, where))]
         return _parse_whole(text, source)
 
 
@@ -295,7 +295,7 @@ class _Whole(Exception):
     """The cut of a text did not hold (a piece is not YAML alone): parse the whole text."""
 
 
-PieceKey = tuple[bool, bytes]  # (an item of a List or a whole document, a digest of its text)
+PieceKey = bytes  # b"i" (an item of a List) or b"d" (a whole document), then a digest of its text
 Where = tuple[int, int]  # (document, item; -1: the whole document), for errors
 
 
@@ -309,7 +309,7 @@ class _Digests:
 
     def key(self, item: bool, a: int, b: int) -> PieceKey:
         chunk = self.data[a:b] if self.data is not None else self.text[a:b].encode("utf-8", "surrogatepass")
-        return item, hashlib.blake2b(chunk, digest_size=16).digest()
+        return (b"i" if item else b"d") + hashlib.blake2b(chunk, digest_size=16).digest()
 
 
 class ManifestParser:
@@ -335,7 +335,7 @@ class ManifestParser:
                 if entries is None:
                     entries = self._pieces.get(key)
                 if entries is None:
-                    entries = tuple(e for raw in _raws(value, key[0], _where(source, where))
+                    entries = tuple(e for raw in _raws(value, key[:1] == b"i", _where(source, where))
                                     if (e := _entry(raw)) is not None)
                 kept[key] = entries
                 order.append(entries)

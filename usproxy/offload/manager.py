@@ -69,6 +69,9 @@ class _Plan:
     targets: dict[ServicePortName, tuple[str, ...]] = field(default_factory=dict)
 
 
+_NO_WINDOW: frozenset[tuple[IPAddress, int]] = frozenset()
+
+
 def usable_key(state: ServicePortState) -> frozenset[tuple[IPAddress, int]]:
     """What the window watches: the addresses of the endpoints traffic can reach."""
     return frozenset(ep.address for ep in (*state.cluster_endpoints, *state.external_endpoints,
@@ -168,7 +171,7 @@ class OffloadManager:
                     port.dirty, port.reason = True, REMOVED
                     self._waiting.add(spn)
                 continue
-            key = usable_key(st)
+            key = usable_key(st) if self.offload_after > 0 else _NO_WINDOW  # nothing to watch without one
             if port is None:
                 self.ports[spn] = _Port(st, key, now)
             else:

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
-from usproxy.util.heap import HeapTrim
+from usproxy.util.heap import HeapTrim, give_back_free_heap
 from usproxy.util.metrics import Metrics
 from usproxy.model.config import ProxyConfig, parse_cidrs
 from usproxy.model.service_cidr import union
@@ -345,6 +345,7 @@ class Relay:
                             if port.errors:
                                 self._failing.add(spn)
                 await asyncio.sleep(0)
+            await give_back_free_heap()  # what opening them freed (a cold start's 10,000: ~5 MiB)
         except Exception:
             log.exception("opening deferred listeners failed; the next sync retries")
 
@@ -414,10 +415,13 @@ class Relay:
                     self.expire_tcp()
                     self.settle_tcp()
                     next_tcp = time.monotonic() + tcp_every
-                async with self._applying:  # never beside a sync or the deferred opener
-                    if self._readd:
+                if self._readd:
+                    async with self._applying:
                         await self._readd_addresses()
-                    await self._retry_failed()  # a listener address freed by someone else: take it
+                # Not under `_applying`: a failed bind's holder is looked up in /proc (seconds on a
+                # busy node), and a sync must not wait for that. A port retried here is one whose
+                # apply already ran (the opener never holds one that is failing).
+                await self._retry_failed()  # a listener address freed by someone else: take it
                 self._refresh_origin()
                 await self.heap.tick(len(self.admission.table))
             except Exception:

@@ -405,11 +405,14 @@ class ServicePortRelay:
         self.admission.release_pipes()
 
 
+_NO_FIREWALL: dict[str, tuple[IPNetwork, ...]] = {}  # shared, never changed: most ServicePorts have none
+
+
 def firewall(sp: ServicePort, node_ips: Collection[str]) -> dict[str, tuple[IPNetwork, ...]]:
     """Allowed sources by LoadBalancer IP (text) of the IPs that are filtered, as nftables
     (usproxy.model.source_ranges.allowed_sources; `node_ips` stand for kube-proxy's node IP)."""
     if not sp.source_ranges or not sp.load_balancer_ips:
-        return {}
+        return _NO_FIREWALL
     nodes = [ipaddress.ip_address(ip) for ip in node_ips]
     out = {}
     for ip in sp.load_balancer_ips:
