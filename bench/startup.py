@@ -380,7 +380,7 @@ def table(res: dict[str, Any]) -> list[str]:
     """The README's control-plane table: per size, end to end (static, Kubernetes mode), the
     kernel step alone and kube-proxy's layout through nft."""
     head = ["| Services × 2 endpoints | static: spawn → kernel (s) [agent CPU] | its change p50 / p99 (ms) [CPU] "
-            "| Kubernetes: spawn → kernel (s) [CPU] | its change p50 / p99 (ms) | RSS after start (MiB) "
+            "| Kubernetes: spawn → kernel (s) [CPU] | its change p50 / p99 (ms) | RSS after start, static / Kubernetes (MiB) "
             "| kernel step (s) | kube-proxy layout `nft -f -` (s) | its change p50 (ms) |", "|" + "---|" * 9]
     out = list(head)
     for n in sorted({r["services"] for r in res.get("cold", [])}):
