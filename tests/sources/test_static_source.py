@@ -342,3 +342,18 @@ def test_a_file_rewritten_in_place_but_replaced_by_rename_is_read_at_once(tmp_pa
     assert src.poll() and ports(rec, "a") == [81]
     rename_into(f, "kind: List\nitems: []\n")
     assert src.poll() and rec.services == {}
+
+
+async def test_cancelled_as_a_change_wakes_it_the_source_ends(tmp_path: Path) -> None:
+    """The agent's exit cancels the source; when an inotify wake-up lands in the same turn of the
+    loop (a file written just before SIGTERM), the source still ends (asyncio.wait_for on 3.11
+    swallowed such a cancellation, and the exit waited forever)."""
+    (tmp_path / "a.yaml").write_text(service_yaml("a", 80))
+    src = StaticSource(tmp_path, Recorder(), poll_interval=3600)
+    src.load_initial()
+    task = asyncio.create_task(src.run())
+    await asyncio.sleep(0.05)
+    src.request_reload()  # the wake-up, as inotify's
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=2)
+    assert done and task.cancelled()

@@ -167,7 +167,10 @@ class StaticSource:
     async def _poll_forever(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.poll_interval)
+                # not asyncio.wait_for: on 3.11, when the wait ends (an inotify event) as the task
+                # is cancelled, it returns instead of raising, and the agent's exit waited forever
+                async with asyncio.timeout(self.poll_interval):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             forced, self._forced = self._forced, False
