@@ -33,6 +33,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -433,6 +434,7 @@ def main() -> int:
     finally:
         procs.close()
         topo.close()
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
