@@ -244,7 +244,7 @@ def cold(procs: Procs, mode: str, n: int, work: Path) -> dict[str, Any]:
         agent = Spawned(procs, ns, _agent_args(mode, manifest, api, "usproxy0"), work / f"cold-{mode}-{n}.log")
         try:
             seconds = agent.wait_synced()
-            out = {"services": n, "mode": mode, "spawn_to_kernel_s": seconds, "cpu_s": agent.cpu(), **agent.memory(),
+            out: dict[str, Any] = {"services": n, "mode": mode, "spawn_to_kernel_s": seconds, "cpu_s": agent.cpu(), **agent.memory(),
                    "load1": load, "manifest_mb": manifest.stat().st_size / 1e6 if mode == "static" else None}
             # the relay's listeners open after the kernel step (the fallback): when all are open
             extra = 3 if mode == "kubernetes" else 2  # the admin ports, the API server
@@ -339,7 +339,7 @@ def kube_proxy(n: int, count: int) -> dict[str, Any]:
 
 # -- the phase ---------------------------------------------------------------------------------------
 def _median(rows: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
+    return float(statistics.median(r[key] for r in rows))
 
 
 def measure(procs: Procs, topo: BenchTopology, work: Path, sizes: tuple[int, ...], rounds: int, count: int,
