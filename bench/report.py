@@ -230,6 +230,10 @@ def markdown(d: dict[str, Any]) -> str:
         out += tools_table(d["tools"]) + [""]
     if "controlplane" in d:
         out += ["#### Control plane", ""] + controlplane_table(d["controlplane"]) + [""]
+    if "startup" in d:
+        from bench.startup import table
+
+        out += ["#### Control plane end to end (bench/startup.py)", ""] + table(d["startup"]) + [""]
     if "memory" in d:
         out += ["#### Memory", ""] + memory_table(d["memory"]) + [""]
     out += ["#### Targets (issue 9; reported, not asserted)", ""] + targets_table(d) + [""]

@@ -3,8 +3,8 @@
 Builds the bench netns (topology.py), starts the bench servers and every contender
 (contenders.py), runs the data plane in interleaved rounds (dataplane.py), profiles the relay
 (profile.py), runs the real tools through the same contenders (tools.py), measures memory per
-idle flow (memory.py) and the control plane (controlplane.py),
-then writes bench/results/<date>[-quick].{json,md} and PNG charts (report.py) and prints the
+idle flow (memory.py), the control plane (controlplane.py) and the control plane end to end,
+from spawn and from an edit (startup.py), then writes bench/results/<date>[-quick].{json,md} and PNG charts (report.py) and prints the
 markdown. Everything it created (netns, processes, nft tables: they live in its netns) is removed
 on exit, also on failure and Ctrl-C. `--quick`: small sizes, 2 rounds, about 3 minutes;
 default (full): 1 GiB transfers, 4 rounds, 1k/5k/10k Services, about 20 minutes.
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bench import controlplane, memory, profile, report, tools
+from bench import controlplane, memory, profile, report, startup, tools
 from bench.contenders import Contender, Ctx, default_contenders
 from bench.dataplane import DataPlane, Plan
 from bench.procs import PYTHON, Procs
@@ -52,8 +52,8 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--quick", action="store_true", help="small sizes, 2 rounds, about 3 minutes")
     ap.add_argument("--rounds", type=int, help="data-plane rounds (default 2 quick, 4 full)")
-    ap.add_argument("--only", default="dataplane,tools,profile,memory,controlplane",
-                    help="comma list of phases: dataplane, tools, profile, memory, controlplane")
+    ap.add_argument("--only", default="dataplane,tools,profile,memory,controlplane,startup",
+                    help="comma list of phases: dataplane, tools, profile, memory, controlplane, startup")
     ap.add_argument("--prototypes", action=argparse.BooleanOptionalAction, default=None,
                     help="include the relay prototypes of bench/prototypes (default: full runs only)")
     ap.add_argument("--stem", help="results file name (default <date>[-quick])")
@@ -129,6 +129,10 @@ def main() -> int:
             results["controlplane"] = controlplane.measure(
                 ctx, cp_sizes, changes=20 if quick else 50, kp_changes=5 if quick else 10,
                 edit_repeats=3 if quick else 10, relay_sizes=(1000,) if quick else (1000, 5000), log=log)
+        if "startup" in phases:
+            log("control plane end to end (from spawn, from an edit)")
+            results["startup"] = startup.measure(ctx.procs, ctx.topo, ctx.work, cp_sizes, 1 if quick else 3,
+                                                 5 if quick else 20, log)
     except KeyboardInterrupt:
         log("interrupted: cleaning up")
         results["meta"]["interrupted"] = True

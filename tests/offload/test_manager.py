@@ -453,3 +453,18 @@ async def test_external_placement_names_tc_nftables_or_the_relay_with_the_reason
     assert p is not None and p.datapath == "relay" and "not offloaded (establishing" in p.reason, p
     await mgr.sync(req(web("10.244.1.1")))  # a ClusterIP only: no external route at all
     assert mgr.external_placement(A) is None
+
+
+async def test_serves_at_once_only_without_a_window_and_for_every_traffic_kind() -> None:
+    """Relay.kernel_serves: a new ServicePort the kernel serves from the sync that brings it
+    (--offload-after 0, every traffic kind covered) lets the relay open its listeners after the
+    kernel step; a window, a userspace pin, an unsupported feature or a kernel serving local
+    traffic only (BPF alone) does not."""
+    served = web("10.244.1.1")
+    assert make(FakeKernelDatapath(), after=0.0)[0].serves_at_once(served)
+    assert not make(FakeKernelDatapath(), after=5.0)[0].serves_at_once(served)
+    assert not make(FakeKernelDatapath(), after=0.0)[0].serves_at_once(web("10.244.1.1", datapath="userspace"))
+    refused = FakeKernelDatapath(unsupported_if=lambda st: "no")
+    assert not make(refused, after=0.0)[0].serves_at_once(served)
+    assert not make(FakeKernelDatapath("bpf", frozenset({"local"})), after=0.0)[0].serves_at_once(served)
+    assert make(FakeKernelDatapath("bpf", frozenset({"local"})), FakeKernelDatapath(), after=0.0)[0].serves_at_once(served)

@@ -59,11 +59,13 @@ class Manifests:
         self.path = self.dir / "services.yaml"
 
     def write(self, *objects: dict[str, Any]) -> float:
-        """Atomically replace the manifest; returns T_upd (time.monotonic())."""
+        """Atomically replace the manifest; returns T_upd, time.monotonic() just before the rename
+        (inotify wakes the agent at once: it may have synced before this process runs again)."""
         tmp = self.dir / ".services.yaml.tmp"
         tmp.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": list(objects)}))
+        t_upd = time.monotonic()
         os.rename(tmp, self.path)
-        return time.monotonic()
+        return t_upd
 
 
 class AgentProc:

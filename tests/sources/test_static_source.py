@@ -10,6 +10,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.sources.conftest import Recorder, service_yaml
 from usproxy.model.types import NamespacedName
 from usproxy.util.errors import ConfigError
@@ -78,6 +80,30 @@ async def test_sighup_forces_a_reload(tmp_path: Path) -> None:
         assert ports(rec, "a") == [88]
     finally:
         asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+async def test_a_renamed_in_manifest_is_read_at_once_not_at_the_next_poll(tmp_path: Path, as_file: bool) -> None:
+    """inotify wakes the source (file_watch.py): with polling an hour apart, a file replaced by a
+    rename (as an editor or `mv` does), in a watched directory or given as the path itself, is
+    read within moments."""
+    f = tmp_path / "a.yaml"
+    f.write_text(service_yaml("a", 80))
+    rec = Recorder()
+    src = StaticSource(f if as_file else tmp_path, rec, poll_interval=3600)
+    src.load_initial()
+    task = asyncio.create_task(src.run())
+    try:
+        await asyncio.sleep(0.05)
+        rename_into(f, service_yaml("a", 81))
+        for _ in range(200):
+            if ports(rec, "a") == [81]:
+                break
+            await asyncio.sleep(0.01)
+        assert ports(rec, "a") == [81]
+    finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
@@ -293,8 +319,8 @@ def test_a_file_rewritten_in_place_while_read_is_read_again(tmp_path: Path, monk
     rename_into(f, service_yaml("a", 81) + "---\n")
     real = manifest.load_file
 
-    def load_then_append(path: Path) -> Any:
-        out = real(path)
+    def load_then_append(path: Path, *parser: Any) -> Any:
+        out = real(path, *parser)
         with path.open("a") as w:
             w.write(service_yaml("b", 82))
         return out
@@ -316,3 +342,18 @@ def test_a_file_rewritten_in_place_but_replaced_by_rename_is_read_at_once(tmp_pa
     assert src.poll() and ports(rec, "a") == [81]
     rename_into(f, "kind: List\nitems: []\n")
     assert src.poll() and rec.services == {}
+
+
+async def test_cancelled_as_a_change_wakes_it_the_source_ends(tmp_path: Path) -> None:
+    """The agent's exit cancels the source; when an inotify wake-up lands in the same turn of the
+    loop (a file written just before SIGTERM), the source still ends (asyncio.wait_for on 3.11
+    swallowed such a cancellation, and the exit waited forever)."""
+    (tmp_path / "a.yaml").write_text(service_yaml("a", 80))
+    src = StaticSource(tmp_path, Recorder(), poll_interval=3600)
+    src.load_initial()
+    task = asyncio.create_task(src.run())
+    await asyncio.sleep(0.05)
+    src.request_reload()  # the wake-up, as inotify's
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=2)
+    assert done and task.cancelled()

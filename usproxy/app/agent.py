@@ -70,7 +70,9 @@ def build_datapaths(cfg: ProxyConfig, node: NodeFacts, metrics: Metrics,
     # unallocated Service CIDR addresses: a kernel datapath that checks the CIDRs drops them (nftables'
     # cluster-ips-check, as kube-proxy's); without one the relay blackholes them
     relay.drop_unallocated = not any(isinstance(k, ServiceCIDRHandler) for k in kernels)
-    return [relay, OffloadManager(settings, kernels, request_sync=request_sync, metrics=metrics, events=events)]
+    manager = OffloadManager(settings, kernels, request_sync=request_sync, metrics=metrics, events=events)
+    relay.kernel_serves = manager.serves_at_once  # listeners of what the kernel serves at once open after the sync
+    return [relay, manager]
 
 
 def uses_api_server(cfg: ProxyConfig) -> bool:

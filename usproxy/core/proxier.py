@@ -37,6 +37,7 @@ from usproxy.model.endpoint import Endpoint, categorize
 from usproxy.model.endpoint_slice import EndpointSlice
 from usproxy.core.frontend_claims import CLUSTER_IP, FrontendClaims, describe, without_frontends
 from usproxy.util.gc_pause import LARGE, freeze_heap, gc_paused, promote_survivors
+from usproxy.util.heap import give_back_free_heap
 from usproxy.core.endpoints_change_tracker import (EndpointsChangeTracker, EndpointsDiff, EndpointsMap, endpoint_count,
                                               endpoints_diff, merge_taken)
 from usproxy.model.node import NodeFacts
@@ -189,6 +190,7 @@ class Proxier:
                 raise
         if large:
             freeze_heap()  # its state lives as long as the agent: no full collection walks it (gc_pause)
+            await give_back_free_heap()  # the burst's transients (a transaction's text, a parse) are free now
         self._need_full = False
         self._finish(start, queued)
 

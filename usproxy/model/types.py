@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from typing import Literal, NamedTuple, TypeAlias
 
 Protocol: TypeAlias = Literal["TCP", "UDP", "SCTP"]
@@ -110,10 +111,16 @@ def unmapped_network(net: IPNetwork) -> IPNetwork:
     return net
 
 
+_V4_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_V4_CANONICAL = re.compile(rf"{_V4_OCTET}(?:\.{_V4_OCTET}){{3}}")  # no leading zeros, each part <= 255
+
+
 def parse_ip_sloppy(text: str) -> IPAddress:
     """An address as kube-proxy parses Service and EndpointSlice addresses (ParseIPSloppy:
     IPv4 leading zeros are decimal; an IPv4-mapped IPv6 address is the IPv4 address, see
     `unmapped`). Raises ValueError as ipaddress.ip_address."""
+    if _V4_CANONICAL.fullmatch(text):  # the common case, packed in C (ipaddress parses in Python)
+        return ipaddress.IPv4Address(socket.inet_aton(text))
     return unmapped(ipaddress.ip_address(sloppy_ip_text(text)))
 
 
@@ -130,6 +137,15 @@ def refused_address(ip: IPAddress) -> str | None:
     """Why an address can be neither a Service frontend nor an Endpoint (loopback, link-local,
     multicast, unspecified: serving or relaying to it would open a path to node-local services
     or to every address), or None when it is acceptable."""
+    if ip.version == 4:  # ipaddress's own tests, by integer (they cost a network lookup each)
+        n = int(ip)
+        if n >> 24 == 127:
+            return "loopback"
+        if n >> 16 == 0xA9FE:
+            return "link-local"
+        if n >> 28 == 0xE:
+            return "multicast"
+        return "unspecified" if n == 0 else None
     for attr in ("is_loopback", "is_link_local", "is_multicast", "is_unspecified"):
         if getattr(ip, attr):
             return attr.removeprefix("is_").replace("_", "-")

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from usproxy.core.events import EventHub
 from usproxy.util.metrics import Metrics
@@ -69,6 +69,9 @@ class _Plan:
     targets: dict[ServicePortName, tuple[str, ...]] = field(default_factory=dict)
 
 
+_NO_WINDOW: frozenset[tuple[IPAddress, int]] = frozenset()
+
+
 def usable_key(state: ServicePortState) -> frozenset[tuple[IPAddress, int]]:
     """What the window watches: the addresses of the endpoints traffic can reach."""
     return frozenset(ep.address for ep in (*state.cluster_endpoints, *state.external_endpoints,
@@ -107,6 +110,7 @@ class OffloadManager:
         self.stale = StaleCleanup(self.usable_kernels, self._live_states,
                                   lambda k, spn: spn not in self.ports or k in self.ports[spn].kernels)
         self._timer_due = 0.0
+        self._covering: dict[tuple[str, ...], bool] = {}  # kernel datapaths -> whether they serve all traffic
 
     def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
         """The ServiceCIDR objects' CIDRs changed: told to every kernel datapath that checks them
@@ -167,7 +171,7 @@ class OffloadManager:
                     port.dirty, port.reason = True, REMOVED
                     self._waiting.add(spn)
                 continue
-            key = usable_key(st)
+            key = usable_key(st) if self.offload_after > 0 else _NO_WINDOW  # nothing to watch without one
             if port is None:
                 self.ports[spn] = _Port(st, key, now)
             else:
@@ -228,6 +232,28 @@ class OffloadManager:
         gap = f"{k.name} declares no LB policies" if declaration is None else declaration.policy_gap(policy)
         return gap or k.unsupported(state)
 
+    def serves_at_once(self, state: ServicePortState) -> bool:
+        """Whether kernel datapaths will serve every traffic kind of `state`'s ServicePort from
+        the sync that brings it (no window to wait: --offload-after 0, or it is in the kernel
+        already), so the relay, synced first, need not open its listeners before the kernel
+        step (Relay.kernel_serves). A transaction refused later changes nothing: the relay opens
+        them right after the sync either way."""
+        now = self.clock()
+        port = self.ports.get(state.service_port.name)
+        if port is None:
+            if self.offload_after > 0:
+                return False
+            port = _Port(state, frozenset(), now)  # choose() reads neither `usable` nor more
+        else:
+            port = replace(port, state=state)
+        kernels, reason, _ = self.choose(port, now)
+        if reason is not ESTABLISHED:
+            return False
+        covers = self._covering.get(kernels)
+        if covers is None:
+            covers = self._covering[kernels] = self._covers(kernels)
+        return covers
+
     def _plan(self, now: float, installed: Mapping[str, Mapping[ServicePortName, tuple[Endpoint, ...]]]) -> _Plan:
         plan = _Plan()
         for kname, spns in installed.items():
@@ -276,8 +302,10 @@ class OffloadManager:
         for kname, changes in plan.changes.items():
             done[kname], errors = await self._apply_kernel(self._kernel(kname), changes)
             failed.update(errors)
+        offloaded: list[str] = []
         for spn, target in plan.targets.items():
-            self._settle(spn, target, done, failed, now)
+            self._settle(spn, target, done, failed, now, offloaded)
+        _log_offloaded(offloaded)
         for spn, fault in failed.items():
             await self._demote(spn, fault, now)
 
@@ -299,7 +327,7 @@ class OffloadManager:
         return ok_a | ok_b, {**err_a, **err_b}
 
     def _settle(self, spn: ServicePortName, target: tuple[str, ...], done: Mapping[str, set[ServicePortName]],
-                failed: Mapping[ServicePortName, Fault], now: float) -> None:
+                failed: Mapping[ServicePortName, Fault], now: float, offloaded: list[str]) -> None:
         port = self.ports[spn]
         before = port.kernels
         if spn in failed:  # _demote removes it from every kernel that may hold it
@@ -308,7 +336,7 @@ class OffloadManager:
         port.kernels, port.dirty = target, False
         if target and not before:
             port.established_at, port.refused = now, None
-            log.info("%s offloaded to %s", spn.key(), "+".join(target))
+            offloaded.append(f"{spn.key()} offloaded to {'+'.join(target)}")
             self._publish("offloaded", spn, "+".join(target), "established")
         elif before and not target and port.reason.phase is not Phase.REMOVED:
             self._publish("userspace", spn, "userspace", port.reason.text())
@@ -422,3 +450,16 @@ class OffloadManager:
         self.stale.cancel()  # entries it would have deleted expire by themselves
         for k in self.kernels:
             k.close()
+
+
+LOGGED_ONE_BY_ONE = 20  # offloads in one sync logged a line each; more make one line (a cold start's 10,000)
+
+
+def _log_offloaded(lines: list[str]) -> None:
+    if len(lines) <= LOGGED_ONE_BY_ONE:
+        for line in lines:
+            log.info("%s", line)
+        return
+    log.info("%d ServicePorts offloaded (%s, ...)", len(lines), "; ".join(lines[:3]))
+    for line in lines:
+        log.debug("%s", line)

@@ -76,10 +76,11 @@ class EndpointSelector:
         self.policy, self.affinity, self.timeout = policy, affinity, timeout
         if endpoints == self.endpoints:
             return
-        kept = set(endpoints)
-        self._pins = {c: a for c, a in self._pins.items() if a.endpoint in kept}
-        self._failed_until = {e: t for e, t in self._failed_until.items() if e in kept}
-        self.active = {e: n for e, n in self.active.items() if e in kept}
+        if self._pins or self._failed_until or self.active:  # else nothing to filter (a new selector)
+            kept = set(endpoints)
+            self._pins = {c: a for c, a in self._pins.items() if a.endpoint in kept}
+            self._failed_until = {e: t for e, t in self._failed_until.items() if e in kept}
+            self.active = {e: n for e, n in self.active.items() if e in kept}
         self.endpoints = endpoints
         self._next = self._next % len(endpoints) if endpoints else 0
 

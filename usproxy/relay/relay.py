@@ -14,6 +14,16 @@ and timing out; an address that is needed again is simply kept. A UDP sweeper ex
 once a second; that sweep also gives freed flow buffers back to the system after many flows
 ended (HeapTrim).
 
+A new ServicePort that a kernel datapath serves from this very sync (`kernel_serves`: the offload
+manager's serves_at_once, for --offload-after 0) does not wait for its listeners: they open right
+after the sync, a batch at a time, so a cold start's kernel step is not queued behind 10,000
+listeners (no flow exists yet that one could carry). They still open: the relay stays the fallback
+under the kernel (a transaction refused later, a table flushed behind our back). When every
+ServicePort a sync brings is such, its frontend addresses are added in the netlink thread while
+the sync goes on (the kernel's work, O(n) per address on one interface, overlaps the kernel
+datapath's transaction); the deferred listeners, and the next sync, wait for them. A sync and that
+opener never apply at the same time (`_applying`).
+
 It owns what the ServicePortRelays share and hands it to each through its constructor: the
 FlowAdmission (flow bounds and eviction, sized from the descriptor limit), the UdpRelay, the set
 of every listening (address, port, protocol) and the ClientOrigin (pods and the node, for the
@@ -30,11 +40,11 @@ import asyncio
 import logging
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
-from usproxy.util.heap import HeapTrim
+from usproxy.util.heap import HeapTrim, give_back_free_heap
 from usproxy.util.metrics import Metrics
 from usproxy.model.config import ProxyConfig, parse_cidrs
 from usproxy.model.service_cidr import union
@@ -56,6 +66,7 @@ from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
 RELEASE_AFTER = 60.0  # seconds an address no Service uses stays local (refused), covering DNS TTLs
+OPEN_BATCH = 64  # deferred ServicePorts whose listeners open between two turns of the loop (~3 ms)
 MAX_RELEASED = 1024  # such addresses kept at most
 
 
@@ -145,9 +156,23 @@ class Relay:
         self.service_cidr_objects: tuple[IPNetwork, ...] = ()  # the ServiceCIDR objects' CIDRs
         self._routed: tuple[IPNetwork, ...] | None = None  # what service_cidr_routes holds (None: unknown)
         self.capture = PortCapture(settings.capture)
+        # Whether a kernel datapath serves a new ServicePort from this very sync (the agent wires
+        # the offload manager's serves_at_once): its listeners then open after the sync.
+        self.kernel_serves: Callable[[ServicePortState], bool] | None = None
+        self._deferred: set[ServicePortName] = set()  # new ServicePorts whose listeners wait
+        self._opener: asyncio.Task[None] | None = None
+        self._applying = asyncio.Lock()  # a sync and the deferred opener never apply at once
+        self._adding: asyncio.Future[None] | None = None  # addresses added while the sync goes on
+        self._readd = False  # that failed: add every frontend address again
 
     # -- Datapath ------------------------------------------------------------------------------
     async def sync(self, request: SyncRequest) -> None:
+        async with self._applying:
+            await self._sync(request)
+        if self._deferred and (self._opener is None or self._opener.done()):
+            self._opener = asyncio.get_running_loop().create_task(self._open_deferred())
+
+    async def _sync(self, request: SyncRequest) -> None:
         first = not self._started
         if first:
             await self._start()
@@ -157,19 +182,31 @@ class Relay:
             now = time.monotonic()
             for ip in self.vip.addresses - self._uses.keys() - self.released.keys():
                 self.released[ip] = now
+        await self._addresses_added()
+        if self._readd:
+            await self._readd_addresses()
+        defer = self._kernel_served(request)
         # Listeners (bound with IP_FREEBIND) and captures first, addresses after: a frontend's
         # first packet can only arrive once its address is local, and then finds the port held
         # by the relay or captured, never by a node daemon on a wildcard address (issue 29 item 6).
         self._refresh_origin()
         for spn, state in request.changes.items():
             try:
-                await self._sync_one(spn, state)
+                await self._sync_one(spn, state, spn in defer)
             except Exception:
                 log.exception("%s: relay sync failed", spn)
         if first:
             self.capture.settle()  # in the background
-        await self.vip.add_many(ip for st in request.changes.values() if st is not None
-                                for ip, _ in st.service_port.frontends() if ip not in self.host_ips)
+        adding = self.vip.add_many(ip for st in request.changes.values() if st is not None
+                                   for ip, _ in st.service_port.frontends() if ip not in self.host_ips)
+        if defer and len(defer) == sum(st is not None for st in request.changes.values()):
+            # nothing this sync brings listens before the kernel step (its frontends' first
+            # packets are the kernel's): the kernel adds the addresses (O(n) each on one
+            # interface: 1.2 s of its time for 10,000) in the netlink thread while the loop goes on
+            # to the kernel datapaths' transaction
+            self._adding = asyncio.ensure_future(adding)
+        else:
+            await adding
         await self._sync_addresses()
         await self._sync_service_cidr_routes()
         await self._retry_failed()
@@ -211,10 +248,36 @@ class Relay:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._started = True
 
-    async def _sync_one(self, spn: ServicePortName, state: ServicePortState | None) -> None:
+    def _kernel_served(self, request: SyncRequest) -> set[ServicePortName]:
+        """The new ServicePorts of `request` a kernel datapath serves from this sync on."""
+        serves = self.kernel_serves
+        if serves is None:
+            return set()
+        return {spn for spn, st in request.changes.items() if st is not None and spn not in self.ports and serves(st)}
+
+    async def _readd_addresses(self) -> None:
+        """After a failed background add: every frontend address again (EEXIST counts as added)."""
+        await self.vip.add_many(ip for port in self.ports.values() for ip, _ in port.state.service_port.frontends()
+                                if ip not in self.host_ips)
+        self._readd = False
+
+    async def _addresses_added(self) -> None:
+        """Wait for the addresses a previous sync is adding in the background; when that failed,
+        log it and add them all again at the next sync (or sweep)."""
+        task, self._adding = self._adding, None
+        if task is None:
+            return
+        try:
+            await task
+        except Exception as err:
+            log.error("adding frontend addresses to %s: %s; adding them again", self.vip.name, err)
+            self._readd = True
+
+    async def _sync_one(self, spn: ServicePortName, state: ServicePortState | None, defer: bool = False) -> None:
         port = self.ports.get(spn)
         self._count_addresses(port.state if port is not None else None, state)
         if state is None:
+            self._deferred.discard(spn)
             if port is not None:
                 del self.ports[spn]
                 await port.close()
@@ -223,6 +286,11 @@ class Relay:
             port = self.ports[spn] = ServicePortRelay(
                 state, admission=self.admission, udp=self.udp, listening=self.listening,
                 default_policy=self.default_policy, origin=self.origin, capture=self.capture)
+            if defer:
+                port.configure(state, self.node_ips)  # the kernel serves it now; listeners after the sync
+                self._deferred.add(spn)
+                return
+        self._deferred.discard(spn)
         await port.apply(state, self.node_ips)
         if port.errors:
             self._failing.add(spn)
@@ -259,10 +327,34 @@ class Relay:
         self.host_ips = {ip for ifname, ip in local if ifname != self.vip.name}
         return sorted(str(ip) for ip in self.node.nodeport_ips(local, self.vip.name))
 
+    async def _open_deferred(self) -> None:
+        """Open the deferred listeners, OPEN_BATCH ServicePorts at a time with the loop running in
+        between; a sync that comes meanwhile goes first and opens those it touches itself."""
+        try:
+            async with self._applying:
+                await self._addresses_added()  # a listener binds only to an address that is there
+                if self._readd:
+                    await self._readd_addresses()
+            while self._deferred:
+                async with self._applying:
+                    for _ in range(min(OPEN_BATCH, len(self._deferred))):
+                        spn = self._deferred.pop()
+                        port = self.ports.get(spn)
+                        if port is not None:
+                            await port.apply(port.state, self.node_ips)
+                            if port.errors:
+                                self._failing.add(spn)
+                await asyncio.sleep(0)
+            await give_back_free_heap()  # what opening them freed (a cold start's 10,000: ~5 MiB)
+        except Exception:
+            log.exception("opening deferred listeners failed; the next sync retries")
+
     def placement(self, spn: ServicePortName) -> Placement | None:
         port = self.ports.get(spn)
         if port is None:
             return None
+        if spn in self._deferred:
+            return Placement("userspace", "served by the kernel; the relay's listeners open after the kernel step")
         if port.errors:
             return Placement("userspace", "; ".join(sorted(set(port.errors.values()))), error=True)
         listening = ", ".join(sorted(format_hostport(a, p) + (f" ({port.captured[(a, p, k)]})" if (a, p, k) in port.captured
@@ -292,9 +384,12 @@ class Relay:
         hands to its protocol only later is reset, not relayed into the exit's FIN), reset every
         relayed TCP connection on both legs, close the listeners and UDP flows, give up the VIP
         interface's addresses."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
+        for task in (self._sweeper, self._opener):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self._adding is not None:  # the netlink thread finishes it; the interface is closed after
+            await asyncio.gather(self._adding, return_exceptions=True)
         await self.capture.close()
         for port in self.ports.values():
             port.stop()  # a connection accepted but not yet handed over must not start a flow now
@@ -320,6 +415,12 @@ class Relay:
                     self.expire_tcp()
                     self.settle_tcp()
                     next_tcp = time.monotonic() + tcp_every
+                if self._readd:
+                    async with self._applying:
+                        await self._readd_addresses()
+                # Not under `_applying`: a failed bind's holder is looked up in /proc (seconds on a
+                # busy node), and a sync must not wait for that. A port retried here is one whose
+                # apply already ran (the opener never holds one that is failing).
                 await self._retry_failed()  # a listener address freed by someone else: take it
                 self._refresh_origin()
                 await self.heap.tick(len(self.admission.table))

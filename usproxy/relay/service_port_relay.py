@@ -133,14 +133,7 @@ class ServicePortRelay:
 
     async def apply(self, state: ServicePortState, node_ips: Collection[str]) -> None:
         """Take a new state: update selectors, then open and close listeners as needed."""
-        self.state = state
-        sp = state.service_port
-        policy = sp.lb_policy or self.default_policy
-        for kind, eps in self._endpoints(state).items():
-            self.selectors[kind].update(eps, policy, sp.session_affinity, float(sp.affinity_timeout))
-        self.short.update(state.short_circuit_endpoints, policy, sp.session_affinity, float(sp.affinity_timeout))
-        self._close_stale_flows(state)
-        self.firewall = firewall(sp, node_ips)
+        self.configure(state, node_ips)
         want = self.desired(state, node_ips)
         fronts = self.frontends(state, node_ips)
         for key in [k for k in self.listeners if k not in want]:
@@ -156,6 +149,18 @@ class ServicePortRelay:
             await self._open_listener(key)
         for key in list(self.listeners):
             self._filter(key)
+
+    def configure(self, state: ServicePortState, node_ips: Collection[str]) -> None:
+        """Take a new state but its listeners: selectors, stale UDP flows, the firewall (the
+        relay defers the listeners of a ServicePort the kernel serves from its first sync)."""
+        self.state = state
+        sp = state.service_port
+        policy = sp.lb_policy or self.default_policy
+        for kind, eps in self._endpoints(state).items():
+            self.selectors[kind].update(eps, policy, sp.session_affinity, float(sp.affinity_timeout))
+        self.short.update(state.short_circuit_endpoints, policy, sp.session_affinity, float(sp.affinity_timeout))
+        self._close_stale_flows(state)
+        self.firewall = firewall(sp, node_ips)
 
     def clauses(self, key: ListenerKey) -> tuple[Clause, ...]:
         """The socket filter of a listener (source_filter.py; none for most): every client dropped
@@ -400,11 +405,14 @@ class ServicePortRelay:
         self.admission.release_pipes()
 
 
+_NO_FIREWALL: dict[str, tuple[IPNetwork, ...]] = {}  # shared, never changed: most ServicePorts have none
+
+
 def firewall(sp: ServicePort, node_ips: Collection[str]) -> dict[str, tuple[IPNetwork, ...]]:
     """Allowed sources by LoadBalancer IP (text) of the IPs that are filtered, as nftables
     (usproxy.model.source_ranges.allowed_sources; `node_ips` stand for kube-proxy's node IP)."""
     if not sp.source_ranges or not sp.load_balancer_ips:
-        return {}
+        return _NO_FIREWALL
     nodes = [ipaddress.ip_address(ip) for ip in node_ips]
     out = {}
     for ip in sp.load_balancer_ips:

@@ -21,6 +21,7 @@ from typing import Any
 
 from usproxy.model.types import IPAddress
 from usproxy.util.netlink_worker import NetlinkWorker
+from usproxy.relay.address_batch import add_addresses
 
 log = logging.getLogger(__name__)
 IFA_F_NODAD = 0x02
@@ -77,21 +78,14 @@ class VipInterface:
         log.info("ClusterIP interface: %s", self.why)
 
     async def add_many(self, ips: Iterable[IPAddress]) -> None:
-        """Add addresses in one trip to the netlink thread (a cold sync of thousands of
-        Services costs one hand-off, not one per address)."""
+        """Add addresses in one trip to the netlink thread, packed many to a system call
+        (address_batch.py: a cold sync of 10,000 Services costs ~20 sendmsg, not 10,000 round
+        trips through pyroute2). Raises OSError (the sync fails and is retried: EEXIST counts as
+        added)."""
         new = sorted({ip for ip in ips if ip not in self.addresses}, key=lambda a: (a.version, int(a)))
         if not new:
             return
-
-        def add(ipr: Any) -> None:
-            for ip in new:
-                plen = 32 if ip.version == 4 else 128
-                try:
-                    ipr.addr("add", index=self.index, address=str(ip), prefixlen=plen, flags=IFA_F_NODAD)
-                except Exception as err:
-                    if getattr(err, "code", None) != errno.EEXIST:
-                        raise
-        await self.worker.call(add)
+        await self.worker.call(lambda _: add_addresses(self.index, new, IFA_F_NODAD))
         self.addresses.update(new)
 
     async def remove(self, ip: IPAddress) -> None:

@@ -1,7 +1,8 @@
 """Static source: Kubernetes manifests from a file or a directory, reloaded on change and SIGHUP.
 
-Files are polled (stat: inode, size, mtime) every `poll_interval` seconds, so an edit in place and
-an atomic rename are both seen within a second. Each file keeps its last good parse: a broken edit
+Files are polled (stat: inode, size, mtime) every `poll_interval` seconds, and looked at as soon
+as inotify reports a change in their directory (file_watch.py), so an atomic rename is read at
+once and an edit in place once it settles. Each file keeps its last good parse: a broken edit
 leaves that file's objects as they were and logs why; a bad object inside a good file is skipped
 with an error and counted. The first load is strict: a file that cannot be parsed at all raises
 ConfigError (the CLI exits 2).
@@ -40,13 +41,14 @@ from pathlib import Path
 from usproxy.model.endpoint_slice import EndpointSlice
 from usproxy.util.errors import ConfigError
 from usproxy.util.gc_pause import gc_paused, promote_survivors
-from usproxy.model.manifest import ManifestReadError, Manifests, load_file, manifest_files
+from usproxy.model.manifest import ManifestParser, ManifestReadError, Manifests, load_file, manifest_files
 from usproxy.model.node import NodeFacts
 from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.model.service import Service
 from usproxy.core.datapath import ServiceCIDRHandler
 from usproxy.model.service_cidr import ServiceCIDRTracker
 from usproxy.sources import Provider, hold_syncs
+from usproxy.sources.file_watch import FileWatch
 from usproxy.util.time_slice import TimeSlice
 from usproxy.model.types import IPNetwork, NamespacedName
 
@@ -124,10 +126,12 @@ class StaticSource:
         self._seen: dict[Path, tuple[FileKey | None, float]] = {}  # a new key, and since when
         self._pending: dict[Path, float] = {}  # since when a change of the file waits to be taken
         self._good: dict[Path, Manifests] = {}
+        self._parsers: dict[Path, ManifestParser] = {}  # each file's pieces, to parse only what changed
         self.services: dict[NamespacedName, Service] = {}
         self.slices: dict[NamespacedName, EndpointSlice] = {}
         self.service_cidrs = ServiceCIDRTracker(self._service_cidrs_changed)
-        self._reload = asyncio.Event()
+        self._wake = asyncio.Event()  # SIGHUP, or inotify: look now
+        self._forced = False  # SIGHUP: read every file, changed or not
 
     def load_initial(self) -> None:
         """First load; raises ConfigError when a file cannot be read or parsed at all."""
@@ -135,25 +139,42 @@ class StaticSource:
             raise ConfigError("no such file or directory", obj=str(self.path))
         for f in manifest_files(self.path):
             self._keys[f] = _stat_key(f)
-            self._good[f] = self._report(load_file(f))
+            self._good[f] = self._report(load_file(f, self._parser(f)))
         self._deliver()
         self.provider.on_services_synced()
         self.provider.on_endpoint_slices_synced()
 
     def request_reload(self) -> None:
         """Reload now (SIGHUP)."""
-        self._reload.set()
+        self._forced = True
+        self._wake.set()
 
     async def run(self) -> None:
-        """Poll for changes until cancelled. Scanning and parsing run in a worker thread, so a
-        large manifest does not stall the relay; no error ends the loop."""
+        """Poll for changes until cancelled, and look at once when inotify says the path changed
+        (file_watch.py). Scanning and parsing run in a worker thread, so a large manifest does
+        not stall the relay; no error ends the loop."""
+        loop = asyncio.get_running_loop()
+        watch = FileWatch.of(self.path) if self.path.exists() else None
+        if watch is not None:
+            loop.add_reader(watch.fd, watch.reader(self._wake.set))
+        try:
+            await self._poll_forever()
+        finally:
+            if watch is not None:
+                loop.remove_reader(watch.fd)
+                watch.close()
+
+    async def _poll_forever(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._reload.wait(), self.poll_interval)
+                # not asyncio.wait_for: on 3.11, when the wait ends (an inotify event) as the task
+                # is cancelled, it returns instead of raising, and the agent's exit waited forever
+                async with asyncio.timeout(self.poll_interval):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
-            forced = self._reload.is_set()
-            self._reload.clear()
+            forced, self._forced = self._forced, False
+            self._wake.clear()
             try:
                 scan = await asyncio.to_thread(self._scan, forced)
                 if scan is not None:
@@ -218,12 +239,18 @@ class StaticSource:
             self._seen[f] = seen = (key, now)
         return now - seen[1] >= period
 
-    @staticmethod
-    def _read(files: dict[Path, FileKey | None]) -> dict[Path, Read]:
+    def _parser(self, f: Path) -> ManifestParser:
+        parser = self._parsers.get(f)
+        if parser is None:
+            parser = self._parsers[f] = ManifestParser()
+        return parser
+
+    def _read(self, files: dict[Path, FileKey | None]) -> dict[Path, Read]:
+        """Read and parse `files` (in a worker thread: nothing else touches the parsers then)."""
         out: dict[Path, Read] = {}
         for f, key in files.items():
             try:
-                result: Manifests | ConfigError = load_file(f)
+                result: Manifests | ConfigError = load_file(f, self._parser(f))
             except ConfigError as err:
                 result = err
             out[f] = Read(result, key, not _written_during_read(key, _stat_key(f)))
@@ -242,6 +269,7 @@ class StaticSource:
         or went away."""
         for f in scan.gone:
             self._good.pop(f, None)
+            self._parsers.pop(f, None)
             self._keys.pop(f, None)
             self._seen.pop(f, None)
             self._pending.pop(f, None)
@@ -328,7 +356,8 @@ class StaticSource:
             self.provider.on_service_update(self.services.pop(name), None)
             yield
         for name, svc in merged.services.items():
-            if self.services.get(name) != svc:
+            old = self.services.get(name)
+            if old is not svc and old != svc:  # an unchanged piece of a file yields the same object
                 self.provider.on_service_update(self.services.get(name), svc)
                 self.services[name] = svc
                 yield
@@ -336,7 +365,8 @@ class StaticSource:
             self.provider.on_endpoint_slice_update(self.slices.pop(name), None)
             yield
         for name, es in merged.slices.items():
-            if self.slices.get(name) != es:
+            prev = self.slices.get(name)
+            if prev is not es and prev != es:
                 self.provider.on_endpoint_slice_update(self.slices.get(name), es)
                 self.slices[name] = es
                 yield
