@@ -53,7 +53,7 @@ def test_html_writes_one_self_contained_file_with_every_mode(tmp_path: Path, cap
 
 def test_trace_subcommand_through_the_top_level_cli(capsys: pytest.CaptureFixture[str]) -> None:
     rc = top.main(["explain", "trace", "10.244.9.9", "10.96.1.1:80/TCP",
-                   "--services", str(FIXTURES / "clusterip.yaml"), "--mode", "iptables"])
+                   "--services", str(FIXTURES / "clusterip.yaml"), "--mode", "iptables", "--detail"])
     out = capsys.readouterr().out
     assert rc == 0 and out.count("=> DNAT to") == 3
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from usproxy.explain import cost, diff, registry, scale, trace
+from usproxy.explain import cost, diff, pod_source, registry, scale, trace
 from usproxy.explain.live import read_live
 from usproxy.explain.mode import Mode, TraceOptions
 from usproxy.explain.packet import Packet
@@ -78,9 +79,15 @@ def build_trace_parser() -> argparse.ArgumentParser:
                    help="the packet's source address. An address in --node-ip is the node itself (the "
                         "output hooks); any other is a packet arriving at the node (prerouting), as a pod "
                         "here and a client elsewhere both look to iptables, ipvs and nftables. bpf alone "
-                        "tells them apart: an address in --cluster-cidr is taken as a pod on this node "
-                        "(served at connect()), any other as traffic from elsewhere")
+                        "tells them apart: a pod on this node is served at connect(), anything else is "
+                        "traffic from elsewhere. SRC is a pod on this node when the input places it here "
+                        "(an endpoint's nodeName, or a Node's podCIDRs: without --node-name, the trace "
+                        "renders for that node) or when it is in --cluster-cidr")
     p.add_argument("dst", metavar="DST:PORT/PROTO")
+    p.add_argument("--detail", action="store_true",
+                   help="every path in full, hop by hop, with what follows its first packet (the "
+                        "default prints the hops all paths share once, one path in full and one line "
+                        "for each other)")
     p.add_argument("--bpf-lb-mode", choices=BPF_LB_MODES, default="snat",
                    help="as `usproxy run --bpf-lb-mode`: how the bpf mode's tc program serves a packet "
                         "from elsewhere to a NodePort, LB IP or externalIP whose backend is on another "
@@ -121,7 +128,9 @@ def _from_api(kubeconfig: Path) -> Manifests:
     return objects_from(list(raws))
 
 
-def load(args: argparse.Namespace) -> ServiceSet:
+def manifests(args: argparse.Namespace) -> Manifests:
+    """The objects of --kubeconfig or --services; every error after the first is printed (the
+    first is raised when they are made a ServiceSet)."""
     if args.kubeconfig is not None:
         m = _from_api(args.kubeconfig)
     elif args.services is None:
@@ -130,7 +139,11 @@ def load(args: argparse.Namespace) -> ServiceSet:
         m = load_manifests(args.services)
     for err in m.errors[1:]:
         print(f"usproxy: {err}", file=sys.stderr)
-    return service_set(m, node_from(args))
+    return m
+
+
+def load(args: argparse.Namespace) -> ServiceSet:
+    return service_set(manifests(args), node_from(args))
 
 
 def render_mode(ss: ServiceSet, mode: Mode, nft_format: str = "list", title: str = "") -> str:
@@ -193,15 +206,34 @@ def empty(ss: ServiceSet, args: argparse.Namespace) -> bool:
     return True
 
 
+def traced_source(args: argparse.Namespace, m: Manifests) -> tuple[ServiceSet, Packet, str]:
+    """The ServiceSet, the packet and a line about SRC. Where the input places SRC on a node
+    (pod_source.locate) and --node-name names no other, SRC is a pod on this node and the trace
+    renders for that node (its name decides which endpoints are local); a pod the input places
+    on another node than --node-name is traced as a packet from elsewhere, and said so."""
+    ss = service_set(m, node_from(args))
+    pkt = trace.parse_packet(args.src, args.dst, ss)
+    place = None if pkt.src_local else pod_source.locate(pkt.src, ss, m.nodes)
+    if place is None:
+        return ss, pkt, ""
+    if args.node_name not in (None, place.node):
+        return ss, pkt, (f"{pkt.src} is {place.why}, not on this node (--node-name {args.node_name}): "
+                         "traced as a packet arriving from elsewhere")
+    if args.node_name is None:
+        ss = replace(ss, node=replace(ss.node, name=place.node))
+    about = (f"{pkt.src} is {place.why}: traced as a pod on {place.node}, the node this trace renders"
+             + ("" if args.node_name else f" (as --node-name {place.node})"))
+    return ss, replace(pkt, src_pod=place.how), about
+
+
 def _trace(argv: list[str]) -> int:
     args = build_trace_parser().parse_args(argv)
-    ss = load(args)
-    pkt = trace.parse_packet(args.src, args.dst, ss)
+    ss, pkt, about = traced_source(args, manifests(args))
     if empty(ss, args):
         return 1
     opts = TraceOptions(bpf_lb_mode=args.bpf_lb_mode)
-    print(nodeport_hint(ss, pkt) + lb_source_hint(ss, pkt) + trace.render(ss, pkt, registry.selected(args.mode), opts),
-          end="")
+    story = trace.render(ss, pkt, registry.selected(args.mode), opts, args.detail, about)
+    print(nodeport_hint(ss, pkt) + lb_source_hint(ss, pkt) + story, end="")
     return 0
 
 

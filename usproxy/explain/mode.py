@@ -63,6 +63,7 @@ class Mode:
       own tests size (`explain diff` prints it), or None; `scale_note`: a line under --scale's
       table, or "".
     - `drawing`: the SVG path drawing of a new connection (the web view, --html).
+    - `rules_walked`: what a trace's rule count counts, after the number ("rules walked").
     """
 
     name: str
@@ -79,6 +80,7 @@ class Mode:
     cost_detail: Callable[[ServiceSet], list[str]] | None = None
     diff_sends: Sends | None = None
     scale_note: str = ""
+    rules_walked: str = "rules walked"
 
     def view(self, ss: ServiceSet, nft_format: str = "list") -> str:
         """The rules as `--nft-format` asks: the transaction dump where the mode has one."""

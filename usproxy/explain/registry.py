@@ -23,6 +23,7 @@ MODES: tuple[Mode, ...] = (
          render=userspace.render, trace=trace.trace_userspace, reply=reply.userspace_reply,
          refusal=reply.closed_port_refusal, cost_rows=cost.userspace_rows, sends=cost.relay_sends,
          drawing=path_drawing.USERSPACE,
+         rules_walked="rules walked (kube-proxy 1.0's portals; the relay walks none)",
          scale_note="# userspace: RULES WALKED are kube-proxy 1.0's portal rules (a list, like "
                     "iptables'); usproxy's relay walks none: the kernel's socket lookup finds its "
                     "listener (LOOKUPS)"),
