@@ -56,9 +56,9 @@ def last_port(ss: ServiceSet) -> FamilyPort:
 
 
 def unpadded(text: str) -> str:
-    """`text` with each run of blanks made one: a table column widened by a longer cell (the
-    userspace view's endpoint lists) rewrites every row's padding, which no proxier writes."""
-    return "\n".join(" ".join(line.split()) for line in text.splitlines())
+    """`text` with each line's runs of blanks made one (diff.unpadded, line by line): how
+    `explain diff` compares renderings."""
+    return "\n".join(diff.unpadded(line) for line in text.splitlines())
 
 
 def measure(ss: ServiceSet, mode: Mode, view: View) -> ModeScale:
@@ -67,7 +67,7 @@ def measure(ss: ServiceSet, mode: Mode, view: View) -> ModeScale:
     fp = last_port(ss)
     rules, worst, lookups = cost.first_packet_of(ss, fp, mode)
     new = generator.with_endpoint_added(ss, fp.name)
-    _, added, removed = diff.unified(unpadded(view(ss, mode)), unpadded(view(new, mode)), mode.name)
+    _, added, removed = diff.unified(view(ss, mode), view(new, mode), mode.name)  # padding aside
     sends = mode.sends(ss, new)
     return ModeScale(mode.name, rules, worst, lookups, added, removed, sends, time.perf_counter() - start)
 
