@@ -127,7 +127,7 @@ def stub_pins(monkeypatch: pytest.MonkeyPatch, own_pin_root: Path, tmp_path: Pat
         return f"# bpf socket LB pinned at {own_pin_root}/v1" if pin_root in (None, own_pin_root) else None
 
     monkeypatch.setattr(view, "render_pinned", render_pinned)
-    monkeypatch.setattr(live, "_nft_tables", lambda: [])
+    monkeypatch.setattr(live, "nft_tables", lambda: [])
     monkeypatch.setattr(locks, "LOCK_DIR", tmp_path / "run")
     return tmp_path / "run"
 

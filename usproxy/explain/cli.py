@@ -24,6 +24,9 @@ from usproxy.model.types import IPAddress, IPNetwork, parse_cidr_sloppy, parse_i
 from usproxy.util.errors import ConfigError
 
 
+HTML_SCALE = 1000  # Services `--html` measures "why, in numbers" at, besides the input's own
+
+
 def numbered(modes: Sequence[Mode]) -> dict[str, str]:
     """The titles of the modes shown by name, numbered 1.. in the order shown (`--mode bpf` is
     "1. bpf"); the sections after them continue from len(modes) + 1."""
@@ -58,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--live", action="store_true", help="also show this node's running agent")
     p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT")
     p.add_argument("--html", type=Path, metavar="FILE",
-                   help="write the drawings of every mode, with their rules, as one self-contained HTML file")
+                   help="write the drawings of every mode, with their rules and why, in numbers (also at "
+                        f"--scale N Services, default {HTML_SCALE:,}), as one self-contained HTML file")
+    p.add_argument("--tour-results", type=Path, metavar="DIR",
+                   help="with --html: also show the plots (*.svg, *.png) of this results directory, with "
+                        "the captions of its results.json")
     p.add_argument("--scale", type=_scale_count, metavar="N",
                    help="only why, in numbers, for N Services generated like the input's, measured by "
                         f"rendering and tracing them (N up to {scale.MAX_SERVICES})")
@@ -288,10 +295,12 @@ def _dump_view(ss: ServiceSet, mode: Mode, nft_format: str = "dump") -> str:
     return render_mode(ss, mode, nft_format) if ss.ports else "# no Services with a ClusterIP\n"
 
 
-def _write_html(path: Path, page: str) -> None:
-    """Write the page; a path that cannot be written is bad usage (exit 2), said in one line."""
+def _write_html(path: Path, page: Callable[[], str]) -> None:
+    """Write the page `page()` makes; a path that cannot be written is bad usage (exit 2), said
+    in one line, before the page is made (measuring it takes seconds)."""
     try:
-        path.write_text(page)
+        with path.open("w") as out:
+            out.write(page())
     except OSError as err:
         why = err.strerror or str(err)
         if isinstance(err, FileNotFoundError) and not path.parent.is_dir():
@@ -306,7 +315,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["diff"]:
         return _diff(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.scale is not None:
+    if args.tour_results is not None and args.html is None:
+        build_parser().error("--tour-results goes with --html")
+    if args.scale is not None and args.html is None:
         ss = load(args)
         if empty(ss, args):
             return 1
@@ -315,7 +326,11 @@ def main(argv: list[str]) -> int:
     if args.html is not None:
         from usproxy.explain import standalone_page
 
-        _write_html(args.html, standalone_page.render(load(args)))
+        if args.tour_results is not None and not args.tour_results.is_dir():
+            raise ConfigError(f"{args.tour_results}: not a directory", obj="usproxy explain", field="--tour-results")
+        ss = load(args)
+        _write_html(args.html, lambda: standalone_page.render(ss, generated=args.scale or HTML_SCALE,
+                                                              tour=args.tour_results))
         print(f"usproxy explain: wrote {args.html}")
         return 0
     shown = 0  # sections printed so far: live is numbered after them
