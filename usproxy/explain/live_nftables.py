@@ -32,7 +32,7 @@ from usproxy.model.types import format_hostport
 _TARGET = re.compile(r"\b(?:goto|jump) ([\w.-]+)")
 _ENDPOINT = re.compile(r"^([0-9a-f.:]+) \. (\d+)$")
 _DNAT = re.compile(r"\bdnat (?:ip6? )?to (\S+:\d+)$")
-BOX_CHARS = 26  # characters a drawing box holds on one line
+BOX_CHARS = 24  # characters a drawing box (path_drawing.BOX_W) holds on one line
 
 
 @dataclass

@@ -49,8 +49,9 @@ def intro_html(modes: Sequence[Mode] = MODES) -> str:
         "explain</code> prints them). A drawing follows the first packet of a new connection from left to "
         "right through the chains, maps or programs it meets (the boxes) to the endpoints, each with its "
         "share; the dashed line is the reply, with the source address the endpoint sees. Only the first "
-        "packet walks rules: conntrack (or the connected socket) carries the rest. <b>Why, in numbers</b> "
-        "counts the rules a new connection walks and what one endpoint change makes the proxy write.</p>\n"
+        "packet walks rules: conntrack (or the connected socket) carries the rest. "
+        '<a href="#numbers"><b>Why, in numbers</b></a> counts the rules a new connection walks and what '
+        "one endpoint change makes the proxy write.</p>\n"
         "</section>\n")
 
 
@@ -73,14 +74,17 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> str:
     return f'<table class="numbers"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def numbers_html(ss: ServiceSet, generated: int | None = None, modes: Sequence[Mode] = MODES) -> str:
+def numbers_html(ss: ServiceSet, generated: int | None = None, modes: Sequence[Mode] = MODES,
+                 anchor: str = "") -> str:
     """"Why, in numbers" for `ss` (and for `generated` Services generated like it), an HTML
-    fragment; "" when `ss` has no ServicePort."""
+    fragment, its section's id `anchor` if given (the introduction links to #numbers); "" when
+    `ss` has no ServicePort."""
     if not ss.ports:
         return ""
     fp = scale.last_port(ss)
     n = len({sp.name.service for sp, _ in ss.ports})
-    out = ['<section class="numbers">\n<h2>Why, in numbers</h2>',
+    ident = f' id="{escape(anchor)}"' if anchor else ""
+    out = [f'<section class="numbers"{ident}>\n<h2>Why, in numbers</h2>',
            f"<p>A pod opens a new connection to {escape(str(fp.name))}, the last of these {n} Service"
            f"{'s' * (n != 1)} in every rule list, and the modes' own tracers count the rules it walks and "
            "the lookups it makes; then one endpoint is added to it, and each mode's rules are rendered "

@@ -52,5 +52,5 @@ def render(ss: ServiceSet, title: str = TITLE, generated: int | None = None, tou
             f"<title>{escape(title)}</title>\n<style>\n{stylesheet()}</style>\n</head>\n<body>\n"
             f"<header><h1>{escape(title)}</h1></header>\n<main>\n{page_sections.intro_html()}"
             '<section class="paths">\n<h2>The path of a connection, in each mode</h2>\n'
-            f"{body}\n</section>\n{page_sections.numbers_html(ss, generated)}{plots or ''}"
+            f"{body}\n</section>\n{page_sections.numbers_html(ss, generated, anchor='numbers')}{plots or ''}"
             "</main>\n</body>\n</html>\n")

@@ -108,7 +108,7 @@ function eventText(ev) {
   const why = (ev.reason || "").replace(/^demoted: /, "");
   if (ev.kind === "offloaded") {
     return `${ev.servicePortName} offloaded to ${ev.datapath}: its endpoints held still for --offload-after, ` +
-      "so the kernel takes its new connections (flows already in the relay finish there)";
+      "so the kernel serves its new connections (flows already in the relay finish there)";
   }
   if (ev.kind === "demoted") {
     return `${ev.servicePortName} demoted, back to the relay: ${why}; it is tried again once its endpoints ` +
@@ -221,5 +221,12 @@ function connect() {
 }
 
 document.getElementById("numbers").addEventListener("toggle", e => { if (e.target.open) measure(); });
+// the introduction stays as the reader left it: a returning reader sees the node first
+const intro = document.getElementById("intro");
+if (localStorage.getItem("usproxy.intro") === "closed") intro.open = false;
+intro.addEventListener("toggle", () => localStorage.setItem("usproxy.intro", intro.open ? "open" : "closed"));
+document.querySelector('#intro a[href="#numbers"]')?.addEventListener("click", () => {
+  document.getElementById("numbers").open = true;
+});
 connect();
 tour();
