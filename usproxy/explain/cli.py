@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the captions of its results.json")
     p.add_argument("--scale", type=_scale_count, metavar="N",
                    help="only why, in numbers, for N Services generated like the input's, measured by "
-                        f"rendering and tracing them (N up to {scale.MAX_SERVICES})")
+                        f"rendering and tracing them (N up to {scale.MAX_SERVICES}); with --html, the "
+                        "page's numbers at N Services")
     return p
 
 
