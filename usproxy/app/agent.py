@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from usproxy.admin.health import Health, evaluate
@@ -154,6 +155,22 @@ class Agent:
 
     def service_ports(self, service: NamespacedName | None = None) -> list[ServicePortState]:
         return self.views.service_ports(service)
+
+    def last_sync(self) -> float | None:
+        """When the Proxier last synced (None: not yet): the web view re-reads the kernel's
+        tables after each sync."""
+        return self.proxier.last_updated
+
+    def kernel_datapaths(self) -> tuple[str, ...]:
+        """The names of the kernel datapaths this agent runs now ("nftables", "bpf"): the web
+        view reads usproxy's nftables table from the kernel only where there is one."""
+        manager = self.offload_manager()
+        return tuple(k.name for k in manager.kernels) if manager is not None else ()
+
+    @property
+    def tour_results(self) -> Path | None:
+        """The tour's results directory whose plots the web view shows (--tour-results)."""
+        return self.cfg.tour_results
 
     def offload_manager(self) -> OffloadManager | None:
         """The offload manager over the kernel datapaths, if this agent offloads."""

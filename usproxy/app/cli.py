@@ -88,6 +88,9 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--pod-interface-name-prefix", dest="interface_name_prefix", metavar="PREFIX")
     p.add_argument("--masquerade-all", action="store_true", default=None,
                    help="masquerade all traffic to Service addresses (kube-proxy's --masquerade-all)")
+    p.add_argument("--tour-results", type=Path, metavar="DIR",
+                   help="a tour's results directory: the web view (/view) shows its plots (*.svg, *.png) "
+                        "with the captions of its results.json")
     p.add_argument("--cleanup", action="store_true", default=None,
                    help="remove everything usproxy installed in the kernel, then exit")
 

@@ -393,6 +393,13 @@ def _chain_listing(c: Chain, mark: str) -> list[str]:
     return lines + ["\t}"]
 
 
+def listed_rules(t: Table, mark: str = "0x4000") -> dict[tuple[str, int], str]:
+    """Every rule as `listing` prints it, by (chain, rule number from 1): what a trace quotes,
+    so a rule reads the same in `explain trace` as in the view."""
+    return {(c.name, i): _listed(_rule_text(r), mark) for c in t.chains.values()
+            for i, r in enumerate(c.rules, start=1)}
+
+
 def listing(t: Table, mark: str = "0x4000") -> str:
     """`nft list table ip kube-proxy` (or ip6): sets and maps, then chains."""
     lines = [f"table {t.ipx} {TABLE} {{", '\tcomment "rules for kube-proxy"']

@@ -65,6 +65,7 @@ class ProxyConfig:
     bridge_interface: str = ""
     interface_name_prefix: str = ""
     masquerade_all: bool = False
+    tour_results: Path | None = None  # a tour's results directory: its plots in the web view
 
     def conntrack_max(self, cores: int | None = None) -> int:
         """kube-proxy's rule: max(maxPerCore × cores, min); 0 per core means min alone."""
