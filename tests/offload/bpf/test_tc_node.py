@@ -117,6 +117,13 @@ def pinned(env: Env, name: str) -> dict[str, str]:
         os.close(fd)
 
 
+def removed(agent: TcAgent) -> None:
+    """`usproxy run --cleanup` removed the BPF datapath's state (its exit status also counts the
+    other datapaths: on a kernel without nf_tables, removing nftables' state fails)."""
+    res = agent.cleanup()
+    assert "removed what the bpf datapath installed" in res.stderr, res.stderr[-3000:]
+
+
 def our_filters(ns: str) -> dict[str, list[str]]:
     out = {}
     for hook in ("ingress", "egress"):
@@ -168,7 +175,7 @@ def test_nodeports_are_served_at_tc_on_each_rung_across_a_restart(bpf_env: Env, 
     assert summary.get("fails") == 0 and summary["tcp_ok"] > 10 and summary["udp_names"] == {"be-a": summary["tcp_ok"]}, \
         summary
 
-    assert agent.cleanup().returncode == 0
+    removed(agent)
     assert not bpf_env.pin_root.exists()
     if rung == "clsact":
         assert our_filters(ns) == {"ingress": ["bytecode"], "egress": ["bytecode"]}  # another's stay
@@ -207,4 +214,4 @@ def test_a_restart_with_other_map_sizes_carries_the_flows_over(bpf_env: Env, tmp
     agent.stop()
     summary = ended(long_lived)
     assert summary.get("fails") == 0 and summary["tcp_ok"] > 10, summary
-    assert agent.cleanup().returncode == 0
+    removed(agent)

@@ -84,6 +84,7 @@ def probe_tc_attach(ifindex: int, how: TcAttach = "tcx") -> None:
     obj = bpf.BpfObject(str(object_path()))
     try:
         shrink_for_probe(obj)
+        obj.set_autoload(XDP_PROGRAM, False)  # XDP has a probe of its own (xdp.py)
         obj.load()
         fd = obj.prog_fd("usp_tc_ingress")
         if how == "clsact":

@@ -1148,6 +1148,9 @@ static __always_inline __u16 snat_port(struct pkt *p, __u32 snat, __u32 be_addr,
 	struct ct_val *old;
 	int i;
 
+	/* unrolled: Linux before 6.4 refuses a loop whose back-edge follows a helper call
+	 * ("back-edge from insn ..."), and the lab's 6.1 guests run these programs */
+#pragma unroll
 	for (i = 0; i < SNAT_TRIES; i++) {
 		rk.dport = port;
 		old = ct_confirmed(&rk);
