@@ -26,13 +26,16 @@ def build(ctx: BuildContext) -> KernelDatapath:
     s = ctx.settings
     nodeport = ctx.node.nodeport_cidrs if s.mode == "bpf" else None
     return BpfDatapath(s.bpf_cgroup, selection=s.lb_policy, nodeport_cidrs=nodeport, lb_mode=s.bpf_lb_mode,
-                       acceleration=s.bpf_lb_acceleration)
+                       acceleration=s.bpf_lb_acceleration, map_sizes=s.bpf_map_sizes, enable_tcx=s.bpf_enable_tcx)
 
 
 def probes(cfg: ProxyConfig) -> list[Capability]:
     from usproxy.offload.bpf import probes as p
 
-    return [p.probe_bpf(cfg.bpf_cgroup), p.probe_bpf_tc(), p.probe_xdp(), p.probe_bpffs()]
+    from usproxy.offload.settings import map_size_flags
+
+    return [p.probe_bpf(cfg.bpf_cgroup), p.probe_bpf_tc(cfg.enable_tcx), p.probe_xdp(), p.probe_bpffs(),
+            p.probe_bpf_map_sizes(map_size_flags(cfg))]
 
 
 async def leftovers(cfg: ProxyConfig) -> list[str]:
