@@ -11,15 +11,21 @@ Events in, writes out; no Streams on the hot path. Invariants:
   one shutdown(2) less per connection.
 - A reset on one side is passed on as a reset (SO_LINGER 0) after the bytes already received from
   it have been handed to the kernel.
-- Dials never block accepting: each runs as its own task with bounded timeouts (kube-proxy
-  userspace's 250 ms, 500 ms, 1 s, 2 s, pkg/proxy/userspace/proxysocket.go tryConnect), and a
-  refused or timed-out endpoint is retried on the next one (C14). The loop connects and makes
-  the transport in one call (`create_connection(host, port)`, in C under uvloop: a Python socket
-  and `sock_connect` cost ~50 us more per connection). The EndpointSide attaches itself to its
-  client in `connection_made`, which first stops the dial's timeout; a side connected after its
-  dial timed out never attaches (`ClientSide.connected`). So an abandoned dial leaves nothing that
-  could act on the client, and no byte from an endpoint arrives before the client knows its
-  upstream.
+- Dials never block accepting: each starts from the client's `connection_made` with bounded
+  timeouts (kube-proxy userspace's 250 ms, 500 ms, 1 s, 2 s, pkg/proxy/userspace/proxysocket.go
+  tryConnect), and a refused or timed-out endpoint is retried on the next one (C14). The loop
+  connects and makes the transport in one call (`create_connection(host, port)`, in C under
+  uvloop: a Python socket and `sock_connect` cost ~50 us more per connection). No Task and no
+  `asyncio.timeout` per connection (issue 30: each asked for the running loop, a getpid(2) in
+  Python 3.11, five per connection, and cost Python objects besides): each attempt is an
+  EndpointSide that steps create_connection's coroutine itself, resumed by the done callback of
+  the future it waits on, under one timer handle (`call_later`). Giving an attempt up (its timeout,
+  or the client leaving) cancels that future, as Task.cancel does, and the coroutine closes its
+  socket or transport when it resumes. An EndpointSide stops its timer in `connection_made` and
+  attaches itself to its client there, unless it was given up (then it never touches the client;
+  on asyncio `connection_made` can still run once the connect completed in the same turn). So an
+  abandoned dial leaves nothing that could act on the client, and no byte from an endpoint
+  arrives before the client knows its upstream.
 - Data that arrived during the dial is written first, then the client's FIN if it came; reading
   resumes only if the dial buffer paused it and the endpoint leg is under its high-water mark.
 - Bulk flows leave the transports for splice(2) (tcp_splice.py, issue 17): after BULK_STREAK reads
@@ -33,6 +39,13 @@ Events in, writes out; no Streams on the hot path. Invariants:
   make a streak and keep this path. A hand-over still waiting after HANDOVER_WAIT (a peer that
   reads only after it wrote everything keeps its leg's buffer full, and the paused other direction
   would then never drain) is given up: both legs resume, and the flow stays here for good.
+- Per connection nothing is asked of the kernel or the loop whose answer is known (issue 30): the
+  loop is handed in by the listener (`client_factory`), the client's address comes from the
+  transport (uvloop read it once at accept), the frontend's is the listener's, write-buffer limits
+  are set only where the loop's default differs (`tune`), and SO_KEEPALIVE is inherited from the
+  listener (client leg) or set by the relay's sweep on flows still live (endpoint leg).
+  Both protocols are slotted, and a finished connection leaves no reference cycle (the flow's
+  callbacks are dropped at its end), so it is freed at once, not by the cyclic collector.
 """
 
 from __future__ import annotations
@@ -42,7 +55,8 @@ import logging
 import os
 import socket
 import struct
-from typing import cast
+from collections.abc import Callable, Coroutine
+from typing import Any, cast
 
 from usproxy.flows.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.model.endpoint import Endpoint
@@ -57,7 +71,7 @@ limited = RateLimitedLog(log)
 
 DIAL_TIMEOUTS = (0.25, 0.5, 1.0, 2.0)
 DIAL_BUFFER = 256 * 1024
-HIGH_WATER = 64 * 1024  # per leg, as HAProxy's 16 KiB buffers: the kernel's socket buffers (bounded by tcp_mem) hold the rest
+HIGH_WATER = 64 * 1024  # per leg (`tune`), as HAProxy's 16 KiB buffers: the kernel's socket buffers (bounded by tcp_mem) hold the rest
 LOW_WATER = 16 * 1024
 BULK_READ = 64 * 1024  # a read this large means the sender outruns us: both loops read up to 256 KiB
 BULK_STREAK = 4  # such reads in a row in one direction make the flow bulk (spliced)
@@ -66,12 +80,19 @@ SPLICE = tcp_splice.available()  # tests may turn it off
 TCPI_LAST_ACK_RECV = 56  # offset of tcpi_last_ack_recv (u32, ms) in Linux's struct tcp_info
 
 
-def tune(transport: asyncio.BaseTransport) -> None:
-    """Per-connection set-up kept to what the socket does not already have: accepted sockets
-    inherit SO_KEEPALIVE from their listener (see tcp_listener.py) and get TCP_NODELAY from
-    the loop; endpoint connections get SO_KEEPALIVE from `keepalive`, run by the relay's next
-    sweep on flows still live then (`Flow.settle`), so short connections skip it."""
-    cast(asyncio.WriteTransport, transport).set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+_DEFAULT_LIMITS: dict[type, bool] = {}  # transport type -> its default write-buffer limits are the relay's
+
+
+def tune(transport: asyncio.Transport) -> None:
+    """Write-buffer limits HIGH_WATER and LOW_WATER on a new leg, unless its loop's default is
+    that already (asyncio's is; uvloop's low-water mark is 16 bytes, not 16 KiB): known once per
+    transport type, so asyncio pays no call per connection."""
+    kind = type(transport)
+    ok = _DEFAULT_LIMITS.get(kind)
+    if ok is None:
+        ok = _DEFAULT_LIMITS[kind] = transport.get_write_buffer_limits() == (LOW_WATER, HIGH_WATER)
+    if not ok:
+        transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
 
 
 def keepalive(transport: asyncio.BaseTransport) -> None:
@@ -115,17 +136,30 @@ def reset(transport: asyncio.WriteTransport) -> None:
     transport.close()
 
 
+def client_factory(owner: FlowOwner, kind: Scope, frontend: HostPort) -> Callable[[], ClientSide]:
+    """The protocol factory of a listener on `frontend` (called in the loop that will run it)."""
+    loop = asyncio.get_running_loop()
+    return lambda: ClientSide(owner, kind, frontend, loop)
+
+
 class ClientSide(asyncio.Protocol):
     """The accepted connection from the client to ClusterIP:port (or NodePort).
 
     It owns the flow, the dial and the client's transport. Its EndpointSide reaches it only
-    through `attach`, `reply`, `reply_eof`, `upstream_lost`, `pause_reading` and `resume_reading`.
+    through `attach`, `dial_failed`, `reply`, `reply_eof`, `upstream_lost`, `pause_reading` and
+    `resume_reading`.
     """
 
-    def __init__(self, owner: FlowOwner, kind: Scope, frontend: HostPort) -> None:
+    __slots__ = ("owner", "kind", "frontend", "loop", "transport", "upstream", "flow", "pending", "held",
+                 "eof_in", "eof_out", "dialing", "tried", "endpoint", "closed", "streak_in", "streak_out",
+                 "splicing", "pipes_held", "spliced", "handover_timer", "stays")
+
+    def __init__(self, owner: FlowOwner, kind: Scope, frontend: HostPort,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.owner = owner
         self.kind: Scope = kind
         self.frontend = frontend  # the listener's address: no getsockname per connection
+        self.loop = loop  # None: the running loop, looked up once in connection_made
         self.transport: asyncio.Transport | None = None
         self.upstream: EndpointSide | None = None  # set by `attach`
         self.flow: Flow | None = None
@@ -133,8 +167,8 @@ class ClientSide(asyncio.Protocol):
         self.held = False  # reading paused because `pending` is full (not for backpressure)
         self.eof_in = False  # client sent FIN
         self.eof_out = False  # endpoint sent FIN
-        self.dial: asyncio.Task[None] | None = None
-        self.deadline: asyncio.Timeout | None = None  # the running dial's timeout
+        self.dialing: EndpointSide | None = None  # the attempt in progress
+        self.tried: tuple[Endpoint, ...] = ()  # endpoints dialed for this connection, in order
         self.endpoint: Endpoint | None = None
         self.closed = False
         self.streak_in = self.streak_out = 0  # reads of BULK_READ or more in a row, each way
@@ -146,25 +180,27 @@ class ClientSide(asyncio.Protocol):
 
     # -- client events -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        tune(transport)
-        client = transport.get_extra_info("peername")
+        self.transport = t = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        tune(t)
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        client = t.get_extra_info("peername")
         if client is None:  # reset before we got to it: nothing to relay
-            self.transport.abort()
+            t.abort()
             return
         try:
-            self.flow = self.owner.new_flow("TCP", (client[0], client[1]), self.frontend)
+            self.flow = flow = self.owner.new_flow("TCP", (client[0], client[1]), self.frontend)
         except FlowTableFull:
             limited.warning("flow table full: refusing %s", self.owner.spn)
-            reset(self.transport)
+            reset(t)
             return
         except SourceRefused:  # its SYN passed before the socket filter was in place: no dial
-            reset(self.transport)
+            reset(t)
             return
-        self.flow.state = "SYN_SENT"
-        self.flow.closer = self.expire
-        self.flow.liveness = self.ack_age
-        self.dial = asyncio.get_running_loop().create_task(self._dial(client[0]))
+        flow.state = "SYN_SENT"
+        flow.closer = self.expire
+        flow.liveness = self.ack_age
+        self._dial()
 
     def data_received(self, data: bytes) -> None:
         if self.flow is not None:
@@ -192,8 +228,9 @@ class ClientSide(asyncio.Protocol):
         return True  # else `attach` sends the FIN after the buffered bytes
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.dial is not None and not self.dial.done():
-            self.dial.cancel()
+        if self.dialing is not None:
+            self.dialing.abandon()
+            self.dialing = None
         up = self.upstream
         if up is not None and exc is not None:
             up.reset()
@@ -233,20 +270,12 @@ class ClientSide(asyncio.Protocol):
             self.upstream.resume_reading()
 
     # -- what its EndpointSide may ask ---------------------------------------------------------
-    def connected(self, side: EndpointSide) -> bool:
-        """`side` connected: stop the dial's timeout and attach it, unless the timeout fired
-        first (the dial is being cancelled, and the loop closes `side`'s transport): then the
-        side never touches this client, whose dial goes on to the next endpoint."""
-        if self.deadline is not None:
-            if self.deadline.expired():
-                return False
-            self.deadline.reschedule(None)
-        return self.attach(side)
-
     def attach(self, side: EndpointSide) -> bool:
         """`side` is connected to its endpoint: make it this connection's upstream and hand it
         what the client sent meanwhile (bytes, then FIN). False, and `side` closed, when the
         client is gone (a dial that completed after its client left never touches it)."""
+        if self.dialing is side:
+            self.dialing = None
         if self.closed or self.transport is None or self.transport.is_closing():
             side.close()
             return False
@@ -328,13 +357,14 @@ class ClientSide(asyncio.Protocol):
         for leg in (t, up.transport):
             leg.pause_reading()
             leg.set_write_buffer_limits(high=0, low=0)  # resume_writing once it is empty
-        loop = asyncio.get_running_loop()
-        self.handover_timer = loop.call_later(HANDOVER_WAIT, self._cancel_handover)
+        assert self.loop is not None
+        self.handover_timer = self.loop.call_later(HANDOVER_WAIT, self._cancel_handover)
         self._handover_soon()
 
     def _handover_soon(self) -> None:
         # Out of the transport's own callback: its write path still runs after resume_writing.
-        asyncio.get_running_loop().call_soon(self._handover)
+        assert self.loop is not None
+        self.loop.call_soon(self._handover)
 
     def _handover(self) -> None:
         """Both legs' buffers empty: take the sockets and start splicing. A leg closing meanwhile
@@ -356,7 +386,8 @@ class ClientSide(asyncio.Protocol):
             self.flow.local, self.flow.local_of = ((name[0], name[1]) if name else None), None
         up.attached = False  # the endpoint side hears nothing more
         self._stop_handover_timer()
-        self.spliced = SplicedFlow(asyncio.get_running_loop(), _take(t), _take(ut), self.flow, pipes, self._spliced_done)
+        assert self.loop is not None
+        self.spliced = SplicedFlow(self.loop, _take(t), _take(ut), self.flow, pipes, self._spliced_done)
         self.splicing = False
         if self.flow is not None and self.flow.settle is not None:
             self.flow.settle = self.spliced.keepalive
@@ -396,28 +427,34 @@ class ClientSide(asyncio.Protocol):
             self.owner.release_pipes()
 
     # -- dialing -------------------------------------------------------------------------------
-    async def _dial(self, client_ip: str) -> None:
-        tried: list[Endpoint] = []
-        loop = asyncio.get_running_loop()
-        for timeout in DIAL_TIMEOUTS:
-            ep = self.owner.pick(self.kind, client_ip, tried)
-            if ep is None:
-                break
-            tried.append(ep)
-            try:
-                async with asyncio.timeout(timeout) as self.deadline:  # no extra Task per dial
-                    await loop.create_connection(lambda: EndpointSide(self, ep), ep.host, ep.port)
-            except (OSError, TimeoutError) as err:
-                limited.warning("%s: endpoint %s failed (%s); trying the next", self.owner.spn, ep,
-                                type(err).__name__ if isinstance(err, TimeoutError) else err)
-                self.owner.failed(self.kind, ep)
-                continue
-            finally:
-                self.deadline = None
+    def _dial(self) -> None:
+        """Dial the next endpoint (none of `tried`), or give the client up when there is none or
+        every timeout of DIAL_TIMEOUTS was used."""
+        loop, n = self.loop, len(self.tried)
+        ep = None
+        if n < len(DIAL_TIMEOUTS) and loop is not None and self.flow is not None:
+            ep = self.owner.pick(self.kind, self.flow.client[0], self.tried)
+        if ep is None:
+            if self.flow is not None:
+                limited.warning("%s: no endpoint answered for %s", self.owner.spn, self.flow.client[0])
+            if self.transport is not None:
+                reset(self.transport)
             return
-        limited.warning("%s: no endpoint answered for %s", self.owner.spn, client_ip)
-        if self.transport is not None:
-            reset(self.transport)
+        assert loop is not None
+        self.tried += (ep,)
+        self.dialing = side = EndpointSide(self, ep)
+        side.dial(loop, DIAL_TIMEOUTS[n])
+
+    def dial_failed(self, side: EndpointSide, err: BaseException) -> None:
+        """`side`'s dial failed (refused, unreachable, timed out): back off from its endpoint and
+        try the next one."""
+        if side is not self.dialing or self.closed:
+            return
+        self.dialing = None
+        limited.warning("%s: endpoint %s failed (%s); trying the next", self.owner.spn, side.endpoint,
+                        type(err).__name__ if isinstance(err, TimeoutError) else err)
+        self.owner.failed(self.kind, side.endpoint)
+        self._dial()
 
     # -- teardown ------------------------------------------------------------------------------
     def _maybe_finish(self) -> None:
@@ -435,8 +472,10 @@ class ClientSide(asyncio.Protocol):
         self.closed = True
         self._stop_handover_timer()
         self._give_back_pipes()
-        if self.flow is not None:
-            self.owner.end_flow(self.flow)
+        flow = self.flow
+        if flow is not None:
+            self.owner.end_flow(flow)
+            flow.closer = flow.liveness = flow.settle = None  # they refer back here: no cycle left
         if self.endpoint is not None:
             self.owner.closed(self.kind, self.endpoint)
 
@@ -458,13 +497,18 @@ def _take(transport: asyncio.Transport) -> socket.socket:
 
 
 class EndpointSide(asyncio.Protocol):
-    """The proxy's connection to the chosen endpoint.
+    """One dial of an endpoint for a ClientSide, then the proxy's connection to it.
 
-    It owns the endpoint's transport. It attaches itself to its ClientSide in `connection_made`,
-    so no byte can arrive before the client knows its upstream; a side that was not attached (its
-    client went away meanwhile) never touches the client. Its ClientSide reaches it only through
-    `send`, `send_eof`, `close`, `reset`, `pause_reading`, `resume_reading` and `over_high_water`.
+    It owns the dial (create_connection's coroutine, stepped here; its timer) and then the
+    endpoint's transport. It attaches itself to its ClientSide in `connection_made`, so no byte can
+    arrive before the client knows its upstream; a side that was not attached (given up: timed out,
+    or its client went away) never touches the client. Its ClientSide reaches it only through
+    `abandon`, `send`, `send_eof`, `close`, `reset`, `pause_reading`, `resume_reading` and
+    `over_high_water`.
     """
+
+    __slots__ = ("client", "endpoint", "transport", "attached", "lost", "connecting", "waiting", "timer",
+                 "abandoned")
 
     def __init__(self, client: ClientSide, endpoint: Endpoint) -> None:
         self.client = client
@@ -472,13 +516,84 @@ class EndpointSide(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.attached = False
         self.lost = False
+        self.connecting: Coroutine[Any, Any, object] | None = None  # create_connection, until it returns
+        self.waiting: asyncio.Future[Any] | None = None  # what `connecting` waits on
+        self.timer: asyncio.TimerHandle | None = None  # the dial's timeout
+        self.abandoned = False  # given up: never attaches
+
+    # -- the dial ------------------------------------------------------------------------------
+    def dial(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        """Connect to the endpoint within `timeout` seconds; the client hears `attach` (from
+        `connection_made`) or `dial_failed`."""
+        self.timer = loop.call_later(timeout, self._timed_out)
+        self.connecting = loop.create_connection(self._protocol, self.endpoint.host, self.endpoint.port)
+        self._step(None)
+
+    def _protocol(self) -> EndpointSide:
+        return self
+
+    def _step(self, _: object) -> None:
+        """Run create_connection's coroutine up to the next future it waits on (resumed by that
+        future's done callback), or to its end: connected (`connection_made` ran), failed, or
+        cancelled (`abandon`)."""
+        coro = self.connecting
+        if coro is None:
+            return
+        try:
+            waited = coro.send(None)
+        except StopIteration:  # connected: connection_made ran (and attached, unless abandoned)
+            self._dial_done()
+            if self.abandoned and not self.attached and self.transport is not None:
+                self.transport.close()
+            return
+        except (asyncio.CancelledError, Exception) as err:  # OSError: refused, unreachable, ...
+            self._dial_done()
+            if not self.abandoned:  # (abandoned: the coroutine closed what it had made)
+                self.abandoned = True
+                self.client.dial_failed(self, err)
+            return
+        if waited is not None:
+            self.waiting = waited
+            waited.add_done_callback(self._step)
+        elif self.client.loop is not None:  # a bare yield (`sleep(0)`): resume next turn, as a Task
+            self.waiting = None
+            self.client.loop.call_soon(self._step, None)
+
+    def _dial_done(self) -> None:
+        self.connecting = self.waiting = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if not self.abandoned:
+            self.abandon()
+            self.client.dial_failed(self, TimeoutError())
+
+    def abandon(self) -> None:
+        """Give the dial up (its timeout, or the client left): the future it waits on is
+        cancelled, so the coroutine, resumed, closes its socket or transport and ends; a
+        `connection_made` still to come does not attach."""
+        self.abandoned = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.waiting is not None:
+            self.waiting.cancel()
 
     # -- endpoint events -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        tune(transport)
+        self.transport = t = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.abandoned:  # connected in the turn its dial was given up (asyncio): never attach
+            t.close()
+            return
+        tune(t)
         self.attached = True  # before attach writes, so a pause_writing it causes is seen
-        self.attached = self.client.connected(self)
+        self.attached = self.client.attach(self)
 
     def data_received(self, data: bytes) -> None:
         if self.attached:
