@@ -56,7 +56,7 @@ import os
 import socket
 import struct
 from collections.abc import Callable, Coroutine
-from typing import Any, cast
+from typing import Any
 
 from usproxy.flows.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.model.endpoint import Endpoint
@@ -180,7 +180,9 @@ class ClientSide(asyncio.Protocol):
 
     # -- client events -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = t = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        # (uvloop's transports are no asyncio.Transport subclasses; no cast(): a call per connection)
+        t: asyncio.Transport = transport  # type: ignore[assignment]
+        self.transport = t
         tune(t)
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
@@ -470,8 +472,10 @@ class ClientSide(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
-        self._stop_handover_timer()
-        self._give_back_pipes()
+        if self.handover_timer is not None:
+            self._stop_handover_timer()
+        if self.pipes_held:
+            self._give_back_pipes()
         flow = self.flow
         if flow is not None:
             self.owner.end_flow(flow)
@@ -584,7 +588,8 @@ class EndpointSide(asyncio.Protocol):
 
     # -- endpoint events -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = t = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        t: asyncio.Transport = transport  # type: ignore[assignment]  # (as ClientSide's)
+        self.transport = t
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
