@@ -1,5 +1,5 @@
 """ClientSide/EndpointSide as state machines, with fake transports and a fake loop whose dials
-wait for the test: events in, writes out.
+wait for the test (a fake engine): events in, writes out.
 
 Fault classes: EOF and flush ordering (C11) and bounded buffers on the paths a socket test cannot
 reach on demand: bytes and a FIN that arrive before the endpoint connection exists are written in
@@ -12,9 +12,11 @@ the client, and a dial's timeout fires only while it is connecting.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
+import select
 import socket
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, cast
 
 import pytest
@@ -113,40 +115,57 @@ class FakeOwner:
         self.events.append("pipes released")
 
 
-class FakeLoop:
-    """The running loop's timers, and dials that wait until the test connects them: each
-    `create_connection` makes its protocol at once (as uvloop does) and waits on a future the
-    test completes with `connect`, after the protocol's connection_made (as both loops do)."""
+class FakeSocket:
+    """A connecting socket of FakeEngine: `error` is what SO_ERROR will say."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.error = 0
+        self.closed = False
+
+    def fileno(self) -> int:
+        return 1000
+
+    def getsockopt(self, level: int, option: int) -> int:
+        return self.error
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeEngine:
+    """Dials that wait until the test connects them (`side.connection_made`, as the engine does
+    once the socket is writable) or fails them (`fail`)."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.dials: list[tuple[str, int, asyncio.Future[None]]] = []
+        self.dials: list[tuple[FakeSocket, Callable[[int], None]]] = []
 
-    def call_later(self, delay: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
-        return self.loop.call_later(delay, callback, *args)
+    def connect(self, host: str, port: int, handler: Callable[[int], None]) -> FakeSocket:
+        self.dials.append((FakeSocket(host, port), handler))
+        return self.dials[-1][0]
 
-    def call_soon(self, callback: Any, *args: Any) -> asyncio.Handle:
-        return self.loop.call_soon(callback, *args)
+    def forget(self, fd: int) -> None:
+        pass
 
-    def create_connection(self, factory: Any, host: str, port: int) -> Any:
-        done: asyncio.Future[None] = self.loop.create_future()
-        self.dials.append((host, port, done))
-
-        async def connecting() -> tuple[None, asyncio.Protocol]:
-            protocol = factory()
-            await done
-            return None, protocol
-        return connecting()
+    def fail(self, i: int, err: int = errno.ECONNREFUSED) -> None:
+        sock, handler = self.dials[i]
+        sock.error = err
+        handler(select.EPOLLOUT | select.EPOLLERR)
 
 
 async def accepted(owner: FlowOwner | None = None) -> tuple[ClientSide, FakeTransport]:
-    """A ClientSide dialing its first endpoint on a FakeLoop: the test plays the endpoint's part."""
-    client = ClientSide(owner or FakeOwner(), "cluster", ("10.96.10.10", 80), FakeLoop())  # type: ignore[arg-type]
+    """A ClientSide dialing its first endpoint on a FakeEngine: the test plays the endpoint's part."""
+    client = ClientSide(owner or FakeOwner(), "cluster", ("10.96.10.10", 80), asyncio.get_running_loop(),
+                        FakeEngine())  # type: ignore[arg-type]
     t = FakeTransport(("10.244.9.10", 40000), ("10.96.10.10", 80))
     t.protocol = client
     client.connection_made(t)  # type: ignore[arg-type]
     assert client.dialing is not None
     return client, t
+
+
+def engine_of(client: ClientSide) -> FakeEngine:
+    return cast(FakeEngine, client.engine)
 
 
 def endpoint_leg(client: ClientSide, over_high_water: bool = False,
@@ -219,34 +238,31 @@ async def test_endpoint_connected_after_the_client_left_never_touches_it() -> No
     assert dialing is not None
     client.connection_lost(ConnectionResetError())
     assert dialing.abandoned and client.dialing is None
+    assert engine_of(client).dials[0][0].closed  # the connecting socket is closed at once
     ops_before = list(ct.ops)
-    side, ut = endpoint_leg(client, side=dialing)  # the connect completed in the same turn
+    side, ut = endpoint_leg(client, side=dialing)  # a connection_made that still came
     assert ut.closing  # the late connection is closed at once
     side.data_received(b"stale")
     side.eof_received()
     side.connection_lost(None)
     assert ct.ops == ops_before
     assert owner.events.count("opened") == 0
-    loop = cast(FakeLoop, client.loop)
-    await asyncio.sleep(0)  # the cancelled wait resumes the dial's coroutine, which ends
-    assert loop.dials[0][2].cancelled() and dialing.connecting is None
     assert not any(e.startswith("failed") for e in owner.events)  # the endpoint did nothing wrong
 
 
-async def test_endpoint_connected_after_its_dial_timed_out_never_attaches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The race at a dial timeout: the connect completes in the same loop turn the timeout fires
-    in, so `connection_made` runs after the dial was given up (asyncio runs it; the coroutine then
-    closes the transport). The side must not attach: the client stays untouched, and the next
-    endpoint is dialed."""
+async def test_a_dial_that_times_out_is_given_up_and_the_next_endpoint_dialed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At its timeout a dial's socket is closed and the next endpoint is dialed; a connection_made
+    for the first one (were its connect to complete in the same turn) never attaches: the client
+    stays untouched."""
     monkeypatch.setattr(tcp, "DIAL_TIMEOUTS", (0.01, 5.0))
     owner = FakeOwner()
     client, ct = await accepted(owner)
     first = client.dialing
     assert first is not None and first.endpoint == EP
     await asyncio.sleep(0.05)  # the first dial's timeout fires
-    assert first.abandoned and owner.events == [f"failed {EP}"]
+    assert first.abandoned and owner.events == [f"failed {EP}"] and engine_of(client).dials[0][0].closed
     assert client.dialing is not None and client.dialing.endpoint == EP2
-    late, lt = endpoint_leg(client, side=first)  # connection_made after the timer fired
+    late, lt = endpoint_leg(client, side=first)
     assert not late.attached and client.upstream is None and lt.closing
     late.data_received(b"late")
     assert ct.ops == [] and owner.events.count("opened") == 0
@@ -259,9 +275,8 @@ async def test_endpoint_connected_in_time_stops_the_dial_timeout(monkeypatch: py
     owner = FakeOwner()
     client, ct = await accepted(owner)
     side, _ = endpoint_leg(client)
-    cast(FakeLoop, client.loop).dials[0][2].set_result(None)
     await asyncio.sleep(0.1)  # past the timeout: it must not fire any more
-    assert side.attached and client.upstream is side and side.timer is None and side.connecting is None
+    assert side.attached and client.upstream is side and side.timer is None
     assert not any(e.startswith("failed") for e in owner.events)
     side.data_received(b"reply")
     assert ct.ops == [b"reply"]
@@ -270,12 +285,11 @@ async def test_endpoint_connected_in_time_stops_the_dial_timeout(monkeypatch: py
 async def test_a_refused_dial_tries_the_next_endpoint_then_gives_the_client_up() -> None:
     owner = FakeOwner()
     client, ct = await accepted(owner)
-    loop = cast(FakeLoop, client.loop)
-    loop.dials[0][2].set_exception(ConnectionRefusedError())
-    await asyncio.sleep(0)
-    assert owner.events == [f"failed {EP}"] and client.dialing is not None and client.dialing.endpoint == EP2
-    loop.dials[1][2].set_exception(ConnectionRefusedError())
-    await asyncio.sleep(0)
+    engine = engine_of(client)
+    engine.fail(0)
+    assert owner.events == [f"failed {EP}"] and engine.dials[0][0].closed
+    assert client.dialing is not None and client.dialing.endpoint == EP2
+    engine.fail(1)
     assert owner.events == [f"failed {EP}", f"failed {EP2}"]
     assert client.dialing is None and ct.ops == ["CLOSE"]  # no endpoint left: reset (SO_LINGER 0 + close)
 

@@ -11,20 +11,16 @@ Events in, writes out; no Streams on the hot path. Invariants:
   one shutdown(2) less per connection.
 - A reset on one side is passed on as a reset (SO_LINGER 0) after the bytes already received from
   it have been handed to the kernel.
+- Both legs are Legs of the loop's TcpEngine (tcp_engine.py: the relay's own epoll, no transport
+  of the loop; issue 30), but any asyncio transport works (tests relay through a loop's own).
 - Dials never block accepting: each starts from the client's `connection_made` with bounded
   timeouts (kube-proxy userspace's 250 ms, 500 ms, 1 s, 2 s, pkg/proxy/userspace/proxysocket.go
-  tryConnect), and a refused or timed-out endpoint is retried on the next one (C14). The loop
-  connects and makes the transport in one call (`create_connection(host, port)`, in C under
-  uvloop: a Python socket and `sock_connect` cost ~50 us more per connection). No Task and no
-  `asyncio.timeout` per connection (issue 30: each asked for the running loop, a getpid(2) in
-  Python 3.11, five per connection, and cost Python objects besides): each attempt is an
-  EndpointSide that steps create_connection's coroutine itself, resumed by the done callback of
-  the future it waits on, under one timer handle (`call_later`). Giving an attempt up (its timeout,
-  or the client leaving) cancels that future, as Task.cancel does, and the coroutine closes its
-  socket or transport when it resumes. An EndpointSide stops its timer in `connection_made` and
-  attaches itself to its client there, unless it was given up (then it never touches the client;
-  on asyncio `connection_made` can still run once the connect completed in the same turn). So an
-  abandoned dial leaves nothing that could act on the client, and no byte from an endpoint
+  tryConnect), and a refused or timed-out endpoint is retried on the next one (C14). Each attempt
+  is an EndpointSide: a non-blocking connect(2) on the engine's epoll under one timer handle
+  (`call_later`); no Task, no asyncio.timeout, no running-loop lookup per connection (issue 30:
+  five getpid(2) per connection in Python 3.11, and their objects). Giving an attempt up (its
+  timeout, or the client leaving) closes its socket; it never attaches. An EndpointSide stops its
+  timer and attaches itself to its client in `connection_made`, so no byte from an endpoint
   arrives before the client knows its upstream.
 - Data that arrived during the dial is written first, then the client's FIN if it came; reading
   resumes only if the dial buffer paused it and the endpoint leg is under its high-water mark.
@@ -40,23 +36,25 @@ Events in, writes out; no Streams on the hot path. Invariants:
   reads only after it wrote everything keeps its leg's buffer full, and the paused other direction
   would then never drain) is given up: both legs resume, and the flow stays here for good.
 - Per connection nothing is asked of the kernel or the loop whose answer is known (issue 30): the
-  loop is handed in by the listener (`client_factory`), the client's address comes from the
-  transport (uvloop read it once at accept), the frontend's is the listener's, write-buffer limits
-  are set only where the loop's default differs (`tune`), and SO_KEEPALIVE is inherited from the
-  listener (client leg) or set by the relay's sweep on flows still live (endpoint leg).
+  loop and engine come with the listener's factory (`client_factory`), the client's address from
+  accept(2), the frontend's is the listener's, the endpoint's local address is read only when
+  /flows shows it, write-buffer limits are set only on a transport whose default differs
+  (`tune`), and SO_KEEPALIVE and TCP_NODELAY are inherited from the listener (client leg), or set
+  by the relay's sweep on flows still live (SO_KEEPALIVE, endpoint leg).
   Both protocols are slotted, and a finished connection leaves no reference cycle (the flow's
   callbacks are dropped at its end), so it is freed at once, not by the cyclic collector.
 """
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import logging
 import os
+import select
 import socket
 import struct
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 from usproxy.flows.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.model.endpoint import Endpoint
@@ -64,6 +62,7 @@ from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.relay import tcp_splice
 from usproxy.model.types import Scope
 from usproxy.relay.flow_owner import FlowOwner, SourceRefused
+from usproxy.relay.tcp_engine import HIGH_WATER, LOW_WATER, READABLE, Leg, TcpEngine
 from usproxy.relay.tcp_splice import LINGER_ZERO, SplicedFlow
 
 log = logging.getLogger(__name__)
@@ -71,8 +70,9 @@ limited = RateLimitedLog(log)
 
 DIAL_TIMEOUTS = (0.25, 0.5, 1.0, 2.0)
 DIAL_BUFFER = 256 * 1024
-HIGH_WATER = 64 * 1024  # per leg (`tune`), as HAProxy's 16 KiB buffers: the kernel's socket buffers (bounded by tcp_mem) hold the rest
-LOW_WATER = 16 * 1024
+# HIGH_WATER (64 KiB) and LOW_WATER (16 KiB) per leg, tcp_engine.py's: as HAProxy's 16 KiB buffers,
+# the kernel's socket buffers (bounded by tcp_mem) hold the rest.
+__all__ = ["HIGH_WATER", "LOW_WATER", "ClientSide", "EndpointSide", "client_factory"]
 BULK_READ = 64 * 1024  # a read this large means the sender outruns us: both loops read up to 256 KiB
 BULK_STREAK = 4  # such reads in a row in one direction make the flow bulk (spliced)
 HANDOVER_WAIT = 1.0  # seconds a hand-over to splice may wait for empty buffers
@@ -139,7 +139,8 @@ def reset(transport: asyncio.WriteTransport) -> None:
 def client_factory(owner: FlowOwner, kind: Scope, frontend: HostPort) -> Callable[[], ClientSide]:
     """The protocol factory of a listener on `frontend` (called in the loop that will run it)."""
     loop = asyncio.get_running_loop()
-    return lambda: ClientSide(owner, kind, frontend, loop)
+    engine = TcpEngine.of(loop)
+    return lambda: ClientSide(owner, kind, frontend, loop, engine)
 
 
 class ClientSide(asyncio.Protocol):
@@ -150,16 +151,17 @@ class ClientSide(asyncio.Protocol):
     `resume_reading`.
     """
 
-    __slots__ = ("owner", "kind", "frontend", "loop", "transport", "upstream", "flow", "pending", "held",
+    __slots__ = ("owner", "kind", "frontend", "loop", "engine", "transport", "upstream", "flow", "pending", "held",
                  "eof_in", "eof_out", "dialing", "tried", "endpoint", "closed", "streak_in", "streak_out",
                  "splicing", "pipes_held", "spliced", "handover_timer", "stays")
 
     def __init__(self, owner: FlowOwner, kind: Scope, frontend: HostPort,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None, engine: TcpEngine | None = None) -> None:
         self.owner = owner
         self.kind: Scope = kind
         self.frontend = frontend  # the listener's address: no getsockname per connection
-        self.loop = loop  # None: the running loop, looked up once in connection_made
+        self.loop = loop  # None: the running loop (and its engine), looked up in connection_made
+        self.engine = engine
         self.transport: asyncio.Transport | None = None
         self.upstream: EndpointSide | None = None  # set by `attach`
         self.flow: Flow | None = None
@@ -186,6 +188,8 @@ class ClientSide(asyncio.Protocol):
         tune(t)
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
+        if self.engine is None:
+            self.engine = TcpEngine.of(self.loop)
         client = t.get_extra_info("peername")
         if client is None:  # reset before we got to it: nothing to relay
             t.abort()
@@ -432,9 +436,9 @@ class ClientSide(asyncio.Protocol):
     def _dial(self) -> None:
         """Dial the next endpoint (none of `tried`), or give the client up when there is none or
         every timeout of DIAL_TIMEOUTS was used."""
-        loop, n = self.loop, len(self.tried)
+        loop, engine, n = self.loop, self.engine, len(self.tried)
         ep = None
-        if n < len(DIAL_TIMEOUTS) and loop is not None and self.flow is not None:
+        if n < len(DIAL_TIMEOUTS) and loop is not None and engine is not None and self.flow is not None:
             ep = self.owner.pick(self.kind, self.flow.client[0], self.tried)
         if ep is None:
             if self.flow is not None:
@@ -442,10 +446,10 @@ class ClientSide(asyncio.Protocol):
             if self.transport is not None:
                 reset(self.transport)
             return
-        assert loop is not None
+        assert loop is not None and engine is not None
         self.tried += (ep,)
         self.dialing = side = EndpointSide(self, ep)
-        side.dial(loop, DIAL_TIMEOUTS[n])
+        side.dial(loop, engine, DIAL_TIMEOUTS[n])
 
     def dial_failed(self, side: EndpointSide, err: BaseException) -> None:
         """`side`'s dial failed (refused, unreachable, timed out): back off from its endpoint and
@@ -503,16 +507,14 @@ def _take(transport: asyncio.Transport) -> socket.socket:
 class EndpointSide(asyncio.Protocol):
     """One dial of an endpoint for a ClientSide, then the proxy's connection to it.
 
-    It owns the dial (create_connection's coroutine, stepped here; its timer) and then the
-    endpoint's transport. It attaches itself to its ClientSide in `connection_made`, so no byte can
-    arrive before the client knows its upstream; a side that was not attached (given up: timed out,
-    or its client went away) never touches the client. Its ClientSide reaches it only through
-    `abandon`, `send`, `send_eof`, `close`, `reset`, `pause_reading`, `resume_reading` and
-    `over_high_water`.
+    It owns the dial (a connecting socket on the engine, and its timer) and then the endpoint's
+    Leg. It attaches itself to its ClientSide in `connection_made`, so no byte can arrive before
+    the client knows its upstream; a side given up (timed out, or its client went away) never
+    touches the client. Its ClientSide reaches it only through `abandon`, `send`, `send_eof`,
+    `close`, `reset`, `pause_reading`, `resume_reading` and `over_high_water`.
     """
 
-    __slots__ = ("client", "endpoint", "transport", "attached", "lost", "connecting", "waiting", "timer",
-                 "abandoned")
+    __slots__ = ("client", "endpoint", "transport", "attached", "lost", "connecting", "timer", "abandoned")
 
     def __init__(self, client: ClientSide, endpoint: Endpoint) -> None:
         self.client = client
@@ -520,54 +522,49 @@ class EndpointSide(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.attached = False
         self.lost = False
-        self.connecting: Coroutine[Any, Any, object] | None = None  # create_connection, until it returns
-        self.waiting: asyncio.Future[Any] | None = None  # what `connecting` waits on
+        self.connecting: _socket.socket | None = None  # the socket, until connected or given up
         self.timer: asyncio.TimerHandle | None = None  # the dial's timeout
         self.abandoned = False  # given up: never attaches
 
     # -- the dial ------------------------------------------------------------------------------
-    def dial(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    def dial(self, loop: asyncio.AbstractEventLoop, engine: TcpEngine, timeout: float) -> None:
         """Connect to the endpoint within `timeout` seconds; the client hears `attach` (from
         `connection_made`) or `dial_failed`."""
-        self.timer = loop.call_later(timeout, self._timed_out)
-        self.connecting = loop.create_connection(self._protocol, self.endpoint.host, self.endpoint.port)
-        self._step(None)
-
-    def _protocol(self) -> EndpointSide:
-        return self
-
-    def _step(self, _: object) -> None:
-        """Run create_connection's coroutine up to the next future it waits on (resumed by that
-        future's done callback), or to its end: connected (`connection_made` ran), failed, or
-        cancelled (`abandon`)."""
-        coro = self.connecting
-        if coro is None:
-            return
         try:
-            waited = coro.send(None)
-        except StopIteration:  # connected: connection_made ran (and attached, unless abandoned)
-            self._dial_done()
-            if self.abandoned and not self.attached and self.transport is not None:
-                self.transport.close()
+            self.connecting = engine.connect(self.endpoint.host, self.endpoint.port, self._connect_event)
+        except OSError as err:  # refused at once (unreachable, out of descriptors, ...)
+            self.abandoned = True
+            self.client.dial_failed(self, err)
             return
-        except (asyncio.CancelledError, Exception) as err:  # OSError: refused, unreachable, ...
-            self._dial_done()
-            if not self.abandoned:  # (abandoned: the coroutine closed what it had made)
-                self.abandoned = True
-                self.client.dial_failed(self, err)
-            return
-        if waited is not None:
-            self.waiting = waited
-            waited.add_done_callback(self._step)
-        elif self.client.loop is not None:  # a bare yield (`sleep(0)`): resume next turn, as a Task
-            self.waiting = None
-            self.client.loop.call_soon(self._step, None)
+        self.timer = loop.call_later(timeout, self._timed_out)
 
-    def _dial_done(self) -> None:
-        self.connecting = self.waiting = None
+    def _connect_event(self, ev: int) -> None:
+        """The connecting socket is writable (connected) or failed."""
+        sock = self.connecting
+        if sock is None:
+            return
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if not err and not ev & select.EPOLLOUT:
+            return  # not yet
+        client, loop = self.client, self.client.loop
+        engine = client.engine
+        assert loop is not None and engine is not None
+        self.connecting = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        if err:
+            engine.forget(sock.fileno())
+            sock.close()
+            if not self.abandoned:
+                self.abandoned = True
+                client.dial_failed(self, OSError(err, os.strerror(err)))
+            return
+        leg = Leg(engine, loop, sock, (self.endpoint.host, self.endpoint.port), self, HIGH_WATER, LOW_WATER)
+        engine.handlers[leg.fd] = leg.event
+        self.connection_made(leg)  # type: ignore[arg-type]
+        if ev & READABLE and not leg.closed:
+            leg.event(ev & ~select.EPOLLOUT)  # what the endpoint sent with its SYN-ACK's edge
 
     def _timed_out(self) -> None:
         self.timer = None
@@ -576,15 +573,16 @@ class EndpointSide(asyncio.Protocol):
             self.client.dial_failed(self, TimeoutError())
 
     def abandon(self) -> None:
-        """Give the dial up (its timeout, or the client left): the future it waits on is
-        cancelled, so the coroutine, resumed, closes its socket or transport and ends; a
-        `connection_made` still to come does not attach."""
+        """Give the dial up (its timeout, or the client left): its socket is closed, and a
+        `connection_made` still to come (a loop's own transport) does not attach."""
         self.abandoned = True
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if self.waiting is not None:
-            self.waiting.cancel()
+        sock, self.connecting = self.connecting, None
+        if sock is not None and self.client.engine is not None:
+            self.client.engine.forget(sock.fileno())
+            sock.close()
 
     # -- endpoint events -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -593,7 +591,7 @@ class EndpointSide(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if self.abandoned:  # connected in the turn its dial was given up (asyncio): never attach
+        if self.abandoned:  # connected after its dial was given up: never attach
             t.close()
             return
         tune(t)
