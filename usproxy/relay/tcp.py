@@ -10,7 +10,8 @@ Events in, writes out; no Streams on the hot path. Invariants:
   after the same buffered bytes (and no RST: that leg's peer sent FIN, so nothing is left unread),
   one shutdown(2) less per connection.
 - A reset on one side is passed on as a reset (SO_LINGER 0) after the bytes already received from
-  it have been handed to the kernel.
+  it have been handed to the kernel. The relay's own resets (idle timeouts, the relay stopping)
+  set SO_LINGER 0 on both legs before closing either: a Leg's close ends the other leg at once.
 - Both legs are Legs of the loop's TcpEngine (tcp_engine.py: the relay's own epoll, no transport
   of the loop; issue 30), but any asyncio transport works (tests relay through a loop's own).
 - Dials never block accepting: each starts from the client's `connection_made` with bounded
@@ -30,8 +31,8 @@ Events in, writes out; no Streams on the hot path. Invariants:
   stop reading and their write limits drop to 0, so `resume_writing` says when a leg's buffer is
   empty; with both empty (no byte left in userspace: every read was written), the sockets are
   dup()'d and the transports, switched to a protocol that ignores their end, aborted (an abort
-  of an empty buffer sends nothing and closes only the transport's descriptor; uvloop's
-  transports own their descriptor, so readiness is then watched on the dup). Small messages never
+  of an empty buffer sends nothing and closes only the transport's descriptor, which a Leg takes
+  out of the engine's epoll first; readiness is then watched on the dup). Small messages never
   make a streak and keep this path. A hand-over still waiting after HANDOVER_WAIT (a peer that
   reads only after it wrote everything keeps its leg's buffer full, and the paused other direction
   would then never drain) is given up: both legs resume, and the flow stays here for good.
@@ -127,13 +128,18 @@ def socket_ack_age(sock: socket.socket | None) -> float | None:
 
 def reset(transport: asyncio.WriteTransport) -> None:
     """Close with RST once our userspace buffer is flushed (SO_LINGER 0)."""
+    linger_zero(transport)
+    transport.close()
+
+
+def linger_zero(transport: asyncio.BaseTransport) -> None:
+    """SO_LINGER 0 on the transport's socket: its close, whenever it comes, sends RST."""
     sock = transport.get_extra_info("socket")
     try:
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_ZERO)
     except OSError:
         pass
-    transport.close()
 
 
 def client_factory(owner: FlowOwner, kind: Scope, frontend: HostPort) -> Callable[[], ClientSide]:
@@ -260,10 +266,14 @@ class ClientSide(asyncio.Protocol):
         if self.spliced is not None:
             self.spliced.expire()
             return
-        if self.upstream is not None:
-            self.upstream.reset()
-        if self.transport is not None and not self.transport.is_closing():
-            reset(self.transport)
+        # Both sockets linger 0 before either closes: a leg's close runs the other's end at
+        # once (a Leg's connection_lost is synchronous), and that must be a reset too.
+        legs = [t for t in (self.transport, self.upstream.transport if self.upstream else None)
+                if t is not None and not t.is_closing()]
+        for t in legs:
+            linger_zero(t)
+        for t in legs:
+            t.close()
 
     def pause_writing(self) -> None:
         if self.upstream is not None:

@@ -27,8 +27,11 @@ Invariants:
   buffered and sent when it is writable, pause_writing above the high-water mark and
   resume_writing at or below the low-water mark; write_eof sends FIN after the buffered bytes,
   close closes after them (SO_LINGER 0 set by the caller makes that close a reset), abort drops
-  them; eof_received returning false closes; connection_lost runs once, in the loop's next turn,
-  after the socket is closed, and then the Leg lets its protocol go.
+  them; eof_received returning false closes. One difference: connection_lost runs once, at once
+  (not in the loop's next turn: two callback handles per connection less), right after the socket
+  is closed, and the Leg lets its protocol go first. So a protocol may hear connection_lost inside
+  a call it made (close, abort, write); every Leg method checks its state after calling out, and
+  tcp.py's protocols keep their own (`closed`, `lost`, `attached`) for the same reason.
 - Accepted sockets stay in blocking mode (accept(2) does not make them non-blocking, and one
   ioctl per connection less): every read and write passes MSG_DONTWAIT. Dialed sockets are made
   non-blocking (SOCK_NONBLOCK) for connect(2).
@@ -258,9 +261,6 @@ class Leg:
         self.reading = False
         self.engine.forget(self.fd)
         self.sock.close()
-        self.loop.call_soon(self._lost, exc)
-
-    def _lost(self, exc: Exception | None) -> None:
         protocol, self.protocol = self.protocol, None  # no cycle left with the protocol
         if protocol is not None:
             protocol.connection_lost(exc)
