@@ -81,7 +81,8 @@ SPLICE = tcp_splice.available()  # tests may turn it off
 TCPI_LAST_ACK_RECV = 56  # offset of tcpi_last_ack_recv (u32, ms) in Linux's struct tcp_info
 
 
-_DEFAULT_LIMITS: dict[type, bool] = {}  # transport type -> its default write-buffer limits are the relay's
+# transport type -> its default write-buffer limits are the relay's (a Leg's are: it is made with them)
+_DEFAULT_LIMITS: dict[type, bool] = {Leg: True}
 
 
 def tune(transport: asyncio.Transport) -> None:
@@ -201,7 +202,8 @@ class ClientSide(asyncio.Protocol):
             t.abort()
             return
         try:
-            self.flow = flow = self.owner.new_flow("TCP", (client[0], client[1]), self.frontend)
+            peer = client if len(client) == 2 else (client[0], client[1])  # (IPv6's has four items)
+            self.flow = flow = self.owner.new_flow("TCP", peer, self.frontend)
         except FlowTableFull:
             limited.warning("flow table full: refusing %s", self.owner.spn)
             reset(t)
