@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.relay_conn import table as relayconn_table
+
 RESULTS = Path(__file__).with_name("results")
 RELAYS = ("relay", "proto-protocol", "proto-splice", "proto-splice-2w")
 
@@ -225,6 +227,9 @@ def markdown(d: dict[str, Any]) -> str:
         proto = prototype_table(d["dataplane"])
         if proto:
             out += ["#### Relay prototypes (bench/prototypes/relay_proto.py), same rounds", ""] + proto + [""]
+    if "relayconn" in d:
+        out += ["#### Relay CPU per new connection, beside HAProxy on the same pinned core (issue 30)", ""]
+        out += relayconn_table(d["relayconn"]) + [""]
     if "tools" in d:
         out += ["#### Real tools (wrk, iperf3, redis-benchmark against nginx, iperf3 -s, redis-server)", ""]
         out += tools_table(d["tools"]) + [""]

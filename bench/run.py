@@ -1,7 +1,8 @@
 """The one command: `sudo .venv/bin/python -m bench.run [--quick]` from the repository root.
 
 Builds the bench netns (topology.py), starts the bench servers and every contender
-(contenders.py), runs the data plane in interleaved rounds (dataplane.py), profiles the relay
+(contenders.py), runs the data plane in interleaved rounds (dataplane.py), the relay's CPU per
+new connection beside HAProxy on one pinned core (relay_conn.py), profiles the relay
 (profile.py), runs the real tools through the same contenders (tools.py), measures memory per
 idle flow (memory.py), the control plane (controlplane.py) and the control plane end to end,
 from spawn and from an edit (startup.py), then writes bench/results/<date>[-quick].{json,md} and PNG charts (report.py) and prints the
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bench import controlplane, memory, profile, report, startup, tools
+from bench import controlplane, memory, profile, relay_conn, report, startup, tools
 from bench.contenders import Contender, Ctx, default_contenders
 from bench.dataplane import DataPlane, Plan
 from bench.procs import PYTHON, Procs
@@ -52,8 +53,8 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--quick", action="store_true", help="small sizes, 2 rounds, about 3 minutes")
     ap.add_argument("--rounds", type=int, help="data-plane rounds (default 2 quick, 4 full)")
-    ap.add_argument("--only", default="dataplane,tools,profile,memory,controlplane,startup",
-                    help="comma list of phases: dataplane, tools, profile, memory, controlplane, startup")
+    ap.add_argument("--only", default="dataplane,relayconn,tools,profile,memory,controlplane,startup",
+                    help="comma list of phases: dataplane, relayconn, tools, profile, memory, controlplane, startup")
     ap.add_argument("--prototypes", action=argparse.BooleanOptionalAction, default=None,
                     help="include the relay prototypes of bench/prototypes (default: full runs only)")
     ap.add_argument("--stem", help="results file name (default <date>[-quick])")
@@ -114,6 +115,11 @@ def main() -> int:
             dp = DataPlane(ctx, contenders, plan, log)
             dp.run()
             results["dataplane"] = dp.summary()
+        if "relayconn" in phases:
+            pinned = [by_name[n] for n in ("relay", "haproxy") if n in by_name]
+            log(f"relay CPU per connection, pinned to CPU {relay_conn.PIN_CPU}: {plan.rounds * 2 - 1} rounds")
+            results["relayconn"] = relay_conn.measure(ctx, pinned, plan.rounds * 2 - 1, 1.0 if quick else 3.0,
+                                                      plan.warmup, log, count_syscalls=True)
         if "tools" in phases:
             tplan = tools.ToolPlan(rounds=args.rounds or (2 if quick else 4), seconds=2 if quick else 5,
                                    redis_requests=20000 if quick else 100000)
