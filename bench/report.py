@@ -61,6 +61,8 @@ def targets(who: str = "relay") -> list[Target]:
          lambda d: _largest(_get(d, "controlplane", "usproxy_nftables"), lambda r: r["cold_s"]), "<=", 0.5),
         ("one change at largest size, p99 (ms)",
          lambda d: _largest(_get(d, "controlplane", "usproxy_nftables"), lambda r: r["one_change_s"]["p99"] * 1e3), "<=", 5.0),
+        ("relay CPU per new connection, pinned beside HAProxy (µs, issue 30)",
+         lambda d: _get(d, "relayconn", "median", who, "cpu_us_per_conn"), "<=", 70.0),
         ("RSS per idle relayed flow, largest N (KiB)",
          lambda d: (lambda rows: rows[-1]["bytes_per_flow"] / 1024 if rows else None)(_get(d, "memory", "relay")), "<=", 4.0),
     ]
