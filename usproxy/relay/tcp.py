@@ -219,8 +219,9 @@ class ClientSide(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.flow is not None:
             self.flow.seen_in(len(data))
-        if self.upstream is not None:
-            self.upstream.send(data)
+        up = self.upstream
+        if up is not None:
+            up.transport.write(data)  # type: ignore[union-attr]  # (attached: it has one)
             if len(data) >= BULK_READ:
                 self.streak_in += 1
                 if self.streak_in >= BULK_STREAK:
