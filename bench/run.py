@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bench import controlplane, memory, profile, relay_conn, report, startup, tools
-from bench.contenders import Contender, Ctx, default_contenders
+from bench.contenders import Contender, Ctx, Usproxy, default_contenders
 from bench.dataplane import DataPlane, Plan
 from bench.procs import PYTHON, Procs
 from bench.topology import BenchTopology
@@ -61,6 +61,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--update", metavar="STEM", help="re-run only --only's phases and replace them in results/STEM.json")
     ap.add_argument("--offloaded", default="nftables", choices=["nftables", "iptables", "bpf"],
                     help="the kernel datapath of the 'offloaded' contender (default nftables)")
+    ap.add_argument("--baseline", type=Path, metavar="TREE",
+                    help="also run the agent from another source tree as relay-base (a before/after in the same rounds)")
     return ap.parse_args()
 
 
@@ -81,7 +83,7 @@ def main() -> int:
                 duration=0.8 if quick else 2.5, warmup=0.3 if quick else 0.5)
     cp_sizes = (1000,) if quick else (1000, 5000, 10000)
     stem = args.stem or datetime.date.today().isoformat() + ("-quick" if quick else "")
-    command = "sudo .venv/bin/python -m bench.run" + (" --quick" if quick else "")
+    command = "sudo .venv/bin/python -m bench.run " + " ".join(sys.argv[1:])
     results: dict[str, Any] = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
                                         "mode": "quick" if quick else "full", "rounds": plan.rounds, "command": command,
                                         "git": _git_head()}}
@@ -103,6 +105,8 @@ def main() -> int:
             p.stdout.readline()
         contenders = default_contenders(protos, args.offloaded)
         results["meta"]["offloaded"] = args.offloaded
+        if args.baseline:
+            contenders.append(Usproxy("relay-base", "10.96.104.10", 4, pythonpath=str(args.baseline.resolve())))
         for c in contenders:
             c.start(ctx)
             log(f"contender {c.name}: " + ("up" if c.available else f"unavailable: {c.reason}"))
@@ -116,7 +120,7 @@ def main() -> int:
             dp.run()
             results["dataplane"] = dp.summary()
         if "relayconn" in phases:
-            pinned = [by_name[n] for n in ("relay", "haproxy") if n in by_name]
+            pinned = [by_name[n] for n in ("relay", "haproxy", "relay-base") if n in by_name]
             log(f"relay CPU per connection, pinned to CPU {relay_conn.PIN_CPU}: {plan.rounds * 2 - 1} rounds")
             results["relayconn"] = relay_conn.measure(ctx, pinned, plan.rounds * 2 - 1, 1.0 if quick else 3.0,
                                                       plan.warmup, log, count_syscalls=True)
