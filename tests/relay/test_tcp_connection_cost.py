@@ -176,7 +176,7 @@ def test_a_connection_asks_for_no_running_loop_and_makes_no_task(loop_name: str,
         finished: asyncio.Future[bytes] = loop.create_future()
 
         def sample() -> None:  # what tasks exist, every 2 ms while the connection runs
-            tasks.update(t.get_coro().__qualname__ for t in asyncio.all_tasks(loop) if t is not me)
+            tasks.update(getattr(t.get_coro(), "__qualname__", "?") for t in asyncio.all_tasks(loop) if t is not me)
             if not finished.done():
                 loop.call_later(0.002, sample)
 

@@ -36,7 +36,7 @@ class FakeTransport:
     """Records what the protocol asks of it; `over_high_water` makes writes call pause_writing."""
 
     def __init__(self, peer: tuple[str, int], local: tuple[str, int]) -> None:
-        self.extra = {"peername": peer, "sockname": local, "socket": None}
+        self.extra: dict[str, Any] = {"peername": peer, "sockname": local, "socket": None}
         self.ops: list[Any] = []
         self.reading = True
         self.closing = False
