@@ -12,7 +12,7 @@ import pytest
 
 from tests.explain.repeated_states import NODE, REPEATED, state
 from usproxy.explain import cli, diff, registry
-from usproxy.explain.service_set import load_manifests, service_set
+from usproxy.model.service_set import load_manifests, service_set
 
 STEPS = [  # (before, after, iptables-restore lines, nftables operations)
     ("1-initial", "2-svc3-added", 32, 10),

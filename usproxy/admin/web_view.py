@@ -43,7 +43,7 @@ from usproxy.model.types import NamespacedName
 from usproxy.util.rows import FlowRow, ServiceRow
 
 if TYPE_CHECKING:
-    from usproxy.explain.service_set import ServiceSet
+    from usproxy.model.service_set import ServiceSet
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def asset(name: str, package: str = "usproxy.admin") -> str:
 def service_set_of(source: WebSource, namespace: str, name: str) -> ServiceSet | None:
     """The ServicePorts of one Service with their endpoints now (read on the loop, where the
     agent's state lives), as explain's views take them; None when no ServicePort of it is known."""
-    from usproxy.explain.service_set import Node, ServiceSet
+    from usproxy.model.service_set import Node, ServiceSet
 
     ports = tuple((st.service_port, st.endpoints)
                   for st in source.service_ports(NamespacedName(namespace, name)))

@@ -17,9 +17,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Sequence
 
-from usproxy.explain import cost, iptables, nftables
+from usproxy.explain import cost, nftables
+from usproxy.offload.iptables import rules as iptables
 from usproxy.explain.mode import Mode
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 from usproxy.model.endpoint import Endpoint, usable
 from usproxy.model.service_port import ServicePort
 from usproxy.model.types import Family, ServicePortName

@@ -14,7 +14,7 @@ from html import escape
 from importlib import resources
 
 from usproxy.explain.mode_view import mode_views
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 from usproxy.model.endpoint import Endpoint
 from usproxy.model.service_port import ServicePort
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from usproxy.model.endpoint import Endpoint
-from usproxy.explain import chain_names as names
-from usproxy.explain import iptables_entry
-from usproxy.explain.iptables_entry import Table
-from usproxy.explain.service_set import FamilyPort, Node, ServiceSet
+from usproxy.model import chain_names as names
+from usproxy.offload.iptables import jumps as iptables_entry
+from usproxy.offload.iptables.jumps import Table
+from usproxy.model.service_set import FamilyPort, Node, ServiceSet
 from usproxy.model.types import Family, IPNetwork
 
 MARK_MASQ = "KUBE-MARK-MASQ"
@@ -459,7 +459,7 @@ def render_ruleset(rs: Ruleset) -> str:
 
 def render(ss: ServiceSet, opts: Options = Options()) -> str:
     """The whole iptables view: one iptables-restore input per IP family, each followed by the
-    entry jumps from the built-in chains (usproxy/explain/iptables_entry.py)."""
+    entry jumps from the built-in chains (usproxy/offload/iptables/jumps.py)."""
     parts = []
     for family in ss.families():
         tool = "iptables" if family == 4 else "ip6tables"
