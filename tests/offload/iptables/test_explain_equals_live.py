@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ipaddress
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
