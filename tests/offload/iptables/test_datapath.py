@@ -232,3 +232,24 @@ def test_a_kernel_without_nf_tables_gets_legacy() -> None:
     cap = dp.probe()
     assert cap.available and dp.tools is not None and dp.tools.backend == "legacy", cap
     assert not IptablesDatapath(FakeIptablesClient(backends=()), NoConntrack()).probe().available
+
+
+async def test_many_chains_go_first_in_chunks_then_one_input_switches(fake: FakeIptablesClient,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from usproxy.offload.iptables import family_rules
+
+    monkeypatch.setattr(family_rules, "CHUNK", 2)
+    dp = datapath(fake)
+    states = {spn(f"s{i}"): state(spn(f"s{i}"), f"10.96.0.{i + 1}", 80, [ep(f"10.244.{i}.1")]) for i in range(7)}
+    await dp.apply(states)
+    inputs = [text for tool, text in fake.restores if tool.startswith("iptables-") and "PROBE" not in text]
+    assert len(inputs) == 5  # 4 chunks of own chains (2+2+2+1 ServicePorts), then the switch
+    for text in inputs[:-1]:
+        assert ":KUBE-SERVICES" not in text and ":KUBE-MARK-MASQ - [0:0]" in text
+    assert inputs[-1].count(":KUBE-SVC-") == 0 and ":KUBE-SERVICES - [0:0]" in inputs[-1]
+    rs = dp.ruleset(4)
+    assert rs is not None and rules.render_ruleset(rs) == explained(states)
+    held = kube_chains(fake)
+    for table in ("filter", "nat"):
+        for chain, rs_rules in rules.ordered(rs, table):
+            assert held[table][chain] == [" ".join(r.tokens) for r in rs_rules]

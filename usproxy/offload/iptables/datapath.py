@@ -32,7 +32,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from usproxy.core.datapath import ServicePortState
@@ -44,13 +44,12 @@ from usproxy.offload.iptables import backend as backends
 from usproxy.offload.iptables import names
 from usproxy.offload.iptables.backend import Backend, Tools
 from usproxy.offload.iptables.client import IptablesClient, IptablesTransport
-from usproxy.offload.iptables.family_ports import family_port_of
+from usproxy.offload.iptables.family_rules import FamilyRules
 from usproxy.offload.iptables.jumps import JUMPS
 from usproxy.offload.iptables.leftovers import removal
 from usproxy.offload.iptables.readback import ReadBack, read
 from usproxy.offload.iptables.restore_input import TableWrite, render
-from usproxy.offload.iptables.rules import (Context, Options, Ruleset, Table, assemble, context, ordered, port_ruleset,
-                                            render_ruleset)
+from usproxy.offload.iptables.rules import Options, Ruleset, render_ruleset
 from usproxy.offload.iptables.saved import parse
 from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
@@ -68,22 +67,13 @@ ROUTE_LOCALNET = "net.ipv4.conf.all.route_localnet"
 
 
 @dataclass
-class _FamilyState:
-    """One family as the kernel holds it (after the last successful sync)."""
-
-    fragments: dict[ServicePortName, Ruleset] = field(default_factory=dict)
-    context: Context | None = None
-    ruleset: Ruleset | None = None
-    chains: set[str] = field(default_factory=set)  # per-ServicePort nat chains in the kernel
-
-
-@dataclass
 class _Write:
     """One family's restore input and the state it leaves when it succeeds."""
 
     family: Family
-    text: str
-    after: _FamilyState
+    texts: list[str]  # restore inputs, run in order
+    after: FamilyRules
+    kernel_chains: set[str]
 
 
 class IptablesDatapath:
@@ -126,7 +116,8 @@ class IptablesDatapath:
         self._probed: Capability | None = None
         self._setup_done = False
         self.installed: dict[ServicePortName, ServicePortState] = {}
-        self._fam: dict[Family, _FamilyState] = {f: _FamilyState() for f in FAMILIES}
+        self._fam: dict[Family, FamilyRules] = {f: FamilyRules(f) for f in FAMILIES}
+        self._kernel_chains: dict[Family, set[str]] = {f: set() for f in FAMILIES}  # per-ServicePort nat chains
         self._need_full = True
         self._readback: dict[Family, ReadBack] = {}
         self.syncs = self.full_syncs = 0
@@ -249,13 +240,14 @@ class IptablesDatapath:
             node = await self._node(f)
             with gc_paused(len(changed) > LARGE):
                 writes.append(self._write(f, node, installed, changed, rb))
+        assert self.tools is not None
         for w in writes:
-            if w.text:
-                assert self.tools is not None
-                await self.client.run(self.tools.restore(w.family), w.text)
-                self.last_input[w.family] = w.text
+            for text in w.texts:
+                await self.client.run(self.tools.restore(w.family), text)
+            if w.texts:
+                self.last_input[w.family] = "".join(w.texts)
         for w in writes:
-            self._fam[w.family] = w.after
+            self._fam[w.family], self._kernel_chains[w.family] = w.after, w.kernel_chains
         self.syncs += 1
         self.full_syncs += full
 
@@ -283,34 +275,22 @@ class IptablesDatapath:
                changed: set[ServicePortName], rb: ReadBack | None) -> _Write:
         """The restore input of one family and the state it leaves (rb: a full sync's read)."""
         before = self._fam[family]
-        total = sum(len([e for e in st.endpoints if e.ip.version == family]) for st in installed.values()
-                    if any(ip.version == family for ip in st.service_port.cluster_ips))
-        ctx = context(node, family, self.opts[family], total)
-        every = ctx != before.context
-        fragments = dict(before.fragments)
-        redone = set()
-        for spn in (installed.keys() | before.fragments.keys()) if every else changed:
-            st = installed.get(spn)
-            fp = family_port_of(st, family) if st is not None else None
-            fragment = port_ruleset(ctx, fp) if fp is not None else None
-            if fragment != before.fragments.get(spn):
-                redone.add(spn)
-            if fragment is None:
-                fragments.pop(spn, None)
-            else:
-                fragments[spn] = fragment
-        if rb is None and not every and not redone:  # nothing of this family changed
-            return _Write(family, "", before)
-        rs = assemble(ctx, [fragments[spn] for spn in sorted(fragments)])
-        wanted = {c for c in rs.chains["nat"] if names.is_service_chain(c)}
-        kernel = rb.service_chains if rb is not None else before.chains
-        if rb is not None or every:
-            rewrite = None
-        else:
-            rewrite = {c for spn in redone if spn in fragments for c in fragments[spn].chains["nat"]}
-        tables = _table_writes(rs, rewrite, sorted(kernel - wanted), rb)
-        after = _FamilyState(fragments, ctx, rs, wanted)
-        return _Write(family, render(tables), after)
+        after, redone = before.updated(node, self.opts[family], installed, changed)
+        if rb is None and redone is not None and not redone:  # nothing of this family changed
+            return _Write(family, [], before, self._kernel_chains[family])
+        kernel = rb.service_chains if rb is not None else self._kernel_chains[family]
+        inputs = after.writes(None if rb is not None else redone, kernel - after.chains)
+        if rb is not None:
+            tables = inputs[-1]
+            rs = after.ruleset()
+            assert rs is not None
+            for w in tables:
+                w.edits = _missing_jumps(rs, w.table, rb)
+            mangle = TableWrite("mangle")
+            for w in (mangle, *tables):  # created, or flushed while empty
+                w.chains.append(names.CANARY)
+            tables.append(mangle)
+        return _Write(family, [render(t) for t in inputs], after, set(after.chains))
 
     def _udp_zero_to_n(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> set[tuple[str, int]]:
         """UDP frontends of installed ServicePorts that refused until now and get endpoints in
@@ -338,6 +318,7 @@ class IptablesDatapath:
         for f in self.families:
             rb = read(parse(await self.client.run(self.tools.save(f))))
             self._readback[f] = rb
+            self._kernel_chains[f] = set(rb.service_chains)
             for spn, eps in rb.ports.items():
                 out.setdefault(spn, set()).update(eps)
             if not rb.top_chains:
@@ -384,14 +365,14 @@ class IptablesDatapath:
         """The restore input of every family as explain renders it (rules.render_ruleset)."""
         out = []
         for f in FAMILIES:
-            rs = self._fam[f].ruleset
+            rs = self._fam[f].ruleset()
             if rs is not None and self.installed:
                 out.append(f"# IPv{f}\n" + render_ruleset(rs).rstrip("\n"))
         return "\n".join(out)
 
     def ruleset(self, family: Family) -> Ruleset | None:
         """The rules the kernel holds for `family` (after the last sync)."""
-        return self._fam[family].ruleset
+        return self._fam[family].ruleset()
 
     async def cleanup(self) -> None:
         """Delete this mode's jumps and chains from both families of both backends, leaving
@@ -411,7 +392,8 @@ class IptablesDatapath:
                     await self.client.run(tools.restore(f), writes)
                 except OffloadError as err:
                     errors.append(str(err))
-        self.installed, self._fam = {}, {f: _FamilyState() for f in FAMILIES}
+        self.installed, self._fam = {}, {f: FamilyRules(f) for f in FAMILIES}
+        self._kernel_chains = {f: set() for f in FAMILIES}
         self._need_full = True
         if errors:
             raise OffloadError("; ".join(errors))
@@ -422,29 +404,6 @@ class IptablesDatapath:
         self.conntrack.close()
         if self._addr_worker is not None:
             self._addr_worker.close()
-
-
-def _table_writes(rs: Ruleset, rewrite: set[str] | None, stale: list[str], rb: ReadBack | None) -> list[TableWrite]:
-    """filter: every chain; nat: the top-level chains and `rewrite` (None: every chain), `stale`
-    deleted; a full sync (`rb`) adds the missing entry jumps and the canaries."""
-    filt = TableWrite("filter")
-    nat = TableWrite("nat", delete=stale)
-    both: tuple[tuple[TableWrite, Table], ...] = ((filt, "filter"), (nat, "nat"))
-    for w, table in both:
-        for chain, rules in ordered(rs, table):
-            if table == "nat" and rewrite is not None and chain not in names.TOP_NAT and chain not in rewrite:
-                continue
-            w.chains.append(chain)
-            w.rules += [r.text() for r in rules]
-    out = [filt, nat]
-    if rb is not None:
-        for w in out:
-            w.edits = _missing_jumps(rs, w.table, rb)
-        mangle = TableWrite("mangle")
-        for w in (mangle, nat, filt):  # created, or flushed while empty
-            w.chains.append(names.CANARY)
-        out.append(mangle)
-    return out
 
 
 def _missing_jumps(rs: Ruleset, table: str, rb: ReadBack) -> list[str]:

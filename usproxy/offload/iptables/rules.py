@@ -42,6 +42,7 @@ EXTERNAL_SERVICES = "KUBE-EXTERNAL-SERVICES"
 PROXY_FIREWALL = "KUBE-PROXY-FIREWALL"
 POSTROUTING = "KUBE-POSTROUTING"
 NODEPORTS_TAIL = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
+SORTED_CHAINS = (SERVICES, NODEPORTS)  # their rules in Service name order (service_key), the rest as written
 LARGE_CLUSTER_ENDPOINTS = 1000  # largeClusterEndpointsThreshold: above it, SEP comments go
 LOCALHOST_NODEPORT_COUNTER = "localhost_nps_accepted_pkts"
 INVALID_DROP_COUNTER = "ct_state_invalid_dropped_pkts"
@@ -466,12 +467,13 @@ def _forward(rs: Ruleset, ctx: Context) -> None:
            .raw("-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED").jump("ACCEPT"))
 
 
-def _chain_order(chains: Sequence[str]) -> list[str]:
+def chain_order(chains: Sequence[str]) -> list[str]:
+    """KUBE-NODEPORTS, KUBE-SERVICES, then the other chains by name."""
     first = [c for c in (NODEPORTS, SERVICES) if c in chains]
     return first + sorted(c for c in chains if c not in first)
 
 
-def _service_key(rule: Rule) -> tuple[int, str]:
+def service_key(rule: Rule) -> tuple[int, str]:
     """orderByCommentServiceName, with the NodePort tail rule kept last."""
     text = rule.comment or ""
     if "must be the last rule" in text:
@@ -483,10 +485,10 @@ def _service_key(rule: Rule) -> tuple[int, str]:
 def ordered(rs: Ruleset, table: Table) -> list[tuple[str, list[Rule]]]:
     """Chains of one table with their rules, in the canonical order."""
     out = []
-    for chain in _chain_order(rs.chains[table]):
+    for chain in chain_order(rs.chains[table]):
         rules = rs.in_chain(table, chain)
-        if chain in (SERVICES, NODEPORTS):
-            rules = sorted(rules, key=_service_key)
+        if chain in SORTED_CHAINS:
+            rules = sorted(rules, key=service_key)
         out.append((chain, rules))
     return out
 
