@@ -253,3 +253,15 @@ async def test_many_chains_go_first_in_chunks_then_one_input_switches(fake: Fake
     for table in ("filter", "nat"):
         for chain, rs_rules in rules.ordered(rs, table):
             assert held[table][chain] == [" ".join(r.tokens) for r in rs_rules]
+
+
+async def test_leftovers_name_what_this_mode_holds_in_either_backend(fake: FakeIptablesClient) -> None:
+    fake.restore("nft", 4, "*filter\n:DOCKER-USER - [0:0]\nCOMMIT\n")  # another program's: not a leftover
+    dp = datapath(fake)
+    assert await dp.leftovers() == []
+    await dp.read_back()
+    fake.restore("legacy", 4, "*nat\n:KUBE-SVC-LEFTOVERFROMOLD1 - [0:0]\nCOMMIT\n")
+    found = await dp.leftovers()
+    assert [w.split(":")[0] for w in found] == ["iptables-nft IPv4", "iptables-nft IPv6", "iptables-legacy IPv4"]
+    await dp.cleanup()
+    assert await dp.leftovers() == []

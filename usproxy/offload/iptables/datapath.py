@@ -46,7 +46,7 @@ from usproxy.offload.iptables.backend import Backend, Tools
 from usproxy.offload.iptables.client import IptablesClient, IptablesTransport
 from usproxy.offload.iptables.family_rules import FamilyRules
 from usproxy.offload.iptables.jumps import JUMPS
-from usproxy.offload.iptables.leftovers import removal
+from usproxy.offload.iptables.leftovers import describe, removal
 from usproxy.offload.iptables.readback import ReadBack, read
 from usproxy.offload.iptables.restore_input import TableWrite, render
 from usproxy.offload.iptables.rules import Options, Ruleset, render_ruleset
@@ -397,6 +397,21 @@ class IptablesDatapath:
         self._need_full = True
         if errors:
             raise OffloadError("; ".join(errors))
+
+    async def leftovers(self) -> list[str]:
+        """What this mode holds in either backend and family (leftovers.describe), changing
+        nothing: an agent that does not use the iptables datapath removes it at start."""
+        out = []
+        for b in backends.BACKENDS:
+            for f in FAMILIES:
+                try:
+                    text = await self.client.run(Tools(b).save(f))
+                except OffloadError:
+                    continue
+                what = describe(b, f, parse(text))
+                if what is not None:
+                    out.append(what)
+        return out
 
     def close(self) -> None:
         """Stop the worker threads; the rules stay (field case C20)."""

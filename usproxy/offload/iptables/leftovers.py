@@ -64,3 +64,11 @@ def _needed_by_others(table: SavedTable, ours: set[str]) -> set[str]:
         keep.add(chain)
         todo += [t for r in table.in_chain(chain) if (t := r.target) in ours]
     return keep
+
+
+def describe(backend: str, family: int, tables: Mapping[str, SavedTable]) -> str | None:
+    """What of this mode one backend's family holds ("iptables-nft IPv4: 12 KUBE-* chains"), or
+    None when nothing."""
+    count = sum(1 for name in TABLES for c in (tables[name].user_chains() if name in tables else ())
+                if names.owned(name, c))
+    return f"iptables-{backend} IPv{family}: {count} KUBE-* chains" if count else None
