@@ -85,7 +85,8 @@ async def test_the_first_read_back_installs_skeleton_jumps_and_canaries(fake: Fa
     tables = fake.family_tables("nft", 4)
     assert tables["nat"].chains["PREROUTING"] == ['-m comment --comment "kubernetes service portals" -j KUBE-SERVICES']
     assert "KUBE-PROXY-CANARY" in tables["mangle"].chains and "KUBE-PROXY-CANARY" in tables["filter"].chains
-    assert len(tables["filter"].chains["INPUT"]) == 4  # FIREWALL, PROXY-FIREWALL, NODEPORTS, EXTERNAL-SERVICES
+    # FIREWALL, PROXY-FIREWALL, NODEPORTS, EXTERNAL-SERVICES, and usproxy's KUBE-SERVICES (local ClusterIPs)
+    assert len(tables["filter"].chains["INPUT"]) == 5
 
 
 async def test_a_partial_sync_sends_only_the_changed_chains_and_deletes_stale_ones(fake: FakeIptablesClient) -> None:

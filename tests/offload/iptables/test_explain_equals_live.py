@@ -7,7 +7,8 @@ output (the restore input, then the entry jumps as iptables-save lists them) is 
 empty namespace with the same backend; `iptables-save` of both must be the same, table by table
 (iptables prints its own normal form, so both texts go through it). The only lines the live
 namespace has beyond explain's are the KUBE-PROXY-CANARY chains kube-proxy's monitor keeps, which
-explain does not render: they are dropped before comparing.
+explain does not render, and usproxy's one jump from filter INPUT to KUBE-SERVICES (its ClusterIPs
+are local addresses: jumps.LOCAL_CLUSTER_IPS): they are dropped before comparing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from usproxy.model.types import ServicePortName
 from usproxy.offload.iptables import nfacct
 from usproxy.offload.iptables.backend import Tools
 from usproxy.offload.iptables.datapath import IptablesDatapath
+from usproxy.offload.iptables.jumps import LOCAL_CLUSTER_IPS
 
 from tests.netns import Topology, inside, nsexec, sh
 from tests.relay.harness import USPROXY
@@ -84,7 +86,8 @@ def saved(ns: str, tools: Tools, family: int) -> dict[str, list[str]]:
     for table in ("filter", "nat"):
         text = nsexec(ns, *tools.save(family, table)).stdout  # type: ignore[arg-type]
         out[table] = [line.split(" [")[0] if line.startswith(":") else line for line in text.splitlines()
-                      if not line.startswith("#") and "KUBE-PROXY-CANARY" not in line]
+                      if not line.startswith("#") and "KUBE-PROXY-CANARY" not in line
+                      and LOCAL_CLUSTER_IPS.comment not in line]
     return out
 
 

@@ -192,3 +192,23 @@ async def test_cleanup_leaves_docker_and_firewall_rules_as_they_were(topology: T
     assert [line for line in after.splitlines() if line.startswith("-A")] == \
         [line for line in before.splitlines() if line.startswith("-A")]
     assert "KUBE-" not in after
+
+
+async def test_a_local_clusterip_is_dropped_where_kube_proxy_drops(topology: Topology, dp: IptablesDatapath,
+                                                                   pods: Pods) -> None:
+    """usproxy's ClusterIPs are local addresses (usproxy0): a packet to one passes filter INPUT,
+    where kube-proxy's rules have no jump, so usproxy adds one (jumps.LOCAL_CLUSTER_IPS):
+    internalTrafficPolicy Local without a local endpoint drops, as kube-proxy, instead of the
+    node refusing (no listener)."""
+    pods.add("be-a", "10.244.1.5")
+    cli = topology.add_host("cli", "10.244.9.10")
+    nsexec(topology.node, "ip", "link", "add", "uspt0", "type", "bridge")
+    nsexec(topology.node, "ip", "addr", "add", f"{VIP}/32", "dev", "uspt0")
+    nsexec(topology.node, "ip", "link", "set", "uspt0", "up")
+    await dp.read_back()
+    await dp.apply({WEB: web("10.244.1.5", internal_traffic_policy="Local")})  # be-a is on no node
+    with pytest.raises(TimeoutError):
+        tcp_name(cli, VIP, 80, timeout=1.5)
+    await dp.apply({WEB: web()})
+    with pytest.raises(ConnectionRefusedError):
+        tcp_name(cli, VIP, 80)  # REJECT (the node would refuse too)

@@ -45,7 +45,7 @@ from usproxy.offload.iptables import names
 from usproxy.offload.iptables.backend import Backend, Tools
 from usproxy.offload.iptables.client import IptablesClient, IptablesTransport
 from usproxy.offload.iptables.family_rules import FamilyRules
-from usproxy.offload.iptables.jumps import JUMPS
+from usproxy.offload.iptables.jumps import DATAPATH_JUMPS
 from usproxy.offload.iptables.leftovers import describe, removal
 from usproxy.offload.iptables.readback import ReadBack, read
 from usproxy.offload.iptables.restore_input import TableWrite, render
@@ -423,10 +423,10 @@ class IptablesDatapath:
 
 def _missing_jumps(rs: Ruleset, table: str, rb: ReadBack) -> list[str]:
     """`-I BASE 1 ...` for each entry jump to a chain of `rs` that the kernel lacks, in the order
-    kube-proxy ensures them (each insert goes to the top)."""
+    kube-proxy ensures them (each insert goes to the top), then usproxy's jumps.LOCAL_CLUSTER_IPS."""
     have = rb.builtin_rules.get(table, set())
     out = []
-    for j in JUMPS:
+    for j in DATAPATH_JUMPS:
         if j.table == table and j.target in rs.chains[j.table] and j.text() not in have:
             out.append(j.text().replace(f"-A {j.base} ", f"-I {j.base} 1 ", 1))
     return out

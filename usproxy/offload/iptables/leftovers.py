@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from usproxy.offload.iptables import names
-from usproxy.offload.iptables.jumps import BUILTIN, JUMPS, Jump
+from usproxy.offload.iptables.jumps import BUILTIN, DATAPATH_JUMPS, Jump
 from usproxy.offload.iptables.restore_input import TableWrite
 from usproxy.offload.iptables.saved import SavedTable
 
@@ -31,7 +31,7 @@ def kubelet_present(tables: Mapping[str, SavedTable]) -> bool:
 
 
 def removal(tables: Mapping[str, SavedTable], owned: Callable[[str, str], bool] = names.owned,
-            entry: Sequence[Jump] = JUMPS) -> list[TableWrite]:
+            entry: Sequence[Jump] = DATAPATH_JUMPS) -> list[TableWrite]:
     """The writes that remove the datapath's jumps and chains from one family's `tables`: the
     chains `owned(table, chain)` says are the mode's, and its `entry` jumps (another mode that
     writes KUBE-* chains, such as IPVS, passes its own)."""
