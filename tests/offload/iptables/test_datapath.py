@@ -224,8 +224,6 @@ def test_what_the_datapath_leaves_to_others(fake: FakeIptablesClient) -> None:
     assert dp.unsupported(replace(base, service_port=replace(sp, lb_policy="random"))) is None
     six = replace(sp, cluster_ips=(ipaddress.ip_address("2001:db8::1"),))
     assert dp.unsupported(replace(base, service_port=six)) is not None
-    least = IptablesDatapath(fake, NoConntrack(), lb_policy="leastConnections")
-    assert least.unsupported(base) is not None
 
 
 def test_a_kernel_without_nf_tables_gets_legacy() -> None:

@@ -212,3 +212,17 @@ async def test_a_local_clusterip_is_dropped_where_kube_proxy_drops(topology: Top
     await dp.apply({WEB: web()})
     with pytest.raises(ConnectionRefusedError):
         tcp_name(cli, VIP, 80)  # REJECT (the node would refuse too)
+
+
+def test_the_probe_leaves_no_table_behind(topology: Topology) -> None:
+    """`usproxy check` probes the node it runs on: the throwaway chain goes into a namespace of
+    its own, so not even an empty nat or filter table is left (iptables-nft would create them)."""
+    for backend in ("nft", "legacy", None):
+        d = IptablesDatapath(netns=topology.node, backend=backend)  # type: ignore[arg-type]
+        try:
+            assert d.probe().available
+        finally:
+            d.close()
+    assert nsexec(topology.node, "nft", "list", "ruleset").stdout.strip() == ""
+    assert nsexec(topology.node, "cat", "/proc/net/ip_tables_names").stdout.strip() == ""
+    assert nsexec(topology.node, "sysctl", "-n", "net.netfilter.nf_conntrack_acct").stdout.strip() == "0"

@@ -128,18 +128,18 @@ class IptablesDatapath:
     # -- probing and set-up ---------------------------------------------------------------------
     def probe(self) -> Capability:
         """The backend (the node's, backend.choose) takes every match and target of the rules,
-        in both families or IPv4 alone; then conntrack accounting on. Never raises."""
+        in both families or IPv4 alone. Never raises, and changes nothing: the throwaway chain is
+        restored in a network namespace of its own (probe_input), so `usproxy check` leaves the
+        node's tables as they were."""
         if self._probed is None:
             self._probed = self._probe()
         return self._probed
 
     def _probe(self) -> Capability:
         try:
-            detail = self._choose()
+            return Capability(self.name, True, self._choose())
         except Exception as err:
             return Capability(self.name, False, str(err))
-        acct = "" if self.conntrack.enable_accounting() else "; no conntrack accounting"
-        return Capability(self.name, True, detail + acct)
 
     def _choose(self) -> str:
         run = self.client.run_sync
@@ -156,18 +156,30 @@ class IptablesDatapath:
 
     def _refusal(self, tools: Tools, family: Family) -> str | None:
         """Why `tools` cannot restore the rules' matches and targets in `family` (None: it can)."""
-        if self.client.run_sync(tools.restore(family), probe_input(family)) is None:
+        if self._probe_restore(tools, family, probe_input(family)) is None:
             return f"{tools.command(family, 'restore')} refused nat DNAT, statistic, recent, addrtype, mark or REJECT"
         return None
+
+    def _probe_restore(self, tools: Tools, family: Family, text: str) -> str | None:
+        """Restore `text` in a network namespace of its own (`unshare --net`: the kernel's matches
+        and targets are the same in every namespace, and a fresh one keeps no table iptables-nft
+        would create); in place only where unshare is not allowed."""
+        out = self.client.run_sync(["unshare", "--net", *tools.restore(family)], text)
+        if out is None and self.client.run_sync(["unshare", "--net", "true"]) is None:
+            out = self.client.run_sync(tools.restore(family), text)
+        return out
 
     async def _setup(self) -> None:
         """Once: the backend (probe), kube-proxy's nfacct counters, and the namespace's sysctls
         the rules depend on (nf_conntrack_tcp_be_liberal read, route_localnet written)."""
         if self._setup_done:
             return
-        cap, random_fully = await asyncio.get_running_loop().run_in_executor(None, self._probe_all)
+        loop = asyncio.get_running_loop()
+        cap, random_fully = await loop.run_in_executor(None, self._probe_all)
         if not cap.available:
             raise OffloadError(f"iptables unavailable: {cap.detail}")
+        if not await loop.run_in_executor(None, self.conntrack.enable_accounting):
+            log.info("kernel flows of the iptables datapath carry no byte counts")
         nfacct = await self.client.ensure_nfacct()
         if nfacct is not None:
             log.info("iptables rules count without nfacct (%s)", nfacct)
@@ -185,20 +197,20 @@ class IptablesDatapath:
         cap = self.probe()
         if not cap.available or self.tools is None:
             return cap, False
-        return cap, self.client.run_sync(self.tools.restore(4), probe_input(4, random_fully=True)) is not None
+        return cap, self._probe_restore(self.tools, 4, probe_input(4, random_fully=True)) is not None
 
     # -- KernelDatapath ---------------------------------------------------------------------------
     def unsupported(self, state: ServicePortState) -> str | None:
         """What kube-proxy's iptables rules cannot do here: SCTP (this project's hosts have none),
-        lb-policies other than random (`statistic --mode random` picks the endpoint; the agent's
-        default roundRobin is served as random, as nftables does for unannotated ServicePorts),
-        and a ServicePort with no ClusterIP of a family this host's ip6tables/iptables serves."""
+        a ServicePort annotated roundRobin (`statistic --mode random` picks the endpoint; the
+        agent's default roundRobin is served as random, as nftables does for unannotated
+        ServicePorts; the registry declares which policies reach here at all), and a ServicePort
+        with no ClusterIP of a family this host's iptables/ip6tables serves."""
         sp = state.service_port
         if sp.protocol == "SCTP":
             return "SCTP is served by the relay only"
-        policy = sp.lb_policy or ("leastConnections" if self.lb_policy == "leastConnections" else None)
-        if policy in ("roundRobin", "leastConnections"):
-            return f"lb-policy {policy}: iptables picks endpoints at random (statistic)"
+        if sp.lb_policy == "roundRobin":
+            return "lb-policy roundRobin (annotated): iptables picks endpoints at random (statistic)"
         if not any(ip.version in self.families for ip in sp.cluster_ips):
             return "no ClusterIP of a family this host's iptables serves"
         return None

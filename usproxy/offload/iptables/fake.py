@@ -7,7 +7,7 @@ tests catch what the kernel would refuse: a chain line creates or flushes a user
 chain that does not exist fails, and a table changes only at its COMMIT, all or nothing. `save`
 prints the tables as iptables-legacy-save does (built-in chains first, then user chains by name),
 but rules as they were written, not normalised. `fail_next` makes the next restore fail;
-`restores` records every input.
+`restores` records every input. `unshare --net CMD` runs CMD on a copy that is thrown away.
 """
 
 from __future__ import annotations
@@ -73,6 +73,14 @@ class FakeIptablesClient:
 
     # -- the tools ----------------------------------------------------------------------------------
     def _run(self, argv: list[str], stdin: str | None) -> str:
+        if argv[:2] == ["unshare", "--net"]:  # a namespace of its own: checked, nothing kept
+            if argv[2:] == ["true"]:
+                return ""
+            saved, restores = copy.deepcopy(self.tables), list(self.restores)
+            try:
+                return self._run(argv[2:], stdin)
+            finally:
+                self.tables, self.restores = saved, restores
         tool = argv[0]
         family = 6 if tool.startswith("ip6") else 4
         backend = tool.split("-")[1]
