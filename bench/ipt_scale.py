@@ -3,7 +3,10 @@ cold into a throwaway network namespace, then change one endpoint of one Service
 iptables-nft and iptables-legacy.
 
     .venv/bin/python -m bench.ipt_scale [--sizes 1000,10000] [--changes 100] [--rounds 3]
-                                        [--backends nft,legacy]
+                                        [--datapaths nft,legacy,nftables]
+
+"nft" and "legacy" are the iptables datapath with that backend; "nftables" is the nftables
+datapath, measured in the same run by bench/nft_scale.py's run_size (endpoints over 50 nodes).
 
 Cold: the first read back (it installs the skeleton, as at an agent's start) and then one
 IptablesDatapath.apply() of every ServicePort: rule generation in Python, one iptables-save and
@@ -110,13 +113,20 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000,10000")
     ap.add_argument("--changes", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--backends", default="nft,legacy")
+    ap.add_argument("--datapaths", default="nft,legacy,nftables")
     args = ap.parse_args()
     rows = []
-    for backend in args.backends.split(","):
+    for datapath in args.datapaths.split(","):
         for n in (int(x) for x in args.sizes.split(",")):
             with scratch_netns() as ns:
-                rows.append(asyncio.run(run_size(ns, n, args.changes, backend, args.rounds)))  # type: ignore[arg-type]
+                if datapath == "nftables":
+                    from bench.nft_scale import run_size as nft_run_size
+
+                    r = asyncio.run(nft_run_size(ns, n, args.changes, 50, args.rounds))
+                    r["backend"], r["restore_lines_per_change"] = "nftables", 0
+                else:
+                    r = asyncio.run(run_size(ns, n, args.changes, datapath, args.rounds))
+                rows.append(r)
             print(json.dumps(rows[-1]), flush=True)
     RESULTS.mkdir(exist_ok=True)
     with open("/proc/loadavg") as f:

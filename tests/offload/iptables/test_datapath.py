@@ -246,6 +246,9 @@ async def test_many_chains_go_first_in_chunks_then_one_input_switches(fake: Fake
     for text in inputs[:-1]:
         assert ":KUBE-SERVICES" not in text and ":KUBE-MARK-MASQ - [0:0]" in text
     assert inputs[-1].count(":KUBE-SVC-") == 0 and ":KUBE-SERVICES - [0:0]" in inputs[-1]
+    legacy = datapath(fake, backend="legacy")
+    await legacy.apply(states)  # iptables-legacy replaces a whole table per COMMIT: one input
+    assert len([t for tool, t in fake.restores if tool == "iptables-legacy-restore" and "PROBE" not in t]) == 1
     rs = dp.ruleset(4)
     assert rs is not None and rules.render_ruleset(rs) == explained(states)
     held = kube_chains(fake)

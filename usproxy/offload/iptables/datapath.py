@@ -44,6 +44,7 @@ from usproxy.offload.iptables import backend as backends
 from usproxy.offload.iptables import names
 from usproxy.offload.iptables.backend import Backend, Tools
 from usproxy.offload.iptables.client import IptablesClient, IptablesTransport
+from usproxy.offload.iptables import family_rules
 from usproxy.offload.iptables.family_rules import FamilyRules
 from usproxy.offload.iptables.jumps import DATAPATH_JUMPS
 from usproxy.offload.iptables.leftovers import describe, removal
@@ -291,7 +292,9 @@ class IptablesDatapath:
         if rb is None and redone is not None and not redone:  # nothing of this family changed
             return _Write(family, [], before, self._kernel_chains[family])
         kernel = rb.service_chains if rb is not None else self._kernel_chains[family]
-        inputs = after.writes(None if rb is not None else redone, kernel - after.chains)
+        assert self.tools is not None
+        chunk = family_rules.CHUNK if self.tools.backend == "nft" else None  # FamilyRules.writes says why
+        inputs = after.writes(None if rb is not None else redone, kernel - after.chains, chunk)
         if rb is not None:
             tables = inputs[-1]
             rs = after.ruleset()
