@@ -6,7 +6,8 @@ ServicePort is placed there) and "bpf" (`--offload bpf`: the socket LB rewrites 
 sendmsg() of processes in its cgroup, so it serves only ClusterIP flows from this node's
 processes, node and pods alike; everything else goes to the relay and is judged there), and
 "iptables" (`--offload iptables`, judged once every ServicePort is placed there, on kube-proxy's
-iptables expectations: reference.IPTABLES_GROUPS), "bpf-tc" (the same `--offload bpf` agent,
+iptables expectations: reference.IPTABLES_GROUPS), "iptables-legacy" (the same, kubelet's hint
+chain in iptables-legacy first, so the agent picks that backend), "bpf-tc" (the same `--offload bpf` agent,
 judged on the flows its tc programs serve: an external
 client to a NodePort, a LoadBalancer IP or an externalIP; ClusterIPs from outside and every other
 source are not tc's and are judged in the other datapaths), and "bpf-tc-dsr" (the same flows, the
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from tests.conformance import addresses as A
 from tests.conformance.reference import GROUPS, IPTABLES_GROUPS, Flow, Group, Scenario
 
-DATAPATHS = ("relay", "nftables", "bpf", "bpf-tc", "bpf-tc-dsr", "iptables")
+DATAPATHS = ("relay", "nftables", "bpf", "bpf-tc", "bpf-tc-dsr", "iptables", "iptables-legacy")
 TC_DATAPATHS = ("bpf-tc", "bpf-tc-dsr")
 
 
@@ -115,7 +116,7 @@ def _cluster_frontend(scenario: Scenario, flow: Flow) -> bool:
 def groups_of(datapath: str) -> tuple[Group, ...]:
     """The scenarios a datapath is judged on: kube-proxy's iptables tests for the iptables
     datapath, its nftables tests (and the iptables-only ones the others share) for the rest."""
-    return IPTABLES_GROUPS if datapath == "iptables" else GROUPS
+    return IPTABLES_GROUPS if datapath.startswith("iptables") else GROUPS
 
 
 def serves(datapath: str, source: str, dest: str) -> bool:

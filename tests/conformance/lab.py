@@ -65,6 +65,7 @@ PEER_NODE_NAME = "remote"  # TestInternalExternalMasquerade's name for the node 
 PEER_NODE_NETWORKS = ("10.244.0.0/16", "192.0.2.0/24", "203.0.113.1/32")
 NFT_FLAGS = ("--offload", "nftables", "--offload-after", "1", "--min-sync-period", "200ms")
 IPT_FLAGS = ("--offload", "iptables", "--offload-after", "1", "--min-sync-period", "200ms")
+LEGACY_HINT = "KUBE-IPTABLES-HINT"  # kubelet's: the agent then picks iptables-legacy (backend.detect)
 
 
 class BpfAgent(AgentProc):
@@ -253,10 +254,14 @@ class Lab:
             if datapath == "bpf-tc-dsr":
                 self._peer_follows(group)
         else:
-            flags = {"nftables": NFT_FLAGS, "iptables": IPT_FLAGS}.get(datapath, ())
+            if datapath == "iptables-legacy":  # as a node whose kubelet uses iptables-legacy: its hint chain
+                nsexec(self.topo.node, "iptables-legacy", "-t", "mangle", "-N", LEGACY_HINT)
+            flags = {"nftables": NFT_FLAGS, "iptables": IPT_FLAGS, "iptables-legacy": IPT_FLAGS}.get(datapath, ())
             self.agent = AgentProc(self.topo, self.manifests, "uvloop", "--config", str(config), *flags)
             self.agent.start()
         self._wait_placed(datapath)
+        if datapath == "iptables-legacy":
+            assert ":KUBE-SERVICES" in nsexec(self.topo.node, "iptables-legacy-save").stdout, "not on iptables-legacy"
 
     def _peer_follows(self, group: Group) -> None:
         """The peer node's agent in DSR mode as node "remote", on manifests of its own that hold
@@ -303,6 +308,8 @@ class Lab:
             return
         agent, self.agent, self.state = self.agent, None, None
         agent.stop()
+        # (without kubelet's hint, --cleanup takes KUBE-FIREWALL too: it is not kept for kubelet)
+        nsexec(self.topo.node, "iptables-legacy", "-t", "mangle", "-X", LEGACY_HINT, check=False)
         if not isinstance(agent, BpfAgent):  # BpfAgent.stop cleans up (it knows the cgroup)
             nsexec(self.topo.node, USPROXY, "run", "--cleanup", check=False)
         # check=False: on a kernel without nf_tables (the VM lab's no-xtables guest) nft fails and
@@ -320,7 +327,7 @@ class Lab:
         """Until every ServicePort with endpoints is where the datapath under test puts it, on the
         node and (bpf-tc-dsr) on the peer node."""
         want = {"relay": "userspace", "nftables": "nftables", "bpf": "bpf", "bpf-tc": "bpf", "bpf-tc-dsr": "bpf",
-                "iptables": "iptables"}[datapath]
+                "iptables": "iptables", "iptables-legacy": "iptables"}[datapath]
         mode = "dsr" if datapath == "bpf-tc-dsr" else "snat"
         deadline = time.monotonic() + timeout
         for agent in (self.agent, self.peer_agent):
