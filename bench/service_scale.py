@@ -18,7 +18,8 @@ The client opens connections (64 concurrent, from 16 source addresses, one reque
 each, the server closes first) for --seconds per round; rounds rotate the contender order.
 CPU per connection is the CPU of the client, the server and (relay) the agent inside the window:
 the kernel's netfilter work for a packet runs in the softirq of the task that sent it, so it is
-charged to the client or the server. Medians over rounds; the machine's load average is recorded
+charged to the client or the server. Medians over rounds (the ratio to direct: the median of
+per-round ratios); the machine's load average is recorded
 (it is shared). Results go to bench/results/service_scale.json and print as a table.
 """
 
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import math
 import socket
 import statistics
 import subprocess
@@ -51,6 +53,7 @@ RESULTS = Path(__file__).parent / "results"
 VIP = "10.96.100.10"
 BENCH = ServicePortName("zz-bench", "conn", "c", "TCP")  # sorts after every "bench/svc-N"
 CONCURRENCY = 64
+TAIL = 0.2  # seconds at the end of a window left out of the CPU reading
 
 
 def states(n: int) -> dict[ServicePortName, ServicePortState]:
@@ -175,9 +178,14 @@ def measure(c: Contender, seconds: float) -> dict[str, float]:
     marks: list[float] = []
 
     def sample() -> None:
-        for t in (start, end):
+        # CPU is read over [start, end - TAIL]: the client exits right after `end`, and a late
+        # wake-up must not find it gone (then the round has no CPU figure)
+        for t in (start, end - TAIL):
             time.sleep(max(0.0, t - time.monotonic()))
-            marks.append(sum(cpu_seconds(p) for p in pids))
+            try:
+                marks.append(sum(cpu_seconds(p) for p in pids))
+            except OSError:
+                return
 
     th = threading.Thread(target=sample)
     th.start()
@@ -185,8 +193,9 @@ def measure(c: Contender, seconds: float) -> dict[str, float]:
     th.join()
     c.procs.stop(client)
     r = json.loads([ln for ln in out.decode().splitlines() if ln.startswith("{")][-1])
-    conns = max(1, r["conns"])
-    return {"cps": conns / r["seconds"], "cpu_s_per_10k": (marks[1] - marks[0]) / (conns / 1e4), "errors": r["errors"]}
+    cps = max(1, r["conns"]) / r["seconds"]
+    cpu = (marks[1] - marks[0]) / (cps * (seconds - TAIL) / 1e4) if len(marks) == 2 else float("nan")
+    return {"cps": cps, "cpu_s_per_10k": cpu, "errors": r["errors"]}
 
 
 def run(sizes: list[int], rounds: int, seconds: float) -> list[dict[str, Any]]:
@@ -207,7 +216,11 @@ def run(sizes: list[int], rounds: int, seconds: float) -> list[dict[str, Any]]:
                 s = samples[c.name]
                 rows.append({"services": n, "contender": c.name, "program_s": round(c.setup_s, 2),
                              "cps": round(statistics.median(x["cps"] for x in s)),
-                             "cpu_s_per_10k": round(statistics.median(x["cpu_s_per_10k"] for x in s), 3),
+                             "cpu_s_per_10k": round(statistics.median(
+                                 [x["cpu_s_per_10k"] for x in s if not math.isnan(x["cpu_s_per_10k"])] or [math.nan]), 3),
+                             "cps_rounds": [round(x["cps"]) for x in s],
+                             "of_direct": round(statistics.median(
+                                 x["cps"] / d["cps"] for x, d in zip(s, samples["direct"], strict=True)), 3),
                              "errors": sum(x["errors"] for x in s), "rounds": rounds})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
@@ -231,10 +244,9 @@ def main() -> None:
     meta = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_before": load_before,
             "loadavg_after": load_after, "rounds": args.rounds, "seconds": args.seconds, "results": rows}
     (RESULTS / "service_scale.json").write_text(json.dumps(meta, indent=1) + "\n")
-    direct = {r["services"]: r for r in rows if r["contender"] == "direct"}
     print(f"{'services':>8} {'contender':>16} {'conn/s':>8} {'of direct':>9} {'CPU s/10k':>10} {'program s':>10}")
     for r in rows:
-        ratio = r["cps"] / direct[r["services"]]["cps"] if direct.get(r["services"]) else 0
+        ratio = r["of_direct"]
         print(f"{r['services']:>8} {r['contender']:>16} {r['cps']:>8} {ratio:>9.2f} {r['cpu_s_per_10k']:>10} {r['program_s']:>10}")
 
 
