@@ -14,6 +14,8 @@ from usproxy.core.datapath import ServicePortState
 from usproxy.model.node import NodeFacts
 from usproxy.model.service_set import Node, ServiceSet
 from usproxy.model.types import ServicePortName
+from usproxy.model import chain_names
+from usproxy.model.types import Family
 from usproxy.offload.iptables import rules
 from usproxy.offload.iptables.datapath import IptablesDatapath
 from usproxy.offload.iptables.fake import FakeIptablesClient
@@ -58,7 +60,7 @@ def kube_chains(fake: FakeIptablesClient, family: int = 4, backend: str = "nft")
             for t, table in fake.family_tables(backend, family).items()}
 
 
-def explained(states: dict[ServicePortName, ServicePortState], family: rules.Family = 4) -> str:
+def explained(states: dict[ServicePortName, ServicePortState], family: Family = 4) -> str:
     """What `usproxy explain --mode iptables` renders for the same ServicePorts (its generator,
     its FamilyPorts built from the manifests' endpoints, explain's default options)."""
     ss = ServiceSet(tuple((st.service_port, st.endpoints) for _, st in sorted(states.items())), Node("node"))
@@ -98,12 +100,12 @@ async def test_a_partial_sync_sends_only_the_changed_chains_and_deletes_stale_on
     await dp.apply({WEB: state(WEB, "10.96.0.1", 80, [ep("10.244.1.1")])})
     text = dp.last_input[4]
     assert dp.full_syncs == 1 and dp.syncs == 2
-    assert f":{rules.names.svc_chain(WEB)} - [0:0]" in text
-    assert f":{rules.names.svc_chain(DNS)} " not in text  # DNS's chains are not sent, only its KUBE-SERVICES rule
-    gone = rules.names.sep_chain(WEB, ep("10.244.2.1"))
+    assert f":{chain_names.svc_chain(WEB)} - [0:0]" in text
+    assert f":{chain_names.svc_chain(DNS)} " not in text  # DNS's chains are not sent, only its KUBE-SERVICES rule
+    gone = chain_names.sep_chain(WEB, ep("10.244.2.1"))
     assert f"-X {gone}" in text and gone not in kube_chains(fake)["nat"]
     after = kube_chains(fake)["nat"]
-    assert after[rules.names.svc_chain(DNS)] == before[rules.names.svc_chain(DNS)]
+    assert after[chain_names.svc_chain(DNS)] == before[chain_names.svc_chain(DNS)]
     assert [tool for tool, _ in fake.restores[restores:]] == ["iptables-nft-restore"]  # no IPv6 change
 
 
@@ -142,7 +144,7 @@ async def test_a_restart_adopts_the_rules_and_deletes_only_what_is_no_longer_wan
     assert kube_chains(fake) == held and second.full_syncs == 1
     await second.apply({WEB: None})
     nat = kube_chains(fake)["nat"]
-    assert not any(c in nat for c in (rules.names.svc_chain(WEB), rules.names.ext_chain(WEB)))
+    assert not any(c in nat for c in (chain_names.svc_chain(WEB), chain_names.ext_chain(WEB)))
 
 
 async def test_a_full_sync_deletes_stale_chains_left_by_an_earlier_run(fake: FakeIptablesClient) -> None:
@@ -153,7 +155,7 @@ async def test_a_full_sync_deletes_stale_chains_left_by_an_earlier_run(fake: Fak
     await second.read_back()
     await second.apply({WEB: state(WEB, "10.96.0.1", 80, [ep("10.244.1.1")])})  # DNS is not wanted any more
     nat = kube_chains(fake)["nat"]
-    assert rules.names.svc_chain(DNS) not in nat and rules.names.svc_chain(WEB) in nat
+    assert chain_names.svc_chain(DNS) not in nat and chain_names.svc_chain(WEB) in nat
 
 
 async def test_crossing_into_large_cluster_mode_rewrites_every_chain(fake: FakeIptablesClient) -> None:
@@ -168,7 +170,7 @@ async def test_crossing_into_large_cluster_mode_rewrites_every_chain(fake: FakeI
     rs = dp.ruleset(4)
     assert rs is not None and rules.render_ruleset(rs) == explained({**many, WEB: big})
     assert "--comment default/s0 -s" not in dp.last_input[4] and ":KUBE-SEP-" in dp.last_input[4]
-    assert kube_chains(fake)["nat"][rules.names.sep_chain(spn("s0"), ep("10.244.0.1"))][0].startswith("-s 10.244.0.1")
+    assert kube_chains(fake)["nat"][chain_names.sep_chain(spn("s0"), ep("10.244.0.1"))][0].startswith("-s 10.244.0.1")
 
 
 async def test_cleanup_leaves_other_programs_rules(fake: FakeIptablesClient) -> None:

@@ -2,8 +2,9 @@
 both backends (iptables-nft and iptables-legacy): forwarded TCP and UDP to every endpoint, endpoint
 changes, refusal without endpoints (C01), a NodePort masqueraded, the node's own connections
 (nat OUTPUT), ClientIP affinity, a pod reaching itself through its Service (hairpin), UDP conntrack
-clearing (C03), a restart that adopts the rules under a live connection (C20), and cleanup that
-leaves Docker's and a firewall's rules as they were."""
+clearing (C03, and an endpoint removed while the agent was down), a restart that adopts the rules
+under a live connection (C20), and cleanup that leaves Docker's and a firewall's rules as they
+were."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from usproxy.core.datapath import ServicePortState
+from usproxy.core.stale_udp import StaleUdp
 from usproxy.model.node import NodeFacts
 from usproxy.offload.iptables.backend import Tools
 from usproxy.offload.iptables.datapath import IptablesDatapath
@@ -149,6 +151,47 @@ async def test_c03_a_udp_sender_follows_endpoint_removal(topology: Topology, dp:
     s.close()
 
 
+async def test_an_endpoint_removed_while_the_agent_was_down_loses_its_udp_sessions(
+        topology: Topology, dp: IptablesDatapath, pods: Pods, backend: str) -> None:
+    """The next agent never sees the removal, so no sync names the endpoint: reconcile_udp (the
+    offload manager's pass after a full sync, as kube-proxy's CleanStaleEntries) deletes every
+    UDP entry of the frontend whose reply source is not a current endpoint, and the session's
+    next datagram takes the new endpoint. Without it the session stays on the old one."""
+    pods.add("be-a", "10.244.1.7", port=8125, mute=True)
+    pods.add("be-b", "10.244.2.8", port=8125, mute=True)
+    cli = topology.add_host("cli", "10.244.9.10")
+    statsd = spn("statsd", proto="UDP")
+
+    def st(*ips: str) -> ServicePortState:
+        return state(statsd, "10.96.20.20", 8125, [ep(i, 8125) for i in ips])
+
+    def burst() -> None:
+        for _ in range(10):
+            s.send(b"m:1|c")
+        time.sleep(0.3)
+
+    s = udp_socket(cli, ("10.244.9.10", 41000))
+    s.connect(("10.96.20.20", 8125))
+    await dp.read_back()
+    await dp.apply({statsd: st("10.244.1.7")})
+    burst()
+    a = pods.counts("be-a", "udp", 8125).get("10.244.1.7", 0)
+    assert a >= 9
+    dp.close()  # the agent stops; be-a goes while it is down
+    nxt = IptablesDatapath(netns=topology.node, node=NodeFacts("node"), backend=backend)  # type: ignore[arg-type]
+    try:
+        await nxt.read_back()
+        await nxt.apply({statsd: st("10.244.2.8")})
+        burst()
+        assert pods.counts("be-a", "udp", 8125).get("10.244.1.7", 0) >= a + 9  # its entry still DNATs to be-a
+        await nxt.reconcile_udp(StaleUdp.of([st("10.244.2.8")]))
+        burst()
+        assert pods.counts("be-b", "udp", 8125).get("10.244.2.8", 0) >= 9
+    finally:
+        nxt.close()
+        s.close()
+
+
 async def test_c20_a_restart_adopts_the_rules_under_a_live_connection(topology: Topology, dp: IptablesDatapath,
                                                                       pods: Pods, backend: str) -> None:
     pods.add("be-a", "10.244.1.5")
@@ -218,7 +261,7 @@ def test_the_probe_leaves_no_table_behind(topology: Topology) -> None:
     """`usproxy check` probes the node it runs on: the throwaway chain goes into a namespace of
     its own, so not even an empty nat or filter table is left (iptables-nft would create them)."""
     for backend in ("nft", "legacy", None):
-        d = IptablesDatapath(netns=topology.node, backend=backend)  # type: ignore[arg-type]
+        d = IptablesDatapath(netns=topology.node, backend=backend)
         try:
             assert d.probe().available
         finally:

@@ -8,13 +8,15 @@ import ipaddress
 
 from usproxy.model.local_detector import LocalDetector, local_detector
 from usproxy.model.service_set import Node, ServiceSet
+from usproxy.model import chain_names
 from usproxy.offload.iptables import rules
+from usproxy.offload.iptables.jumps import Table
 
 from tests.offload.helpers import ep, spn, state
 
 WEB = spn("web", "http")
-SVC = rules.names.svc_chain(WEB)
-EXT = rules.names.ext_chain(WEB)
+SVC = chain_names.svc_chain(WEB)
+EXT = chain_names.ext_chain(WEB)
 
 
 def ruleset(node: Node, **kw: object) -> rules.Ruleset:
@@ -23,7 +25,7 @@ def ruleset(node: Node, **kw: object) -> rules.Ruleset:
     return rules.build(ServiceSet(((st.service_port, st.endpoints),), node), 4)
 
 
-def chain(rs: rules.Ruleset, name: str, table: rules.Table = "nat") -> list[str]:
+def chain(rs: rules.Ruleset, name: str, table: Table = "nat") -> list[str]:
     return [r.text() for r in rs.in_chain(table, name)]
 
 

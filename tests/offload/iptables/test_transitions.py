@@ -25,8 +25,8 @@ import pytest
 
 from tests.netns import Topology, nsexec
 from tests.offload.harness import Pods, tcp_peer_name
-from tests.offload.test_live_flows import VIP, placement, services, start_pods, wait_for
-from tests.offload.test_transitions import annotated, counts, finish, kept, one_endpoint, talk
+from tests.offload.agent import datapath_of, wait_for
+from tests.offload.live_flows import VIP, annotated, counts, finish, kept, one_endpoint, services, start_pods, talk
 from tests.relay.harness import USPROXY, AgentProc, Manifests
 
 pytestmark = pytest.mark.netns
@@ -40,7 +40,7 @@ def flags(datapath: str, after: str = "1") -> tuple[str, ...]:
 
 
 def on(agent: AgentProc, datapath: str, *names: str) -> bool:
-    return all(placement(agent, n) == datapath for n in names)
+    return all(datapath_of(agent, n) == datapath for n in names)
 
 
 def use_backend(topology: Topology, backend: str) -> None:

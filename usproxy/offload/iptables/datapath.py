@@ -33,12 +33,13 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from usproxy.core.datapath import ServicePortState
+from usproxy.core.stale_udp import StaleUdp
 from usproxy.model.endpoint import Endpoint
 from usproxy.model.node import LocalAddresses, NodeFacts, read_local_addresses
-from usproxy.model.service_set import Family, Node
+from usproxy.model.service_set import Node
+from usproxy.model.types import Family
 from usproxy.model.types import IPAddress, ServicePortName
 from usproxy.offload.iptables import backend as backends
 from usproxy.offload.iptables import names
@@ -57,6 +58,7 @@ from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.offload.netns_worker import NetnsWorker
 from usproxy.util.errors import OffloadError
 from usproxy.util.gc_pause import LARGE, gc_paused
+from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +346,15 @@ class IptablesDatapath:
             await self._sync(self.installed, set(), True, tuple(missing))
         return {spn: tuple(sorted(eps)) for spn, eps in out.items()}
 
+    async def reconcile_udp(self, rule: StaleUdp) -> None:
+        """Delete the UDP conntrack entries `rule` calls stale, as kube-proxy's CleanStaleEntries
+        after its syncs (KernelConntrack.reconcile_udp; called beside the syncs by the offload
+        manager's StaleCleanup, which then no longer calls clear_stale)."""
+        summary = await self.conntrack.reconcile_udp(rule)
+        log.log(logging.INFO if summary["deleted"] else logging.DEBUG,
+                "conntrack: %s stale UDP entries of %s deleted in %.2fs%s", summary["deleted"], summary["listed"],
+                summary["seconds"], f" (refused: {summary['errors']})" if summary["errors"] else "")
+
     async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
         targets = {(str(ep.ip), ep.port) for spn, eps in removed.items() if spn.protocol == "UDP" for ep in eps}
         if targets:
@@ -365,7 +376,7 @@ class IptablesDatapath:
                 out[("*", sp.protocol, sp.node_port)] = sp.name.key()
         return out
 
-    def flows_view(self) -> list[dict[str, Any]]:
+    def flows_view(self) -> list[FlowRow]:
         """DNATed conntrack entries of the frontends the rules hold, and of frontends taken out
         while their entries live on (a demoted ServicePort's kernel flows run on)."""
         current, former = self.frontends(), dict(self._former)

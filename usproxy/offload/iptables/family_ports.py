@@ -19,7 +19,8 @@ from collections.abc import Iterable
 
 from usproxy.core.datapath import ServicePortState
 from usproxy.model.endpoint import Endpoint, usable
-from usproxy.model.service_set import Family, FamilyPort
+from usproxy.model.service_set import FamilyPort
+from usproxy.model.types import Family
 from usproxy.model.source_ranges import family_ranges
 from usproxy.model.types import IPAddress
 

@@ -19,12 +19,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from usproxy.core.datapath import ServicePortState
-from usproxy.model.service_set import Family, FamilyPort, Node
+from usproxy.model.service_set import FamilyPort, Node
+from usproxy.model.types import Family
 from usproxy.model.types import ServicePortName
 from usproxy.offload.iptables import names
 from usproxy.offload.iptables.family_ports import family_port_of
+from usproxy.offload.iptables.jumps import Table
 from usproxy.offload.iptables.restore_input import TableWrite
-from usproxy.offload.iptables.rules import (SORTED_CHAINS, Context, Options, Ruleset, Table, assemble, chain_order,
+from usproxy.offload.iptables.rules import (SORTED_CHAINS, Context, Options, Ruleset, assemble, chain_order,
                                             context, port_ruleset, service_key, skeleton)
 
 TABLES: tuple[Table, ...] = ("filter", "nat")
