@@ -62,9 +62,10 @@ def kube_chains(fake: FakeIptablesClient, family: int = 4, backend: str = "nft")
 
 def explained(states: dict[ServicePortName, ServicePortState], family: Family = 4) -> str:
     """What `usproxy explain --mode iptables` renders for the same ServicePorts (its generator,
-    its FamilyPorts built from the manifests' endpoints, explain's default options)."""
+    its FamilyPorts built from the manifests' endpoints, explain's default options), with the
+    datapath's one addition to kube-proxy's rules (Options.service_address_source)."""
     ss = ServiceSet(tuple((st.service_port, st.endpoints) for _, st in sorted(states.items())), Node("node"))
-    return rules.render_ruleset(rules.build(ss, family))
+    return rules.render_ruleset(rules.build(ss, family, rules.Options(service_address_source=True)))
 
 
 async def test_the_rules_written_are_the_ones_explain_prints(fake: FakeIptablesClient) -> None:

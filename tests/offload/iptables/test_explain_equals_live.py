@@ -7,8 +7,10 @@ output (the restore input, then the entry jumps as iptables-save lists them) is 
 empty namespace with the same backend; `iptables-save` of both must be the same, table by table
 (iptables prints its own normal form, so both texts go through it). The only lines the live
 namespace has beyond explain's are the KUBE-PROXY-CANARY chains kube-proxy's monitor keeps, which
-explain does not render, and usproxy's one jump from filter INPUT to KUBE-SERVICES (its ClusterIPs
-are local addresses: jumps.LOCAL_CLUSTER_IPS): they are dropped before comparing.
+explain does not render, and two of usproxy's own, because its ClusterIPs are local addresses:
+one jump from filter INPUT to KUBE-SERVICES (jumps.LOCAL_CLUSTER_IPS) and, where nothing else
+masquerades it, a node's connection from the ClusterIP itself marked for masquerade
+(rules.SERVICE_ADDRESS_SOURCE). They are dropped before comparing.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from usproxy.offload.iptables import nfacct
 from usproxy.offload.iptables.backend import Tools
 from usproxy.offload.iptables.datapath import IptablesDatapath
 from usproxy.offload.iptables.jumps import LOCAL_CLUSTER_IPS
+from usproxy.offload.iptables.rules import SERVICE_ADDRESS_SOURCE
 
 from tests.netns import Topology, inside, nsexec, sh
 from tests.relay.harness import USPROXY
@@ -87,7 +90,7 @@ def saved(ns: str, tools: Tools, family: int) -> dict[str, list[str]]:
         text = nsexec(ns, *tools.save(family, table)).stdout  # type: ignore[arg-type]
         out[table] = [line.split(" [")[0] if line.startswith(":") else line for line in text.splitlines()
                       if not line.startswith("#") and "KUBE-PROXY-CANARY" not in line
-                      and LOCAL_CLUSTER_IPS.comment not in line]
+                      and LOCAL_CLUSTER_IPS.comment not in line and SERVICE_ADDRESS_SOURCE not in line]
     return out
 
 

@@ -19,10 +19,10 @@ SVC = chain_names.svc_chain(WEB)
 EXT = chain_names.ext_chain(WEB)
 
 
-def ruleset(node: Node, **kw: object) -> rules.Ruleset:
+def ruleset(node: Node, opts: rules.Options = rules.Options(), **kw: object) -> rules.Ruleset:
     st = state(WEB, "10.96.0.1", 80, [ep("10.244.1.1", node_name="node"), ep("10.244.2.1")],
                node_port=30080, service_type="NodePort", **kw)
-    return rules.build(ServiceSet(((st.service_port, st.endpoints),), node), 4)
+    return rules.build(ServiceSet(((st.service_port, st.endpoints),), node), 4, opts)
 
 
 def chain(rs: rules.Ruleset, name: str, table: Table = "nat") -> list[str]:
@@ -50,6 +50,21 @@ def test_each_detector_writes_kube_proxys_match() -> None:
         rs = ruleset(Node("node", detector=det), external_traffic_policy="Local")
         pod = f'-A {EXT} -m comment --comment "pod traffic for default/web:http external destinations" {local} -j {SVC}'
         assert chain(rs, EXT)[0] == pod, det
+
+
+def test_a_connection_from_the_clusterip_itself_is_masqueraded_where_nothing_else_does() -> None:
+    """The datapath's option (not kube-proxy's rule): a node process connecting to a ClusterIP
+    without binding has the ClusterIP as its source (a local address here); with no detector and
+    no masqueradeAll that connection alone is marked. Explain's default leaves it out."""
+    own = rules.Options(service_address_source=True)
+    mark = (f'-A {SVC} -m comment --comment "default/web:http connection from the cluster IP itself" -m tcp -p tcp '
+            f"-s 10.96.0.1 -d 10.96.0.1 --dport 80 -j KUBE-MARK-MASQ")
+    assert chain(ruleset(Node("node"), own), SVC)[0] == mark
+    assert not any("KUBE-MARK-MASQ" in line for line in chain(ruleset(Node("node")), SVC))
+    det = local_detector("ClusterCIDR", cluster_cidrs=("10.244.0.0/16",))
+    for node in (Node("node", detector=det), Node("node", masquerade_all=True)):  # already masqueraded there
+        assert [line for line in chain(ruleset(node, own), SVC) if "KUBE-MARK-MASQ" in line] == \
+            [line for line in chain(ruleset(node), SVC) if "KUBE-MARK-MASQ" in line]
 
 
 def test_a_detector_without_a_cidr_of_the_family_detects_nothing() -> None:

@@ -192,7 +192,8 @@ class IptablesDatapath:
             log.warning("cannot set %s: NodePorts are not served on 127.0.0.1", ROUTE_LOCALNET)
         for f in self.families:
             self.opts[f] = Options(localhost_nodeports=localhost and f == 4, nfacct=nfacct is None,
-                                   random_fully=random_fully, conntrack_tcp_liberal=liberal)
+                                   random_fully=random_fully, conntrack_tcp_liberal=liberal,
+                                   service_address_source=True)
         self._setup_done = True
 
     def _probe_all(self) -> tuple[Capability, bool]:

@@ -36,6 +36,7 @@ from usproxy.model.service_set import FamilyPort, Node, ServiceSet
 from usproxy.model.types import Family, IPNetwork
 
 MARK_MASQ = "KUBE-MARK-MASQ"
+SERVICE_ADDRESS_SOURCE = "connection from the cluster IP itself"  # its comment (not kube-proxy's rule)
 SERVICES = "KUBE-SERVICES"
 NODEPORTS = "KUBE-NODEPORTS"
 EXTERNAL_SERVICES = "KUBE-EXTERNAL-SERVICES"
@@ -88,6 +89,9 @@ class Options:
     nfacct: bool = True  # the kernel has nfacct, so kube-proxy counts with it
     random_fully: bool = True  # iptables >= 1.6.2: MASQUERADE --random-fully
     conntrack_tcp_liberal: bool = False
+    # Not kube-proxy's (the datapath sets it; explain prints kube-proxy's rules without it): a
+    # node process's connection whose source is the ClusterIP it connects to is masqueraded.
+    service_address_source: bool = False
 
 
 class _Builder:
@@ -369,8 +373,19 @@ def _nodeport(rs: Ruleset, ctx: Context, fp: FamilyPort, p: Plan) -> None:
 
 def _internal(rs: Ruleset, ctx: Context, fp: FamilyPort, p: Plan) -> None:
     """Masquerade all ClusterIP traffic (masqueradeAll), or what does not come from a pod (needs
-    the local-traffic detector)."""
-    if not p.has_internal or not (ctx.node.masquerade_all or ctx.node.local_match(ctx.family)):
+    the local-traffic detector). Else, with Options.service_address_source, a connection from
+    the ClusterIP itself: usproxy holds ClusterIPs as local addresses (on the ClusterIP
+    interface), so the kernel gives a node process that connects to one without binding that
+    address as its source, and an endpoint on another node, which holds the same address, would
+    answer itself. kube-proxy's IPVS mode, whose kube-ipvs0 holds them the same way, masquerades
+    these (KUBE-CLUSTER-IP src,dst); the nftables datapath does too."""
+    if not p.has_internal:
+        return
+    if not (ctx.node.masquerade_all or ctx.node.local_match(ctx.family)):
+        if ctx.opts.service_address_source:
+            ip = str(fp.cluster_ip)
+            rs.add(_Builder("nat", p.internal_chain).comment(f"{fp.name} {SERVICE_ADDRESS_SOURCE}")
+                   .proto(fp.proto).src(ip).dst(ip).dport(fp.sp.port).jump(MARK_MASQ))
         return
     b = (_Builder("nat", p.internal_chain).comment(f"{fp.name} cluster IP").proto(fp.proto)
          .dst(str(fp.cluster_ip)).dport(fp.sp.port))
