@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.netns import Topology, nsexec
-from tests.offload.harness import Pods, tcp_peer_name
+from tests.offload.harness import Pods, tcp_peer_name, wait_listening
 from tests.offload.agent import datapath_of, wait_for
 from tests.offload.live_flows import VIP, annotated, counts, finish, kept, one_endpoint, services, start_pods, talk
 from tests.relay.harness import USPROXY, AgentProc, Manifests
@@ -79,6 +79,7 @@ def test_relayed_flows_survive_the_offload_to_iptables(topology: Topology, tmp_p
     agent = start(topology, m, node, after="3", loop=loop)
     try:
         wait_for(lambda: on(agent, "userspace", WEB, DNS), 5, "web and dns relayed")
+        wait_listening(cli, VIP, 80)  # once, at load 11, a first connection met ENETUNREACH here
         r_tcp, r_udp = talk(cli, 12, 4)
         wait_for(lambda: on(agent, "iptables", WEB, DNS), 15, "offload to iptables")
         t_off, before = time.monotonic(), counts(r_tcp)
@@ -104,6 +105,7 @@ def test_a_long_lived_connection_survives_relay_then_iptables_then_nftables(topo
     agent = start(topology, m, node, after="3")
     try:
         wait_for(lambda: on(agent, "userspace", WEB, DNS), 5, "web and dns relayed")
+        wait_listening(cli, VIP, 80)  # once, at load 11, a first connection met ENETUNREACH here
         r_tcp, r_udp = talk(cli, 6, 2)
         wait_for(lambda: on(agent, "iptables", WEB, DNS), 15, "offload to iptables")
         k_tcp, k_udp = talk(cli, 6, 2)
