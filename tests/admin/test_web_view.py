@@ -23,8 +23,9 @@ from usproxy.core.events import EventHub, Subscription
 from usproxy.app.agent import Agent
 from usproxy.model.config import ProxyConfig
 from usproxy.core.datapath import FakeDatapath
-from usproxy.explain import iptables, nftables, registry, scale
-from usproxy.explain.service_set import ServiceSet
+from usproxy.explain import nftables, registry, scale
+from usproxy.offload.iptables import rules as iptables
+from usproxy.model.service_set import ServiceSet
 
 from tests.app.helpers import SVC, write
 

@@ -12,8 +12,9 @@ import pytest
 
 from tests.explain.conftest import GOLDEN
 from tests.explain.repeated_states import NODE, REPEATED, state
-from usproxy.explain import cli, diff, iptables, nftables, registry
-from usproxy.explain.service_set import load_manifests, service_set
+from usproxy.explain import cli, diff, nftables, registry
+from usproxy.offload.iptables import rules as iptables
+from usproxy.model.service_set import load_manifests, service_set
 
 STEPS = [  # (before, after, iptables-restore lines, nftables operations)
     ("1-initial", "2-svc3-added", 32, 10),

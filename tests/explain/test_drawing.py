@@ -10,8 +10,9 @@ import xml.etree.ElementTree as ET
 from html import unescape
 from pathlib import Path
 
-from usproxy.explain import chain_names, path_drawing, registry, standalone_page
-from usproxy.explain.service_set import ServiceSet, family_port, load_manifests, service_set
+from usproxy.explain import path_drawing, registry, standalone_page
+from usproxy.model import chain_names
+from usproxy.model.service_set import ServiceSet, family_port, load_manifests, service_set
 from usproxy.model.endpoint import Endpoint, usable
 from usproxy.model.service_port import ServicePort
 from usproxy.model.types import ServicePortName

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from usproxy.explain import cli, page_sections, registry, scale, standalone_page
-from usproxy.explain.service_set import load_manifests, service_set
+from usproxy.model.service_set import load_manifests, service_set
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

@@ -4,7 +4,8 @@ and the reply's way back, per mode, on kube-proxy's flow-test Services (tests/ex
 from __future__ import annotations
 
 from tests.explain.kube_proxy_flows import flow_packet, flow_set
-from usproxy.explain import iptables, ipvs, nftables, registry, reply, trace
+from usproxy.explain import ipvs, nftables, registry, reply, trace
+from usproxy.offload.iptables import rules as iptables
 
 EXTERNAL, POD, NODEPORT = "203.0.113.2", "10.0.0.2", "192.168.0.2:3001/TCP"
 

@@ -14,7 +14,7 @@ from usproxy.util.errors import ConfigError
 from usproxy.explain import iptables_trace, nftables_trace, registry, reply, trace
 from usproxy.explain.mode import TraceOptions
 from usproxy.explain.packet import Packet, Path
-from usproxy.explain.service_set import Node, ServiceSet
+from usproxy.model.service_set import Node, ServiceSet
 from usproxy.model.config import BpfLbMode
 from usproxy.model.service_port import LBPolicy
 from usproxy.offload.bpf import maglev

@@ -15,7 +15,7 @@ from tests.explain.conftest import FIXTURES, load
 from usproxy.explain import cli, registry, trace, trace_story
 from usproxy.explain.mode import Mode
 from usproxy.explain.packet import Path as TracePath
-from usproxy.explain.service_set import Node, load_manifests, service_set
+from usproxy.model.service_set import Node, load_manifests, service_set
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 DEMO_PODS = ("10.244.1.10", "10.244.2.10", "10.244.3.10", "10.244.4.53")  # endpoints with a nodeName

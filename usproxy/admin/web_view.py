@@ -53,7 +53,7 @@ from usproxy.model.types import NamespacedName
 from usproxy.util.rows import FlowRow, ServiceRow
 
 if TYPE_CHECKING:
-    from usproxy.explain.service_set import ServiceSet
+    from usproxy.model.service_set import ServiceSet
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def service_set_of(source: WebSource, namespace: str | None = None, name: str = 
     """The ServicePorts of one Service (every Service's when `namespace` is None) with their
     endpoints now (read on the loop, where the agent's state lives), as explain's views take
     them; None when no ServicePort of it is known."""
-    from usproxy.explain.service_set import Node, ServiceSet
+    from usproxy.model.service_set import Node, ServiceSet
 
     which = None if namespace is None else NamespacedName(namespace, name)
     ports = tuple((st.service_port, st.endpoints) for st in source.service_ports(which))

@@ -17,7 +17,7 @@ from usproxy.explain import cost, diff, pod_source, registry, scale, trace
 from usproxy.explain.live import read_live
 from usproxy.explain.mode import Mode, TraceOptions
 from usproxy.explain.packet import Packet
-from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+from usproxy.model.service_set import Node, ServiceSet, load_manifests, service_set
 from usproxy.model.config import BPF_LB_MODES
 from usproxy.model.manifest import Manifests, objects_from
 from usproxy.model.types import IPAddress, IPNetwork, parse_cidr_sloppy, parse_ip_sloppy

@@ -23,13 +23,14 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
-from usproxy.explain import bpf, generator, iptables, ipvs, nftables
-from usproxy.explain import chain_names as names
-from usproxy.explain.chain_names import nft_base, nft_endpoint_base
+from usproxy.explain import bpf, generator, ipvs, nftables
+from usproxy.offload.iptables import rules as iptables
+from usproxy.model import chain_names as names
+from usproxy.model.chain_names import nft_base, nft_endpoint_base
 from usproxy.explain.ipvs_trace import parse_ipsets, parse_ipvsadm
 from usproxy.explain.mode import Mode
 from usproxy.explain.packet import Packet
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.model.types import Family, IPAddress
 from usproxy.util.table import render_table
 

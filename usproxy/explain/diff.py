@@ -20,9 +20,10 @@ import difflib
 import re
 from collections.abc import Callable, Sequence
 
-from usproxy.explain import cost, iptables, nftables
+from usproxy.explain import cost, nftables
+from usproxy.offload.iptables import rules as iptables
 from usproxy.explain.mode import Mode
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 from usproxy.model.endpoint import Endpoint, usable
 from usproxy.model.service_port import ServicePort
 from usproxy.model.types import Family, ServicePortName

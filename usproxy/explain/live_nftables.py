@@ -25,7 +25,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 from usproxy.explain.path_drawing import Hop, Path
-from usproxy.explain.service_set import FamilyPort
+from usproxy.model.service_set import FamilyPort
 from usproxy.model.endpoint import Endpoint
 from usproxy.model.types import format_hostport
 

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.path_drawing import Drawer
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.model.config import BpfLbMode
 from usproxy.model.endpoint import Endpoint
 

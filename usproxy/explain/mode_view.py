@@ -12,7 +12,7 @@ from typing import NotRequired, TypedDict
 
 from usproxy.explain import path_drawing
 from usproxy.explain.registry import MODES
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 
 LIVE_TITLE = "usproxy's own table, as the kernel holds it now"
 

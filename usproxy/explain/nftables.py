@@ -23,9 +23,9 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from usproxy.model.endpoint import Endpoint
-from usproxy.explain import chain_names as names
-from usproxy.explain.iptables import Match, Plan, plan
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model import chain_names as names
+from usproxy.offload.iptables.rules import Match, Plan, plan
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.model.types import Family, format_hostport
 
 TABLE = "kube-proxy"

@@ -29,7 +29,7 @@ from pathlib import Path
 from usproxy.explain import generator, scale
 from usproxy.explain.mode import Mode
 from usproxy.explain.registry import MODES
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 from usproxy.model.endpoint import Endpoint, usable
 from usproxy.model.service_port import ServicePort
 

@@ -7,11 +7,11 @@ come from it. Adding a mode is adding a record here (with the functions it names
 
 from __future__ import annotations
 
-from usproxy.explain import (bpf, cost, diff, iptables, ipvs, live_nftables, nftables, path_drawing, reply, trace,
-                             userspace)
+from usproxy.explain import bpf, cost, diff, ipvs, live_nftables, nftables, path_drawing, reply, trace, userspace
+from usproxy.offload.iptables import rules as iptables
 from usproxy.explain.ipvs_trace import trace_ipvs
 from usproxy.explain.mode import Mode
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 
 
 def _nftables_dump(ss: ServiceSet) -> str:

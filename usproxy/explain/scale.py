@@ -22,7 +22,7 @@ from fractions import Fraction
 from usproxy.explain import cost, diff, generator
 from usproxy.explain.diff import View
 from usproxy.explain.mode import Mode
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.model.types import format_hostport
 from usproxy.util.table import render_table
 

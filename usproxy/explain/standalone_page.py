@@ -19,7 +19,7 @@ from pathlib import Path
 
 from usproxy.explain import page_sections
 from usproxy.explain.mode_view import mode_views
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 
 TITLE = "usproxy explain: the path of a connection, in each mode"
 

@@ -21,14 +21,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fractions import Fraction
 
-from usproxy.explain import bpf, iptables, iptables_entry, nftables, tc_trace, trace_story, userspace
+from usproxy.explain import bpf, nftables, tc_trace, trace_story, userspace
+from usproxy.offload.iptables import rules as iptables
+from usproxy.offload.iptables import jumps as iptables_entry
 from usproxy.explain.iptables_trace import Walker, parse_restore
 from usproxy.explain.ipvs_trace import trace_ipvs
 from usproxy.explain.mode import NO_OPTIONS, Mode, TraceOptions
 from usproxy.explain.nftables_trace import Walker as NftWalker
 from usproxy.explain.nftables_trace import parse_dump
 from usproxy.explain.packet import Packet, Path, parse_packet
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.explain.userspace import proxy_port
 from usproxy.model.source_ranges import allowed_sources, allows
 from usproxy.model.types import format_hostport

@@ -22,7 +22,7 @@ from fractions import Fraction
 from usproxy.explain import reply
 from usproxy.explain.mode import NO_OPTIONS, Mode, TraceOptions
 from usproxy.explain.packet import Packet, Path
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.model.types import format_hostport
 
 OUTCOMES = {"", "REJECT", "DROP", "ERROR", "ACCEPT"}  # `lands` values that are no endpoint
