@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -75,6 +76,33 @@ def inside(ns: str) -> Iterator[None]:
         os.close(target)
 
 
+_SHIELD = {"depth": 0, "pending": 0}
+ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """Clean-up that a second Ctrl-C (or SIGTERM, SIGHUP) must not cut short: such a signal is
+    remembered while the block runs and raised as KeyboardInterrupt once the outermost shielded
+    block is done. Main thread only (where Python runs signal handlers)."""
+    def remember(signum: int, frame: object) -> None:
+        _SHIELD["pending"] = signum
+
+    outermost = _SHIELD["depth"] == 0
+    old = {sig: signal.signal(sig, remember) for sig in ENDING} if outermost else {}
+    _SHIELD["depth"] += 1
+    try:
+        yield
+    finally:
+        _SHIELD["depth"] -= 1
+        if outermost:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            pending, _SHIELD["pending"] = _SHIELD["pending"], 0
+            if pending:
+                raise KeyboardInterrupt(f"signal {pending} during clean-up")
+
+
 def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     res = subprocess.run(list(argv), capture_output=True, text=True)
     if check and res.returncode != 0:
@@ -117,6 +145,10 @@ class TourNetwork:
     def close(self) -> None:
         """Remove everything: namespaces (and the processes in them), BPF programs and pins,
         the cgroup, bpffs if the tour mounted it and left it empty, the state file."""
+        with shielded():
+            self._close()
+
+    def _close(self) -> None:
         self.teardown()
         remove_bpf(self.node_or_scratch(), self.cgroup, self.pin_root)
         _rmdir_cgroup(self.cgroup)

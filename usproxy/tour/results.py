@@ -82,6 +82,7 @@ class ModeResult:
     served_by: dict[str, str] = field(default_factory=dict)  # measured Service -> /services datapath
     backend: str = ""  # iptables: iptables-nft or iptables-legacy, as the agent chose
     grow_seconds: dict[int, float] = field(default_factory=dict)  # size -> seconds until all were served
+    loadavg: tuple[float, ...] = ()  # the machine's 1-minute load average as each size was measured
     match: list[MatchCost] = field(default_factory=list)
     update: list[UpdateCost] = field(default_factory=list)
     uniformity: Uniformity | None = None

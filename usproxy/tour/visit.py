@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from usproxy.tour import manifests as m
-from usproxy.tour.network import TourNetwork, nsexec, remove_bpf
+from usproxy.tour.network import TourNetwork, nsexec, remove_bpf, shielded
 from usproxy.tour.processes import Agent, Client, Endpoints
 from usproxy.tour.results import MatchCost, ModeResult, Position, UpdateCost, Uniformity
 from usproxy.tour.stats import chi_square, percentile
@@ -230,6 +230,10 @@ class Visit:
                  f"{'/'.join(map(str, counts))}, p = {test.p_value:.3f}")
 
     def _match(self, n: int) -> None:
+        self.result.loadavg += (round(os.getloadavg()[0], 2),)
+        self._rounds(n)
+
+    def _rounds(self, n: int) -> None:
         """Rounds of (first, last) and (last, first) in turn, so a burst of load elsewhere on the
         machine falls on both; the rate is the median of the rounds' windows, the latency
         percentiles are over the connections of every round."""
@@ -344,6 +348,10 @@ class Visit:
 
     def close(self) -> None:
         """Stop what the visit started, in order; its namespaces go (the runner removes the rest)."""
+        with shielded():
+            self._close()
+
+    def _close(self) -> None:
         for part in (self.client, self.agent):
             if part is not None:
                 try:
