@@ -1,7 +1,8 @@
 """The tour's plots say what results.json says: every point of every line and every bar is
 read back from the SVG (its data- attributes) and compared with the ModeResults it was drawn
 from; a mode that did not run has no line; each plot has one caption that states the plan; the
-web view's and explain --html's reader (page_sections.tour_html) shows them with those captions."""
+web view's and explain --html's reader (page_sections.tour_html) shows them with those captions,
+in results.json's order."""
 
 from __future__ import annotations
 
@@ -73,8 +74,11 @@ def test_captions_state_the_plan_and_the_pages_show_them(tmp_path: Path) -> None
     assert "over 300 connections" in figures[1].caption
     for f in figures:
         assert f.caption.count(". ") == 0 and f.caption.endswith(".")  # one sentence
+    (tmp_path / "a-later-plot.svg").write_text((tmp_path / "uniformity.svg").read_text())
     html = tour_html(tmp_path)
     assert html is not None and all(f.caption.replace("'", "&#x27;") in html for f in figures)
+    shown = [html.index(f'alt="{f.file}"') for f in figures] + [html.index('alt="a-later-plot.svg"')]
+    assert shown == sorted(shown)  # in results.json's order, a plot it does not list after them
 
 
 def test_a_tour_that_measured_nothing_draws_empty_charts_saying_so(tmp_path: Path) -> None:
