@@ -70,7 +70,7 @@ def test_captions_state_the_plan_and_the_pages_show_them(tmp_path: Path) -> None
     results.write(tmp_path, results.document({"plan": {}}, modes, figures))
     doc = json.loads((tmp_path / "results.json").read_text())
     assert [p["file"] for p in doc["plots"]] == [f.file for f in figures]
-    assert "median of 3 windows of 0.3 s" in figures[0].caption and "16 short connections" in figures[0].caption
+    assert "best of 3 windows of 0.3 s" in figures[0].caption and "16 short connections" in figures[0].caption
     assert "over 300 connections" in figures[1].caption
     for f in figures:
         assert f.caption.count(". ") == 0 and f.caption.endswith(".")  # one sentence

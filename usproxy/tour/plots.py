@@ -59,7 +59,7 @@ def write_all(out: Path, modes: Sequence[ModeResult], plan: Plan) -> list[Plot]:
         _match_series(modes, lambda c: c.conns_per_s), x_names=sizes),
         f"New connections per second to the Service first (dashed) and last (solid) in iptables' rule order, as "
         f"the number of Services grows ({names}): {who} kept {plan.conc} short connections in flight, each "
-        f"answered by one of five endpoints; a point is the median of {plan.rounds} windows of {plan.window:g} s."))
+        f"answered by one of five endpoints; a point is the best of {plan.rounds} windows of {plan.window:g} s."))
     for q in ("p50", "p99"):
         plots.append((f"match-latency-{q}.svg", line_chart(
             f"Latency of one new connection, {q}", SIZES_LABEL, "microseconds",

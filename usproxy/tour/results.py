@@ -20,8 +20,8 @@ Position = Literal["first", "last"]
 
 @dataclass(frozen=True, slots=True)
 class MatchCost:
-    """New connections to one Service at one size: the rate with `conc` in flight for a window,
-    and the latency of connections made one at a time."""
+    """New connections to one Service at one size: the rate with `conc` in flight (the best of
+    the rounds' windows), and the latency of connections made one at a time (every round's)."""
 
     services: int
     position: Position
