@@ -1,4 +1,4 @@
-"""The `usproxy` command: run, explain, flows, status, check.
+"""The `usproxy` command: run, explain, flows, status, check, tour.
 
 Exit codes: 0 done, 1 runtime failure, 2 bad usage or bad input (the message names the object
 and field).
@@ -143,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--json", action="store_true")
     c = sub.add_parser("check", help="probe this node's kernel datapaths")
     c.add_argument("--json", action="store_true")
+    t = sub.add_parser("tour", help="serve one set of Services by each mode in turn (relay, iptables, IPVS, "
+                       "nftables, BPF), live in network namespaces of its own, and measure them (as root)")
+    t.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="where results.json and the plots go (the web view and explain --html read them "
+                        "with --tour-results DIR)")
+    t.add_argument("--quick", action="store_true",
+                   help="10 and 1,000 Services with shorter windows (under 3 minutes) instead of 10, 1,000 "
+                        "and 10,000 (under 10)")
+    t.add_argument("--modes", type=_comma_list, metavar="MODE,...",
+                   help="only these of relay, iptables, ipvs, nftables, bpf (default: all of them)")
     return parser
 
 
@@ -288,8 +298,22 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return int(explain_main(args.rest))
 
 
+def cmd_tour(args: argparse.Namespace) -> int:
+    from usproxy.app.privileges import require_net_admin
+    from usproxy.tour import runner
+
+    wrong = [m for m in args.modes or () if m not in runner.MODE_NAMES]
+    if wrong:
+        raise ConfigError(f"unknown mode {', '.join(wrong)} (the modes: {', '.join(runner.MODE_NAMES)})",
+                          obj="usproxy tour", field="--modes")
+    if args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"{args.out} exists and is not a directory", obj="usproxy tour", field="--out")
+    require_net_admin("usproxy tour")
+    return runner.run(args.out, runner.QUICK if args.quick else runner.FULL, tuple(args.modes or runner.MODE_NAMES))
+
+
 COMMANDS = {"run": cmd_run, "status": cmd_status, "flows": cmd_flows, "check": cmd_check,
-            "explain": cmd_explain}
+            "explain": cmd_explain, "tour": cmd_tour}
 
 
 def _error_line(err: ConfigError) -> str:

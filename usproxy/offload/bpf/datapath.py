@@ -110,6 +110,7 @@ class BpfDatapath:
     """
 
     name = "bpf"
+    write_unit = "BPF map writes"
 
     def __init__(self, cgroup: Path = Path("/sys/fs/cgroup/unified"), pin_root: Path | None = None,
                  *, selection: str = "random", nodeport_cidrs: tuple[IPNetwork, ...] | None = None,
@@ -134,6 +135,7 @@ class BpfDatapath:
         self._groups: dict[int, Group] = {}  # service id -> group
         self._by_spn: dict[ServicePortName, dict[int, int]] = {}  # spn -> family -> service id
         self.last_writes = 0  # map elements written by the last apply (tests: cost ∝ change)
+        self._writes = 0  # by every apply that succeeded (kernel_writes)
 
     # -- capability -------------------------------------------------------------------------
     def probe(self) -> Capability:
@@ -316,6 +318,11 @@ class BpfDatapath:
             raise
         self._groups, self._by_spn = groups, {k: v for k, v in by_spn.items() if v}
         self.last_writes = journal.writes
+        self._writes += journal.writes
+
+    def kernel_writes(self) -> int:
+        """Map elements written or deleted by every apply that succeeded (KernelWriteCounter)."""
+        return self._writes
 
     def _apply_one(self, tables: Tables, j: Journal, ids: IdAllocator, groups: dict[int, Group],
                    by_spn: dict[ServicePortName, dict[int, int]], spn: ServicePortName,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from usproxy.core.datapath import ExternalServing, NodeAddressFollower
+from usproxy.core.datapath import ExternalServing, KernelWriteCounter, NodeAddressFollower
 from usproxy.offload.kernel_datapath import ALL_TRAFFIC, BuildContext, Capability, KernelDatapath, KernelDatapathDeclaration
 from usproxy.offload.pin_root import PinsLock, default_pin_root, has_pins
 
@@ -74,5 +74,5 @@ DECLARATION = KernelDatapathDeclaration(
     leftovers=leftovers,
     remove=remove,
     lock=lock,
-    optional=(NodeAddressFollower, ExternalServing),
+    optional=(NodeAddressFollower, ExternalServing, KernelWriteCounter),
 )

@@ -86,6 +86,13 @@ def render(commands: Iterable[Command]) -> str:
     return "\n".join(c.nft() for c in commands) + "\n"
 
 
+def operations(commands: Iterable[Command]) -> int:
+    """The operations these commands make in the kernel's transaction: one per element added
+    or deleted (one `add element` line may carry thousands), one per other command (a rule, a
+    chain, map, set or table added or deleted, a chain flushed), as explain diff counts them."""
+    return sum(len(c.elems) if c.obj == "element" else 1 for c in commands)
+
+
 MARK_MASQ = f"meta mark set meta mark | {MASQ_MARK:#x}"  # masqueraded in nat-postrouting
 
 
