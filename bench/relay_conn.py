@@ -38,6 +38,8 @@ from typing import Any
 from bench.contenders import Contender, Ctx
 from bench.procs import cpu_split, run_json
 
+RESULTS = Path(__file__).parent / "results"
+
 PIN_CPU = 1 if (os.cpu_count() or 1) > 1 else 0
 CONC = 64
 KEYS = ("cps", "cpu_us_per_conn", "user_us_per_conn", "sys_us_per_conn", "errors")
@@ -207,7 +209,6 @@ def table(d: dict[str, Any]) -> list[str]:
 
 
 def main() -> int:
-    from bench import report
     from bench.contenders import HAProxy, Usproxy
     from bench.procs import PYTHON, Procs
     from bench.topology import BenchTopology
@@ -253,10 +254,10 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     result["meta"] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "baseline": str(args.baseline or ""),
                       "command": "sudo .venv/bin/python -m bench.relay_conn " + " ".join(sys.argv[1:])}
-    report.RESULTS.mkdir(exist_ok=True)
-    (report.RESULTS / f"{args.stem}.json").write_text(json.dumps(result, indent=1))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.stem}.json").write_text(json.dumps(result, indent=1))
     md = "\n".join(table(result))
-    (report.RESULTS / f"{args.stem}.md").write_text(md + "\n")
+    (RESULTS / f"{args.stem}.md").write_text(md + "\n")
     print(md)
     return 0
 
