@@ -1,7 +1,8 @@
 """The README's screenshots (docs/page-*.png, docs/view-*.png), taken as a person sees the pages.
 
 Headless Chromium (tests/browser.py) at 1400x1000 and at 800x1000 shows:
-- the page `usproxy explain --services examples/ --html` writes (docs/page-1400.png, page-800.png);
+- the page `usproxy explain --services examples/ --html` writes (docs/page-1400.png, page-800.png),
+  and the same with `--tour-results docs/tour`, at its tour section (docs/page-tour-1400.png);
 - the live page of an agent serving examples/ with nftables offload in a throwaway lab
   (tests/netns.py: a node namespace with the examples' pods, and a client holding one connection
   open): its first screen (docs/view-1400.png, view-800.png) and the path of a connection to
@@ -61,6 +62,22 @@ def page(out: Path, ns: str, work: Path) -> None:
             shoot(b, width, out / f"page-{width}.png")
         finally:
             b.close()
+    tour(out, ns, work)
+
+
+def tour(out: Path, ns: str, work: Path) -> None:
+    """The page with the tour's plots of docs/tour (docs/page-tour-1400.png), scrolled to them."""
+    html = work / "tour.html"
+    subprocess.run([USPROXY, "explain", "--services", str(EXAMPLES), "--html", str(html),
+                    "--tour-results", "docs/tour"], check=True, cwd=ROOT)  # the page names the path given
+    b = Browser(ns, WIDTHS[0], HEIGHT)
+    try:
+        b.goto(html.as_uri())
+        b.wait("!!document.querySelector('section.tour img, section.tour svg')", timeout=20, what="the tour's plots")
+        top = b.eval("document.querySelector('section.tour').getBoundingClientRect().top + scrollY - 8")
+        shoot(b, WIDTHS[0], out / f"page-tour-{WIDTHS[0]}.png", top)
+    finally:
+        b.close()
 
 
 def wait_offloaded(agent: AgentProc, timeout: float = 30) -> None:
