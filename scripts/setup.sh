@@ -53,11 +53,19 @@ if [ -f usproxy/offload/bpf/build.py ]; then
 fi
 # The VM lab's root file systems (kernels, modules, Debian roots with the lab's Python packages):
 # cached under USPROXY_LAB_CACHE (default /var/cache/usproxy-lab), so a re-run only checks the
-# cache (under a second). Cold: about 4 min for amd64, 8 for arm64 (docs/lab.md). USPROXY_LAB_BUILD=0
-# skips them (tests/vm then builds them on first use).
+# cache (under a second). Cold, both built at once: about 9 minutes under load (docs/lab.md).
+# USPROXY_LAB_BUILD=0 skips them (tests/vm then builds them on first use).
 if [ "${USPROXY_LAB_BUILD:-1}" != 0 ]; then
-  echo "== VM lab roots (bash scripts/vm.sh build all; cached)"
-  bash scripts/vm.sh build all > /tmp/usproxy-lab-setup.log 2>&1 \
-    || { tail -n 20 /tmp/usproxy-lab-setup.log; echo "warning: the VM lab's roots did not build (log: /tmp/usproxy-lab-setup.log); tests/vm will try again"; }
+  echo "== VM lab roots (bash scripts/vm.sh build amd64 / arm64, side by side; cached)"
+  pids=()
+  for arch in amd64 arm64; do
+    bash scripts/vm.sh build "$arch" > "/tmp/usproxy-lab-setup-$arch.log" 2>&1 &
+    pids+=("$!")
+  done
+  for i in 0 1; do
+    arch=$([ "$i" = 0 ] && echo amd64 || echo arm64)
+    wait "${pids[$i]}" || { tail -n 20 "/tmp/usproxy-lab-setup-$arch.log"
+      echo "warning: the VM lab's $arch root did not build (log: /tmp/usproxy-lab-setup-$arch.log); tests/vm will try again"; }
+  done
 fi
 echo "== set-up done: .venv/bin/usproxy"
