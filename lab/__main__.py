@@ -51,8 +51,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def need_tools(arch: str) -> str | None:
-    qemu = "qemu-system-x86_64" if arch == "amd64" else "qemu-system-aarch64"
-    for tool in (qemu, "debootstrap", "mkfs.ext4", "cpio", "dpkg-deb"):
+    qemu = ["qemu-system-x86_64"] if arch == "amd64" else ["qemu-system-aarch64", "qemu-aarch64-static"]
+    for tool in (*qemu, "debootstrap", "mkfs.ext4", "cpio", "unshare"):
         if shutil.which(tool) is None:
             return f"{tool} missing (bash scripts/setup.sh installs the lab's packages)"
     if os.geteuid() != 0:

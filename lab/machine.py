@@ -3,8 +3,7 @@ throwaway overlay, an input disk and an output disk; no network device at all.
 
 Disks, in this order (so the guest sees vda, vdb, vdc):
 - vda: the root image (rootfs.py), opened with snapshot=on: the guest writes to a temporary
-  overlay in this run's directory, the cached image is never changed (a build boot, stage 2 of
-  arm64, is the one exception);
+  overlay in this run's directory, the cached image is never changed;
 - vdb: a tar of what this run brings in (lab/guest, usproxy's wheel, params.json and, for
   --run, the repository), unpacked by the initramfs into /lab of the root;
 - vdc: zeros; the guest writes a tar of /lab/out onto it before it powers off, and the host
@@ -58,10 +57,6 @@ mode=run
 for word in $(cat /proc/cmdline); do case "$word" in lab.mode=*) mode=${word#lab.mode=} ;; esac; done
 if [ "$mode" = probe ]; then echo "lab-kvm-probe-ok"; poweroff -f; fi
 mount -t ext4 -o rw /dev/vda /newroot || { echo "lab: cannot mount the root disk"; poweroff -f; }
-if [ "$mode" = stage2 ]; then
-  umount /proc /sys /dev
-  exec switch_root /newroot /bin/sh /lab-stage2.sh
-fi
 mkdir -p /newroot/lab
 tar -xf /dev/vdb -C /newroot/lab || { echo "lab: cannot unpack the input disk"; poweroff -f; }
 umount /proc /sys /dev
@@ -197,17 +192,6 @@ def kvm_works(root: Rootfs) -> bool:
     memo.write_text("yes\n" if ok else "no\n")
     log(f"KVM {'works' if ok else 'does not work'} here ({'kvm' if ok else 'tcg'} from now on, until the host reboots)")
     return ok
-
-
-def boot_stage2(work: Path, log_to: Path) -> None:
-    """arm64 build: boot work/rootfs.img read-write with lab.mode=stage2; keep it only on 'ok'."""
-    cmd = qemu_command(Boot("arm64", 2, 2048, ("lab.mode=stage2",)), work / "vmlinuz",
-                       build_initramfs(work, work), [(work / "rootfs.img", False)], "tcg")
-    out = boot_once(cmd, work, 3600.0, quiet=False)
-    with log_to.open("a") as f:
-        f.write(out.console.read_text())
-    if not any(line.strip() == "lab-stage2: ok" for line in out.lines):
-        raise RuntimeError(f"arm64 second stage did not finish ({out.exit_reason}); see the console above")
 
 
 def input_disk(workdir: Path, members: dict[str, Path]) -> Path:

@@ -15,6 +15,7 @@ APT_PACKAGES=(
   debootstrap buildah openssl systemd   # scripts/image.sh and tests/deploy (image, TLS API server, systemd-analyze)
   chromium                              # the web view tests (tests/offload/test_web_view_browser.py): headless
   qemu-system-x86 qemu-system-arm cpio  # the VM lab (scripts/vm.sh, tests/vm): guests under qemu, their initramfs
+  qemu-user-static                      # the VM lab's arm64 root: its programs run in a chroot while it is built
 )
 
 need_apt=()
@@ -49,5 +50,22 @@ if ! .venv/bin/python -c "import usproxy, pytest, scipy" 2>/dev/null || [ pyproj
 fi
 if [ -f usproxy/offload/bpf/build.py ]; then
   .venv/bin/python -m usproxy.offload.bpf.build || echo "warning: BPF programs did not build; the BPF datapath will report itself unavailable"
+fi
+# The VM lab's root file systems (kernels, modules, Debian roots with the lab's Python packages):
+# cached under USPROXY_LAB_CACHE (default /var/cache/usproxy-lab), so a re-run only checks the
+# cache (under a second). Cold, both built at once: about 9 minutes under load (docs/lab.md).
+# USPROXY_LAB_BUILD=0 skips them (tests/vm then builds them on first use).
+if [ "${USPROXY_LAB_BUILD:-1}" != 0 ]; then
+  echo "== VM lab roots (bash scripts/vm.sh build amd64 / arm64, side by side; cached)"
+  pids=()
+  for arch in amd64 arm64; do
+    bash scripts/vm.sh build "$arch" > "/tmp/usproxy-lab-setup-$arch.log" 2>&1 &
+    pids+=("$!")
+  done
+  for i in 0 1; do
+    arch=$([ "$i" = 0 ] && echo amd64 || echo arm64)
+    wait "${pids[$i]}" || { tail -n 20 "/tmp/usproxy-lab-setup-$arch.log"
+      echo "warning: the VM lab's $arch root did not build (log: /tmp/usproxy-lab-setup-$arch.log); tests/vm will try again"; }
+  done
 fi
 echo "== set-up done: .venv/bin/usproxy"

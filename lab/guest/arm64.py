@@ -25,6 +25,8 @@ import node
 import traffic
 from agent import Agent, cleanup
 from node import say, sh
+from result import BPF_CGROUP, WORK
+from traffic import held_probe, wait_serving
 
 EM_BPF = 247
 LOCAL_CLIENT = """
@@ -70,8 +72,6 @@ def local_probe(agent: Agent, cgroup: Path) -> dict[str, Any]:
 
 
 def run(res: Any) -> None:
-    from scenario import BPF_CGROUP, WORK, held_probe, wait_serving
-
     obj = bpf_object()
     res.data["bpf_object"] = obj
     res.expect(obj.get("e_machine") == EM_BPF, f"the BPF object is not BPF bytecode: {obj}")

@@ -25,6 +25,7 @@ import node
 import traffic
 from agent import Agent, memory_state
 from node import say
+from result import BPF_CGROUP, PARAMS, WORK
 
 SERVICES = 100
 PODS = 4
@@ -51,8 +52,6 @@ def oom_lines() -> list[str]:
 
 
 def run(res: Any) -> None:
-    from scenario import BPF_CGROUP, PARAMS, WORK
-
     duration = float(PARAMS["duration_s"] or 60)
     res.data["check"] = __import__("proofs").check_json()
     pods = node.build(PODS)

@@ -13,10 +13,6 @@ forwarded traffic (what is not "bpf") must be the expected rung of the ladder.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import socket
 import sys
 import time
 import traceback
@@ -29,40 +25,9 @@ import node  # noqa: E402
 import proofs  # noqa: E402
 import traffic  # noqa: E402
 from agent import Agent, cleanup  # noqa: E402
-from node import OUT, say  # noqa: E402
-
-PARAMS: dict[str, Any] = json.loads(Path("/lab/params.json").read_text())
-WORK = Path("/lab/work")
-BPF_CGROUP = Path("/sys/fs/cgroup/unified/lab-node")  # the socket LB serves this cgroup's processes only
-
-
-class Result:
-    def __init__(self) -> None:
-        self.data: dict[str, Any] = {
-            "scenario": PARAMS["scenario"], "uname_r": platform.release(), "arch": platform.machine(),
-            "memory_kib": meminfo("MemTotal"), "vcpus": os.cpu_count(), "missing": {}, "present": {},
-            "check": [], "check_disagrees": [], "datapaths": {}, "expected": {}, "figures": {}, "failures": []}
-
-    def fail(self, why: str) -> None:
-        say(f"FAIL: {why}")
-        self.data["failures"].append(why)
-
-    def expect(self, ok: bool, why: str) -> bool:
-        if not ok:
-            self.fail(why)
-        return ok
-
-    def write(self) -> None:
-        self.data["passed"] = not self.data["failures"]
-        (OUT / "result.json").write_text(json.dumps(self.data, indent=1, default=str))
-
-
-def meminfo(key: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
-
+from node import say  # noqa: E402
+from result import BPF_CGROUP, PARAMS, WORK, Result, meminfo  # noqa: E402
+from traffic import held_probe, wait_serving  # noqa: E402
 
 def forwarded_part(datapath: str) -> str:
     """The datapath serving forwarded traffic: what is not the socket LB ("bpf" serves only
@@ -74,26 +39,6 @@ def forwarded_part(datapath: str) -> str:
 def same_datapath(a: str, b: str) -> bool:
     """"bpf+nftables" and "nftables+bpf" are the same placement."""
     return set(a.split("+")) == set(b.split("+"))
-
-
-def held_probe(agent: Agent, ip: str, port: int, proto: str) -> dict[str, str]:
-    """A new connection from the client; while it is open, which datapath /flows shows it on."""
-    kind = socket.SOCK_STREAM if proto == "TCP" else socket.SOCK_DGRAM
-    try:
-        with traffic.client_socket(kind) as s:
-            s.connect((ip, port))
-            if proto == "TCP":
-                s.sendall(b"probe\n")
-                reply = s.makefile("rb").readline().decode()
-            else:
-                s.send(b"probe")
-                reply = s.recv(2048).decode()
-            src = f"{node.CLIENT_IP}:{s.getsockname()[1]}"
-            flows = agent.get("/flows")
-    except OSError as err:
-        return {"pod": f"error: {err}", "carried_by": "none"}
-    mine = [f.get("datapath", "?") for f in flows if f.get("original", {}).get("src") == src]
-    return {"pod": reply.split(" ")[0], "carried_by": "+".join(sorted(set(mine))) or "not in /flows"}
 
 
 def prove_missing(res: Result, features: list[str]) -> dict[str, bool]:
@@ -181,19 +126,6 @@ def kernel_scenario(res: Result) -> None:
 def datapath_lines(log: Path) -> list[str]:
     """The agent's own words on each kernel datapath ("kernel datapath bpf: unavailable (...)")."""
     return [line.split(": ", 1)[1] for line in log.read_text(errors="replace").splitlines() if "kernel datapath " in line]
-
-
-def wait_serving(res: Result, frontends: dict[str, tuple[str, int, str]], timeout: float = 90) -> None:
-    """Until a probe through each frontend is answered: the agent lists its Services before its
-    relay has bound every ClusterIP (until then the node has no route and answers unreachable)."""
-    start = time.monotonic()
-    for spn, (ip, port, proto) in frontends.items():
-        while traffic.probe(ip, port, proto).startswith("error"):
-            if time.monotonic() - start > timeout:
-                res.fail(f"{spn} ({ip}:{port}/{proto}) not served {timeout:.0f} s after the agent listed it")
-                return
-            time.sleep(0.5)
-    res.data["figures"]["serving_s"] = round(time.monotonic() - start, 1)
 
 
 def traffic_through(res: Result, agent: Agent, frontends: dict[str, tuple[str, int, str]], forwarded: str,

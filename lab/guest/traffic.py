@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
+import node
+from agent import Agent
 from node import CLIENT, netns
+from result import Result
 
 ANSWER_S = 5.0  # TCG is slow and the agent may be busy; an answer later than this is an error
 
@@ -121,3 +125,36 @@ class Flow:
 def summary(flows: list[Flow]) -> tuple[list[dict[str, object]], int]:
     results = [f.stop() for f in flows]
     return results, sum(int(str(r["error_count"])) for r in results)
+
+
+def held_probe(agent: Agent, ip: str, port: int, proto: str) -> dict[str, str]:
+    """A new connection from the client; while it is open, which datapath /flows shows it on."""
+    kind = socket.SOCK_STREAM if proto == "TCP" else socket.SOCK_DGRAM
+    try:
+        with client_socket(kind) as s:
+            s.connect((ip, port))
+            if proto == "TCP":
+                s.sendall(b"probe\n")
+                reply = s.makefile("rb").readline().decode()
+            else:
+                s.send(b"probe")
+                reply = s.recv(2048).decode()
+            src = f"{node.CLIENT_IP}:{s.getsockname()[1]}"
+            flows = agent.get("/flows")
+    except OSError as err:
+        return {"pod": f"error: {err}", "carried_by": "none"}
+    mine = [f.get("datapath", "?") for f in flows if f.get("original", {}).get("src") == src]
+    return {"pod": reply.split(" ")[0], "carried_by": "+".join(sorted(set(mine))) or "not in /flows"}
+
+
+def wait_serving(res: Result, frontends: dict[str, tuple[str, int, str]], timeout: float = 90) -> None:
+    """Until a probe through each frontend is answered: the agent lists its Services before its
+    relay has bound every ClusterIP (until then the node has no route and answers unreachable)."""
+    start = time.monotonic()
+    for spn, (ip, port, proto) in frontends.items():
+        while probe(ip, port, proto).startswith("error"):
+            if time.monotonic() - start > timeout:
+                res.fail(f"{spn} ({ip}:{port}/{proto}) not served {timeout:.0f} s after the agent listed it")
+                return
+            time.sleep(0.5)
+    res.data["figures"]["serving_s"] = round(time.monotonic() - start, 1)

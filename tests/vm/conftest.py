@@ -1,9 +1,9 @@
-"""The arm64 root file system takes the longest to build (its debootstrap second stage runs in the
-emulated board): when test_arm64 is collected and that root is not cached yet, its build starts in
-the background as the session starts, so it overlaps the amd64 scenarios instead of following
-them; test_arm64's `vm.sh arm64` then waits for it (one build per architecture at a time,
-lab/rootfs.py) and finds it cached. A build still running when the session ends is stopped (it
-removes its half-built root)."""
+"""The arm64 root file system takes the longest to build (its debootstrap second stage runs
+through qemu-user; scripts/setup.sh normally built it already): when test_arm64 is collected and
+that root is not cached yet, its build starts in the background as the session starts, so it
+overlaps the amd64 scenarios instead of following them; test_arm64's `vm.sh arm64` then waits for
+it (one build per architecture at a time, lab/rootfs.py) and finds it cached. A build still
+running when the session ends is stopped (it removes its half-built root)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     global _build
     if not any(item.name == "test_arm64" for item in session.items):
         return
-    if os.geteuid() != 0 or shutil.which("qemu-system-aarch64") is None or shutil.which("debootstrap") is None:
+    if os.geteuid() != 0 or any(shutil.which(t) is None for t in ("qemu-system-aarch64", "qemu-aarch64-static", "debootstrap")):
         return
     from lab import rootfs
 

@@ -3,7 +3,7 @@ judged from the one JSON line it ends with.
 
 Each test boots one qemu guest (TCG here; lab/machine.py) on Debian's 6.1 kernel with features
 really taken away, so they are slow (1-5 min each) and run one at a time. The root file systems
-are built on first use and cached (/var/cache/usproxy-lab); `bash scripts/setup.sh` builds them.
+are built by `bash scripts/setup.sh` (or on first use) and cached (/var/cache/usproxy-lab).
 Skipped only where a guest cannot start: not root, or qemu missing (the reason says which).
 
 What is asserted besides "passed" (which the guest decides, lab/guest/scenario.py):
@@ -139,6 +139,9 @@ def test_edge_256(tmp_path: Path) -> None:
 
 
 @needs_lab
+@pytest.mark.skipif(shutil.which("qemu-aarch64-static") is None,
+                    reason="qemu-aarch64-static is not installed: the arm64 root is built through it "
+                           "(bash scripts/setup.sh installs qemu-user-static)")
 def test_arm64(tmp_path: Path) -> None:
     code, out, err = vm(tmp_path, "arm64", timeout=3600)
     assert code == 0 and out["passed"], f"{out}\n{err}"
