@@ -50,6 +50,9 @@ class FakeVip:
     async def local_addresses(self) -> list[tuple[str, IPAddress]]:
         return []
 
+    async def repair(self) -> bool:
+        return False
+
     async def close(self) -> None:
         pass
 
