@@ -25,10 +25,10 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -145,7 +145,7 @@ def parse_documents(text: str, source: str = "<input>") -> list[Mapping[str, Any
     with gc_paused(True):
         pieces = _read_pieces(text)
         if pieces is not None:
-            return [raw for key, value, where in pieces for raw in _raws(value, key[:1] == b"i", _where(source, where))]
+            return [raw for key, value, where, _ in pieces for raw in _raws(value, key[:1] == b"i", _where(source, where))]
         return _parse_whole(text, source)
 
 
@@ -312,6 +312,16 @@ class _Digests:
         return (b"i" if item else b"d") + hashlib.blake2b(chunk, digest_size=16).digest()
 
 
+class PieceHelper(Protocol):
+    """Another process parsing the pieces of the same text that start at or after `start`
+    (sources/parse_helper.py): `result()` waits for their entries by piece key (`parse_share`),
+    None when it delivers none."""
+
+    start: int
+
+    def result(self) -> Mapping[PieceKey, Packed] | None: ...
+
+
 class ManifestParser:
     """Parses the successive texts of one manifest file. The text is cut into pieces
     (manifest_pieces.py: documents and List items); a piece is read by BlockYaml, or by PyYAML
@@ -322,27 +332,58 @@ class ManifestParser:
     def __init__(self) -> None:
         self._pieces: dict[PieceKey, Packed] = {}
 
-    def parse(self, text: str, source: str = "<input>") -> Manifests:
-        """Raises ConfigError when the text cannot be parsed at all."""
+    def parse(self, text: str, source: str = "<input>", helper: PieceHelper | None = None) -> Manifests:
+        """Raises ConfigError when the text cannot be parsed at all. With `helper`, the pieces
+        from `helper.start` on are taken from it (those it does not deliver are parsed here)."""
         with gc_paused(True):  # a burst of acyclic objects: nothing for the collector to find
-            pieces = _read_pieces(text, self._pieces)
+            start = helper.start if helper is not None else -1
+            pieces = _read_pieces(text, self._pieces, (lambda a: a < start) if helper is not None else None)
             if pieces is None:
                 return objects_from(parse_documents(text, source))
             kept: dict[PieceKey, Packed] = {}
             order: list[tuple[Entry, ...]] = []
-            for key, value, where in pieces:
+            shared: Mapping[PieceKey, Packed] | None = None
+            for key, value, where, span in pieces:
                 packed = kept.get(key)
                 if packed is None:
                     packed = self._pieces.get(key)
+                if packed is None and value is _DEFERRED:
+                    if shared is None:
+                        shared = (helper.result() if helper is not None else None) or {}
+                    packed = shared.get(key)
+                    if packed is None:  # not delivered: parsed here
+                        try:
+                            value = _piece_value(text, span, key[:1] == b"i", {})
+                        except _Whole:
+                            return objects_from(parse_documents(text, source))
                 if packed is None:
-                    packed = _pack(tuple(e for raw in _raws(value, key[:1] == b"i", _where(source, where))
-                                         if (e := _entry(raw)) is not None))
+                    packed = _entries_of(key, value, source, where)
                 kept[key] = packed
                 order.append(_unpack(packed))
             self._pieces = kept
             out = _manifests([e for entries in order for e in entries])
             promote_survivors()  # unscanned into the oldest generation: no collection walks them now
             return out
+
+
+def parse_share(text: str, start: int, source: str = "<input>") -> list[tuple[PieceKey, Packed]] | None:
+    """The entries of each piece of `text` that starts at or after `start`, by piece key: a
+    PieceHelper's part of ManifestParser.parse (same keys, values and errors). None when the text
+    is not cut, its cut does not hold, or a piece cannot be parsed alone."""
+    with gc_paused(True):
+        try:
+            pieces = _read_pieces(text, None, lambda a: a >= start, only_mine=True)
+            if pieces is None:
+                return None
+            return [(key, _entries_of(key, value, source, where)) for key, value, where, _ in pieces
+                    if value is not _DEFERRED]
+        except ConfigError:  # the parser reports it, parsing the piece itself
+            return None
+
+
+def _entries_of(key: PieceKey, value: Any, source: str, where: Where) -> Packed:
+    """What one parsed piece adds, packed. Raises ConfigError (a List item that is no object)."""
+    return _pack(tuple(e for raw in _raws(value, key[:1] == b"i", _where(source, where)) if (e := _entry(raw)) is not None))
 
 
 Packed = Service | EndpointSlice | tuple[Entry, ...]  # a piece's entries as the parser keeps them
@@ -382,43 +423,61 @@ def _where(source: str, where: Where) -> str:
 
 
 _CACHED = object()  # a piece whose value was not read again: its entries are kept
+_DEFERRED = object()  # a piece left to another process (ManifestParser.parse's helper)
+Piece = tuple[PieceKey, Any, Where, tuple[int, int]]  # key, value (or _CACHED, _DEFERRED), where, span
 
 
-def _read_pieces(text: str, cache: Mapping[PieceKey, object] | None = None
-                 ) -> list[tuple[PieceKey, Any, Where]] | None:
-    """Each piece of `text` with its YAML value (_CACHED when `cache` holds its key) and where it
-    is (for errors); None when the text is not cut, or its cut did not hold."""
+def _read_pieces(text: str, cache: Mapping[PieceKey, object] | None = None,
+                 mine: Callable[[int], bool] | None = None, only_mine: bool = False) -> list[Piece] | None:
+    """Each piece of `text` with its YAML value (_CACHED when `cache` holds its key, _DEFERRED
+    when `mine` is given and says no to its start; left out then with `only_mine`), where it is
+    (for errors) and its span; None when the text is not cut, or its cut did not hold."""
     cuts = cut(text)
     if cuts is None:
         return None
     memo: dict[str, Any] = {}  # line shapes, shared by the pieces of this text
     digests = _Digests(text)
-    out: list[tuple[PieceKey, Any, Where]] = []
+    out: list[Piece] = []
     try:
         for doc in cuts:
-            _document_pieces(doc, text, digests, memo, cache or {}, out)
+            _document_pieces(doc, text, digests, memo, cache or {}, mine, only_mine, out)
     except _Whole:
         return None
     return out
 
 
 def _document_pieces(doc: DocumentCut, text: str, digests: _Digests, memo: dict[str, Any],
-                     cache: Mapping[PieceKey, object], out: list[tuple[PieceKey, Any, Where]]) -> None:
+                     cache: Mapping[PieceKey, object], mine: Callable[[int], bool] | None, only_mine: bool,
+                     out: list[Piece]) -> None:
     i = doc.index
     if doc.items is not None and (doc.skeleton is None or _is_list_skeleton(_load_piece(doc.skeleton, memo))):
         key_of = digests.key
-        for j, (a, b) in enumerate(doc.item_spans()):
-            key = key_of(True, a, b)
+        for j, span in enumerate(doc.item_spans()):
+            if only_mine and mine is not None and not mine(span[0]):
+                continue
+            key = key_of(True, *span)
             value: Any = _CACHED
             if key not in cache:
-                value = _load_piece(text[a:b], memo)
-                if not (isinstance(value, list) and len(value) == 1):
-                    raise _Whole  # the cut was not at entries
-            out.append((key, value, (i, j)))
+                value = _piece_value(text, span, True, memo) if mine is None or mine(span[0]) else _DEFERRED
+            out.append((key, value, (i, j), span))
         return
-    a, b = doc.span
-    key = digests.key(False, a, b)
-    out.append((key, _CACHED if key in cache else _load_piece(text[a:b], memo), (i, -1)))
+    span = doc.span
+    if only_mine and mine is not None and not mine(span[0]):
+        return
+    key = digests.key(False, *span)
+    value = _CACHED
+    if key not in cache:
+        value = _piece_value(text, span, False, memo) if mine is None or mine(span[0]) else _DEFERRED
+    out.append((key, value, (i, -1), span))
+
+
+def _piece_value(text: str, span: tuple[int, int], item: bool, memo: dict[str, Any]) -> Any:
+    """The YAML value of the piece at `span`. Raises _Whole when it cannot be read alone, or an
+    item does not read as a sequence of one entry (the cut was not at entries)."""
+    value = _load_piece(text[span[0]:span[1]], memo)
+    if item and not (isinstance(value, list) and len(value) == 1):
+        raise _Whole
+    return value
 
 
 def _is_list_skeleton(value: Any) -> bool:
