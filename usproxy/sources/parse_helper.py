@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from usproxy.model.manifest import Packed, PieceKey, manifest_files, parse_share, read_text
+from usproxy.model.manifest import Packed, PieceKey, decode, manifest_files, parse_share
 from usproxy.util.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Prefetch:
     """Each manifest file's stat key and text, read at start, and the child parsing the later
     part of them (`pid`, `pipe`); `take()` hands a file to the source once."""
 
-    texts: dict[Path, tuple[FileKey, str]]
+    texts: dict[Path, tuple[FileKey, str, bytes | None]]
     starts: dict[Path, int]
     pid: int = 0
     pipe: int = -1
@@ -81,15 +81,17 @@ class Prefetch:
             texts = {}
             for f in files:
                 st = f.stat()
-                texts[f] = ((st.st_ino, st.st_size, st.st_mtime_ns), read_text(f))
-        except (OSError, ConfigError):  # ManifestReadError included: the source reports it
+                data = f.read_bytes()
+                plain = data.isascii() and b"\r" not in data
+                texts[f] = ((st.st_ino, st.st_size, st.st_mtime_ns), decode(data, str(f)), data if plain else None)
+        except (OSError, ConfigError):  # the source reads them again and reports it
             return None
-        total = sum(len(text) for _, text in texts.values())
+        total = sum(len(text) for _, text, _ in texts.values())
         if not texts or total < least:
             return None
         cut_at = int(total * (1 - share))
         starts, offset = {}, 0
-        for f, (_, text) in texts.items():
+        for f, (_, text, _) in texts.items():
             starts[f] = max(0, cut_at - offset) if cut_at - offset < len(text) else len(text) + 1
             offset += len(text)
         out = cls(texts, starts)
@@ -105,14 +107,16 @@ class Prefetch:
         os.close(write)
         self.pid, self.pipe = pid, read
 
-    def take(self, f: Path) -> tuple[FileKey, str, FileShare | None] | None:
-        """`f`'s stat key and text as read at start, with its share of the child's work (None:
-        the parent parses all of it); None when `f` was not read here."""
+    def take(self, f: Path) -> tuple[FileKey, str, bytes | None, FileShare | None] | None:
+        """`f`'s stat key, text and bytes (None unless ASCII with LF line ends) as read at start,
+        with its share of the child's work (None: the parent parses all of it); None when `f`
+        was not read here."""
         entry = self.texts.pop(f, None)
         if entry is None:
             return None
+        key, text, data = entry
         start = self.starts[f]
-        return entry[0], entry[1], FileShare(self, f, start) if start <= len(entry[1]) else None
+        return key, text, data, FileShare(self, f, start) if start <= len(text) else None
 
     def shares(self) -> Shares:
         """The child's pieces per file, read once (waiting for the child); {} when it failed."""
@@ -153,7 +157,7 @@ class Prefetch:
                         os.waitstatus_to_exitcode(status))
 
 
-def _child(write: int, texts: Mapping[Path, tuple[FileKey, str]], starts: Mapping[Path, int]) -> None:
+def _child(write: int, texts: Mapping[Path, tuple[FileKey, str, bytes | None]], starts: Mapping[Path, int]) -> None:
     """The forked child: parse each file's share, pickle it to `write`, exit. Never returns."""
     code = 1
     try:
@@ -162,7 +166,7 @@ def _child(write: int, texts: Mapping[Path, tuple[FileKey, str]], starts: Mappin
         _die_with_parent()
         gc.disable()  # it lives for one parse: nothing for the collector to free
         out: Shares = {str(f): parse_share(text, starts[f], str(f))
-                       for f, (_, text) in texts.items() if starts[f] <= len(text)}
+                       for f, (_, text, _) in texts.items() if starts[f] <= len(text)}
         with open(write, "wb") as pipe:
             pipe.write(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
         code = 0

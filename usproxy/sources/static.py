@@ -145,8 +145,8 @@ class StaticSource:
                 self._keys[f] = _stat_key(f)
                 self._good[f] = self._report(load_file(f, self._parser(f)))
                 continue
-            self._keys[f], text, share = early
-            self._good[f] = self._report(self._parser(f).parse(text, str(f), share))
+            self._keys[f], text, data, share = early
+            self._good[f] = self._report(self._parser(f).parse(text, str(f), share, data))
         if prefetch is not None:
             prefetch.close()
         self._deliver()
