@@ -297,8 +297,10 @@ class Prototype(Contender):
             ctx.procs.stop(self.proc)
 
 
-def default_contenders(prototypes: bool) -> list[Contender]:
-    out: list[Contender] = [Direct(), Usproxy("relay", "10.96.100.10", 1), Usproxy("offloaded", "10.96.101.10", 2, "nftables"),
+def default_contenders(prototypes: bool, offloaded: str = "nftables") -> list[Contender]:
+    """`offloaded`: the kernel datapath of the "offloaded" contender (one offloading agent per
+    network namespace: a run measures one of them)."""
+    out: list[Contender] = [Direct(), Usproxy("relay", "10.96.100.10", 1), Usproxy("offloaded", "10.96.101.10", 2, offloaded),
                             HAProxy("10.96.200.10")]
     if prototypes:
         # --mode protocol (the relay's shape minus bookkeeping) is left out: under the short-connection

@@ -58,6 +58,8 @@ def parse() -> argparse.Namespace:
                     help="include the relay prototypes of bench/prototypes (default: full runs only)")
     ap.add_argument("--stem", help="results file name (default <date>[-quick])")
     ap.add_argument("--update", metavar="STEM", help="re-run only --only's phases and replace them in results/STEM.json")
+    ap.add_argument("--offloaded", default="nftables", choices=["nftables", "iptables", "bpf"],
+                    help="the kernel datapath of the 'offloaded' contender (default nftables)")
     return ap.parse_args()
 
 
@@ -98,7 +100,8 @@ def main() -> int:
             p = procs.spawn(ns, [PYTHON, "-m", "bench.servers", name], stdout=subprocess.PIPE)
             assert p.stdout is not None
             p.stdout.readline()
-        contenders = default_contenders(protos)
+        contenders = default_contenders(protos, args.offloaded)
+        results["meta"]["offloaded"] = args.offloaded
         for c in contenders:
             c.start(ctx)
             log(f"contender {c.name}: " + ("up" if c.available else f"unavailable: {c.reason}"))

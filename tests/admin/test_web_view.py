@@ -7,6 +7,7 @@ first snapshot equal to /services. The drawings themselves: tests/explain/test_d
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import re
 import time
@@ -22,8 +23,9 @@ from usproxy.core.events import EventHub, Subscription
 from usproxy.app.agent import Agent
 from usproxy.model.config import ProxyConfig
 from usproxy.core.datapath import FakeDatapath
-from usproxy.explain import iptables, nftables
-from usproxy.explain.service_set import ServiceSet
+from usproxy.explain import nftables, registry, scale
+from usproxy.offload.iptables import rules as iptables
+from usproxy.model.service_set import ServiceSet
 
 from tests.app.helpers import SVC, write
 
@@ -119,7 +121,7 @@ async def test_page_and_assets_come_from_the_package_only(agent: Agent) -> None:
         for path in ("/view/static/..%2fserver.py", "/view/static/view.html.bak"):
             async with s.get(url(agent, path)) as r:
                 assert r.status == 404
-    refs = re.findall(r'(?:src|href)="([^"]+)"', texts[0])
+    refs = re.findall(r'(?:src|href)="([^"#][^"]*)"', texts[0])  # in-page anchors (#numbers) load nothing
     assert refs == ["/view/static/explain.css", "/view/static/view.css", "/view/static/view.js"]
     assert not any(re.search(r"https?://|//[a-z]", t.replace("http://www.w3.org", "")) for t in texts[1:])
 
@@ -156,3 +158,111 @@ async def test_the_stream_starts_with_a_snapshot_of_services_and_flows(agent: Ag
     for row in (*snap["services"], *services):
         row.pop("reason")  # the fake datapath's reason carries no clock, but stay safe
     assert snap["services"] == services and snap["flows"] == [] and snap["flowCount"] == 0
+
+
+# `nft list table ip usproxy` as the nftables datapath leaves it for tests/app/helpers.SVC (trimmed
+# to what default/web:http uses), the way the kernel lists it back.
+LISTING = """table ip usproxy {
+\tmap service-ips {
+\t\ttype ipv4_addr . inet_proto . inet_service : verdict
+\t\telements = { 10.96.10.10 . tcp . 80 comment "default/web:http/TCP" : goto g-1,
+\t\t\t     10.96.0.10 . udp . 53 comment "kube-system/dns:dns/UDP" : goto g-1 }
+\t}
+
+\tmap slot-0 {
+\t\ttype ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service
+\t\telements = { 10.96.10.10 . tcp . 80 : 10.244.1.5 . 8080,
+\t\t\t     10.96.0.10 . udp . 53 : 10.244.9.9 . 53 }
+\t}
+
+\tchain services {
+\t\tip daddr . meta l4proto . th dport vmap @service-ips
+\t}
+
+\tchain nat-prerouting {
+\t\ttype nat hook prerouting priority dstnat; policy accept;
+\t\tjump services
+\t}
+
+\tchain g-1 {
+\t\tgoto s-0
+\t}
+
+\tchain s-0 {
+\t\tdnat ip to ip daddr . meta l4proto . th dport map @slot-0
+\t}
+}
+"""
+
+
+async def test_the_page_carries_the_introduction(agent: Agent) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url(agent, "/view")) as r:
+            page = await r.text()
+    assert "<!--intro-->" not in page and "<b>Service</b> is a stable address" in page
+    for mode in registry.MODES:
+        assert f"<li><b>{mode.name}</b>: {html.escape(mode.gist)}</li>" in page, mode.name
+
+
+async def test_why_in_numbers_measures_the_nodes_services(agent: Agent) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url(agent, "/view/numbers")) as r:
+            body = await r.json()
+    rows = re.findall(r"<tr><td>(\w+)</td><td>(\d+)</td>", body["html"])
+    assert [m for m, _ in rows] == list(registry.NAMES)
+    st = agent.service_ports()[0]
+    ss = ServiceSet(((st.service_port, st.endpoints),))
+    walked = {m.name: scale.measure(ss, m, lambda x, md: md.view(x, "dump")).rules for m in registry.MODES}
+    assert {m: int(n) for m, n in rows} == walked
+
+
+async def test_nftables_shows_usproxys_own_table_as_the_kernel_lists_it(agent: Agent, monkeypatch: Any) -> None:
+    """With an nftables datapath running, the nftables mode carries default/web's part of the
+    table the kernel lists (read through web_view.live_tables) and its drawing; without one,
+    nothing is read."""
+    reads: list[int] = []
+
+    def listed() -> dict[int, str]:
+        reads.append(1)
+        return {4: LISTING}
+
+    monkeypatch.setattr(web_view, "live_tables", listed)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url(agent, "/view/service?name=default/web")) as r:
+            plain = await r.json()
+        monkeypatch.setattr(agent, "kernel_datapaths", lambda: ("nftables",))
+        for _ in range(2):  # one reading serves both (LIVE_TABLE_AGE)
+            async with s.get(url(agent, "/view/service?name=default/web")) as r:
+                body = await r.json()
+    assert reads == [1] and all("live" not in m for m in plain["modes"])
+    (nft,) = [m for m in body["modes"] if "live" in m]
+    assert nft["mode"] == "nftables" and nft["live"]["title"] == "usproxy's own table, as the kernel holds it now"
+    rules = nft["live"]["rules"]
+    assert '\t10.96.10.10 . tcp . 80 comment "default/web:http/TCP" : goto g-1' in rules
+    assert "\t10.96.10.10 . tcp . 80 : 10.244.1.5 . 8080" in rules and "10.244.9.9" not in rules
+    assert "chain g-1 {" in rules and "chain s-0 {" in rules
+    (svg,) = nft["live"]["svgs"]
+    root = ET.fromstring(svg)
+    assert [g.get("data-endpoint") for g in root.iter(f"{SVG}g") if g.get("class") == "backend"] == ["10.244.1.5:8080"]
+    assert "g-1" in svg and "@service-ips" in svg
+
+
+async def test_a_tours_plots_are_served_only_when_given(tmp_path: Path, agent: Agent) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url(agent, "/view/tour")) as r:
+            assert await r.json() == {"html": None}
+    plots = tmp_path / "tour"
+    plots.mkdir()
+    (plots / "match-cost.svg").write_text('<svg xmlns="http://www.w3.org/2000/svg"/>')
+    write(tmp_path / "svc.yaml", SVC.format(port=80))
+    cfg = ProxyConfig(services=tmp_path / "svc.yaml", healthz_bind_address="127.0.0.1:0",
+                      metrics_bind_address="127.0.0.1:0", tour_results=plots)
+    a = Agent(cfg, datapaths=[FakeDatapath("userspace")])
+    await a.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url(a, "/view/tour")) as r:
+                body = await r.json()
+    finally:
+        await a.shutdown()
+    assert 'alt="match-cost.svg"' in body["html"] and "<figcaption>match-cost.svg</figcaption>" in body["html"]

@@ -8,7 +8,8 @@ with the ClusterIP as its source (the kernel's choice for a local destination) w
 to the endpoint's own node, which holds the same address, and never complete. The process does
 not bind: the kernel picks the source, as for any client on the node. Datapaths: the relay on
 both event loops (it re-originates from the node), nftables (the connection is DNATed by the
-kernel: masqueraded as kube-proxy's IPVS mode does, commands.service_address_source) and BPF
+kernel: masqueraded as kube-proxy's IPVS mode does, commands.service_address_source), iptables
+(the same, one rule in the ServicePort's KUBE-SVC chain: rules.SERVICE_ADDRESS_SOURCE) and BPF
 (the socket LB rewrites connect() before the kernel picks a source; the client runs in its
 cgroup).
 """
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.netns
 CGROUP2 = Path("/sys/fs/cgroup/unified")
 CLUSTER_IP, LB_IP, POD = "10.96.30.10", "198.51.100.30", "10.244.2.10"
 DATAPATHS = {"relay-uvloop": ("none", "uvloop"), "relay-asyncio": ("none", "asyncio"),
-             "nftables": ("nftables", "uvloop"), "bpf": ("bpf", "uvloop")}
+             "nftables": ("nftables", "uvloop"), "iptables": ("iptables", "uvloop"), "bpf": ("bpf", "uvloop")}
 CLIENT = """
 import socket, sys
 s = socket.create_connection((sys.argv[1], 80), timeout=3)

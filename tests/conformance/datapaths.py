@@ -5,12 +5,18 @@ Datapaths: "relay" (`--offload none`), "nftables" (`--offload nftables`, judged 
 ServicePort is placed there) and "bpf" (`--offload bpf`: the socket LB rewrites connect() and
 sendmsg() of processes in its cgroup, so it serves only ClusterIP flows from this node's
 processes, node and pods alike; everything else goes to the relay and is judged there), and
-"bpf-tc" (the same `--offload bpf` agent, judged on the flows its tc programs serve: an external
+"iptables" (`--offload iptables`, judged once every ServicePort is placed there, on kube-proxy's
+iptables expectations: reference.IPTABLES_GROUPS), "iptables-legacy" (the same, kubelet's hint
+chain in iptables-legacy first, so the agent picks that backend), "bpf-tc" (the same `--offload bpf` agent,
+judged on the flows its tc programs serve: an external
 client to a NodePort, a LoadBalancer IP or an externalIP; ClusterIPs from outside and every other
 source are not tc's and are judged in the other datapaths), and "bpf-tc-dsr" (the same flows, the
 agent with `--bpf-lb-mode dsr`, the peer node running one too: lab.py).
 
 Differences by nature (`expectation`):
+- iptables: none. It runs kube-proxy's own rules; where they match nothing (a port a ClusterIP does
+  not serve, "" in kube-proxy's tests) the packet reaches the node, which holds the ClusterIP on
+  usproxy0 and refuses it: still no endpoint answers, which is what "" asks.
 - relay: it re-originates every connection from the node, so every endpoint sees a node address:
   "masqueraded" whatever kube-proxy expects (tests/conformance/test_relay_masquerade.py shows why
   this cannot be closed without kernel NAT). Everything else is as kube-proxy: it drops where
@@ -37,9 +43,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tests.conformance import addresses as A
-from tests.conformance.reference import Flow, Scenario
+from tests.conformance.reference import GROUPS, IPTABLES_GROUPS, Flow, Group, Scenario
 
-DATAPATHS = ("relay", "nftables", "bpf", "bpf-tc", "bpf-tc-dsr")
+DATAPATHS = ("relay", "nftables", "bpf", "bpf-tc", "bpf-tc-dsr", "iptables", "iptables-legacy")
 TC_DATAPATHS = ("bpf-tc", "bpf-tc-dsr")
 
 
@@ -105,6 +111,12 @@ def _cluster_frontend(scenario: Scenario, flow: Flow) -> bool:
         return False
     return any(s.etp == "Cluster" and (p.node_port == flow.port or (
         p.port == flow.port and flow.dest in (*s.lb_ips, *s.external_ips))) for s in scenario.services for p in s.ports)
+
+
+def groups_of(datapath: str) -> tuple[Group, ...]:
+    """The scenarios a datapath is judged on: kube-proxy's iptables tests for the iptables
+    datapath, its nftables tests (and the iptables-only ones the others share) for the rest."""
+    return IPTABLES_GROUPS if datapath.startswith("iptables") else GROUPS
 
 
 def serves(datapath: str, source: str, dest: str) -> bool:

@@ -50,7 +50,7 @@ from tests.conformance.manifests import kube_proxy_configuration, objects, pod_a
 from tests.conformance.probe import Attempt, Spec, run
 from tests.netns import Topology, inside, nsexec, sh
 from tests.relay.harness import USPROXY, AgentProc, Manifests
-from tests.conformance.reference import GROUPS, Group
+from tests.conformance.reference import ALL_GROUPS, Group
 
 HERE = Path(__file__).parent
 CGROUP2 = Path("/sys/fs/cgroup/unified")
@@ -64,6 +64,8 @@ PEER_NODE_NAME = "remote"  # TestInternalExternalMasquerade's name for the node 
 # bridge) and the node's NodePort addresses (addresses.NODE_ADDRESSES)
 PEER_NODE_NETWORKS = ("10.244.0.0/16", "192.0.2.0/24", "203.0.113.1/32")
 NFT_FLAGS = ("--offload", "nftables", "--offload-after", "1", "--min-sync-period", "200ms")
+IPT_FLAGS = ("--offload", "iptables", "--offload-after", "1", "--min-sync-period", "200ms")
+LEGACY_HINT = "KUBE-IPTABLES-HINT"  # kubelet's: the agent then picks iptables-legacy (backend.detect)
 
 
 class BpfAgent(AgentProc):
@@ -252,10 +254,14 @@ class Lab:
             if datapath == "bpf-tc-dsr":
                 self._peer_follows(group)
         else:
-            flags = NFT_FLAGS if datapath == "nftables" else ()
+            if datapath == "iptables-legacy":  # as a node whose kubelet uses iptables-legacy: its hint chain
+                nsexec(self.topo.node, "iptables-legacy", "-t", "mangle", "-N", LEGACY_HINT)
+            flags = {"nftables": NFT_FLAGS, "iptables": IPT_FLAGS, "iptables-legacy": IPT_FLAGS}.get(datapath, ())
             self.agent = AgentProc(self.topo, self.manifests, "uvloop", "--config", str(config), *flags)
             self.agent.start()
         self._wait_placed(datapath)
+        if datapath == "iptables-legacy":
+            assert ":KUBE-SERVICES" in nsexec(self.topo.node, "iptables-legacy-save").stdout, "not on iptables-legacy"
 
     def _peer_follows(self, group: Group) -> None:
         """The peer node's agent in DSR mode as node "remote", on manifests of its own that hold
@@ -302,12 +308,16 @@ class Lab:
             return
         agent, self.agent, self.state = self.agent, None, None
         agent.stop()
+        # (without kubelet's hint, --cleanup takes KUBE-FIREWALL too: it is not kept for kubelet)
+        nsexec(self.topo.node, "iptables-legacy", "-t", "mangle", "-X", LEGACY_HINT, check=False)
         if not isinstance(agent, BpfAgent):  # BpfAgent.stop cleans up (it knows the cgroup)
             nsexec(self.topo.node, USPROXY, "run", "--cleanup", check=False)
         # check=False: on a kernel without nf_tables (the VM lab's no-xtables guest) nft fails and
         # nothing can be left
         left = nsexec(self.topo.node, "nft", "list", "ruleset", check=False).stdout
-        assert "usproxy" not in left, left
+        assert "usproxy" not in left and "KUBE-" not in left, left
+        left = nsexec(self.topo.node, "iptables-legacy-save", check=False).stdout
+        assert "KUBE-" not in left, left
 
     def services(self) -> list[dict[str, Any]]:
         with inside(self.topo.node), urllib.request.urlopen("http://127.0.0.1:10249/services", timeout=5) as r:
@@ -316,7 +326,8 @@ class Lab:
     def _wait_placed(self, datapath: str, timeout: float = 20.0) -> None:
         """Until every ServicePort with endpoints is where the datapath under test puts it, on the
         node and (bpf-tc-dsr) on the peer node."""
-        want = {"relay": "userspace", "nftables": "nftables", "bpf": "bpf", "bpf-tc": "bpf", "bpf-tc-dsr": "bpf"}[datapath]
+        want = {"relay": "userspace", "nftables": "nftables", "bpf": "bpf", "bpf-tc": "bpf", "bpf-tc-dsr": "bpf",
+                "iptables": "iptables", "iptables-legacy": "iptables"}[datapath]
         mode = "dsr" if datapath == "bpf-tc-dsr" else "snat"
         deadline = time.monotonic() + timeout
         for agent in (self.agent, self.peer_agent):
@@ -404,7 +415,7 @@ def _lb_sources() -> set[str]:
     """LoadBalancer IPs kube-proxy uses as a flow's source (a node address here)."""
     from tests.conformance.manifests import scenario_index
     out = set()
-    for group in GROUPS:
+    for group in ALL_GROUPS:
         for sc in group.scenarios:
             k = scenario_index(group, sc)
             for svc in sc.services:

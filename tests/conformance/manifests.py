@@ -98,6 +98,8 @@ def kube_proxy_configuration(group: Group) -> dict[str, Any]:
                            "hostnameOverride": NODE,
                            "nodePortAddresses": sorted({A.cidr(c) for c in group.nodeport_addresses}),
                            "iptables": {"masqueradeAll": group.masquerade_all}}
+    if group.localhost_nodeports is not None:
+        cfg["iptables"]["localhostNodePorts"] = group.localhost_nodeports
     if group.node_cidr:
         cfg |= {"detectLocalMode": "NodeCIDR", "clusterCIDR": NO_POD_CIDR}
     elif group.local_detector:
@@ -107,9 +109,9 @@ def kube_proxy_configuration(group: Group) -> dict[str, Any]:
 
 def pod_addresses() -> dict[str, set[int]]:
     """Every pod address (endpoint or client) of every group, with the TCP/UDP ports it serves."""
-    from tests.conformance.reference import GROUPS
+    from tests.conformance.reference import ALL_GROUPS
     pods: dict[str, set[int]] = {}
-    for group in GROUPS:
+    for group in ALL_GROUPS:
         for sc in group.scenarios:
             k = scenario_index(group, sc)
             for sl in sc.slices:

@@ -114,6 +114,7 @@ class Group:
     masquerade_all: bool = False
     local_detector: bool = True  # kube-proxy's DetectLocalByCIDR("10.0.0.0/8"); False: NoOp detector
     node_cidr: bool = False  # the detector's CIDR from the Node's spec.podCIDRs (detectLocalMode NodeCIDR)
+    localhost_nodeports: bool | None = None  # iptables.localhostNodePorts (None: not set, kube-proxy's true)
 
 
 def _eps(*ips: str) -> str:
@@ -428,6 +429,66 @@ def _only_local(key: str, detector: bool) -> Scenario:
 ONLY_LOCAL_NODE_PORTS = _only_local("only-local-nodeports", True)
 ONLY_LOCAL_NODE_PORTS_NO_DETECTOR = _only_local("only-local-nodeports-no-detector", False)
 
+# -- iptables: pkg/proxy/iptables/proxier_test.go ------------------------------------------------
+# Its runPacketFlowTests calls, for the iptables datapath. TestNoEndpointsReject, TestLoadBalancer,
+# TestExternalTrafficPolicyLocal/Cluster, TestInternalTrafficPolicy, TestTerminatingEndpoints*
+# and TestHealthCheckNodePort have the very Services, slices and flows of the scenarios above (a few
+# flow names differ in wording only); these differ:
+# - TestClusterIPGeneral: a port the ClusterIP does not serve matches no rule ("", where nftables
+#   rejects), there is no unallocated-ClusterIP flow, and an SCTP flow (left out as above);
+# - TestNodePorts: NodePorts on every local address (the fake proxier's nodePortAddresses is nil),
+#   localhost NodePorts, in four IPv4 cases of --iptables-localhost-nodeports and nodePortAddresses;
+# - TestInternalExternalMasquerade: three more flows, to a NodePort on 127.0.0.1.
+# Not transcribed: TestTracePackets (it tests the tracer on hand-written rules, no Service), the
+# IPv6 cases of TestNodePorts (the lab is IPv4).
+_IPT_UNSERVED = {"TCP-only port does not match UDP traffic": "", "svc1 does not accept svc2's ports": ""}
+CLUSTER_IP_GENERAL_IPT = Scenario(
+    "ipt-clusterip-general", "TestClusterIPGeneral (iptables)", CLUSTER_IP_GENERAL.services,
+    CLUSTER_IP_GENERAL.slices,
+    tuple(Flow(f.name, f.source, f.dest, f.port, _IPT_UNSERVED.get(f.name, f.output), f.masq, f.protocol)
+          for f in CLUSTER_IP_GENERAL.flows if f.name != "packet to unallocated cluster ip"))
+
+
+def _ipt_node_ports(key: str, subtest: str, localhost: bool, alt_allowed: bool) -> Scenario:
+    both = "10.180.0.1:80, 10.180.2.1:80"
+    lo = (Flow("localhost to nodePort gets masqueraded", "127.0.0.1", "127.0.0.1", 3001, both, masq=True)
+          if localhost else Flow("localhost to nodePort is ignored", "127.0.0.1", "127.0.0.1", 3001, ""))
+    alt = (Flow("external to nodePort on secondary IP", EXT_CLIENT, NODE_IP_ALT, 3001, both, masq=True)
+           if alt_allowed else Flow("secondary nodeIP ignores NodePorts", EXT_CLIENT, NODE_IP_ALT, 3001, ""))
+    return Scenario(
+        key, f"TestNodePorts (iptables)/{subtest}",
+        (Svc("ns1", "svc1", "172.30.0.41", (Port("p80", 80, node_port=3001),), type="NodePort"),),
+        (Slice("ns1", "svc1", (Ep("10.180.0.1"), Ep("10.180.2.1", NODE)), P80),),
+        (Flow("pod to cluster IP", POD, "172.30.0.41", 80, both),
+         Flow("external to nodePort", EXT_CLIENT, NODE_IP, 3001, both, masq=True),
+         Flow("node to nodePort", NODE_IP, NODE_IP, 3001, both, masq=True),
+         lo, alt))
+
+
+IPT_NODE_PORTS = _ipt_node_ports("ipt-nodeports", "ipv4, localhost-nodeports enabled", True, True)
+IPT_NODE_PORTS_NO_LOCALHOST = _ipt_node_ports("ipt-nodeports-no-localhost", "ipv4, localhost-nodeports disabled",
+                                              False, True)
+IPT_NODE_PORTS_LOCALHOST_CIDR = _ipt_node_ports(
+    "ipt-nodeports-localhost-cidr", "ipv4, localhost-nodeports disabled, localhost in nodeport-addresses", False, False)
+IPT_NODE_PORTS_MULTI = _ipt_node_ports(
+    "ipt-nodeports-multi", "ipv4, localhost-nodeports enabled, multiple nodeport-addresses", False, True)
+
+# TestInternalExternalMasquerade's flows to a NodePort on 127.0.0.1, each after the node's flow
+_IPT_LOCALHOST = {"node to NodePort": ("localhost to NodePort", 3001, _pair(1)),
+                  "node to NodePort with eTP:Local": ("localhost to NodePort with eTP:Local", 3002, _pair(2)),
+                  "node to NodePort with iTP:Local": ("localhost to NodePort with iTP:Local", 3003, _pair(3))}
+
+
+def _ipt_iem(base: Scenario) -> Scenario:
+    flows = []
+    for f in base.flows:
+        flows.append(f)
+        if f.name in _IPT_LOCALHOST:
+            name, port, output = _IPT_LOCALHOST[f.name]
+            flows.append(Flow(name, "127.0.0.1", "127.0.0.1", port, output, masq=True))
+    return Scenario("ipt-" + base.key, base.test + " (iptables)", base.services, base.slices, tuple(flows))
+
+
 # -- the agents ----------------------------------------------------------------------------------
 GROUPS: tuple[Group, ...] = (
     Group("base", (NO_ENDPOINTS, CLUSTER_IP_GENERAL, LOAD_BALANCER, NODE_PORTS, ETP_LOCAL, ETP_CLUSTER, *ITP,
@@ -439,3 +500,23 @@ GROUPS: tuple[Group, ...] = (
     Group("node-cidr", (IEM_NODE_CIDR,), node_cidr=True),
     Group("masquerade-all-no-detector", (IEM_MASQ_ALL_NO_DETECTOR,), masquerade_all=True, local_detector=False),
 )
+
+# The iptables datapath's agents, as the iptables fake proxier: NodePorts on every local address,
+# localhost NodePorts on (unless the group says otherwise)
+_ALL: tuple[str, ...] = ()
+IPTABLES_GROUPS: tuple[Group, ...] = (
+    Group("ipt-base", (NO_ENDPOINTS, CLUSTER_IP_GENERAL_IPT, LOAD_BALANCER, IPT_NODE_PORTS, ETP_LOCAL, ETP_CLUSTER,
+                       *ITP, *TERMINATING_LOCAL, *TERMINATING_CLUSTER, _ipt_iem(IEM_BASE), HEALTH_CHECK),
+          nodeport_addresses=_ALL),
+    Group("ipt-no-localhost", (IPT_NODE_PORTS_NO_LOCALHOST,), nodeport_addresses=_ALL, localhost_nodeports=False),
+    Group("ipt-localhost-cidr", (IPT_NODE_PORTS_LOCALHOST_CIDR,), nodeport_addresses=("192.168.0.0/24", "127.0.0.1/32"),
+          localhost_nodeports=False),
+    Group("ipt-nodeport-addresses", (IPT_NODE_PORTS_MULTI,),
+          nodeport_addresses=("192.168.0.0/24", "192.168.1.0/24", "2001:db8::/64"), localhost_nodeports=False),
+    Group("ipt-no-detector", (_ipt_iem(IEM_NO_DETECTOR),), nodeport_addresses=_ALL, local_detector=False),
+    Group("ipt-masquerade-all", (_ipt_iem(IEM_MASQ_ALL),), nodeport_addresses=_ALL, masquerade_all=True),
+    Group("ipt-node-cidr", (_ipt_iem(IEM_NODE_CIDR),), nodeport_addresses=_ALL, node_cidr=True),
+    Group("ipt-masquerade-all-no-detector", (_ipt_iem(IEM_MASQ_ALL_NO_DETECTOR),), nodeport_addresses=_ALL,
+          masquerade_all=True, local_detector=False),
+)
+ALL_GROUPS: tuple[Group, ...] = (*GROUPS, *IPTABLES_GROUPS)

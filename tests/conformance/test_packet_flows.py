@@ -1,5 +1,6 @@
 """kube-proxy's packet-flow expectations (tests/conformance/reference.py) as real traffic through
-the agent in network namespaces, once per datapath (tests/conformance/datapaths.py).
+the agent in network namespaces, once per datapath (tests/conformance/datapaths.py): its nftables
+tests for most, its iptables tests for the iptables datapath.
 
 One test per (datapath, scenario, flow), ids "datapath/scenario/flow name". Tests are ordered so
 that each (datapath, group) runs on one agent and phase 1 flows (after endpoints or a Service are
@@ -22,11 +23,11 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conformance import addresses as A
-from tests.conformance.datapaths import DATAPATHS, Expectation, expectation, pending, serves
+from tests.conformance.datapaths import DATAPATHS, Expectation, expectation, groups_of, pending, serves
 from tests.conformance.lab import Lab
 from tests.conformance.manifests import scenario_index
 from tests.conformance.probe import Attempt, Spec
-from tests.conformance.reference import GROUPS, Flow, Group, Scenario
+from tests.conformance.reference import Flow, Group, Scenario
 
 pytestmark = pytest.mark.netns
 
@@ -36,7 +37,7 @@ Case = tuple[str, Group, Scenario, Flow]
 
 def _cases() -> Iterator[object]:
     for datapath in DATAPATHS:
-        for group in GROUPS:
+        for group in groups_of(datapath):
             for phase in (0, 1):
                 for sc in group.scenarios:
                     k = scenario_index(group, sc)
@@ -119,8 +120,11 @@ def judge(exp: Expectation, attempts: list[Attempt], src: str, wanted: set[str],
     if answered:
         return [f"answered by {sorted({a.endpoint for a in answered})}"]
     if exp.output == "REJECT":
-        slow = [round(a.seconds, 2) for a in attempts if a.seconds > 0.5]
-        return ([f"not refused: {errors}"] if errors != ["ECONNREFUSED"] else []) + ([f"slow: {slow}"] if slow else [])
+        # Refused at once, not after a timeout: one attempt refused only after a retransmitted SYN
+        # (1 s: seen once on a loaded machine) is still a REJECT, so the fastest attempt is judged.
+        fastest = min((a.seconds for a in attempts), default=0.0)
+        return ([f"not refused: {errors}"] if errors != ["ECONNREFUSED"] else []) + \
+            ([f"slow: {sorted(round(a.seconds, 2) for a in attempts)}"] if fastest > 0.5 else [])
     if exp.output == "DROP":
         return [] if errors == ["timeout"] else [f"not dropped: {errors}"]
     if exp.output == "BLOCKED":

@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 
 from tests.conformance import addresses as A
-from tests.conformance.datapaths import DATAPATHS, PENDING, expectation, serves
+from tests.conformance.datapaths import DATAPATHS, PENDING, expectation, groups_of, serves
 from tests.conformance.manifests import objects, scenario_index
-from tests.conformance.reference import GROUPS
+from tests.conformance.reference import ALL_GROUPS, GROUPS, IPTABLES_GROUPS, Group
 
 OWNED = [ipaddress.ip_network(n) for n in ("10.96.0.0/16", "10.244.0.0/16", "192.0.2.0/24", "198.51.100.0/24",
                                            "203.0.113.0/24")]
@@ -20,11 +20,11 @@ OWNED = [ipaddress.ip_network(n) for n in ("10.96.0.0/16", "10.244.0.0/16", "192
 def _flows() -> list[tuple[str, str, str, str]]:
     """(datapath, scenario key, flow name, mapped source) of every flow a datapath serves."""
     out = []
-    for group in GROUPS:
-        for sc in group.scenarios:
-            k = scenario_index(group, sc)
-            for f in sc.flows:
-                for dp in DATAPATHS:
+    for dp in DATAPATHS:
+        for group in groups_of(dp):
+            for sc in group.scenarios:
+                k = scenario_index(group, sc)
+                for f in sc.flows:
                     if serves(dp, A.addr(f.source, k), A.addr(f.dest, k)):
                         out.append((dp, sc.key, f.name, A.addr(f.source, k)))
     return out
@@ -37,16 +37,17 @@ def test_every_pending_mark_names_a_flow_its_datapaths_serve() -> None:
             assert any((dp, key, name) in served for dp in p.datapaths), (p.item, key, name)
 
 
-def test_scenario_keys_and_flow_names_are_unique() -> None:
-    keys = Counter(sc.key for g in GROUPS for sc in g.scenarios)
+@pytest.mark.parametrize("groups", [GROUPS, IPTABLES_GROUPS], ids=["nftables-tests", "iptables-tests"])
+def test_scenario_keys_and_flow_names_are_unique(groups: tuple[Group, ...]) -> None:
+    keys = Counter(sc.key for g in groups for sc in g.scenarios)
     assert [k for k, n in keys.items() if n > 1] == []
-    for g in GROUPS:
+    for g in groups:
         for sc in g.scenarios:
             names = Counter((f.name, f.phase) for f in sc.flows)
             assert [k for k, n in names.items() if n > 1] == [], sc.key
 
 
-@pytest.mark.parametrize("group", GROUPS, ids=lambda g: g.key)
+@pytest.mark.parametrize("group", ALL_GROUPS, ids=lambda g: g.key)
 def test_addresses_are_owned_and_do_not_collide(group: object) -> None:
     from tests.conformance.reference import Group
     assert isinstance(group, Group)
@@ -67,10 +68,10 @@ def test_addresses_are_owned_and_do_not_collide(group: object) -> None:
 
 
 def test_relay_and_bpf_expectations_state_their_reason() -> None:
-    for group in GROUPS:
-        for sc in group.scenarios:
-            for f in sc.flows:
-                for dp in DATAPATHS:
+    for dp in DATAPATHS:
+        for group in groups_of(dp):
+            for sc in group.scenarios:
+                for f in sc.flows:
                     exp = expectation(dp, sc, f)
                     differs = (exp.output, exp.masq) != (f.output, f.masq if exp.masq is not None else None)
                     assert not (differs or exp.client_kept) or exp.why, (dp, sc.key, f.name)
@@ -81,7 +82,7 @@ def test_dsr_keeps_the_client_address_where_an_endpoint_is_on_another_node() -> 
     flows to a Cluster-policy NodePort or LB IP: TestInternalExternalMasquerade's svc1 and svc3 (eTP
     Cluster, one endpoint on "remote"), in each of its five configurations; nowhere else, no other
     datapath."""
-    kept = {(dp, sc.key, f.name, e) for g in GROUPS for sc in g.scenarios for f in sc.flows for dp in DATAPATHS
+    kept = {(dp, sc.key, f.name, e) for dp in DATAPATHS for g in groups_of(dp) for sc in g.scenarios for f in sc.flows
             for e in expectation(dp, sc, f).client_kept}
     iem = ("iem-base", "iem-no-localtrafficdetector", "iem-masqueradeall",
            "iem-masqueradeall-no-localtrafficdetector", "iem-base-nodecidr")

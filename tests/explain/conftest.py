@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+from usproxy.model.service_set import Node, ServiceSet, load_manifests, service_set
 from usproxy.offload.pin_root import PIN_ROOT_ENV
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -12,7 +12,7 @@ import yaml
 
 from usproxy.explain import trace
 from usproxy.explain.packet import Packet
-from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+from usproxy.model.service_set import Node, ServiceSet, load_manifests, service_set
 
 FLOWS = Path(__file__).parent / "flows"
 DATA: dict[str, Any] = yaml.safe_load((FLOWS / "flows.yaml").read_text())

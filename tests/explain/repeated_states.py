@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+from usproxy.model.service_set import Node, ServiceSet, load_manifests, service_set
 
 REPEATED = Path(__file__).parent / "repeated"
 

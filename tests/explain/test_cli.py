@@ -53,7 +53,7 @@ def test_html_writes_one_self_contained_file_with_every_mode(tmp_path: Path, cap
 
 def test_trace_subcommand_through_the_top_level_cli(capsys: pytest.CaptureFixture[str]) -> None:
     rc = top.main(["explain", "trace", "10.244.9.9", "10.96.1.1:80/TCP",
-                   "--services", str(FIXTURES / "clusterip.yaml"), "--mode", "iptables"])
+                   "--services", str(FIXTURES / "clusterip.yaml"), "--mode", "iptables", "--detail"])
     out = capsys.readouterr().out
     assert rc == 0 and out.count("=> DNAT to") == 3
 
@@ -80,7 +80,7 @@ def test_bad_usage_is_a_config_error(argv: list[str]) -> None:
 def test_live_without_agent_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                     own_pin_root: Path) -> None:
     addr = dead_address()
-    monkeypatch.setattr(live, "_nft_tables", lambda: [])
+    monkeypatch.setattr(live, "nft_tables", lambda: [])
     rc, _, err = run(["--live", "--metrics-bind-address", addr], capsys)
     assert rc == 1 and "nothing to show" in err
 
@@ -93,7 +93,7 @@ def test_live_reads_pins_under_the_root_it_is_given(monkeypatch: pytest.MonkeyPa
         return "# bpf socket LB pinned (stub)"
 
     monkeypatch.setattr(view, "render_pinned", render_pinned)
-    monkeypatch.setattr(live, "_nft_tables", lambda: [])
+    monkeypatch.setattr(live, "nft_tables", lambda: [])
     text = live.read_live(dead_address(), pin_root=tmp_path / "pins")
     assert asked == [tmp_path / "pins"]
     assert text is not None and "# bpf socket LB pinned (stub)" in text
@@ -125,7 +125,7 @@ def test_live_reads_a_running_agent(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     server = HTTPServer(("127.0.0.1", 0), Agent)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    monkeypatch.setattr(live, "_nft_tables", lambda: [])
+    monkeypatch.setattr(live, "nft_tables", lambda: [])
     try:
         rc, out, _ = run(["--live", "--metrics-bind-address", f"127.0.0.1:{server.server_port}"], capsys)
     finally:

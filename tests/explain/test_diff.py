@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.explain.conftest import GOLDEN
 from tests.explain.repeated_states import NODE, REPEATED, state
-from usproxy.explain import cli, diff, registry
-from usproxy.explain.service_set import load_manifests, service_set
+from usproxy.explain import cli, diff, nftables, registry
+from usproxy.offload.iptables import rules as iptables
+from usproxy.model.service_set import load_manifests, service_set
 
 STEPS = [  # (before, after, iptables-restore lines, nftables operations)
     ("1-initial", "2-svc3-added", 32, 10),
@@ -102,3 +104,62 @@ def test_diff_takes_nft_format(capsys: pytest.CaptureFixture[str]) -> None:
     assert not any(line.startswith("+add rule") for line in out.splitlines())
     assert cli.main(["diff", *paths, "--mode", "nftables"]) == 0  # dump, as before
     assert "+add rule ip kube-proxy service-4AT6LBPK-ns3/svc3/tcp/p80 numgen random mod 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("before, after", [("1-initial", "2-svc3-added"), ("2-svc3-added", "3-svc2-deleted")])
+def test_the_partial_iptables_restore_is_kube_proxys_own(before: str, after: str) -> None:
+    """The lines diff prints as kube-proxy's partial sync are those of kube-proxy's
+    TestSyncProxyRulesRepeated golden for that step (golden/kube-proxy/, transcribed from the
+    version of pkg/proxy/iptables/proxier_test.go whose iptables has neither nfacct nor
+    --random-fully), compared as its assertIPTablesRulesEqual compares: as sorted lines."""
+    want = (GOLDEN / "kube-proxy" / f"TestSyncProxyRulesRepeated-{after}.txt").read_text().splitlines()
+    opts = iptables.Options(nfacct=False, random_fully=False)
+    assert sorted(diff.iptables_restore(state(before), state(after), opts)) == sorted(want)
+
+
+@pytest.mark.parametrize("before, after, lines, ops", STEPS)
+def test_diff_prints_what_kube_proxy_sends_line_by_line(before: str, after: str, lines: int, ops: int,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Each count under "kube-proxy sends" is followed by that many lines: the partial
+    iptables-restore, then the nftables transaction, whose lines add what NEW's dump holds and
+    remove or flush only what OLD's held."""
+    assert cli.main(["diff", str(REPEATED / f"{before}.yaml"), str(REPEATED / f"{after}.yaml"),
+                     "--cluster-cidr", "10.0.0.0/8", "--node-name", "test-node"]) == 0
+    out = capsys.readouterr().out
+    sent = {}
+    for block in out.split("# kube-proxy sends: ")[1:]:
+        head, *body = block.splitlines()
+        sent["nftables" if "nftables" in head else "iptables-restore"] = [x[4:] for x in body if x.startswith("#   ")]
+    assert len(sent["iptables-restore"]) == lines and len(sent["nftables"]) == ops
+    old_dump = nftables.dump(nftables.build(state(before), 4)).splitlines()
+    new_dump = set(nftables.dump(nftables.build(state(after), 4)).splitlines())
+    added: set[str] = set()
+    for op in sent["nftables"]:
+        verb, _, rest = op.partition(" ")
+        kind, name = rest.split()[0], rest.split()[3]
+        if verb == "add" and kind == "chain":
+            added.add(name)
+        elif verb == "add":
+            assert op in new_dump, op
+        else:  # delete an element of OLD; flush a chain of OLD, or one this transaction added
+            assert verb in ("delete", "flush") and (name in added or any(
+                line.startswith(f"add {kind} ip kube-proxy {name} ") or line == f"add {kind} ip kube-proxy {name}"
+                for line in old_dump)), op
+
+
+def test_a_re_padded_table_counts_only_its_changed_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fourth endpoint widens the userspace view's ENDPOINTS column: every row of both tables
+    is re-padded, but only the changed row of each counts (and is shown as - and +)."""
+    services = (Path(__file__).parents[2] / "examples" / "services.yaml").read_text()
+    grown = services.replace(
+        "    targetRef: {kind: Pod, name: web-3, namespace: default}\n",
+        "    targetRef: {kind: Pod, name: web-3, namespace: default}\n  - addresses: [10.244.5.10]\n")
+    (tmp_path / "old.yaml").write_text(services)
+    (tmp_path / "new.yaml").write_text(grown)
+    assert cli.main(["diff", str(tmp_path / "old.yaml"), str(tmp_path / "new.yaml"), "--mode", "userspace"]) == 0
+    out = capsys.readouterr().out
+    assert "# rendered rules: 4 lines changed (+2 -2)" in out
+    changed_rows = [line for line in out.splitlines()
+                    if line.startswith(("+", "-")) and not line.startswith(("+++", "---"))]
+    assert len(changed_rows) == 4 and all("default/web:http" in row for row in changed_rows)
+    assert sum("10.244.5.10:8080" in row for row in changed_rows) == 2

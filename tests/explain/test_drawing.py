@@ -10,9 +10,10 @@ import xml.etree.ElementTree as ET
 from html import unescape
 from pathlib import Path
 
-from usproxy.explain import chain_names, path_drawing, registry, standalone_page
-from usproxy.explain.service_set import ServiceSet, family_port, load_manifests, service_set
-from usproxy.model.endpoint import Endpoint
+from usproxy.explain import path_drawing, registry, standalone_page
+from usproxy.model import chain_names
+from usproxy.model.service_set import ServiceSet, family_port, load_manifests, service_set
+from usproxy.model.endpoint import Endpoint, usable
 from usproxy.model.service_port import ServicePort
 from usproxy.model.types import ServicePortName
 
@@ -44,9 +45,14 @@ def test_the_standalone_page_holds_every_service_and_mode_in_one_file() -> None:
     ss = service_set(load_manifests(Path(__file__).resolve().parents[2] / "examples"))
     page = standalone_page.render(ss)
     assert "<script" not in page and not re.search(r"<link|src=|https?://(?!www\.w3\.org/2000/svg)", page)
-    blocks = re.findall(r'<details class="service" data-service="([^"]+)" open>(.*?)</details>', page, re.S)
+    found = re.findall(r'<details class="service" data-service="([^"]+)"( open)?>(.*?)</details>', page, re.S)
     names = sorted({f"{sp.name.namespace}/{sp.name.name}" for sp, _ in ss.ports})
-    assert sorted(n for n, _ in blocks) == names and len(names) >= 2
+    assert sorted(n for n, _, _ in found) == names and len(names) >= 2
+    # the first Service shown, and the only one open, is one a connection can reach
+    assert [bool(o) for _, o, _ in found] == [True] + [False] * (len(found) - 1)
+    assert any(usable(eps) for sp, eps in ss.ports if str(sp.name.service) == found[0][0])
+    assert found[-1][0] == "default/empty"  # examples/' Service without endpoints comes last
+    blocks = [(n, b) for n, _, b in found]
     for name, block in blocks:
         ports = tuple((sp, eps) for sp, eps in ss.ports if f"{sp.name.namespace}/{sp.name.name}" == name)
         one = ServiceSet(ports, ss.node)

@@ -127,7 +127,7 @@ def stub_pins(monkeypatch: pytest.MonkeyPatch, own_pin_root: Path, tmp_path: Pat
         return f"# bpf socket LB pinned at {own_pin_root}/v1" if pin_root in (None, own_pin_root) else None
 
     monkeypatch.setattr(view, "render_pinned", render_pinned)
-    monkeypatch.setattr(live, "_nft_tables", lambda: [])
+    monkeypatch.setattr(live, "nft_tables", lambda: [])
     monkeypatch.setattr(locks, "LOCK_DIR", tmp_path / "run")
     return tmp_path / "run"
 
@@ -171,7 +171,8 @@ def test_iptables_view_and_trace_show_the_entry_jumps(capsys: pytest.CaptureFixt
             "-j KUBE-SERVICES") in out
     for src, first in (("10.244.9.9", "nat PREROUTING rule 1"), ("192.168.0.2", "nat OUTPUT rule 1")):
         rc, out, _ = run(["trace", src, "10.96.1.1:80/TCP", "--services", clusterip, "--mode", "iptables",
-                          "--node-ip", "192.168.0.2"], capsys)
-        hops = [line.strip() for line in out.splitlines() if line.startswith("    ")]
+                          "--node-ip", "192.168.0.2", "--detail"], capsys)
+        walk = out[out.index("## iptables"):].splitlines()[1:]
+        hops = [line.strip() for line in walk if line.startswith("  ") and not line.startswith("  path ")]
         assert rc == 0 and hops[0].startswith(first), src
         assert f"nat POSTROUTING rule 1: {NAT_ENTRY[2]}" in hops

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import pytest
 
 from tests.explain.kube_proxy_flows import DATA, flow_packet, flow_set
-from usproxy.explain import ipvs, iptables, nftables, registry, userspace
+from usproxy.explain import ipvs, nftables, registry, userspace
+from usproxy.offload.iptables import rules as iptables
 from usproxy.explain.packet import Path
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 
 
 @dataclass(frozen=True, slots=True)

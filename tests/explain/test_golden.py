@@ -18,8 +18,9 @@ from collections.abc import Callable
 import pytest
 
 from tests.explain.conftest import GOLDEN, load
-from usproxy.explain import bpf, cost, iptables, ipvs, nftables, registry, userspace
-from usproxy.explain.service_set import ServiceSet
+from usproxy.explain import bpf, cost, ipvs, nftables, registry, userspace
+from usproxy.offload.iptables import rules as iptables
+from usproxy.model.service_set import ServiceSet
 
 VIEWS: dict[str, Callable[[ServiceSet], str]] = {
     "userspace": userspace.render,

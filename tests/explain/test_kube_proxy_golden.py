@@ -22,8 +22,9 @@ import ipaddress
 from pathlib import Path
 
 from tests.explain.conftest import FIXTURES, GOLDEN
-from usproxy.explain import iptables, nftables
-from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+from usproxy.explain import nftables
+from usproxy.offload.iptables import rules as iptables
+from usproxy.model.service_set import Node, ServiceSet, load_manifests, service_set
 
 KUBE_PROXY = GOLDEN / "kube-proxy"
 FIXTURE = FIXTURES / "kube_proxy_overall.yaml"

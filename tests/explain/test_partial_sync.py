@@ -5,8 +5,9 @@ pkg/proxy/nftables/proxier_test.go), transcribed as manifests under tests/explai
 from __future__ import annotations
 
 from tests.explain.repeated_states import state
-from usproxy.explain import cost, iptables, nftables, registry
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.explain import cost, nftables, registry
+from usproxy.offload.iptables import rules as iptables
+from usproxy.model.service_set import FamilyPort, ServiceSet
 
 
 def port(ss: ServiceSet, service: str) -> FamilyPort:

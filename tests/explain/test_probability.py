@@ -14,7 +14,8 @@ import pytest
 from scipy.stats import chisquare
 
 from tests.explain.conftest import load
-from usproxy.explain import cost, iptables
+from usproxy.explain import cost
+from usproxy.offload.iptables import rules as iptables
 
 
 def test_probability_text_matches_kube_proxy_format() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from usproxy.explain import cli, cost, diff, generator, registry, scale
 from usproxy.explain.ipvs_trace import trace_ipvs
-from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+from usproxy.model.service_set import Node, ServiceSet, load_manifests, service_set
 
 # One Service, one port, two ready endpoints on two nodes.
 TEMPLATE = """apiVersion: v1

@@ -14,7 +14,7 @@ from usproxy.util.errors import ConfigError
 from usproxy.explain import iptables_trace, nftables_trace, registry, reply, trace
 from usproxy.explain.mode import TraceOptions
 from usproxy.explain.packet import Packet, Path
-from usproxy.explain.service_set import Node, ServiceSet
+from usproxy.model.service_set import Node, ServiceSet
 from usproxy.model.config import BpfLbMode
 from usproxy.model.service_port import LBPolicy
 from usproxy.offload.bpf import maglev
@@ -135,7 +135,7 @@ def test_bpf_pod_outside_cluster_cidr_is_not_said_to_connect_on_another_machine(
 
 def test_bpf_pod_in_cluster_cidr_is_traced_at_connect_and_says_so() -> None:
     hops = _bpf_hops("10.244.9.9")
-    assert any("traced as a pod on this node" in h for h in hops)
+    assert any("is a pod on this node (in --cluster-cidr), inside the BPF cgroup" in h for h in hops)
     assert not any(h.startswith("socket LB") for h in _bpf_hops("192.168.0.2"))  # the node itself
 
 

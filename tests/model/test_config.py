@@ -125,3 +125,15 @@ def test_bpf_lb_mode_from_file_and_flag(tmp_path: Path) -> None:
         load_kube_proxy_configuration(f)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--bpf-lb-mode", "direct"])
+
+
+def test_iptables_localhost_nodeports_from_file_and_flag(tmp_path: Path) -> None:
+    f = tmp_path / "kp.yaml"
+    f.write_text("kind: KubeProxyConfiguration\niptables:\n  localhostNodePorts: false\n")
+    assert load_kube_proxy_configuration(f).iptables_localhost_nodeports is False
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["run", "--config", str(f), "--iptables-localhost-nodeports", "true"])
+                            ).iptables_localhost_nodeports is True
+    f.write_text("kind: KubeProxyConfiguration\niptables:\n  localhostNodePorts: sometimes\n")
+    with pytest.raises(ConfigError, match="iptables.localhostNodePorts: must be true or false"):
+        load_kube_proxy_configuration(f)

@@ -114,3 +114,46 @@ def start_pods(topology: Topology, pods: Pods) -> str:
     for ip in EPS:
         wait_listening(cli, ip, 8080)
     return cli
+
+
+# -- helpers of the transition tests (test_transitions, iptables/test_transitions) ------------
+def annotated(objs: list[dict[str, Any]], datapath: str) -> list[dict[str, Any]]:
+    """`objs` with every Service annotated usproxy.io/datapath=`datapath`."""
+    out = []
+    for o in objs:
+        if o["kind"] == "Service":
+            o = {**o, "metadata": {**o["metadata"], "annotations": {"usproxy.io/datapath": datapath}}}
+        out.append(o)
+    return out
+
+
+def talk(cli: str, tcp: int, udp: int, addr: tuple[str, int] = (VIP, 80)) -> tuple[list[TcpTalker], list[UdpSession]]:
+    talkers = [TcpTalker(cli, addr=addr) for _ in range(tcp)]
+    sessions = [UdpSession(cli) for _ in range(udp)]
+    for t in (*talkers, *sessions):
+        t.start()
+    return talkers, sessions
+
+
+def finish(talkers: list[TcpTalker], sessions: list[UdpSession]) -> None:
+    for stop in [*(t.stop for t in talkers), *(s.stop for s in sessions)]:
+        stop.set()
+    for t in (*talkers, *sessions):
+        t.join(5)
+
+
+def counts(talkers: list[TcpTalker]) -> list[int]:
+    return [t.round_trips for t in talkers]
+
+
+def kept(talkers: list[TcpTalker], before: list[int], at_least: int) -> None:
+    """No talker failed, and each made `at_least` round trips since `before`."""
+    assert [t.errors for t in talkers if t.errors] == []
+    assert all(t.round_trips - b >= at_least for t, b in zip(talkers, before)), (before, counts(talkers))
+
+
+def one_endpoint(sessions: list[UdpSession], since: float, at_least: int) -> None:
+    """Each UDP session was answered by one endpoint only, `at_least` times after `since`."""
+    for s in sessions:
+        assert len(s.endpoints()) == 1, f"UDP session moved between endpoints: {s.answers}"
+        assert len([a for a in s.answers if a[0] > since]) >= at_least, s.answers

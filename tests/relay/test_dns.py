@@ -84,10 +84,15 @@ def txt_answer(reply: bytes, qid: int) -> str:
 
 
 def ask_txt(s: socket.socket) -> str | None:
+    """The TXT answer to one query on `s`, None if none came within the socket's timeout. A late
+    answer to an earlier query (another ID) is skipped, not taken for this one's."""
     qid = random.randrange(1 << 16)
     s.send(txt_query(qid))
     try:
-        return txt_answer(s.recv(4096), qid)
+        while True:
+            reply = s.recv(4096)
+            if struct.unpack("!H", reply[:2])[0] == qid:
+                return txt_answer(reply, qid)
     except (TimeoutError, ConnectionRefusedError):
         return None
 
@@ -122,20 +127,25 @@ def test_pod_swap_under_steady_queries(topology: Topology, backends: Backends, w
         agent.start()
         results: list[tuple[float, str, str | None]] = []  # (sent at, client kind, answering pod)
         t_upd = 0.0
-        with client_socket(cli, bind=("10.244.9.10", 41053), connect=KUBE_DNS, timeout=0.2) as stub:
+        with client_socket(cli, bind=("10.244.9.10", 41053), connect=KUBE_DNS, timeout=1.0) as stub:
             t0 = time.monotonic()
-            for i in range(int(3.5 * RATE)):
-                at = t0 + i / RATE
-                time.sleep(max(0.0, at - time.monotonic()))
+            for i in range(int(5 * RATE)):
+                time.sleep(max(0.0, t0 + i / RATE - time.monotonic()))
                 if i == int(1.5 * RATE):
                     t_upd = write(m, "be-b")
-                results.append((at, "stub", ask_txt(stub)))
-                with client_socket(cli, connect=KUBE_DNS, timeout=0.2) as fresh:
-                    results.append((at, "fresh", ask_txt(fresh)))
+                results.append((time.monotonic(), "stub", ask_txt(stub)))
+                with client_socket(cli, connect=KUBE_DNS, timeout=1.0) as fresh:
+                    results.append((time.monotonic(), "fresh", ask_txt(fresh)))
         before = [(kind, pod) for at, kind, pod in results if at < t_upd]
-        after = [(kind, pod) for at, kind, pod in results if at >= t_upd + 1]
-        assert before and all(pod == "be-a" for _, pod in before), before
-        assert after and all(pod == "be-b" for _, pod in after), after
+        after = [(kind, pod) for at, kind, pod in results if at >= t_upd + 2]
+        # Every answer came from the pod of its time; a query may go unanswered within 1 s on a
+        # loaded machine (UDP), but most are answered in both windows, by the stub's session too.
+        assert all(pod in ("be-a", None) for _, pod in before), before
+        assert all(pod in ("be-b", None) for _, pod in after), after
+        for window in (before, after):
+            for kind in ("stub", "fresh"):
+                answered = [pod for k, pod in window if k == kind and pod]
+                assert len(answered) >= 0.8 * len([k for k, _ in window if k == kind]) > 0, window
         assert dig(cli, "whoami.test", "TXT") == '"be-b"'
     finally:
         assert agent.stop() == 0

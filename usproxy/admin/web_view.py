@@ -12,7 +12,16 @@ Read-only. Routes:
   (usproxy.core.events); "lagged" with the count of events a slow page missed.
 - GET /view/service?name=NS/NAME: per mode, the SVG drawings of that Service's ports and the
   rules the mode holds for it (usproxy/explain/mode_view.py, imported on the first such request:
-  an agent nobody asks never loads usproxy.explain).
+  an agent nobody asks never loads usproxy.explain), and for nftables usproxy's own table as the
+  kernel lists it now (`nft list table`, read again after each sync of the agent and at least
+  every LIVE_TABLE_AGE seconds, however many Services pages ask for meanwhile), drawn and quoted
+  next to kube-proxy's. The page asks for a Service's drawings when it is opened.
+- GET /view/numbers: "why, in numbers" for every ServicePort of the node, measured as
+  `explain --scale` measures (usproxy/explain/page_sections.py), in a worker thread, one
+  measurement at a time; the page asks when its section is opened.
+- GET /view/tour: the plots of the tour's results directory (`usproxy run --tour-results DIR`)
+  as HTML, or null without one.
+The page itself carries the introduction both pages share (page_sections.intro_html), made once.
 
 The data is the agent's own: `services()` and `flows()` are what /services and /flows return. One
 snapshot task serves every open page (flows are dumped once per period, not once per page); it
@@ -30,6 +39,7 @@ import logging
 import time
 from collections import OrderedDict
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from aiohttp import web
@@ -43,11 +53,12 @@ from usproxy.model.types import NamespacedName
 from usproxy.util.rows import FlowRow, ServiceRow
 
 if TYPE_CHECKING:
-    from usproxy.explain.service_set import ServiceSet
+    from usproxy.model.service_set import ServiceSet
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT_PERIOD = 0.5  # seconds between two snapshots while a page is open
+LIVE_TABLE_AGE = 2.0  # seconds one reading of usproxy's nftables tables serves every Service asked
 HEARTBEAT = 15.0  # seconds of silence after which a comment line keeps the stream open
 WRITE_TIMEOUT = 10.0  # seconds writing one payload to a page may take before the page is dropped
 MAX_WATCHERS = 8  # streams at once
@@ -78,34 +89,92 @@ def asset(name: str, package: str = "usproxy.admin") -> str:
     return resources.files(package).joinpath("static", name).read_text(encoding="utf-8")
 
 
-def service_set_of(source: WebSource, namespace: str, name: str) -> ServiceSet | None:
-    """The ServicePorts of one Service with their endpoints now (read on the loop, where the
-    agent's state lives), as explain's views take them; None when no ServicePort of it is known."""
-    from usproxy.explain.service_set import Node, ServiceSet
+def service_set_of(source: WebSource, namespace: str | None = None, name: str = "") -> ServiceSet | None:
+    """The ServicePorts of one Service (every Service's when `namespace` is None) with their
+    endpoints now (read on the loop, where the agent's state lives), as explain's views take
+    them; None when no ServicePort of it is known."""
+    from usproxy.model.service_set import Node, ServiceSet
 
-    ports = tuple((st.service_port, st.endpoints)
-                  for st in source.service_ports(NamespacedName(namespace, name)))
+    which = None if namespace is None else NamespacedName(namespace, name)
+    ports = tuple((st.service_port, st.endpoints) for st in source.service_ports(which))
     return ServiceSet(ports, Node(name=source.node.name)) if ports else None
 
 
-class WebView:
-    """The routes above over one WebSource; `add_to(app)` registers them."""
+def intro_html() -> str:
+    """The introduction both pages share (imports usproxy.explain: called in a thread)."""
+    from usproxy.explain.page_sections import intro_html as intro
 
-    def __init__(self, source: WebSource) -> None:
+    return intro()
+
+
+def live_tables() -> dict[int, str]:
+    """usproxy's nftables tables as the kernel lists them now, by IP family (none when nft is
+    missing or no table exists). Blocking: called in a thread."""
+    from usproxy.explain.live import nft_tables
+
+    return {4 if family == "ip" else 6: text for family, text in nft_tables()}
+
+
+class WebView:
+    """The routes above over one WebSource; `add_to(app)` registers them. `tour`: the tour's
+    results directory whose plots /view/tour shows, if any."""
+
+    def __init__(self, source: WebSource, tour: Path | None = None) -> None:
         self.source = source
+        self.tour = tour
         self.streams: set[asyncio.Task[Any]] = set()
         self._snapshots: asyncio.Task[None] | None = None
         self._encode = SseEncoder()
+        self._page: str | None = None
+        self._live: tuple[float, object, dict[int, str]] | None = None  # (read at, sync mark, tables)
+        self._live_lock = asyncio.Lock()
+        self._measuring = asyncio.Lock()
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/view", self.page)
         app.router.add_get("/view/static/{file}", self.static)
         app.router.add_get("/view/stream", self.stream)
         app.router.add_get("/view/service", self.service)
+        app.router.add_get("/view/numbers", self.numbers)
+        app.router.add_get("/view/tour", self.tour_plots)
         app.on_shutdown.append(self._shutdown)
 
     async def page(self, request: web.Request) -> web.Response:
-        return web.Response(text=asset("view.html"), content_type="text/html")
+        if self._page is None:  # the introduction is explain's: made once, off the loop
+            self._page = asset("view.html").replace("<!--intro-->", await asyncio.to_thread(intro_html))
+        return web.Response(text=self._page, content_type="text/html")
+
+    async def _live_tables(self) -> dict[int, str] | None:
+        """usproxy's tables as last read, read again when older than LIVE_TABLE_AGE or when the
+        agent has synced since (a sync is what changes them: the agent says when it last synced,
+        `last_sync()`); None when this agent runs no nftables datapath (nothing of it to read;
+        the agent says which it runs, `kernel_datapaths()`)."""
+        running = getattr(self.source, "kernel_datapaths", None)
+        if not callable(running) or "nftables" not in running():
+            return None
+        synced = getattr(self.source, "last_sync", None)
+        mark = synced() if callable(synced) else None
+        async with self._live_lock:
+            if self._live is None or time.monotonic() - self._live[0] > LIVE_TABLE_AGE or self._live[1] != mark:
+                self._live = (time.monotonic(), mark, await asyncio.to_thread(live_tables))
+            return self._live[2]
+
+    async def numbers(self, request: web.Request) -> web.Response:
+        from usproxy.explain.page_sections import numbers_html  # loads usproxy.explain
+
+        ss = service_set_of(self.source)
+        if ss is None:
+            return web.json_response({"html": "<p>No Services yet.</p>"})
+        async with self._measuring:  # one measurement at a time, however often it is asked
+            html = await asyncio.to_thread(numbers_html, ss)
+        return web.json_response({"html": html})
+
+    async def tour_plots(self, request: web.Request) -> web.Response:
+        if self.tour is None:
+            return web.json_response({"html": None})
+        from usproxy.explain.page_sections import tour_html
+
+        return web.json_response({"html": await asyncio.to_thread(tour_html, self.tour)})
 
     async def static(self, request: web.Request) -> web.Response:
         name = request.match_info["file"]
@@ -121,9 +190,10 @@ class WebView:
         ss = service_set_of(self.source, namespace, name)
         if ss is None:
             raise web.HTTPNotFound(text=f"no Service {namespace}/{name}\n")
+        live = await self._live_tables()
         # Values only from here: rendered in a thread, as a Service of 10,000 endpoints renders
         # 10,000 rules per mode.
-        modes = await asyncio.to_thread(mode_views, ss)
+        modes = await asyncio.to_thread(mode_views, ss, live)
         return web.json_response({"service": f"{namespace}/{name}", "modes": modes})
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
@@ -219,6 +289,8 @@ class SseEncoder:
 
 
 def add_routes(app: web.Application, view: object) -> None:
-    """Serve the page from `app` when `view` can feed it (the agent can; test fakes may not)."""
+    """Serve the page from `app` when `view` can feed it (the agent can; test fakes may not),
+    with the tour's plots when `view` names a results directory (`tour_results`)."""
     if isinstance(view, WebSource):
-        WebView(view).add_to(app)
+        tour = getattr(view, "tour_results", None)
+        WebView(view, tour if isinstance(tour, Path) else None).add_to(app)

@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from usproxy.admin.health import Health, evaluate
@@ -157,6 +158,22 @@ class Agent:
     def service_ports(self, service: NamespacedName | None = None) -> list[ServicePortState]:
         return self.views.service_ports(service)
 
+    def last_sync(self) -> float | None:
+        """When the Proxier last synced (None: not yet): the web view re-reads the kernel's
+        tables after each sync."""
+        return self.proxier.last_updated
+
+    def kernel_datapaths(self) -> tuple[str, ...]:
+        """The names of the kernel datapaths this agent runs now ("nftables", "bpf"): the web
+        view reads usproxy's nftables table from the kernel only where there is one."""
+        manager = self.offload_manager()
+        return tuple(k.name for k in manager.kernels) if manager is not None else ()
+
+    @property
+    def tour_results(self) -> Path | None:
+        """The tour's results directory whose plots the web view shows (--tour-results)."""
+        return self.cfg.tour_results
+
     def offload_manager(self) -> OffloadManager | None:
         """The offload manager over the kernel datapaths, if this agent offloads."""
         if not registry.allowed(self.cfg.offload):
@@ -197,8 +214,10 @@ class Agent:
         if self._real:
             await self._take_kernel_locks()
         source = self.source = self._make_source()
-        if self._real:  # real datapaths, and their input parsed: clear what they will not use
+        if self._real and not self._kernel_names():  # no kernel datapath: clear the rest now
             await self._remove_leftovers()
+        elif self._real:
+            self._guard("leftovers", self._remove_leftovers_after_first_sync())
         await self.admin.start()
         for role, addr in self.admin.bound.items():
             log.info("serving %s on %s", role, format_hostport(addr[0], addr[1]))
@@ -229,6 +248,16 @@ class Agent:
                 manager.leave_out(k.name, str(err))
                 continue
             self._locks.append(lock)
+
+    async def _remove_leftovers_after_first_sync(self) -> None:
+        """With kernel offload, an earlier run's other datapath goes only once this run's first
+        sync has installed its own: the kernel tracks connections in a network namespace only
+        while some rule there uses conntrack, so removing the old rules first would leave the
+        flows they translated without their NAT until the new datapath's first read back (seen:
+        every connection DNATed by iptables reset when an --offload nftables agent started)."""
+        while self.proxier.last_updated is None:
+            await asyncio.sleep(0.05)
+        await self._remove_leftovers()
 
     async def _remove_leftovers(self) -> None:
         """Remove an earlier run's kernel state of the datapaths this run does not use

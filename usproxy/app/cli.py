@@ -88,8 +88,20 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--pod-interface-name-prefix", dest="interface_name_prefix", metavar="PREFIX")
     p.add_argument("--masquerade-all", action="store_true", default=None,
                    help="masquerade all traffic to Service addresses (kube-proxy's --masquerade-all)")
+    p.add_argument("--tour-results", type=Path, metavar="DIR",
+                   help="a tour's results directory: the web view (/view) shows its plots (*.svg, *.png) "
+                        "with the captions of its results.json")
+    p.add_argument("--iptables-localhost-nodeports", dest="iptables_localhost_nodeports", type=_true_false,
+                   metavar="true|false", help="the iptables datapath serves NodePorts on 127.0.0.1 too, where "
+                   "every IPv4 address serves them (kube-proxy's; it sets route_localnet; default true)")
     p.add_argument("--cleanup", action="store_true", default=None,
                    help="remove everything usproxy installed in the kernel, then exit")
+
+
+def _true_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+    return text.lower() == "true"
 
 
 def _comma_list(text: str) -> tuple[str, ...]:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from usproxy.core.datapath import ServicePortState
+    from usproxy.model.service_port_state import ServicePortState
 
 HostPort = tuple[bytes, int]  # (packed address, port)
 

@@ -21,7 +21,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from usproxy.model.endpoint import Endpoint
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.offload.bpf.layout import MAGLEV_M
 from usproxy.model.source_ranges import allowed_sources
 from usproxy.model.types import IPAddress, format_hostport

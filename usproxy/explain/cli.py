@@ -10,17 +10,21 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from usproxy.explain import cost, diff, registry, scale, trace
+from usproxy.explain import cost, diff, pod_source, registry, scale, trace
 from usproxy.explain.live import read_live
 from usproxy.explain.mode import Mode, TraceOptions
 from usproxy.explain.packet import Packet
-from usproxy.explain.service_set import Node, ServiceSet, load_manifests, service_set
+from usproxy.model.service_set import Node, ServiceSet, load_manifests, service_set
 from usproxy.model.config import BPF_LB_MODES
 from usproxy.model.manifest import Manifests, objects_from
 from usproxy.model.types import IPAddress, IPNetwork, parse_cidr_sloppy, parse_ip_sloppy
 from usproxy.util.errors import ConfigError
+
+
+HTML_SCALE = 1000  # Services `--html` measures "why, in numbers" at, besides the input's own
 
 
 def numbered(modes: Sequence[Mode]) -> dict[str, str]:
@@ -57,10 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--live", action="store_true", help="also show this node's running agent")
     p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT")
     p.add_argument("--html", type=Path, metavar="FILE",
-                   help="write the drawings of every mode, with their rules, as one self-contained HTML file")
+                   help="write the drawings of every mode, with their rules and why, in numbers (also at "
+                        f"--scale N Services, default {HTML_SCALE:,}), as one self-contained HTML file")
+    p.add_argument("--tour-results", type=Path, metavar="DIR",
+                   help="with --html: also show the plots (*.svg, *.png) of this results directory, with "
+                        "the captions of its results.json")
     p.add_argument("--scale", type=_scale_count, metavar="N",
                    help="only why, in numbers, for N Services generated like the input's, measured by "
-                        f"rendering and tracing them (N up to {scale.MAX_SERVICES})")
+                        f"rendering and tracing them (N up to {scale.MAX_SERVICES}); with --html, the "
+                        "page's numbers at N Services")
     return p
 
 
@@ -78,9 +87,15 @@ def build_trace_parser() -> argparse.ArgumentParser:
                    help="the packet's source address. An address in --node-ip is the node itself (the "
                         "output hooks); any other is a packet arriving at the node (prerouting), as a pod "
                         "here and a client elsewhere both look to iptables, ipvs and nftables. bpf alone "
-                        "tells them apart: an address in --cluster-cidr is taken as a pod on this node "
-                        "(served at connect()), any other as traffic from elsewhere")
+                        "tells them apart: a pod on this node is served at connect(), anything else is "
+                        "traffic from elsewhere. SRC is a pod on this node when the input places it here "
+                        "(an endpoint's nodeName, or a Node's podCIDRs: without --node-name, the trace "
+                        "renders for that node) or when it is in --cluster-cidr")
     p.add_argument("dst", metavar="DST:PORT/PROTO")
+    p.add_argument("--detail", action="store_true",
+                   help="every path in full, hop by hop, with what follows its first packet (the "
+                        "default prints the hops all paths share once, one path in full and one line "
+                        "for each other)")
     p.add_argument("--bpf-lb-mode", choices=BPF_LB_MODES, default="snat",
                    help="as `usproxy run --bpf-lb-mode`: how the bpf mode's tc program serves a packet "
                         "from elsewhere to a NodePort, LB IP or externalIP whose backend is on another "
@@ -121,7 +136,9 @@ def _from_api(kubeconfig: Path) -> Manifests:
     return objects_from(list(raws))
 
 
-def load(args: argparse.Namespace) -> ServiceSet:
+def manifests(args: argparse.Namespace) -> Manifests:
+    """The objects of --kubeconfig or --services; every error after the first is printed (the
+    first is raised when they are made a ServiceSet)."""
     if args.kubeconfig is not None:
         m = _from_api(args.kubeconfig)
     elif args.services is None:
@@ -130,7 +147,11 @@ def load(args: argparse.Namespace) -> ServiceSet:
         m = load_manifests(args.services)
     for err in m.errors[1:]:
         print(f"usproxy: {err}", file=sys.stderr)
-    return service_set(m, node_from(args))
+    return m
+
+
+def load(args: argparse.Namespace) -> ServiceSet:
+    return service_set(manifests(args), node_from(args))
 
 
 def render_mode(ss: ServiceSet, mode: Mode, nft_format: str = "list", title: str = "") -> str:
@@ -193,15 +214,34 @@ def empty(ss: ServiceSet, args: argparse.Namespace) -> bool:
     return True
 
 
+def traced_source(args: argparse.Namespace, m: Manifests) -> tuple[ServiceSet, Packet, str]:
+    """The ServiceSet, the packet and a line about SRC. Where the input places SRC on a node
+    (pod_source.locate) and --node-name names no other, SRC is a pod on this node and the trace
+    renders for that node (its name decides which endpoints are local); a pod the input places
+    on another node than --node-name is traced as a packet from elsewhere, and said so."""
+    ss = service_set(m, node_from(args))
+    pkt = trace.parse_packet(args.src, args.dst, ss)
+    place = None if pkt.src_local else pod_source.locate(pkt.src, ss, m.nodes)
+    if place is None:
+        return ss, pkt, ""
+    if args.node_name not in (None, place.node):
+        return ss, pkt, (f"{pkt.src} is {place.why}, not on this node (--node-name {args.node_name}): "
+                         "traced as a packet arriving from elsewhere")
+    if args.node_name is None:
+        ss = replace(ss, node=replace(ss.node, name=place.node))
+    about = (f"{pkt.src} is {place.why}: traced as a pod on {place.node}, the node this trace renders"
+             + ("" if args.node_name else f" (as --node-name {place.node})"))
+    return ss, replace(pkt, src_pod=place.how), about
+
+
 def _trace(argv: list[str]) -> int:
     args = build_trace_parser().parse_args(argv)
-    ss = load(args)
-    pkt = trace.parse_packet(args.src, args.dst, ss)
+    ss, pkt, about = traced_source(args, manifests(args))
     if empty(ss, args):
         return 1
     opts = TraceOptions(bpf_lb_mode=args.bpf_lb_mode)
-    print(nodeport_hint(ss, pkt) + lb_source_hint(ss, pkt) + trace.render(ss, pkt, registry.selected(args.mode), opts),
-          end="")
+    story = trace.render(ss, pkt, registry.selected(args.mode), opts, args.detail, about)
+    print(nodeport_hint(ss, pkt) + lb_source_hint(ss, pkt) + story, end="")
     return 0
 
 
@@ -256,10 +296,12 @@ def _dump_view(ss: ServiceSet, mode: Mode, nft_format: str = "dump") -> str:
     return render_mode(ss, mode, nft_format) if ss.ports else "# no Services with a ClusterIP\n"
 
 
-def _write_html(path: Path, page: str) -> None:
-    """Write the page; a path that cannot be written is bad usage (exit 2), said in one line."""
+def _write_html(path: Path, page: Callable[[], str]) -> None:
+    """Write the page `page()` makes; a path that cannot be written is bad usage (exit 2), said
+    in one line, before the page is made (measuring it takes seconds)."""
     try:
-        path.write_text(page)
+        with path.open("w") as out:
+            out.write(page())
     except OSError as err:
         why = err.strerror or str(err)
         if isinstance(err, FileNotFoundError) and not path.parent.is_dir():
@@ -274,7 +316,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["diff"]:
         return _diff(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.scale is not None:
+    if args.tour_results is not None and args.html is None:
+        build_parser().error("--tour-results goes with --html")
+    if args.scale is not None and args.html is None:
         ss = load(args)
         if empty(ss, args):
             return 1
@@ -283,7 +327,11 @@ def main(argv: list[str]) -> int:
     if args.html is not None:
         from usproxy.explain import standalone_page
 
-        _write_html(args.html, standalone_page.render(load(args)))
+        if args.tour_results is not None and not args.tour_results.is_dir():
+            raise ConfigError(f"{args.tour_results}: not a directory", obj="usproxy explain", field="--tour-results")
+        ss = load(args)
+        _write_html(args.html, lambda: standalone_page.render(ss, generated=args.scale or HTML_SCALE,
+                                                              tour=args.tour_results))
         print(f"usproxy explain: wrote {args.html}")
         return 0
     shown = 0  # sections printed so far: live is numbered after them

@@ -23,13 +23,14 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
-from usproxy.explain import bpf, generator, iptables, ipvs, nftables
-from usproxy.explain import chain_names as names
-from usproxy.explain.chain_names import nft_base, nft_endpoint_base
+from usproxy.explain import bpf, generator, ipvs, nftables
+from usproxy.offload.iptables import rules as iptables
+from usproxy.model import chain_names as names
+from usproxy.model.chain_names import nft_base, nft_endpoint_base
 from usproxy.explain.ipvs_trace import parse_ipsets, parse_ipvsadm
 from usproxy.explain.mode import Mode
 from usproxy.explain.packet import Packet
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.model.types import Family, IPAddress
 from usproxy.util.table import render_table
 
@@ -85,21 +86,35 @@ def _first_packet(ss: ServiceSet, mode: Mode) -> tuple[float, int, float]:
 PER_SERVICE_CHAINS = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-")
 
 
-def iptables_partial_lines(rs: iptables.Ruleset, fps: Iterable[FamilyPort], deleted: int = 0) -> int:
-    """iptables-restore lines of the partial sync that rewrites the chains of `fps`, as kube-proxy
-    writes it (pkg/proxy/iptables/proxier.go syncProxyRules with tryPartialSync): the filter table
-    in full, the nat table's top-level chains in full, and only the KUBE-SVC/SVL/EXT/SEP chains of
-    `fps`; each table as `*table`, its chain lines, its rules and COMMIT; plus a chain line and an
-    `-X` line for each of `deleted` chains no longer used. On kube-proxy's
-    TestSyncProxyRulesRepeated states this is its golden's line count (32 after svc3 is added)."""
+def iptables_partial_restore(rs: iptables.Ruleset, fps: Iterable[FamilyPort],
+                             deleted: Sequence[str] = ()) -> list[str]:
+    """The iptables-restore input of the partial sync that rewrites the chains of `fps`, as
+    kube-proxy writes it (pkg/proxy/iptables/proxier.go syncProxyRules with tryPartialSync): the
+    filter table in full, the nat table's top-level chains in full, and only the
+    KUBE-SVC/SVL/EXT/SEP chains of `fps`; each table as `*table`, its chain lines, its rules and
+    COMMIT; each of the `deleted` chains (no longer used) as a chain line and an `-X` line. On
+    kube-proxy's TestSyncProxyRulesRepeated states these are its golden's lines (32 after svc3
+    is added, tests/explain/test_partial_sync.py)."""
     own: set[str] = set()
     for fp in fps:
         own |= {names.svc_chain(fp.name), names.svl_chain(fp.name), names.ext_chain(fp.name),
                 *(names.sep_chain(fp.name, ep) for ep in fp.reachable)}
-    nat = [c for c in rs.chains["nat"] if c in own or not c.startswith(PER_SERVICE_CHAINS)]
-    filter_lines = 2 + len(rs.chains["filter"]) + sum(1 for r in rs.rules if r.table == "filter")
-    nat_rules = sum(len(rs.in_chain("nat", c)) for c in nat)
-    return filter_lines + 2 + len(nat) + nat_rules + 2 * deleted
+    lines: list[str] = []
+    for table in ("filter", "nat"):
+        chains = [(c, rules) for c, rules in iptables.ordered(rs, table)
+                  if table == "filter" or c in own or not c.startswith(PER_SERVICE_CHAINS)]
+        gone = deleted if table == "nat" else ()
+        lines += [f"*{table}", *(f":{c} - [0:0]" for c, _ in chains), *(f":{c} - [0:0]" for c in gone)]
+        lines += [r.text() for _, rules in chains for r in rules]
+        lines += [*(f"-X {c}" for c in gone), "COMMIT"]
+    return lines
+
+
+def iptables_partial_lines(rs: iptables.Ruleset, fps: Iterable[FamilyPort], deleted: int = 0) -> int:
+    """Lines of iptables_partial_restore for `fps`, with `deleted` chains deleted (each a chain
+    line and an `-X` line). On kube-proxy's TestSyncProxyRulesRepeated states this is its
+    golden's line count (32 after svc3 is added)."""
+    return len(iptables_partial_restore(rs, fps)) + 2 * deleted
 
 
 def _iptables_change(ss: ServiceSet) -> tuple[int, int]:
@@ -113,6 +128,17 @@ def _iptables_change(ss: ServiceSet) -> tuple[int, int]:
     return worst, full
 
 
+def nftables_rewritten(t: nftables.Table, fp: FamilyPort) -> tuple[list[str], list[str]]:
+    """(chains, affinity sets) kube-proxy's nftables mode rewrites after one of `fp`'s endpoints
+    changed: its service/local/external and endpoint chains that exist, and each endpoint's
+    affinity set."""
+    base = nft_base(fp.name)
+    eps = [nft_endpoint_base(fp.name, ep) for ep in fp.reachable]
+    chains = [f"{kind}-{base}" for kind in ("service", "local", "external")] + [f"endpoint-{e}" for e in eps]
+    return ([c for c in chains if c in t.chains],
+            [f"affinity-{e}" for e in eps if f"affinity-{e}" in t.containers])
+
+
 def nftables_ops(t: nftables.Table, fp: FamilyPort) -> int:
     """Operations of the transaction that rewrites `fp`'s chains after one of its endpoints
     changed, as kube-proxy's nftables mode sends it: each of its service/local/external and
@@ -120,12 +146,8 @@ def nftables_ops(t: nftables.Table, fp: FamilyPort) -> int:
     added. The sets' and maps' elements do not change then. On kube-proxy's
     TestSyncProxyRulesRepeated state after "add an endpoint to a service" this is the 12
     operations its test counts (pkg/proxy/nftables/proxier_test.go)."""
-    base = nft_base(fp.name)
-    chains = [f"{kind}-{base}" for kind in ("service", "local", "external")]
-    eps = [nft_endpoint_base(fp.name, ep) for ep in fp.reachable]
-    chains += [f"endpoint-{e}" for e in eps]
-    ops = sum(2 + len(t.chains[c].rules) for c in chains if c in t.chains)
-    return ops + sum(1 for e in eps if f"affinity-{e}" in t.containers)
+    chains, sets = nftables_rewritten(t, fp)
+    return sum(2 + len(t.chains[c].rules) for c in chains) + len(sets)
 
 
 def _nftables_change(ss: ServiceSet) -> int:

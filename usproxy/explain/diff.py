@@ -1,13 +1,15 @@
 """`usproxy explain diff OLD NEW`: what one change of the Services does to each mode's own rules.
 
 Two ServiceSets (before, after) are rendered by each mode's view and compared as a unified diff,
-with the count of lines added and removed. For the two modes whose sync kube-proxy sizes in its
-tests, the size of what it really sends is computed too (pkg/proxy/*/proxier_test.go
-TestSyncProxyRulesRepeated): iptables, the lines of the partial iptables-restore (cost.
-iptables_partial_lines over the changed ServicePorts, plus two lines per chain deleted); nftables,
-the operations of the transaction: each element added or removed, each chain of a changed
-ServicePort added, flushed and refilled (cost.nftables_ops), each chain no longer used flushed
-(kube-proxy deletes it later, in a transaction of its own). For UDP, the conntrack entries
+with the count of lines added and removed. Lines are compared with their blank padding aside,
+so a table re-aligned around one changed row counts that row only. For the two modes whose sync
+kube-proxy sizes in its tests, what it really sends is written out and counted too
+(pkg/proxy/*/proxier_test.go TestSyncProxyRulesRepeated): iptables, the lines of the partial
+iptables-restore (cost.iptables_partial_restore over the changed ServicePorts, with a chain line
+and an `-X` line per chain deleted); nftables, the operations of the transaction: each element
+added or removed, each chain of a changed ServicePort added, flushed and refilled (cost.
+nftables_rewritten), each chain no longer used flushed (kube-proxy deletes it later, in a
+transaction of its own). For UDP, the conntrack entries
 kube-proxy deletes are listed (pkg/proxy/conntrack/cleanup.go): flows DNATed to a removed endpoint,
 and flows to a ClusterIP that had no endpoint. Invariant: values in, text out; no I/O.
 """
@@ -15,11 +17,13 @@ and flows to a ClusterIP that had no endpoint. Invariant: values in, text out; n
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Callable, Sequence
 
-from usproxy.explain import cost, iptables, nftables
+from usproxy.explain import cost, nftables
+from usproxy.offload.iptables import rules as iptables
 from usproxy.explain.mode import Mode
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 from usproxy.model.endpoint import Endpoint, usable
 from usproxy.model.service_port import ServicePort
 from usproxy.model.types import Family, ServicePortName
@@ -57,31 +61,105 @@ def describe(old: ServiceSet, new: ServiceSet) -> list[str]:
     return out
 
 
+def unpadded(text: str) -> str:
+    """`text` with each run of blanks made one: a table column widened by a longer cell (the
+    userspace view's endpoint lists) rewrites every row's padding, which no proxier writes."""
+    return " ".join(text.split())
+
+
+def _span(start: int, stop: int) -> str:
+    """A unified diff hunk's range, as difflib writes it."""
+    length = stop - start
+    if length == 1:
+        return str(start + 1)
+    return f"{start if not length else start + 1},{length}"
+
+
 def unified(before: str, after: str, mode: str) -> tuple[list[str], int, int]:
-    """(unified diff lines, lines added, lines removed) of one mode's two renderings."""
-    lines = list(difflib.unified_diff(before.splitlines(), after.splitlines(),
-                                      f"OLD ({mode})", f"NEW ({mode})", lineterm="", n=1))
-    body = [line for line in lines[2:] if not line.startswith("@@")]
-    return lines, sum(1 for x in body if x.startswith("+")), sum(1 for x in body if x.startswith("-"))
+    """(unified diff lines, lines added, lines removed) of one mode's two renderings. Lines are
+    compared with their blank padding aside (unpadded), so a table re-aligned around one changed
+    row counts that row only; the lines shown are the renderings' own."""
+    a, b = before.splitlines(), after.splitlines()
+    matcher = difflib.SequenceMatcher(None, [unpadded(x) for x in a], [unpadded(x) for x in b])
+    lines, added, removed = [f"--- OLD ({mode})", f"+++ NEW ({mode})"], 0, 0
+    for group in matcher.get_grouped_opcodes(1):
+        lines.append(f"@@ -{_span(group[0][1], group[-1][2])} +{_span(group[0][3], group[-1][4])} @@")
+        for tag, i1, i2, j1, j2 in group:
+            if tag == "equal":
+                lines += [f" {x}" for x in b[j1:j2]]
+                continue
+            if tag in ("replace", "delete"):
+                lines += [f"-{x}" for x in a[i1:i2]]
+                removed += i2 - i1
+            if tag in ("replace", "insert"):
+                lines += [f"+{x}" for x in b[j1:j2]]
+                added += j2 - j1
+    return (lines if added + removed else []), added, removed
 
 
 def _families(old: ServiceSet, new: ServiceSet) -> tuple[Family, ...]:
     return tuple(f for f in (4, 6) if f in old.families() or f in new.families())
 
 
+def iptables_restore(old: ServiceSet, new: ServiceSet, opts: iptables.Options = iptables.Options()) -> list[str]:
+    """kube-proxy's partial iptables-restore input for this change, per family (IPv6's after
+    IPv4's): the changed ServicePorts' chains, the top-level chains and the filter table, and an
+    `-X` for each chain no longer used (cost.iptables_partial_restore); `opts`: the node's
+    iptables (iptables.Options)."""
+    names, out = changed(old, new), []
+    for family in _families(old, new):
+        rs_old, rs_new = iptables.build(old, family, opts), iptables.build(new, family, opts)
+        fps = [fp for fp in new.family_ports(family) if fp.name in names]
+        deleted = [c for c in rs_old.chains["nat"] if c not in set(rs_new.chains["nat"])]
+        out += cost.iptables_partial_restore(rs_new, fps, deleted)
+    return out
+
+
 def iptables_sends(old: ServiceSet, new: ServiceSet) -> int:
     """Lines of kube-proxy's partial iptables-restore for this change, summed over families."""
-    names, total = changed(old, new), 0
-    for family in _families(old, new):
-        rs_old, rs_new = iptables.build(old, family), iptables.build(new, family)
-        fps = [fp for fp in new.family_ports(family) if fp.name in names]
-        deleted = set(rs_old.chains["nat"]) - set(rs_new.chains["nat"])
-        total += cost.iptables_partial_lines(rs_new, fps, len(deleted))
-    return total
+    return len(iptables_restore(old, new))
 
 
-def _elements(t: nftables.Table) -> set[str]:
+def _element_lines(t: nftables.Table) -> set[str]:
     return {line for line in nftables.dump(t).splitlines() if line.startswith("add element")}
+
+
+_ELEMENT = re.compile(r"^add element (\S+ \S+ \S+) \{ (.*?)(?: comment \"[^\"]*\")?(?: : .*)? \}$")
+
+
+def _deleted(line: str) -> str:
+    """An `add element` line as the `delete element` that removes it (the key alone)."""
+    m = _ELEMENT.match(line)
+    return f"delete element {m[1]} {{ {m[2]} }}" if m else "delete" + line[len("add"):]
+
+
+def nftables_transaction(old: ServiceSet, new: ServiceSet) -> list[str]:
+    """kube-proxy's nftables transaction for this change, per family, in the dump's words: each
+    element removed and added, each chain of a changed ServicePort added, flushed and refilled
+    and each of its affinity sets added (cost.nftables_rewritten), each chain no longer used
+    flushed (kube-proxy deletes it later, in a transaction of its own)."""
+    names, out = changed(old, new), []
+    for family in _families(old, new):
+        t_old, t_new = nftables.build(old, family), nftables.build(new, family)
+        dump = nftables.dump(t_new).splitlines()
+        prefix = f"{t_new.ipx} {nftables.TABLE}"
+        was, now = _element_lines(t_old), _element_lines(t_new)
+        out += [_deleted(line) for line in sorted(was - now)] + sorted(now - was)
+        for fp in new.family_ports(family):
+            if fp.name not in names:
+                continue
+            chains, sets = cost.nftables_rewritten(t_new, fp)
+            out += [line for line in dump for s in sets if line.startswith(f"add set {prefix} {s} ")]
+            for c in chains:
+                out += [f"add chain {prefix} {c}", f"flush chain {prefix} {c}"]
+                out += [line for line in dump if line.startswith(f"add rule {prefix} {c} ")]
+        out += [f"flush chain {prefix} {c}" for c in t_old.chains if c not in t_new.chains]
+    return out
+
+
+def nftables_sends(old: ServiceSet, new: ServiceSet) -> int:
+    """Operations of kube-proxy's nftables transaction for this change, summed over families."""
+    return len(nftables_transaction(old, new))
 
 
 def iptables_sends_text(old: ServiceSet, new: ServiceSet) -> str:
@@ -90,20 +168,11 @@ def iptables_sends_text(old: ServiceSet, new: ServiceSet) -> str:
 
 
 def iptables_sends_note(old: ServiceSet, new: ServiceSet) -> str:
-    """iptables_sends under `explain diff`'s heading, with what the partial sync holds."""
-    return (f"{iptables_sends(old, new)} lines of iptables-restore (partial sync: filter table, nat "
-            "top-level chains, the changed Services' chains)")
-
-
-def nftables_sends(old: ServiceSet, new: ServiceSet) -> int:
-    """Operations of kube-proxy's nftables transaction for this change, summed over families."""
-    names, total = changed(old, new), 0
-    for family in _families(old, new):
-        t_old, t_new = nftables.build(old, family), nftables.build(new, family)
-        total += len(_elements(t_old) ^ _elements(t_new))
-        total += sum(cost.nftables_ops(t_new, fp) for fp in new.family_ports(family) if fp.name in names)
-        total += len(t_old.chains.keys() - t_new.chains.keys())  # flushed now, deleted later
-    return total
+    """Under `explain diff`'s heading: the size of kube-proxy's partial iptables-restore, then
+    its lines."""
+    lines = iptables_restore(old, new)
+    return "\n".join([f"{len(lines)} lines of iptables-restore (partial sync: filter table, nat "
+                      "top-level chains, the changed Services' chains):", *lines])
 
 
 def nftables_sends_text(old: ServiceSet, new: ServiceSet) -> str:
@@ -112,8 +181,10 @@ def nftables_sends_text(old: ServiceSet, new: ServiceSet) -> str:
 
 
 def nftables_sends_note(old: ServiceSet, new: ServiceSet) -> str:
-    """nftables_sends under `explain diff`'s heading."""
-    return f"{nftables_sends(old, new)} operations in one nftables transaction"
+    """Under `explain diff`'s heading: the size of kube-proxy's nftables transaction, then its
+    operations."""
+    ops = nftables_transaction(old, new)
+    return "\n".join([f"{len(ops)} operations in one nftables transaction:", *ops])
 
 
 def conntrack_deletes(old: ServiceSet, new: ServiceSet) -> list[str]:
@@ -147,7 +218,8 @@ def render(old: ServiceSet, new: ServiceSet, modes: Sequence[Mode], view: View,
         changed = added + removed
         out.append(f"# rendered rules: {changed} line{'s' * (changed != 1)} changed (+{added} -{removed})")
         if mode.diff_sends is not None:
-            out.append(f"# kube-proxy sends: {mode.diff_sends(old, new)}")
+            head, *sent = mode.diff_sends(old, new).split("\n")
+            out += [f"# kube-proxy sends: {head}", *(f"#   {line}" for line in sent)]
         out += [*lines, ""]
     deletes = conntrack_deletes(old, new)
     if deletes:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from usproxy.model.endpoint import Endpoint
 from usproxy.util.errors import ConfigError
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 from usproxy.model.service_port import ServicePort
 from usproxy.model.types import IPAddress, IPNetwork, ServicePortName
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from usproxy.model.endpoint import Endpoint
-from usproxy.explain.service_set import FamilyPort, Node, ServiceSet
+from usproxy.model.service_set import FamilyPort, Node, ServiceSet
 from usproxy.model.types import Family, IPAddress, format_hostport
 
 DUMMY = "kube-ipvs0"

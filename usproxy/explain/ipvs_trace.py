@@ -22,7 +22,7 @@ from usproxy.explain import ipvs
 from usproxy.explain.iptables_trace import TextRule, Walker, parse_restore
 from usproxy.explain.mode import NO_OPTIONS, TraceOptions
 from usproxy.explain.packet import Packet, Path
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 from usproxy.model.types import IPAddress, format_hostport
 
 

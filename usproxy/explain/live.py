@@ -35,7 +35,7 @@ def _get(addr: str, path: str) -> Any:
         return json.load(resp)
 
 
-def _nft_tables() -> list[tuple[str, str]]:
+def nft_tables() -> list[tuple[str, str]]:
     """(family, `nft list table <family> usproxy` text) of every usproxy table that exists."""
     nft = shutil.which("nft")
     if nft is None:
@@ -92,7 +92,7 @@ def read_live(addr: str, pin_root: Path | None = None) -> str | None:
         except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as err:
             parts.append(f"# live {path}: not available from http://{addr} ({err})\n")
     kernel_at = len(parts)  # the ownership line goes before the kernel state it marks
-    tables = _nft_tables()
+    tables = nft_tables()
     for family, text in tables:
         parts.append(f"# live: nft list table {family} {TABLE}\n{text}")
     if tables:

@@ -16,8 +16,9 @@ from typing import Protocol
 
 from usproxy.explain.packet import Packet, Path
 from usproxy.explain.path_drawing import Drawer
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.model.config import BpfLbMode
+from usproxy.model.endpoint import Endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,9 @@ CostRows = Callable[[ServiceSet, "Mode"], list[list[str]]]  # the mode's own rec
 Sends = Callable[[ServiceSet, ServiceSet], str]  # (OLD, NEW) -> what the proxier writes, as text
 Reply = Callable[[ServiceSet, Packet, Path], list[str]]
 Refusal = Callable[[Packet, Path], str]
+# (ServicePorts, usproxy's own table per IP family as the kernel lists it, endpoints by "ip:port")
+# -> (the ServicePorts' part of it, in its own words; SVG drawings of the path through it)
+LivePart = Callable[[list[FamilyPort], dict[int, str], dict[str, Endpoint]], tuple[str, list[str]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,12 @@ class Mode:
       own tests size (`explain diff` prints it), or None; `scale_note`: a line under --scale's
       table, or "".
     - `drawing`: the SVG path drawing of a new connection (the web view, --html).
+    - `rules_walked`: what a trace's rule count counts, after the number ("rules walked").
+    - `gist`: how this mode turns a connection to a Service into one to an endpoint, in a
+      sentence for someone new to it (the pages' introduction).
+    - `live_part`: for a mode usproxy itself runs in a table the kernel lists (nftables), the
+      Services' part of usproxy's table as read from the kernel, and its drawing (the web view
+      shows it next to kube-proxy's); None for the others.
     """
 
     name: str
@@ -79,6 +89,9 @@ class Mode:
     cost_detail: Callable[[ServiceSet], list[str]] | None = None
     diff_sends: Sends | None = None
     scale_note: str = ""
+    rules_walked: str = "rules walked"
+    gist: str = ""
+    live_part: LivePart | None = None
 
     def view(self, ss: ServiceSet, nft_format: str = "list") -> str:
         """The rules as `--nft-format` asks: the transaction dump where the mode has one."""

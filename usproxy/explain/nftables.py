@@ -23,9 +23,9 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from usproxy.model.endpoint import Endpoint
-from usproxy.explain import chain_names as names
-from usproxy.explain.iptables import Match, Plan, plan
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model import chain_names as names
+from usproxy.offload.iptables.rules import Match, Plan, plan
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.model.types import Family, format_hostport
 
 TABLE = "kube-proxy"
@@ -391,6 +391,13 @@ def _chain_listing(c: Chain, mark: str) -> list[str]:
         lines.append(f"\t\ttype {typ} hook {hook} priority {_PRIORITY[(typ, prio)]}; policy accept;")
     lines += [f"\t\t{_listed(_rule_text(r), mark)}" for r in c.rules]
     return lines + ["\t}"]
+
+
+def listed_rules(t: Table, mark: str = "0x4000") -> dict[tuple[str, int], str]:
+    """Every rule as `listing` prints it, by (chain, rule number from 1): what a trace quotes,
+    so a rule reads the same in `explain trace` as in the view."""
+    return {(c.name, i): _listed(_rule_text(r), mark) for c in t.chains.values()
+            for i, r in enumerate(c.rules, start=1)}
 
 
 def listing(t: Table, mark: str = "0x4000") -> str:

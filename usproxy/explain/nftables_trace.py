@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -60,10 +60,13 @@ Outcome = tuple[list[Path], list[Path]]  # (ended with a verdict, fell through /
 
 @dataclass(frozen=True, slots=True)
 class Walker:
-    """Walks one packet through a Dump (`fib ... type local` reads the packet's local flags)."""
+    """Walks one packet through a Dump (`fib ... type local` reads the packet's local flags).
+    `wording`: how each rule is quoted in the hops, by (chain, rule number) (the view's
+    `nft list` text, nftables.listed_rules); a rule not in it is quoted as the dump writes it."""
 
     dump: Dump
     pkt: Packet
+    wording: Mapping[tuple[str, int], str] = field(default_factory=dict)
 
     def walk(self, chain: str, path: Path, depth: int = 0) -> Outcome:
         """Walk `chain`: (paths that ended with a verdict, paths that left it without one).
@@ -100,16 +103,20 @@ class Walker:
                     p.miss(chain, i)
                     return [], [p], []
                 if isinstance(out, str):  # a verdict-map hit: its verdict replaces the rest
-                    p.hit(f"{chain} rule {i}: {full}  [{out}]")
+                    p.hit(f"{chain} rule {i}: {self.quoted(chain, i, full)}  [{out}]")
                     return self.verdict(out, p, depth)
                 break
             else:
                 if (m := re.match(r"^numgen random mod \d+ vmap \{ (.*) \}$", rest)) is not None:
                     return self.numgen(chain, i, full, m[1], p, depth)
-                p.hit(f"{chain} rule {i}: {full}")
+                p.hit(f"{chain} rule {i}: {self.quoted(chain, i, full)}")
                 return self.verdict(rest, p, depth)
-        p.hit(f"{chain} rule {i}: {full}")
+        p.hit(f"{chain} rule {i}: {self.quoted(chain, i, full)}")
         return [], [p], []
+
+    def quoted(self, chain: str, i: int, full: str) -> str:
+        """Rule `i` of `chain` as the hops quote it (see `wording`)."""
+        return self.wording.get((chain, i), full)
 
     def _steps(self) -> list[tuple[re.Pattern[str], Callable[[re.Match[str], Path], object]]]:
         return [(re.compile(pat), fn) for pat, fn in _steps_of(self)]
@@ -145,7 +152,7 @@ class Walker:
         ended, back = [], []
         for target in targets:
             q = p.fork(Fraction(1, len(targets)))
-            q.hit(f"{chain} rule {i}: {full}  [goto {target}]")
+            q.hit(f"{chain} rule {i}: {self.quoted(chain, i, full)}  [goto {target}]")
             e, _, b = self.verdict(f"goto {target}", q, depth)
             ended += e
             back += b

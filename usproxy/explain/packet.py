@@ -2,7 +2,8 @@
 
 `Packet` is what a tracer reads: addresses, port, protocol and whether the source and the
 destination are addresses of this node (kube-proxy's tracers take the node's addresses for
-`fib saddr type local` / `-m addrtype --src-type LOCAL`). `Path` is one way through the rules with
+`fib saddr type local` / `-m addrtype --src-type LOCAL`), and whether the source is known to be a
+pod on this node (`src_pod`, with why: usproxy/explain/pod_source.py). `Path` is one way through the rules with
 its exact share of new connections (`fractions.Fraction`); its invariants: `walked` holds the text
 of every rendered rule evaluated, in order, so `rules == len(walked)` counts only rules the mode's
 view lists; `hops` are the ones that matched (plus map lookups and the tracer's own notes);
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from usproxy.util.errors import ConfigError
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 from usproxy.model.types import IPAddress, parse_ip_sloppy
 
 
@@ -33,6 +34,7 @@ class Packet:
     proto: str  # "TCP", "UDP", "SCTP"
     src_local: bool = False
     dst_local: bool = False
+    src_pod: str = ""  # why SRC is a pod on this node (a process the BPF socket LB serves); "" if not known
 
     @property
     def p(self) -> str:
@@ -53,6 +55,8 @@ class Path:
     lands: str = ""
     masquerade: bool = False
     run: tuple[str, int, int] | None = None  # the "no match" run `hops[-1]` lists: (chain, first, last)
+    seen: str = ""  # the source the backend sees, where it is not what `masquerade` implies (the relay)
+    aside: str = ""  # a second outcome the same walk tells, in a phrase (userspace: kube-proxy 1.0's)
 
     @property
     def rules(self) -> int:
@@ -82,11 +86,13 @@ class Path:
 
     def fork(self, share: Fraction) -> Path:
         return Path(self.share * share, list(self.hops), list(self.walked), self.lookups,
-                    self.matched, self.skipped, self.result, self.lands, self.masquerade, self.run)
+                    self.matched, self.skipped, self.result, self.lands, self.masquerade, self.run,
+                    self.seen, self.aside)
 
 
 def parse_packet(src: str, dst: str, ss: ServiceSet) -> Packet:
-    """SRC and "DST:PORT/PROTO" (IPv6 as "[addr]:port/proto"). Raises ConfigError."""
+    """SRC and "DST:PORT/PROTO" (IPv6 as "[addr]:port/proto"). Raises ConfigError. The packet
+    is not marked as a pod's (`src_pod`): the caller knows what the input says about SRC."""
     try:
         target, _, proto = dst.rpartition("/") if "/" in dst else (dst, "", "TCP")
         host, _, port = target.rpartition(":")

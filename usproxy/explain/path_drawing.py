@@ -3,7 +3,7 @@
 One drawing per (mode, ServicePort as one family sees it): the hops the first packet walks from the
 client to a backend (left to right, each hop a box naming the chain, map or program and what it
 does there), the backends with their share, and under them the reply path and the source address
-the backend sees. Chain names come from usproxy.explain.chain_names (kube-proxy's own hashes), so
+the backend sees. Chain names come from usproxy.model.chain_names (kube-proxy's own hashes), so
 the drawing and the rules shown next to it name the same chains. The facts drawn, per mode:
 
 - userspace: kube-proxy 1.0 captured the ClusterIP with iptables (KUBE-PORTALS-CONTAINER REDIRECT
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from html import escape
 
 from usproxy.model.endpoint import Endpoint
-from usproxy.explain import chain_names
-from usproxy.explain.service_set import FamilyPort
+from usproxy.model import chain_names
+from usproxy.model.service_set import FamilyPort
 from usproxy.explain.userspace import proxy_port
 from usproxy.model.types import format_hostport
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from usproxy.explain import iptables, ipvs, nftables, tc_trace
+from usproxy.explain import ipvs, nftables, tc_trace
+from usproxy.offload.iptables import rules as iptables
 from usproxy.explain.mode import Mode
 from usproxy.explain.packet import Packet, Path
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 from usproxy.model.types import format_hostport
 
 NODE_SOURCE = "this node's address on the interface toward the backend"

@@ -22,7 +22,7 @@ from fractions import Fraction
 from usproxy.explain import cost, diff, generator
 from usproxy.explain.diff import View
 from usproxy.explain.mode import Mode
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.model.types import format_hostport
 from usproxy.util.table import render_table
 
@@ -56,9 +56,9 @@ def last_port(ss: ServiceSet) -> FamilyPort:
 
 
 def unpadded(text: str) -> str:
-    """`text` with each run of blanks made one: a table column widened by a longer cell (the
-    userspace view's endpoint lists) rewrites every row's padding, which no proxier writes."""
-    return "\n".join(" ".join(line.split()) for line in text.splitlines())
+    """`text` with each line's runs of blanks made one (diff.unpadded, line by line): how
+    `explain diff` compares renderings."""
+    return "\n".join(diff.unpadded(line) for line in text.splitlines())
 
 
 def measure(ss: ServiceSet, mode: Mode, view: View) -> ModeScale:
@@ -67,13 +67,23 @@ def measure(ss: ServiceSet, mode: Mode, view: View) -> ModeScale:
     fp = last_port(ss)
     rules, worst, lookups = cost.first_packet_of(ss, fp, mode)
     new = generator.with_endpoint_added(ss, fp.name)
-    _, added, removed = diff.unified(unpadded(view(ss, mode)), unpadded(view(new, mode)), mode.name)
+    _, added, removed = diff.unified(view(ss, mode), view(new, mode), mode.name)  # padding aside
     sends = mode.sends(ss, new)
     return ModeScale(mode.name, rules, worst, lookups, added, removed, sends, time.perf_counter() - start)
 
 
 def _num(x: Fraction) -> str:
     return str(x.numerator) if x.denominator == 1 else f"{float(x):.1f}"
+
+
+HEADER = ["MODE", "RULES WALKED", "LOOKUPS", "RENDERED LINES CHANGED", "ONE ENDPOINT ADDED WRITES", "MEASURED IN"]
+
+
+def row(m: ModeScale) -> list[str]:
+    """One mode's measurements as a row under HEADER."""
+    walked = _num(m.rules) if m.rules == m.worst else f"{_num(m.rules)} (worst {m.worst})"
+    return [m.mode, walked, _num(m.lookups), f"{m.added + m.removed} (+{m.added} -{m.removed})",
+            m.sends, f"{m.seconds:.1f} s"]
 
 
 def render(ss: ServiceSet, n: int, modes: Sequence[Mode], view: View) -> str:
@@ -83,9 +93,7 @@ def render(ss: ServiceSet, n: int, modes: Sequence[Mode], view: View) -> str:
     rows, notes = [], []
     for mode in modes:
         m = measure(big, mode, view)
-        walked = _num(m.rules) if m.rules == m.worst else f"{_num(m.rules)} (worst {m.worst})"
-        rows.append([m.mode, walked, _num(m.lookups), f"{m.added + m.removed} (+{m.added} -{m.removed})",
-                     m.sends, f"{m.seconds:.1f} s"])
+        rows.append(row(m))
         if m.seconds > SLOW_SECONDS:
             notes.append(f"# {m.mode}: measuring took {m.seconds:.0f} s at {n} Services: this Python "
                          "renderer is slow at this size (the numbers above are still exact)")
@@ -98,7 +106,6 @@ def render(ss: ServiceSet, n: int, modes: Sequence[Mode], view: View) -> str:
             f"{format_hostport(fp.cluster_ip, fp.sp.port)}/{fp.sp.protocol}, traced through each mode's rules",
             f"# one change: one endpoint added to {fp.name}; each mode's rules rendered before and after "
             "and compared as `explain diff` does",
-            render_table(["MODE", "RULES WALKED", "LOOKUPS", "RENDERED LINES CHANGED", "ONE ENDPOINT ADDED WRITES",
-                          "MEASURED IN"], rows)]
+            render_table(HEADER, rows)]
     notes[:0] = [mode.scale_note for mode in modes if mode.scale_note]
     return "\n".join(head + notes) + "\n"

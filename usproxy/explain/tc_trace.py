@@ -20,7 +20,7 @@ from fractions import Fraction
 from usproxy.model.endpoint import Endpoint
 from usproxy.explain import bpf
 from usproxy.explain.packet import Packet, Path
-from usproxy.explain.service_set import ServiceSet
+from usproxy.model.service_set import ServiceSet
 from usproxy.offload.bpf import maglev
 from usproxy.offload.bpf.layout import MAGLEV_M
 from usproxy.model.source_ranges import allowed_sources, allows

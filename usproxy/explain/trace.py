@@ -2,7 +2,7 @@
 
 One tracer per mode, each over the text that mode's view prints, as kube-proxy's tests trace their
 own dumps: iptables over the iptables-restore input (`iptables_trace`), nftables over the
-transaction dump (`nftables_trace`), IPVS over its nat helper rules, `ipset save`, `ip addr show
+transaction dump (`nftables_trace`, quoting each rule as the view's `nft list` prints it), IPVS over its nat helper rules, `ipset save`, `ip addr show
 kube-ipvs0` and `ipvsadm -Ln`, BPF over `cilium-dbg bpf lb list`, userspace over kube-proxy 1.0's
 portal rules. So a trace can only follow, and only count, rules that are really printed. Each
 path ends with what follows the first packet (`reply`): conntrack or its equivalent, where
@@ -21,14 +21,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fractions import Fraction
 
-from usproxy.explain import bpf, iptables, iptables_entry, nftables, reply, tc_trace, userspace
+from usproxy.explain import bpf, nftables, tc_trace, trace_story, userspace
+from usproxy.offload.iptables import rules as iptables
+from usproxy.offload.iptables import jumps as iptables_entry
 from usproxy.explain.iptables_trace import Walker, parse_restore
 from usproxy.explain.ipvs_trace import trace_ipvs
 from usproxy.explain.mode import NO_OPTIONS, Mode, TraceOptions
 from usproxy.explain.nftables_trace import Walker as NftWalker
 from usproxy.explain.nftables_trace import parse_dump
 from usproxy.explain.packet import Packet, Path, parse_packet
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.explain.userspace import proxy_port
 from usproxy.model.source_ranges import allowed_sources, allows
 from usproxy.model.types import format_hostport
@@ -77,7 +79,8 @@ def _filter_chains(pkt: Packet) -> tuple[str, ...]:
 def trace_nftables(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS) -> list[Path]:
     """The hooked base chains in priority order: filter pre-dnat, nat, then filter (not DNATed),
     then nat postrouting."""
-    w = NftWalker(parse_dump(nftables.dump(nftables.build(ss, pkt.dst.version))), pkt)
+    t = nftables.build(ss, pkt.dst.version)
+    w = NftWalker(parse_dump(nftables.dump(t)), pkt, nftables.listed_rules(t, ss.node.masquerade_mark))
     hook = "output" if pkt.src_local else "prerouting"
     after = "filter-output" if pkt.src_local else (
         "filter-input" if pkt.dst_local else "filter-forward")
@@ -122,9 +125,17 @@ def _lb_rows(text: str) -> dict[str, dict[int, tuple[str, str]]]:
 
 
 def _local_process(ss: ServiceSet, pkt: Packet) -> bool:
-    """The node itself, or a pod (an address in --cluster-cidr, taken to run on this node)."""
+    """The node itself, or a pod here: one the input places on this node (`pkt.src_pod`), or an
+    address in --cluster-cidr, taken to run on this node."""
+    return pkt.src_local or bool(_pod_here(ss, pkt))
+
+
+def _pod_here(ss: ServiceSet, pkt: Packet) -> str:
+    """Why SRC is taken as a pod on this node, in a phrase; "" when it is not."""
+    if pkt.src_pod:
+        return pkt.src_pod
     cidr = ss.node.cluster_cidr(pkt.src.version)
-    return pkt.src_local or (cidr is not None and pkt.src in cidr)
+    return "in --cluster-cidr" if cidr is not None and pkt.src in cidr else ""
 
 
 def trace_bpf(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS) -> list[Path]:
@@ -149,7 +160,7 @@ def trace_bpf(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS) -> l
     key = f"{format_hostport(pkt.dst, pkt.dport)}/{pkt.proto}"
     p = Path()
     if not pkt.src_local:
-        p.note(BPF_POD_HERE.format(src=pkt.src))
+        p.note(BPF_POD_HERE.format(src=pkt.src, why=_pod_here(ss, pkt)))
     p.lookups += 1
     if key in rows:
         return _slots(p, rows[key], _selection_text(policies.get(key)))
@@ -158,18 +169,16 @@ def trace_bpf(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS) -> l
 
 
 BPF_POD_HERE = (
-    "socket LB: {src} is in --cluster-cidr and is traced as a pod on this node, inside the BPF "
-    "cgroup, whose connect() to a ClusterIP the socket LB rewrites; a pod on another node has its "
-    "ClusterIP connections translated by its own node's proxy (they never arrive here addressed to "
-    "a ClusterIP), while its packets to this node's NodePorts, LB IPs or externalIPs arrive from "
-    "elsewhere and meet usproxy's tc program (trace them without --cluster-cidr)")
+    "socket LB: {src} is a pod on this node ({why}), inside the BPF cgroup: the socket LB "
+    "rewrites its connect() to a ClusterIP before any packet exists (a pod on another node is "
+    "served by its own node's proxy)")
 BPF_TC_ONLY = (
     "socket LB: not on this path: {dst} is a {type} frontend, flagged tc-only (F_TC_ONLY); "
     "usproxy's socket LB rewrites connect() to ClusterIPs only (usproxy/offload/bpf/datapath.py "
     "`_wants`), so the connection leaves with {dst} as its destination (Cilium's socket LB also "
     "rewrites connect() to NodePorts, LB IPs and externalIPs; usproxy's does not)")
 BPF_POD_BRIDGE = (
-    "pod bridge: {src} is in --cluster-cidr and is traced as a pod on this node: its packet leaves "
+    "pod bridge: {src} is a pod on this node ({why}): its packet leaves "
     "the pod by its veth into the pod bridge, a hooked interface (it holds a node address; with "
     "--nodeport-addresses, only when one of its addresses is inside them), so usp_tc_ingress there "
     "serves it as a packet from outside")
@@ -193,7 +202,7 @@ def _local_to_tc_only(ss: ServiceSet, pkt: Packet, fe: bpf.Frontend, lb_mode: st
     head = BPF_TC_ONLY.format(dst=format_hostport(pkt.dst, pkt.dport), type=fe.type)
     if pkt.src_local:
         return _bpf_fallback(ss, pkt, [head, BPF_NODE_NO_TC.format(src=pkt.src)])
-    pod = [head, BPF_POD_BRIDGE.format(src=pkt.src)]
+    pod = [head, BPF_POD_BRIDGE.format(src=pkt.src, why=_pod_here(ss, pkt))]
     served = tc_trace.trace(ss, pkt, lb_mode)
     if isinstance(served, str):
         return _bpf_fallback(ss, pkt, [*pod, f"tc ingress: {served}"])
@@ -239,8 +248,8 @@ def _slots(p: Path, slots: dict[int, tuple[str, str]], selection: str) -> list[P
 BPF_ELSEWHERE = (
     "socket LB: not on this path: it rewrites connect() of processes on this node inside the BPF "
     "cgroup (a pod here connecting to a ClusterIP would be served at connect(), no packet "
-    "translated); SRC is neither a "
-    "--node-ip nor in --cluster-cidr, so this is traced as a packet arriving from elsewhere")
+    "translated); SRC is not a --node-ip, not in --cluster-cidr and not a pod the input places "
+    "on this node, so this is traced as a packet arriving from elsewhere")
 
 
 def _elsewhere(p: Path) -> Path:
@@ -273,17 +282,38 @@ def trace_userspace(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS
 
 
 def _portals(ss: ServiceSet, pkt: Packet, p: Path) -> None:
-    """PREROUTING (from elsewhere: REDIRECT) or OUTPUT (from this node: DNAT to the node IP)."""
+    """PREROUTING (from elsewhere: REDIRECT) or OUTPUT (from this node: DNAT to the node IP),
+    then what 1.0's proxy did on its port: with no endpoint it still accepted (TCP) or read (UDP),
+    found none and closed the connection or dropped the datagram (pkg/proxy/userspace
+    proxysocket.go: tryConnect fails, inConn.Close())."""
     w = Walker(parse_restore(userspace.portal_rules(ss)), pkt)
     entry = "OUTPUT" if pkt.src_local else "PREROUTING"
     q = w.walk("nat", entry, p)[0]  # portal rules carry no probability: one path, p itself
     q.hops = [f"kube-proxy 1.0: {h}" for h in q.hops]
     if q.result:
-        q.note(f"kube-proxy 1.0: {q.result}: its proxy accepts there and opens a second "
-                      "connection to an endpoint")
+        port = int(q.result.rpartition(":" if q.result.startswith("DNAT") else " ")[2])
+        fp = next(fp for fp in ss.family_ports(4) if proxy_port(fp) == port)
+        q.note(f"kube-proxy 1.0: {q.result}: {_legacy_proxy(fp, pkt)}")
+        if not fp.cluster:
+            q.aside = ("kube-proxy 1.0 accepted it, then closed it (no endpoint)" if pkt.proto == "TCP"
+                       else "kube-proxy 1.0 read the datagram and dropped it (no endpoint)")
     else:
         q.note("kube-proxy 1.0: no portal rule matched")
     q.result, q.lands = "", ""
+
+
+def _legacy_proxy(fp: FamilyPort, pkt: Packet) -> str:
+    """What kube-proxy 1.0's proxy did with the connection its portal rule sent it."""
+    if fp.cluster:
+        which = (f"one of {len(fp.cluster)} endpoints (round robin)" if len(fp.cluster) > 1
+                 else "its endpoint")
+        if pkt.proto == "TCP":
+            return f"its proxy accepts there and opens a second connection to {which}"
+        return f"its proxy reads the datagram there and sends it on from a socket of its own to {which}"
+    if pkt.proto == "TCP":
+        return ("its proxy accepts there, finds no endpoint and closes the connection: the client "
+                "sees it open, then close at once")
+    return "its proxy reads the datagram there, finds no endpoint and drops it: no answer"
 
 
 def _nodeport_listener(ss: ServiceSet, pkt: Packet) -> bool:
@@ -345,24 +375,14 @@ def _split_relay(eps: list[str], p: Path, hop: str) -> list[Path]:
         q = p.fork(Fraction(1, len(eps)))
         q.note(hop)
         q.result, q.lands = f"to {ep} (a second connection, from the relay)", ep
+        q.seen = "this node (the relay's second connection)"
         out.append(q)
     return out
 
 
-def render(ss: ServiceSet, pkt: Packet, modes: Sequence[Mode], opts: TraceOptions = NO_OPTIONS) -> str:
-    """Every mode's paths for `pkt`; `opts` as `explain trace`'s flags (--bpf-lb-mode)."""
-    head = f"{pkt.src} -> {format_hostport(pkt.dst, pkt.dport)}/{pkt.proto}"
-    out = []
-    for mode in modes:
-        paths = mode.trace(ss, pkt, opts)
-        out.append(f"## {mode.name}: {head}")
-        for n, p in enumerate(paths, start=1):
-            masq = ", masqueraded" if p.masquerade else ""
-            out.append(f"  path {n}/{len(paths)}  share {p.share}  rules {p.rules} "
-                       f"({p.matched} matched, {p.skipped} no match)  lookups {p.lookups}{masq}")
-            out += [f"    {hop}" for hop in p.hops]
-            out.append(f"    => {p.result}")
-            out.append("    after the first packet (later packets, the reply, what the backend sees):")
-            out += [f"      {line}" for line in reply.lines(mode, ss, pkt, p)]
-        out.append("")
-    return "\n".join(out)
+def render(ss: ServiceSet, pkt: Packet, modes: Sequence[Mode], opts: TraceOptions = NO_OPTIONS,
+           detail: bool = False, about: str = "") -> str:
+    """Every mode's paths for `pkt`, told as trace_story tells them: one answer line per mode,
+    then the hops (`detail`: every path in full); `opts` as `explain trace`'s flags
+    (--bpf-lb-mode); `about`: a line saying what the source is."""
+    return trace_story.render(ss, pkt, modes, opts, detail, about)

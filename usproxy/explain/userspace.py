@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 
-from usproxy.explain.service_set import FamilyPort, ServiceSet
+from usproxy.model.service_set import FamilyPort, ServiceSet
 from usproxy.relay.address_batch import RTPROT_USPROXY
 from usproxy.util.table import render_table
 from usproxy.model.types import format_hostport

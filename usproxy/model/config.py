@@ -65,6 +65,10 @@ class ProxyConfig:
     bridge_interface: str = ""
     interface_name_prefix: str = ""
     masquerade_all: bool = False
+    tour_results: Path | None = None  # a tour's results directory: its plots in the web view
+    # kube-proxy's iptables.localhostNodePorts: the iptables datapath serves NodePorts on 127.0.0.1
+    # (it sets route_localnet) where every IPv4 address serves NodePorts
+    iptables_localhost_nodeports: bool = True
 
     def conntrack_max(self, cores: int | None = None) -> int:
         """kube-proxy's rule: max(maxPerCore × cores, min); 0 per core means min alone."""
@@ -141,6 +145,7 @@ KNOWN_FIELDS: dict[str, str] = {
     "iptables.masqueradeAll": "masquerade_all",
     "nftables.masqueradeAll": "masquerade_all",
     "linux.masqueradeAll": "masquerade_all",
+    "iptables.localhostNodePorts": "iptables_localhost_nodeports",
     "bpf.lbMode": "bpf_lb_mode",  # not kube-proxy's: Cilium's bpf-lb-mode, in the same file
 }
 DURATIONS = ("sync_period", "min_sync_period", "udp_idle_timeout", "tcp_established_timeout",
@@ -177,7 +182,7 @@ def _convert(name: str, key: str, value: Any) -> Any:
         if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
             raise ConfigError("must be a comma-separated string or a list of CIDRs", field=key)
         return tuple(v.strip() for v in items if v.strip())
-    if name == "masquerade_all":
+    if name in ("masquerade_all", "iptables_localhost_nodeports"):
         if not isinstance(value, bool):
             raise ConfigError(f"must be true or false, got {value!r}", field=key)
         return value

@@ -26,9 +26,10 @@ class OffloadSettings:
     vip_interface: str = "usproxy0"  # its addresses never serve NodePorts
     bpf_lb_mode: BpfLbMode = "snat"  # --bpf-lb-mode: NodePorts at tc with SNAT or DSR
     bpf_lb_acceleration: BpfLbAcceleration = "disabled"  # --bpf-lb-acceleration: "native" adds XDP to tc
+    iptables_localhost_nodeports: bool = True  # iptables.localhostNodePorts
 
     @classmethod
     def from_config(cls, cfg: ProxyConfig) -> OffloadSettings:
         return cls(cfg.offload, cfg.offload_after, cfg.lb_policy, cfg.bpf_cgroup,
                    parse_cidrs(cfg.service_cidrs, "--service-cidr"), cfg.vip_interface, cfg.bpf_lb_mode,
-                   cfg.bpf_lb_acceleration)
+                   cfg.bpf_lb_acceleration, cfg.iptables_localhost_nodeports)

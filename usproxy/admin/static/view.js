@@ -3,10 +3,10 @@
 // is open, and offload/demotion events as they happen.
 "use strict";
 
-const HIGHLIGHT_MS = 6000;  // how long an added or removed endpoint stays highlighted
-let previous = new Map();   // ServicePort name -> its endpoint addresses in the last snapshot
-const changes = new Map();  // ServicePort name -> {added: Set, removed: Set, until: ms}
-const serviceKeys = new Map();  // Service "ns/name" -> endpoints text when its drawings were fetched
+const HIGHLIGHT_MS = 6000;  // how long an added, removed or re-readied endpoint stays highlighted
+let previous = new Map();   // ServicePort name -> Map(endpoint address -> usable) in the last snapshot
+const changes = new Map();  // ServicePort name -> {added: Set, removed: Set, readiness: Map(address -> usable), until: ms}
+let openedOne = false;      // the first Service with a usable endpoint is opened once, then left to the reader
 
 function el(tag, attrs, ...children) {
   const e = document.createElement(tag);
@@ -27,13 +27,17 @@ function serviceOf(spn) { return spn.split(":")[0]; }
 function noteChanges(services, now) {
   const seen = new Map();
   for (const s of services) {
-    const eps = new Set(s.endpoints.map(e => e.address));
+    const eps = new Map(s.endpoints.map(e => [e.address, e.usable]));
     seen.set(s.servicePortName, eps);
     const old = previous.get(s.servicePortName);
     if (!old) continue;
-    const added = new Set([...eps].filter(a => !old.has(a)));
-    const removed = new Set([...old].filter(a => !eps.has(a)));
-    if (added.size || removed.size) changes.set(s.servicePortName, {added, removed, until: now + HIGHLIGHT_MS});
+    const added = new Set([...eps.keys()].filter(a => !old.has(a)));
+    const removed = new Set([...old.keys()].filter(a => !eps.has(a)));
+    // the same endpoint listed before and now, turned ready or not ready: a readiness-only change
+    const readiness = new Map([...eps].filter(([a, u]) => old.has(a) && old.get(a) !== u));
+    if (added.size || removed.size || readiness.size) {
+      changes.set(s.servicePortName, {added, removed, readiness, until: now + HIGHLIGHT_MS});
+    }
   }
   previous = seen;
 }
@@ -43,24 +47,46 @@ function endpointCell(s, now) {
   const ch = changes.get(s.servicePortName);
   const live = ch && ch.until > now;
   for (const e of s.endpoints) {
-    const cls = ["ep", e.usable ? "" : "unusable", live && ch.added.has(e.address) ? "added" : ""];
-    td.append(el("span", {class: cls.join(" ").trim(), title: e.ready ? "ready" : "not ready"}, e.address));
+    const turned = live && ch.readiness.has(e.address);
+    const cls = ["ep", e.usable ? "" : "unusable", live && ch.added.has(e.address) ? "added" : "",
+                 turned ? "readiness" : ""];
+    const title = turned ? (e.usable ? "just became ready" : "just became not ready")
+                         : (e.ready ? "ready" : "not ready");
+    td.append(el("span", {class: cls.join(" ").replace(/ +/g, " ").trim(), title}, e.address));
   }
   if (live) for (const a of ch.removed) td.append(el("span", {class: "ep removed", title: "removed"}, a));
   if (!s.endpoints.length && !live) td.append("none");
   return td;
 }
 
-function renderServices(services) {
+function relayedFlows(flows) {
+  const out = new Map();  // "ns/name:port/PROTO" -> relay flows
+  for (const f of flows) if (f.datapath === "userspace") out.set(f.service, (out.get(f.service) || 0) + 1);
+  return out;
+}
+
+function reasonCell(s, relayed) {
+  const td = el("td", {class: "reason"}, s.reason);
+  const n = relayed.get(`${s.servicePortName}/${s.protocol}`) || 0;
+  if (n && s.datapath.split("+").includes("bpf")) {
+    td.append(el("div", {class: "why"}, `${n} relayed flow${n > 1 ? "s" : ""}: the BPF socket LB rewrites ` +
+      "connect() only for processes inside its cgroup (--bpf-cgroup); clients outside it, and traffic " +
+      "from other hosts that no tc program serves, still reach the relay's listener"));
+  }
+  return td;
+}
+
+function renderServices(services, flows) {
   const now = Date.now();
   noteChanges(services, now);
+  const relayed = relayedFlows(flows);
   const body = document.querySelector("#services tbody");
   const rows = services.map(s => {
     const kernel = s.datapath !== "userspace";
     const tr = el("tr", {"data-spn": s.servicePortName},
       el("td", {}, s.servicePortName), el("td", {}, frontends(s)), endpointCell(s, now),
       el("td", {class: "datapath"}, el("span", {class: "dp " + (kernel ? "kernel" : "userspace")}, s.datapath)),
-      el("td", {class: "reason"}, s.reason));
+      reasonCell(s, relayed));
     const ch = changes.get(s.servicePortName);
     if (ch && ch.until > now) tr.classList.add("changed");
     return tr;
@@ -77,47 +103,104 @@ function renderFlows(flows, total) {
   document.getElementById("flow-count").textContent = total > flows.length ? `${flows.length} of ${total}` : `${total}`;
 }
 
+function eventText(ev) {
+  // what happened, in words: the reason of a demotion is the kernel's or the datapath's own
+  const why = (ev.reason || "").replace(/^demoted: /, "");
+  if (ev.kind === "offloaded") {
+    return `${ev.servicePortName} offloaded to ${ev.datapath}: its endpoints held still for --offload-after, ` +
+      "so the kernel serves its new connections (flows already in the relay finish there)";
+  }
+  if (ev.kind === "demoted") {
+    return `${ev.servicePortName} demoted, back to the relay: ${why}; it is tried again once its endpoints ` +
+      "have held still for another --offload-after";
+  }
+  return `${ev.servicePortName} back to the relay (userspace): ${why}`;
+}
+
 function addEvent(ev) {
   const when = new Date(ev.at * 1000).toLocaleTimeString();
-  const li = el("li", {class: ev.kind}, `${when} ${ev.servicePortName}: ${ev.kind} → ${ev.datapath} (${ev.reason})`);
+  const li = el("li", {class: ev.kind}, el("time", {}, when), " ", eventText(ev));
   const list = document.getElementById("events");
   list.prepend(li);
   while (list.children.length > 100) list.lastChild.remove();
 }
 
-async function refreshPaths(services) {
-  const byService = new Map();
+function refreshPaths(services) {
+  // One <details> per Service, those a connection can reach first; a Service's drawings are fetched
+  // when it is open and whenever its endpoints, their readiness or its datapath change while open.
+  const byService = new Map();  // "ns/name" -> [state text, has a usable endpoint]
   for (const s of services) {
     const key = serviceOf(s.servicePortName);
-    byService.set(key, (byService.get(key) || "") + s.servicePortName + "=" + s.endpoints.map(e => e.address + e.usable).join(",") + ";");
+    const [text, any] = byService.get(key) || ["", false];
+    byService.set(key, [text + s.servicePortName + "=" + s.datapath + ":" +
+                        s.endpoints.map(e => e.address + e.usable).join(",") + ";",
+                        any || s.endpoints.some(e => e.usable)]);
   }
+  const order = [...byService].sort((a, b) => (b[1][1] - a[1][1]) || a[0].localeCompare(b[0]));
   const root = document.getElementById("paths");
-  for (const [name, eps] of byService) {
-    if (serviceKeys.get(name) === eps) continue;
-    serviceKeys.set(name, eps);
-    const r = await fetch("/view/service?name=" + encodeURIComponent(name));
-    if (!r.ok) continue;
-    drawService(root, await r.json());
+  for (const [name, [state, reachable]] of order) {
+    let box = [...root.children].find(d => d.dataset.service === name);
+    if (!box) {
+      box = el("details", {class: "service", "data-service": name}, el("summary", {}, name));
+      box.addEventListener("toggle", () => { if (box.open) fetchService(box); });
+      root.append(box);
+      if (reachable && !openedOne) { openedOne = true; box.open = true; }
+    }
+    box.dataset.state = state;
+    if (box.open && box.dataset.drawn !== state) fetchService(box);
   }
-  for (const d of [...root.children]) if (!byService.has(d.dataset.service)) { d.remove(); serviceKeys.delete(d.dataset.service); }
+  for (const d of [...root.children]) if (!byService.has(d.dataset.service)) d.remove();
 }
 
-function drawService(root, detail) {
-  let box = [...root.children].find(d => d.dataset.service === detail.service);
-  const open = box ? box.open : root.children.length === 0;
-  const fresh = el("details", {class: "service", "data-service": detail.service}, el("summary", {}, detail.service));
-  fresh.open = open;
-  for (const m of detail.modes) {
-    const pic = el("div", {class: "drawing"});
-    pic.innerHTML = m.svgs.join("\n");
-    fresh.append(el("div", {class: "mode", "data-mode": m.mode}, el("h3", {}, m.title), pic, el("pre", {class: "rules"}, m.rules)));
+async function fetchService(box) {
+  const state = box.dataset.state;
+  if (box.dataset.asked === state) return;  // already on its way
+  box.dataset.asked = state;
+  const r = await fetch("/view/service?name=" + encodeURIComponent(box.dataset.service));
+  if (!r.ok) { box.dataset.asked = ""; return; }
+  drawService(box, await r.json());
+  box.dataset.drawn = state;
+}
+
+function drawMode(m) {
+  const pic = el("div", {class: "drawing"});
+  pic.innerHTML = m.svgs.join("\n");
+  const box = el("div", {class: "mode", "data-mode": m.mode}, el("h3", {}, m.title), pic, el("pre", {class: "rules"}, m.rules));
+  if (m.live) {
+    const live = el("div", {class: "drawing live"});
+    live.innerHTML = m.live.svgs.join("\n");
+    box.append(el("h4", {class: "live"}, m.live.title), live, el("pre", {class: "rules live"}, m.live.rules));
   }
+  return box;
+}
+
+function drawService(box, detail) {
+  for (const m of [...box.querySelectorAll(":scope > .mode")]) m.remove();
+  for (const m of detail.modes) box.append(drawMode(m));
   const now = Date.now();
   for (const [spn, ch] of changes) {
     if (serviceOf(spn) !== detail.service || ch.until <= now) continue;
-    for (const g of fresh.querySelectorAll("g.backend")) if (ch.added.has(g.dataset.endpoint)) g.classList.add("added");
+    for (const g of box.querySelectorAll("g.backend")) {
+      const a = g.dataset.endpoint;
+      if (ch.added.has(a) || ch.readiness.get(a) === true) g.classList.add("added");
+    }
   }
-  if (box) box.replaceWith(fresh); else root.append(fresh);
+}
+
+async function measure() {
+  const body = document.querySelector("#numbers .body");
+  body.textContent = "measuring…";
+  const r = await fetch("/view/numbers");
+  body.innerHTML = r.ok ? (await r.json()).html : `<p>could not measure: ${r.status}</p>`;
+}
+
+async function tour() {
+  const r = await fetch("/view/tour");
+  const html = r.ok ? (await r.json()).html : null;
+  if (!html) return;
+  const section = document.getElementById("tour");
+  section.innerHTML = html;
+  section.hidden = false;
 }
 
 function connect() {
@@ -127,7 +210,7 @@ function connect() {
   src.onerror = () => { status.textContent = "disconnected, retrying"; status.className = "status off"; };
   src.addEventListener("snapshot", e => {
     const snap = JSON.parse(e.data);
-    renderServices(snap.services);
+    renderServices(snap.services, snap.flows);
     renderFlows(snap.flows, snap.flowCount);
     refreshPaths(snap.services);
   });
@@ -137,4 +220,13 @@ function connect() {
   });
 }
 
+document.getElementById("numbers").addEventListener("toggle", e => { if (e.target.open) measure(); });
+// the introduction stays as the reader left it: a returning reader sees the node first
+const intro = document.getElementById("intro");
+if (localStorage.getItem("usproxy.intro") === "closed") intro.open = false;
+intro.addEventListener("toggle", () => localStorage.setItem("usproxy.intro", intro.open ? "open" : "closed"));
+document.querySelector('#intro a[href="#numbers"]')?.addEventListener("click", () => {
+  document.getElementById("numbers").open = true;
+});
 connect();
+tour();

@@ -23,7 +23,7 @@ from pathlib import Path
 from usproxy.util.errors import OffloadError
 
 SOURCE = Path(__file__).with_name("sock_lb.c")
-HEADERS = ("dsr.h", "tc_frontends.h", "icmp_error.h", "xdp_lb.h")  # included by SOURCE: part of what the object is named after
+HEADERS = ("dsr.h", "icmp_error.h", "tc_frontends.h", "xdp_lb.h")  # included by SOURCE, by name: part of what the object is named after
 INCLUDE = "/usr/include/x86_64-linux-gnu"
 CLANG_CANDIDATES = ("clang", "clang-16", "clang-15", "clang-14")
 

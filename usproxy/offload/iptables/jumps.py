@@ -58,6 +58,13 @@ JUMPS: tuple[Jump, ...] = (
     Jump("filter", "INPUT", "KUBE-FIREWALL", "", False),
     Jump("filter", "OUTPUT", "KUBE-FIREWALL", "", False),
 )
+# Not kube-proxy's: usproxy's relay holds every ClusterIP as a local address (usproxy0), so a
+# packet to one is delivered locally and passes filter INPUT, where kube-proxy's iptables mode
+# (whose ClusterIPs are not local: FORWARD) has no jump to KUBE-SERVICES. Without this one, its
+# DROP and REJECT rules for ClusterIPs would not apply to pods and outside clients. The iptables
+# datapath inserts it with the others; explain does not show it (it renders kube-proxy's rules).
+LOCAL_CLUSTER_IPS = Jump("filter", "INPUT", "KUBE-SERVICES", "usproxy: ClusterIPs are local addresses", True)
+DATAPATH_JUMPS: tuple[Jump, ...] = (*JUMPS, LOCAL_CLUSTER_IPS)
 BUILTIN: dict[Table, tuple[str, ...]] = {  # the built-in chains, in the order iptables-save lists them
     "filter": ("INPUT", "FORWARD", "OUTPUT"),
     "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),

@@ -9,7 +9,7 @@ import ipaddress
 import pytest
 
 from usproxy.model.endpoint import Endpoint
-from usproxy.explain import chain_names as names
+from usproxy.model import chain_names as names
 from usproxy.model.types import ServicePortName
 
 

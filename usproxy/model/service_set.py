@@ -16,6 +16,7 @@ from pathlib import Path
 
 from usproxy.model.types import IPNetwork
 from usproxy.model.endpoint import Endpoint, categorize, usable
+from usproxy.model.local_detector import LocalDetector
 from usproxy.util.errors import ConfigError
 from usproxy.model.manifest import Manifests, load_file, manifest_files
 from usproxy.model.service_port import ServicePort
@@ -33,6 +34,13 @@ class Node:
     loadBalancerSourceRanges entry may hold, kube-proxy's allowFromNode); `cluster_cidrs`
     enable the local-traffic detector (kube-proxy --cluster-cidr, detect-local-mode ClusterCIDR);
     `service_cidrs` enable nftables' "drop traffic to unallocated ClusterIPs" rule.
+
+    Facts only the iptables rules read (the iptables datapath sets them from NodeFacts; explain
+    leaves them at their defaults): `nodeport_ips`, when not None, are the NodePort addresses
+    instead of `ips`, and `nodeport_match_all` makes every local address one (kube-proxy's
+    MatchAll) whatever `ips` holds; `detector` replaces the ClusterCIDR detector of
+    `cluster_cidrs` (NodeCIDR, BridgeInterface, InterfaceNamePrefix); `masquerade_all` marks all
+    ClusterIP traffic for masquerade.
     """
 
     name: str | None = None
@@ -40,9 +48,36 @@ class Node:
     cluster_cidrs: tuple[IPNetwork, ...] = ()
     service_cidrs: tuple[IPNetwork, ...] = ()
     masquerade_mark: str = "0x4000"
+    nodeport_ips: tuple[IPAddress, ...] | None = None
+    nodeport_match_all: bool = False
+    detector: LocalDetector | None = None
+    masquerade_all: bool = False
 
     def ips_of(self, family: Family) -> tuple[IPAddress, ...]:
         return tuple(ip for ip in self.ips if ip.version == family)
+
+    def nodeport_ips_of(self, family: Family) -> tuple[IPAddress, ...] | None:
+        """The NodePort addresses of `family`; None: every local address (no `ips` of the
+        family, or nodeport_match_all). Given `nodeport_ips` without one of `family`, none."""
+        if self.nodeport_match_all:
+            return None
+        ips = self.ips if self.nodeport_ips is None else self.nodeport_ips
+        mine = tuple(ip for ip in ips if ip.version == family)
+        return mine if mine or self.nodeport_ips is not None else None
+
+    def local_match(self, family: Family) -> tuple[str, str] | None:
+        """How iptables tells pod traffic in `family`: ("-s", CIDR) or ("-i", interface, with
+        "+" for a name prefix), as kube-proxy's LocalTrafficDetector; None when nothing is
+        detected there (its no-op detector)."""
+        det = self.detector
+        if det is None:
+            cidr = self.cluster_cidr(family)
+            return ("-s", str(cidr)) if cidr is not None else None
+        if det.mode == "BridgeInterface":
+            return ("-i", det.interface)
+        if det.mode == "InterfaceNamePrefix":
+            return ("-i", det.interface + "+")
+        return next((("-s", str(n)) for n in det.cidrs if n.version == family), None)
 
     def cluster_cidr(self, family: Family) -> IPNetwork | None:
         return next((c for c in self.cluster_cidrs if c.version == family), None)

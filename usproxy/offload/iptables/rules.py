@@ -14,6 +14,11 @@ KUBE-NODEPORTS rules by Service name with the NodePort tail rule last. (kube-pro
 Services in Go map order.) loadBalancerSourceRanges: LB IP traffic goes through KUBE-FW-* (each
 allowed source jumps on to KUBE-EXT-*), and what falls out of it without DNAT is dropped by the filter
 table's KUBE-PROXY-FIREWALL; a healthCheckNodePort is accepted in the filter table's KUBE-NODEPORTS.
+
+One generator, two uses: `usproxy explain --mode iptables` prints it, and the iptables datapath
+(datapath.py) applies it. A Ruleset is the `skeleton` (no ServicePort's) with one `port_ruleset`
+per ServicePort merged in (`assemble`), so the datapath regenerates only the ServicePorts that
+changed; `build` assembles all of them, and both give the same text.
 """
 
 from __future__ import annotations
@@ -24,19 +29,21 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from usproxy.model.endpoint import Endpoint
-from usproxy.explain import chain_names as names
-from usproxy.explain import iptables_entry
-from usproxy.explain.iptables_entry import Table
-from usproxy.explain.service_set import FamilyPort, Node, ServiceSet
+from usproxy.model import chain_names as names
+from usproxy.offload.iptables import jumps as iptables_entry
+from usproxy.offload.iptables.jumps import Table
+from usproxy.model.service_set import FamilyPort, Node, ServiceSet
 from usproxy.model.types import Family, IPNetwork
 
 MARK_MASQ = "KUBE-MARK-MASQ"
+SERVICE_ADDRESS_SOURCE = "connection from the cluster IP itself"  # its comment (not kube-proxy's rule)
 SERVICES = "KUBE-SERVICES"
 NODEPORTS = "KUBE-NODEPORTS"
 EXTERNAL_SERVICES = "KUBE-EXTERNAL-SERVICES"
 PROXY_FIREWALL = "KUBE-PROXY-FIREWALL"
 POSTROUTING = "KUBE-POSTROUTING"
 NODEPORTS_TAIL = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
+SORTED_CHAINS = (SERVICES, NODEPORTS)  # their rules in Service name order (service_key), the rest as written
 LARGE_CLUSTER_ENDPOINTS = 1000  # largeClusterEndpointsThreshold: above it, SEP comments go
 LOCALHOST_NODEPORT_COUNTER = "localhost_nps_accepted_pkts"
 INVALID_DROP_COUNTER = "ct_state_invalid_dropped_pkts"
@@ -82,6 +89,9 @@ class Options:
     nfacct: bool = True  # the kernel has nfacct, so kube-proxy counts with it
     random_fully: bool = True  # iptables >= 1.6.2: MASQUERADE --random-fully
     conntrack_tcp_liberal: bool = False
+    # Not kube-proxy's (the datapath sets it; explain prints kube-proxy's rules without it): a
+    # node process's connection whose source is the ClusterIP it connects to is masqueraded.
+    service_address_source: bool = False
 
 
 class _Builder:
@@ -177,33 +187,72 @@ class Ruleset:
 
 
 @dataclass(frozen=True, slots=True)
-class _Ctx:
+class Context:
+    """One family's proxier settings every ServicePort's rules read (see `context`)."""
+
     family: Family
     node: Node
     opts: Options
     large: bool
 
-    @property
-    def cluster_cidr(self) -> str | None:
-        cidr = self.node.cluster_cidr(self.family)
-        return str(cidr) if cidr is not None else None
+    def if_local(self, b: _Builder, negate: bool = False) -> _Builder:
+        """`b` with the detector's "from a pod" match (`negate`: "not from a pod"), as
+        kube-proxy's IfLocal / IfNotLocal; unchanged when nothing is detected here."""
+        match = self.node.local_match(self.family)
+        if match is None:
+            return b
+        flag, value = match
+        if flag == "-s":
+            return b.src(value, negate=negate)
+        return b.raw(*(("!",) if negate else ()), flag, value)
+
+
+
+
+def context(node: Node, family: Family, opts: Options, total_endpoints: int) -> Context:
+    """What every ServicePort's rules of one family depend on besides the ServicePort itself:
+    the node, the options, and whether the endpoints of all ServicePorts together put the
+    proxier in large-cluster mode (more than LARGE_CLUSTER_ENDPOINTS: KUBE-SEP comments go)."""
+    return Context(family, node, opts, total_endpoints > LARGE_CLUSTER_ENDPOINTS)
 
 
 def build(ss: ServiceSet, family: Family, opts: Options = Options()) -> Ruleset:
-    """Every chain and rule kube-proxy's `family` proxier writes for `ss`."""
+    """Every chain and rule kube-proxy's `family` proxier writes for `ss`: the skeleton and
+    each ServicePort's own rules, in ServicePortName order (the order `ordered` keeps)."""
     fps = ss.family_ports(family)
-    total = sum(len(fp.endpoints) for fp in fps)
-    ctx = _Ctx(family, ss.node, opts, total > LARGE_CLUSTER_ENDPOINTS)
-    rs = Ruleset(family)
+    ctx = context(ss.node, family, opts, sum(len(fp.endpoints) for fp in fps))
+    return assemble(ctx, [port_ruleset(ctx, fp) for fp in fps])
+
+
+def port_ruleset(ctx: Context, fp: FamilyPort) -> Ruleset:
+    """The chains and rules one ServicePort adds (its own chains and its rules in the shared
+    ones): what a datapath regenerates when only that ServicePort changed."""
+    rs = Ruleset(ctx.family)
+    _service_port(rs, ctx, fp)
+    return rs
+
+
+def skeleton(ctx: Context) -> Ruleset:
+    """The rules of no ServicePort: top-level chains, masquerade, the NodePort tail, forwarding."""
+    rs = Ruleset(ctx.family)
     _top_level(rs, ctx)
-    for fp in fps:
-        _service_port(rs, ctx, fp)
     _nodeports_tail(rs, ctx)
     _forward(rs, ctx)
     return rs
 
 
-def _top_level(rs: Ruleset, ctx: _Ctx) -> None:
+def assemble(ctx: Context, ports: Sequence[Ruleset]) -> Ruleset:
+    """The skeleton with the ServicePorts' rules (`ports`, in ServicePortName order) merged in."""
+    rs = skeleton(ctx)
+    for part in ports:
+        for table in ("filter", "nat"):
+            for chain in part.chains[table]:
+                rs.chain(table, chain)
+        rs.add(*part.rules)
+    return rs
+
+
+def _top_level(rs: Ruleset, ctx: Context) -> None:
     for chain in (SERVICES, EXTERNAL_SERVICES, "KUBE-FORWARD", NODEPORTS, PROXY_FIREWALL):
         rs.chain("filter", chain)
     for chain in (SERVICES, NODEPORTS, POSTROUTING, MARK_MASQ):
@@ -261,7 +310,7 @@ def plan(fp: FamilyPort) -> Plan:
     )
 
 
-def _service_port(rs: Ruleset, ctx: _Ctx, fp: FamilyPort) -> None:
+def _service_port(rs: Ruleset, ctx: Context, fp: FamilyPort) -> None:
     p = plan(fp)
     _capture(rs, ctx, fp, p)
     _internal(rs, ctx, fp, p)
@@ -279,7 +328,7 @@ def _service_port(rs: Ruleset, ctx: _Ctx, fp: FamilyPort) -> None:
         _endpoint(rs, ctx, fp, ep)
 
 
-def _capture(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
+def _capture(rs: Ruleset, ctx: Context, fp: FamilyPort, p: Plan) -> None:
     """KUBE-SERVICES / KUBE-NODEPORTS entries, or the filter rules that refuse the traffic."""
     spn, port, ext = fp.name, fp.sp.port, names.ext_chain(fp.name)
     if p.has_internal:
@@ -309,7 +358,7 @@ def _capture(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
                .dport(fp.sp.health_check_node_port).jump("ACCEPT"))
 
 
-def _nodeport(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
+def _nodeport(rs: Ruleset, ctx: Context, fp: FamilyPort, p: Plan) -> None:
     spn, np, ext = fp.name, fp.sp.node_port, names.ext_chain(fp.name)
     if fp.has_endpoints:
         if ctx.opts.localhost_nodeports and ctx.family == 4 and ctx.opts.nfacct:
@@ -322,15 +371,28 @@ def _nodeport(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
                .addrtype("dst").proto(fp.proto).dport(np).jump(p.external_filter[0]))
 
 
-def _internal(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
-    """Masquerade off-cluster traffic to the ClusterIP (needs the local-traffic detector)."""
-    if p.has_internal and ctx.cluster_cidr:
-        rs.add(_Builder("nat", p.internal_chain).comment(f"{fp.name} cluster IP").proto(fp.proto)
-               .dst(str(fp.cluster_ip)).dport(fp.sp.port).src(ctx.cluster_cidr, negate=True)
-               .jump(MARK_MASQ))
+def _internal(rs: Ruleset, ctx: Context, fp: FamilyPort, p: Plan) -> None:
+    """Masquerade all ClusterIP traffic (masqueradeAll), or what does not come from a pod (needs
+    the local-traffic detector). Else, with Options.service_address_source, a connection from
+    the ClusterIP itself: usproxy holds ClusterIPs as local addresses (on the ClusterIP
+    interface), so the kernel gives a node process that connects to one without binding that
+    address as its source, and an endpoint on another node, which holds the same address, would
+    answer itself. kube-proxy's IPVS mode, whose kube-ipvs0 holds them the same way, masquerades
+    these (KUBE-CLUSTER-IP src,dst); the nftables datapath does too."""
+    if not p.has_internal:
+        return
+    if not (ctx.node.masquerade_all or ctx.node.local_match(ctx.family)):
+        if ctx.opts.service_address_source:
+            ip = str(fp.cluster_ip)
+            rs.add(_Builder("nat", p.internal_chain).comment(f"{fp.name} {SERVICE_ADDRESS_SOURCE}")
+                   .proto(fp.proto).src(ip).dst(ip).dport(fp.sp.port).jump(MARK_MASQ))
+        return
+    b = (_Builder("nat", p.internal_chain).comment(f"{fp.name} cluster IP").proto(fp.proto)
+         .dst(str(fp.cluster_ip)).dport(fp.sp.port))
+    rs.add((b if ctx.node.masquerade_all else ctx.if_local(b, negate=True)).jump(MARK_MASQ))
 
 
-def _external(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
+def _external(rs: Ruleset, ctx: Context, fp: FamilyPort, p: Plan) -> None:
     """KUBE-EXT-*: masquerade (Cluster policy) or the local short-circuits (Local policy)."""
     if not p.uses_ext_chain:
         return
@@ -340,9 +402,9 @@ def _external(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
         rs.add(_Builder("nat", ext).comment(f"masquerade traffic for {spn} external destinations")
                .jump(MARK_MASQ))
     else:
-        if ctx.cluster_cidr:
-            rs.add(_Builder("nat", ext).comment(f"pod traffic for {spn} external destinations")
-                   .src(ctx.cluster_cidr).jump(svc))
+        if ctx.node.local_match(ctx.family):
+            rs.add(ctx.if_local(_Builder("nat", ext).comment(f"pod traffic for {spn} external destinations"))
+                   .jump(svc))
         rs.add(_Builder("nat", ext).comment(f"masquerade LOCAL traffic for {spn} external destinations")
                .addrtype("src").jump(MARK_MASQ),
                _Builder("nat", ext).comment(f"route LOCAL traffic for {spn} external destinations")
@@ -351,7 +413,7 @@ def _external(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, p: Plan) -> None:
         rs.add(_Builder("nat", ext).jump(p.external_policy_chain))
 
 
-def _firewall(rs: Ruleset, ctx: _Ctx, fp: FamilyPort) -> None:
+def _firewall(rs: Ruleset, ctx: Context, fp: FamilyPort) -> None:
     """KUBE-FW-*: allowed sources go on to KUBE-EXT-*; the rest fall out of the chain without DNAT,
     and KUBE-PROXY-FIREWALL (filter) drops them. NodePorts never come here (as kube-proxy)."""
     spn, fw = fp.name, names.fw_chain(fp.name)
@@ -363,7 +425,7 @@ def _firewall(rs: Ruleset, ctx: _Ctx, fp: FamilyPort) -> None:
            .jump(""))
 
 
-def _to_endpoints(ctx: _Ctx, fp: FamilyPort, chain: str, eps: Sequence[Endpoint]) -> list[Rule]:
+def _to_endpoints(ctx: Context, fp: FamilyPort, chain: str, eps: Sequence[Endpoint]) -> list[Rule]:
     """Affinity checks, then the 1/(n-i) probability ladder (writeServiceToEndpointRules)."""
     out = []
     comment = (lambda ep: None) if ctx.large else (lambda ep: f"{fp.name} -> {ep}")
@@ -381,7 +443,7 @@ def _to_endpoints(ctx: _Ctx, fp: FamilyPort, chain: str, eps: Sequence[Endpoint]
     return out
 
 
-def _endpoint(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, ep: Endpoint) -> None:
+def _endpoint(rs: Ruleset, ctx: Context, fp: FamilyPort, ep: Endpoint) -> None:
     sep = names.sep_chain(fp.name, ep)
     comment = None if ctx.large else str(fp.name)
     rs.chain("nat", sep)
@@ -392,10 +454,10 @@ def _endpoint(rs: Ruleset, ctx: _Ctx, fp: FamilyPort, ep: Endpoint) -> None:
            dnat.proto(fp.proto).jump("DNAT", "--to-destination", str(ep), to=str(ep)))
 
 
-def _nodeports_tail(rs: Ruleset, ctx: _Ctx) -> None:
+def _nodeports_tail(rs: Ruleset, ctx: Context) -> None:
     """The last KUBE-SERVICES rule: local destinations go on to KUBE-NODEPORTS."""
-    ips = ctx.node.ips_of(ctx.family)
-    if not ips:
+    ips = ctx.node.nodeport_ips_of(ctx.family)
+    if ips is None:
         b = _Builder("nat", SERVICES).comment(NODEPORTS_TAIL).addrtype("dst")
         if ctx.family == 6:
             b.dst("::1/128", negate=True)
@@ -407,7 +469,7 @@ def _nodeports_tail(rs: Ruleset, ctx: _Ctx) -> None:
         rs.add(_Builder("nat", SERVICES).comment(NODEPORTS_TAIL).dst(str(ip)).jump(NODEPORTS))
 
 
-def _forward(rs: Ruleset, ctx: _Ctx) -> None:
+def _forward(rs: Ruleset, ctx: Context) -> None:
     mark = ctx.node.masquerade_mark
     if not ctx.opts.conntrack_tcp_liberal:
         b = _Builder("filter", "KUBE-FORWARD").raw("-m", "conntrack", "--ctstate", "INVALID")
@@ -420,12 +482,13 @@ def _forward(rs: Ruleset, ctx: _Ctx) -> None:
            .raw("-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED").jump("ACCEPT"))
 
 
-def _chain_order(chains: Sequence[str]) -> list[str]:
+def chain_order(chains: Sequence[str]) -> list[str]:
+    """KUBE-NODEPORTS, KUBE-SERVICES, then the other chains by name."""
     first = [c for c in (NODEPORTS, SERVICES) if c in chains]
     return first + sorted(c for c in chains if c not in first)
 
 
-def _service_key(rule: Rule) -> tuple[int, str]:
+def service_key(rule: Rule) -> tuple[int, str]:
     """orderByCommentServiceName, with the NodePort tail rule kept last."""
     text = rule.comment or ""
     if "must be the last rule" in text:
@@ -437,10 +500,10 @@ def _service_key(rule: Rule) -> tuple[int, str]:
 def ordered(rs: Ruleset, table: Table) -> list[tuple[str, list[Rule]]]:
     """Chains of one table with their rules, in the canonical order."""
     out = []
-    for chain in _chain_order(rs.chains[table]):
+    for chain in chain_order(rs.chains[table]):
         rules = rs.in_chain(table, chain)
-        if chain in (SERVICES, NODEPORTS):
-            rules = sorted(rules, key=_service_key)
+        if chain in SORTED_CHAINS:
+            rules = sorted(rules, key=service_key)
         out.append((chain, rules))
     return out
 
@@ -459,7 +522,7 @@ def render_ruleset(rs: Ruleset) -> str:
 
 def render(ss: ServiceSet, opts: Options = Options()) -> str:
     """The whole iptables view: one iptables-restore input per IP family, each followed by the
-    entry jumps from the built-in chains (usproxy/explain/iptables_entry.py)."""
+    entry jumps from the built-in chains (usproxy/offload/iptables/jumps.py)."""
     parts = []
     for family in ss.families():
         tool = "iptables" if family == 4 else "ip6tables"
