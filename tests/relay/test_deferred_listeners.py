@@ -42,9 +42,6 @@ class Vip:
     async def local_addresses(self) -> list[tuple[str, IPAddress]]:
         return []
 
-    async def repair(self) -> bool:
-        return False
-
     async def close(self) -> None:
         pass
 

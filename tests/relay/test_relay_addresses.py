@@ -50,9 +50,6 @@ class FakeVip:
     async def local_addresses(self) -> list[tuple[str, IPAddress]]:
         return []
 
-    async def repair(self) -> bool:
-        return False
-
     async def close(self) -> None:
         pass
 

@@ -8,9 +8,8 @@ CONTAINER / KUBE-NODEPORT-HOST for NodePorts. Its LoadBalancerRR picked endpoint
 optional ClientIP stickiness. Rules are printed as iptables-save prints them. Proxy ports are random
 at run time; here they are stable placeholders derived from the ServicePortName.
 
-usproxy keeps the relay but drops the redirection: the ClusterIP is local on usproxy0 (an IPv4 one by
-a local route, an IPv6 one as an address: relay/vip_interface.py) and the listener binds
-ClusterIP:port itself (docs/architecture.md#life-of-a-serviceport), so no rule
+usproxy keeps the relay but drops the redirection: the ClusterIP is a local address on usproxy0 and
+the listener binds ClusterIP:port itself (docs/architecture.md#life-of-a-serviceport), so no rule
 stands between the client and the socket; without usable endpoints it does not listen and the kernel
 refuses at once.
 """
@@ -20,7 +19,6 @@ from __future__ import annotations
 import hashlib
 
 from usproxy.model.service_set import FamilyPort, ServiceSet
-from usproxy.relay.address_batch import RTPROT_USPROXY
 from usproxy.util.table import render_table
 from usproxy.model.types import format_hostport
 
@@ -86,19 +84,13 @@ def proxy_table(ss: ServiceSet) -> str:
 
 def usproxy_form(ss: ServiceSet) -> str:
     """usproxy's relay: ClusterIPs as local addresses, listeners, endpoints, policy, flows."""
-    routes: list[str] = []
-    addrs: list[str] = []
-    rows = []
+    addrs, rows = [], []
     for family in ss.families():
         for fp in ss.family_ports(family):
-            if family == 4:
-                line = f"local {fp.cluster_ip} proto {RTPROT_USPROXY} scope host src {fp.cluster_ip}"
-                held = routes
-            else:
-                line = f"    inet6 {fp.cluster_ip}/128 scope host {VIP_INTERFACE}"
-                held = addrs
-            if line not in held:
-                held.append(line)
+            plen = 32 if family == 4 else 128
+            addr = f"    {'inet' if family == 4 else 'inet6'} {fp.cluster_ip}/{plen} scope host {VIP_INTERFACE}"
+            if addr not in addrs:
+                addrs.append(addr)
             listens = [format_hostport(fp.cluster_ip, fp.sp.port)]
             listens += [format_hostport(ip, fp.sp.node_port) for ip in ss.node.ips_of(family)
                         if fp.sp.node_port]
@@ -110,10 +102,8 @@ def usproxy_form(ss: ServiceSet) -> str:
             rows.append([fp.name.key(), listener, ", ".join(map(str, usable)) or "<none>",
                          fp.sp.lb_policy or "roundRobin", _affinity(fp, False), fp.sp.datapath or "auto"])
     table = render_table(["SERVICE PORT", "LISTENER", "ENDPOINTS", "POLICY", "AFFINITY", "DATAPATH"], rows)
-    local = f"# ip route show table local dev {VIP_INTERFACE}\n" + "".join(f"{r}\n" for r in routes) if routes else ""
-    if addrs:
-        local += f"# ip addr show {VIP_INTERFACE}\n{VIP_INTERFACE}: <BROADCAST,NOARP,UP,LOWER_UP>\n" + "".join(f"{a}\n" for a in addrs)
-    return (local + f"\n# relay listeners\n{table}\n\n"
+    return (f"# ip addr show {VIP_INTERFACE}\n{VIP_INTERFACE}: <BROADCAST,NOARP,UP,LOWER_UP>\n"
+            + "\n".join(addrs) + f"\n\n# relay listeners\n{table}\n\n"
             "# flow table\n(no flows: this is a static rendering; `--live` shows a running agent's)\n")
 
 

@@ -418,8 +418,6 @@ class Relay:
                 if self._readd:
                     async with self._applying:
                         await self._readd_addresses()
-                async with self._applying:  # routes a flush took (IPv4 frontends are local routes)
-                    await self.vip.repair()
                 # Not under `_applying`: a failed bind's holder is looked up in /proc (seconds on a
                 # busy node), and a sync must not wait for that. A port retried here is one whose
                 # apply already ran (the opener never holds one that is failing).

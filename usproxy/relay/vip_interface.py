@@ -1,22 +1,14 @@
-"""VipInterface: ClusterIPs (and external IPs) made local on an interface usproxy owns.
+"""VipInterface: ClusterIPs (and external IPs) as local addresses on an interface usproxy owns.
 
 As IPVS mode's kube-ipvs0: a dummy device `usproxy0` where the kernel has the dummy driver. Where
 it does not (this project's machines), fall back to an empty bridge, and as a last resort to `lo`;
-the choice is logged and reported (`kind`, `why`). An IPv4 address is made local by a local route
-via the interface (`local ADDR dev usproxy0 table local src ADDR`, the route the kernel itself
-adds for an address: address_batch.py), which the kernel treats as an address for delivery,
-bind(), ARP and the source of a node's own connections, at O(log n) instead of an address's O(n)
-per add (10,000: 0.09 s of kernel time, not 1.2 s). An IPv6 address is an address, /128 with
-IFA_F_NODAD so it can be bound at once: IPv6 picks a node's source address among addresses only,
-and a local route cannot name one that is not configured. Addresses an earlier agent left (both
-kinds, and IPv4 addresses of older versions) are found at setup and removed as what they are.
-All netlink calls run in one dedicated worker thread (pyroute2's
+the choice is logged and reported (`kind`, `why`). Addresses are /32 or /128 with IFA_F_NODAD so
+IPv6 ones can be bound at once. All netlink calls run in one dedicated worker thread (pyroute2's
 sync API cannot run inside a running event loop, and its async API fails under uvloop; see
 docs/platform.md#pyroute2-and-uvloop). On close the interface and its addresses stay by default
 (`keep`), as IPVS mode's kube-ipvs0 does: during an agent restart new connections to a ClusterIP are refused at once by the
 kernel instead of being unroutable, and offloaded traffic from local processes keeps its route
-(C20). `usproxy run --cleanup` removes the interface (and with it its routes); `keep = False`
-removes on close.
+(C20). `usproxy run --cleanup` removes the interface; `keep = False` removes on close.
 """
 
 from __future__ import annotations
@@ -25,13 +17,11 @@ import errno
 import ipaddress
 import logging
 from collections.abc import Iterable
-from ipaddress import IPv4Address
 from typing import Any
 
 from usproxy.model.types import IPAddress
 from usproxy.util.netlink_worker import NetlinkWorker
-from usproxy.relay.address_batch import (add_addresses, add_local_routes, delete_local_routes, is_routed, local_routes,
-                                         routes_for_addresses)
+from usproxy.relay.address_batch import add_addresses
 
 log = logging.getLogger(__name__)
 IFA_F_NODAD = 0x02
@@ -77,69 +67,31 @@ class VipInterface:
         self.kind = "none"
         self.why = "not set up"
         self.created = False
-        self.addresses: set[IPAddress] = set()  # every address made local here
-        self.routed: set[IPv4Address] = set()  # those of them made local by a route, not an address
+        self.addresses: set[IPAddress] = set()
         self.keep = True
 
     async def setup(self) -> None:
         existed = await self.worker.call(lambda ipr: _link_index(ipr, self.name))
         self.index, self.kind, self.why = await self.worker.call(lambda ipr: _create(ipr, self.name))
         self.created = existed is None and self.kind != "lo"
+        self.addresses = await self.existing()
         log.info("ClusterIP interface: %s", self.why)
-        found = await self.existing()
-        routes = await self.worker.call(lambda _: local_routes(self.index))
-        old = sorted(ip for ip in found if isinstance(ip, IPv4Address))
-        if old:  # an earlier version's: routes now, every one at once (routes_for_addresses)
-            await self.worker.call(lambda _: routes_for_addresses(self.index, old, sorted(routes)))
-            log.info("%d IPv4 addresses on %s are local routes now", len(old), self.name)
-        self.routed = routes.union(old)
-        self.addresses = found | self.routed
-
-    async def repair(self) -> bool:
-        """Add every routed address again when the kernel dropped its routes (it flushes every
-        route via an interface that loses its last IPv4 address, say one an administrator added
-        and removed; a link going down and up keeps local routes); True when it did. One route lookup when
-        nothing is missing. Raises OSError."""
-        if not self.routed:
-            return False
-        ip = next(iter(self.routed))
-        if await self.worker.call(lambda _: is_routed(self.index, ip)):
-            return False
-        ips = sorted(self.routed)
-        await self.worker.call(lambda _: add_local_routes(self.index, ips))
-        log.warning("the local routes of %s were gone (the interface lost its last IPv4 address): "
-                    "added %d again", self.name, len(ips))
-        return True
 
     async def add_many(self, ips: Iterable[IPAddress]) -> None:
-        """Make addresses local in one trip to the netlink thread, packed many to a system call
-        (address_batch.py: a cold sync of 10,000 Services costs ~80 sendmsg, not 10,000 round
-        trips through pyroute2): IPv4 by local routes, IPv6 as addresses. Raises OSError (the
-        sync fails and is retried: EEXIST counts as added)."""
+        """Add addresses in one trip to the netlink thread, packed many to a system call
+        (address_batch.py: a cold sync of 10,000 Services costs ~20 sendmsg, not 10,000 round
+        trips through pyroute2). Raises OSError (the sync fails and is retried: EEXIST counts as
+        added)."""
         new = sorted({ip for ip in ips if ip not in self.addresses}, key=lambda a: (a.version, int(a)))
         if not new:
             return
-        v4 = [ip for ip in new if isinstance(ip, IPv4Address)]
-        v6 = new[len(v4):]
-
-        def add(_: Any) -> None:
-            if v4:
-                add_local_routes(self.index, v4)
-            if v6:
-                add_addresses(self.index, v6, IFA_F_NODAD)
-        await self.worker.call(add)
-        self.routed.update(v4)
+        await self.worker.call(lambda _: add_addresses(self.index, new, IFA_F_NODAD))
         self.addresses.update(new)
 
     async def remove(self, ip: IPAddress) -> None:
         if ip not in self.addresses:
             return
         self.addresses.discard(ip)
-        if ip in self.routed:
-            assert isinstance(ip, IPv4Address)
-            self.routed.discard(ip)
-            await self.worker.call(lambda _: delete_local_routes(self.index, [ip]))
-            return
         plen = 32 if ip.version == 4 else 128
 
         def delete(ipr: Any) -> None:
@@ -159,11 +111,9 @@ class VipInterface:
         return await self.worker.call(dump)
 
     async def existing(self) -> set[IPAddress]:
-        """Addresses already on the interface (left by a previous agent; its local routes are
-        read by setup). Not the interface's own IPv6 link-local address: no Service has one."""
+        """Addresses already on the interface (left by a previous agent)."""
         name = self.name
-        return {ip for ifname, ip in await self.local_addresses()
-                if ifname == name and self.kind != "lo" and not ip.is_link_local}
+        return {ip for ifname, ip in await self.local_addresses() if ifname == name and self.kind != "lo"}
 
     async def delete(self) -> bool:
         """Remove the interface (for --cleanup); False when there is none or it is `lo`."""

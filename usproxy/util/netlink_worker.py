@@ -22,14 +22,12 @@ class NetlinkWorker:
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="netlink")
         self._ipr: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _ip(self) -> Any:
         if self._ipr is None:
             from pyroute2 import IPRoute
 
-            self._loop = asyncio.SelectorEventLoop()
-            self._ipr = IPRoute(use_event_loop=self._loop)
+            self._ipr = IPRoute(use_event_loop=asyncio.SelectorEventLoop())
         return self._ipr
 
     def call_sync(self, fn: Callable[[Any], T]) -> T:
@@ -43,9 +41,5 @@ class NetlinkWorker:
             if self._ipr is not None:
                 self._ipr.close()
                 self._ipr = None
-            if self._loop is not None:  # one turn: the socket's transport finishes closing
-                self._loop.run_until_complete(asyncio.sleep(0))
-                self._loop.close()
-                self._loop = None
         self._pool.submit(shut).result()
         self._pool.shutdown(wait=True)
