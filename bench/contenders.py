@@ -139,6 +139,7 @@ class Agent:
     offload: str = "none"
     extra: list[str] = field(default_factory=list)
     proc: Any = None
+    pythonpath: str = ""  # another source tree to run the agent from (bench/relay_conn.py's baseline)
 
     @property
     def dir(self) -> Path:
@@ -159,8 +160,10 @@ class Agent:
                 "--healthz-bind-address", self.healthz, "--metrics-bind-address", self.metrics,
                 "--vip-interface", f"usproxy{self.index}", *self.extra]
         t0 = time.monotonic()
-        self.proc = self.ctx.procs.spawn(self.ctx.topo.node, argv, log=self.dir / "agent.log",
-                                         env=dict(os.environ, USPROXY_EVENT_LOOP="uvloop"))
+        env = dict(os.environ, USPROXY_EVENT_LOOP="uvloop")
+        if self.pythonpath:
+            env["PYTHONPATH"] = self.pythonpath
+        self.proc = self.ctx.procs.spawn(self.ctx.topo.node, argv, log=self.dir / "agent.log", env=env)
         deadline = t0 + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -199,15 +202,18 @@ class Agent:
 class Usproxy(Contender):
     """The usproxy agent serving the bench Service, relayed or offloaded."""
 
-    def __init__(self, name: str, cluster_ip: str, index: int, offload: str = "none") -> None:
+    def __init__(self, name: str, cluster_ip: str, index: int, offload: str = "none", pythonpath: str = "") -> None:
         super().__init__(name, cluster_ip)
         self.index = index
         self.offload = offload
+        self.pythonpath = pythonpath  # run the agent from this source tree (default: this one)
+        if pythonpath:
+            self.notes = f"usproxy from {pythonpath}"
         self.agent: Agent | None = None
 
     def start(self, ctx: Ctx) -> None:
         extra = ["--offload-after", "1"] if self.offload != "none" else []
-        self.agent = Agent(ctx, self.name, self.index, self.offload, extra)
+        self.agent = Agent(ctx, self.name, self.index, self.offload, extra, pythonpath=self.pythonpath)
         try:
             self.agent.start(service_manifest("bench", self.target, SERVER_IP))
             self.pid = self.agent.proc.pid

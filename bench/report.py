@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.relay_conn import table as relayconn_table
+
 RESULTS = Path(__file__).with_name("results")
 RELAYS = ("relay", "proto-protocol", "proto-splice", "proto-splice-2w")
 
@@ -59,6 +61,8 @@ def targets(who: str = "relay") -> list[Target]:
          lambda d: _largest(_get(d, "controlplane", "usproxy_nftables"), lambda r: r["cold_s"]), "<=", 0.5),
         ("one change at largest size, p99 (ms)",
          lambda d: _largest(_get(d, "controlplane", "usproxy_nftables"), lambda r: r["one_change_s"]["p99"] * 1e3), "<=", 5.0),
+        ("relay CPU per new connection, pinned beside HAProxy (µs, issue 30)",
+         lambda d: _get(d, "relayconn", "median", who, "cpu_us_per_conn"), "<=", 70.0),
         ("RSS per idle relayed flow, largest N (KiB)",
          lambda d: (lambda rows: rows[-1]["bytes_per_flow"] / 1024 if rows else None)(_get(d, "memory", "relay")), "<=", 4.0),
     ]
@@ -225,6 +229,9 @@ def markdown(d: dict[str, Any]) -> str:
         proto = prototype_table(d["dataplane"])
         if proto:
             out += ["#### Relay prototypes (bench/prototypes/relay_proto.py), same rounds", ""] + proto + [""]
+    if "relayconn" in d:
+        out += ["#### Relay CPU per new connection, beside HAProxy on the same pinned core (issue 30)", ""]
+        out += relayconn_table(d["relayconn"]) + [""]
     if "tools" in d:
         out += ["#### Real tools (wrk, iperf3, redis-benchmark against nginx, iperf3 -s, redis-server)", ""]
         out += tools_table(d["tools"]) + [""]

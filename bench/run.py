@@ -1,7 +1,8 @@
 """The one command: `sudo .venv/bin/python -m bench.run [--quick]` from the repository root.
 
 Builds the bench netns (topology.py), starts the bench servers and every contender
-(contenders.py), runs the data plane in interleaved rounds (dataplane.py), profiles the relay
+(contenders.py), runs the data plane in interleaved rounds (dataplane.py), the relay's CPU per
+new connection beside HAProxy on one pinned core (relay_conn.py), profiles the relay
 (profile.py), runs the real tools through the same contenders (tools.py), measures memory per
 idle flow (memory.py), the control plane (controlplane.py) and the control plane end to end,
 from spawn and from an edit (startup.py), then writes bench/results/<date>[-quick].{json,md} and PNG charts (report.py) and prints the
@@ -26,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bench import controlplane, memory, profile, report, startup, tools
-from bench.contenders import Contender, Ctx, default_contenders
+from bench import controlplane, memory, profile, relay_conn, report, startup, tools
+from bench.contenders import Contender, Ctx, Usproxy, default_contenders
 from bench.dataplane import DataPlane, Plan
 from bench.procs import PYTHON, Procs
 from bench.topology import BenchTopology
@@ -52,14 +53,16 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--quick", action="store_true", help="small sizes, 2 rounds, about 3 minutes")
     ap.add_argument("--rounds", type=int, help="data-plane rounds (default 2 quick, 4 full)")
-    ap.add_argument("--only", default="dataplane,tools,profile,memory,controlplane,startup",
-                    help="comma list of phases: dataplane, tools, profile, memory, controlplane, startup")
+    ap.add_argument("--only", default="dataplane,relayconn,tools,profile,memory,controlplane,startup",
+                    help="comma list of phases: dataplane, relayconn, tools, profile, memory, controlplane, startup")
     ap.add_argument("--prototypes", action=argparse.BooleanOptionalAction, default=None,
                     help="include the relay prototypes of bench/prototypes (default: full runs only)")
     ap.add_argument("--stem", help="results file name (default <date>[-quick])")
     ap.add_argument("--update", metavar="STEM", help="re-run only --only's phases and replace them in results/STEM.json")
     ap.add_argument("--offloaded", default="nftables", choices=["nftables", "iptables", "bpf"],
                     help="the kernel datapath of the 'offloaded' contender (default nftables)")
+    ap.add_argument("--baseline", type=Path, metavar="TREE",
+                    help="also run the agent from another source tree as relay-base (a before/after in the same rounds)")
     return ap.parse_args()
 
 
@@ -80,7 +83,7 @@ def main() -> int:
                 duration=0.8 if quick else 2.5, warmup=0.3 if quick else 0.5)
     cp_sizes = (1000,) if quick else (1000, 5000, 10000)
     stem = args.stem or datetime.date.today().isoformat() + ("-quick" if quick else "")
-    command = "sudo .venv/bin/python -m bench.run" + (" --quick" if quick else "")
+    command = "sudo .venv/bin/python -m bench.run " + " ".join(sys.argv[1:])
     results: dict[str, Any] = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
                                         "mode": "quick" if quick else "full", "rounds": plan.rounds, "command": command,
                                         "git": _git_head()}}
@@ -102,6 +105,8 @@ def main() -> int:
             p.stdout.readline()
         contenders = default_contenders(protos, args.offloaded)
         results["meta"]["offloaded"] = args.offloaded
+        if args.baseline:
+            contenders.append(Usproxy("relay-base", "10.96.104.10", 4, pythonpath=str(args.baseline.resolve())))
         for c in contenders:
             c.start(ctx)
             log(f"contender {c.name}: " + ("up" if c.available else f"unavailable: {c.reason}"))
@@ -114,6 +119,11 @@ def main() -> int:
             dp = DataPlane(ctx, contenders, plan, log)
             dp.run()
             results["dataplane"] = dp.summary()
+        if "relayconn" in phases:
+            pinned = [by_name[n] for n in ("relay", "haproxy", "relay-base") if n in by_name]
+            log(f"relay CPU per connection, pinned to CPU {relay_conn.PIN_CPU}: {plan.rounds * 2 - 1} rounds")
+            results["relayconn"] = relay_conn.measure(ctx, pinned, plan.rounds * 2 - 1, 1.0 if quick else 3.0,
+                                                      plan.warmup, log, count_syscalls=True)
         if "tools" in phases:
             tplan = tools.ToolPlan(rounds=args.rounds or (2 if quick else 4), seconds=2 if quick else 5,
                                    redis_requests=20000 if quick else 100000)

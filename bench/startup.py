@@ -49,6 +49,7 @@ from bench.servers import CONN
 from bench.topology import SERVER2_IP, SERVER_IP, BenchTopology, inside
 from tests.netns import nsexec, sh
 from tests.sources.fake_apiserver import kubeconfig_text
+from usproxy.tour.manifests import kubectl_yaml
 
 USPROXY = str(ROOT / ".venv" / "bin" / "usproxy")
 HEALTHZ, METRICS = "127.0.0.1:10256", "127.0.0.1:10249"
@@ -89,55 +90,6 @@ def scale_objects(n: int) -> list[dict[str, Any]]:
     for i in range(n):
         out += [service(f"s{i}", i, cluster_ip(i)), endpoint_slice(f"s{i}", i, [endpoint_ip(i, 0), endpoint_ip(i, 1)])]
     return out
-
-
-_PLAIN = re.compile(r"[A-Za-z_./][-A-Za-z0-9_./]*|[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+")
-
-
-def _scalar(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if v == {}:
-        return "{}"
-    text = str(v)
-    if _PLAIN.fullmatch(text) and text.lower() not in ("true", "false", "yes", "no", "on", "off", "null", "y", "n"):
-        return text
-    return json.dumps(text)  # kubectl double-quotes what would not read back as the same string
-
-
-def _emit(value: dict[str, Any], indent: int, out: list[str]) -> None:
-    pad = " " * indent
-    for key in sorted(value):
-        v = value[key]
-        if isinstance(v, dict) and v:
-            out.append(f"{pad}{key}:")
-            _emit(v, indent + 2, out)
-        elif isinstance(v, list) and v:
-            out.append(f"{pad}{key}:")
-            _emit_list(v, indent, out)
-        else:
-            out.append(f"{pad}{key}: {_scalar(v)}")
-
-
-def _emit_list(items: list[Any], indent: int, out: list[str]) -> None:
-    pad = " " * indent
-    for item in items:
-        if isinstance(item, dict):
-            start = len(out)
-            _emit(item, indent + 2, out)
-            out[start] = pad + "- " + out[start][indent + 2:]
-        else:
-            out.append(f"{pad}- {_scalar(item)}")
-
-
-def kubectl_yaml(objects: list[dict[str, Any]]) -> str:
-    """`objects` as `kubectl get -o yaml` prints a list: keys sorted, sequences at the key's column."""
-    out = ["apiVersion: v1", "items:"]
-    _emit_list(objects, 0, out)
-    out += ["kind: List", "metadata:", '  resourceVersion: ""']
-    return "\n".join(out) + "\n"
 
 
 # -- one agent ---------------------------------------------------------------------------------------

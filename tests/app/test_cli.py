@@ -47,6 +47,17 @@ def test_a_config_error_names_usproxy_once() -> None:
     assert res.returncode == 2 and res.stderr.startswith("usproxy run: --nodeport-addresses: ")
 
 
+@pytest.mark.parametrize("flag, value, says", [
+    ("--bpf-map-dynamic-size-ratio", "1.5", "must be between 0.0 and 1.0, got 1.5"),
+    ("--bpf-ct-global-tcp-max", "100", "must be 0 (sized to the memory) or between 1024 and 16777216, got 100"),
+    ("--bpf-lb-map-max", "0", "must be between 1 and 16777216, got 0"),
+    ("--bpf-fragments-map-max", "100000", "must be between 256 and 65536, got 100000"),
+])
+def test_a_bpf_map_size_out_of_bounds_exits_2_naming_the_flag(flag: str, value: str, says: str) -> None:
+    res = run("run", flag, value, *OWN_LOCKS)
+    assert res.returncode == 2 and res.stderr == f"usproxy run: {flag}: {says}\n"
+
+
 def test_missing_cluster_cidr_is_logged_once(tmp_path: Path) -> None:
     res = run("run", "--services", str(tmp_path / "nope"), *OWN_LOCKS)
     assert res.returncode == 2 and res.stderr.count("no --cluster-cidr") == 1
@@ -56,7 +67,7 @@ def test_missing_cluster_cidr_is_logged_once(tmp_path: Path) -> None:
 def test_check_prints_table() -> None:
     res = subprocess.run(["unshare", "--net", *USPROXY, "check"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0
-    for cap in ("interface bridge", "nftables", "bpf cgroup hooks", "bpf tc (tcx) attach", "conntrack"):
+    for cap in ("interface bridge", "nftables", "bpf cgroup hooks", "bpf tc attach", "bpf map sizes", "conntrack"):
         assert cap in res.stdout
 
 

@@ -29,6 +29,7 @@ from usproxy.core.datapath import (
     ChunkedFlowsView,
     ExternalServing,
     ExternalView,
+    KernelWriteCounter,
     FlowsView,
     NodeAddressFollower,
     ServiceCIDRHandler,
@@ -48,7 +49,7 @@ from usproxy.util.metrics import Metrics
 from tests.offload.helpers import ep, spn, state
 
 OPTIONAL = (NodeAddressFollower, ExternalServing, ServiceCIDRHandler, FlowsView, ChunkedFlowsView, ExternalView,
-            UdpConntrackReconciler)
+            UdpConntrackReconciler, KernelWriteCounter)
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,27 +1,35 @@
-"""ClientSide/EndpointSide as state machines, with fake transports: events in, writes out.
+"""ClientSide/EndpointSide as state machines, with fake transports and a fake loop whose dials
+wait for the test (a fake engine): events in, writes out.
 
 Fault classes: EOF and flush ordering (C11) and bounded buffers on the paths a socket test cannot
 reach on demand: bytes and a FIN that arrive before the endpoint connection exists are written in
 order, FIN last; reading pauses once the dial buffer is full and resumes only when the endpoint
 leg can take more; a pause caused by the very first write is not lost; an endpoint connection that
-completes after its client went away (a dial abandoned at its timeout) never touches the client.
+completes after its dial was given up (its client went away, or its timeout fired) never touches
+the client, and a dial's timeout fires only while it is connecting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
+import select
 import socket
-from collections.abc import Collection
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, cast
+
+import pytest
 
 from usproxy.flows.flow_table import Flow, HostPort
 from usproxy.model.endpoint import Endpoint
 from usproxy.relay.flow_owner import FlowOwner
-from usproxy.relay.tcp import DIAL_BUFFER, HIGH_WATER, ClientSide, EndpointSide
+from usproxy.relay import tcp
+from usproxy.relay.tcp import DIAL_BUFFER, HIGH_WATER, LOW_WATER, ClientSide, EndpointSide
 from usproxy.model.types import Scope, ServicePortName
 
 EP = Endpoint(ipaddress.ip_address("10.244.1.5"), 8080)
+EP2 = Endpoint(ipaddress.ip_address("10.244.1.6"), 8080)
 
 
 class FakeTransport:
@@ -68,13 +76,18 @@ class FakeTransport:
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         pass
 
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return (LOW_WATER, HIGH_WATER)
+
 
 class FakeOwner:
-    """A FlowOwner that has no endpoint and records what the protocol tells it."""
+    """A FlowOwner with `endpoints` (picked in order, none of `exclude`) that records what the
+    protocol tells it."""
 
     spn = ServicePortName("default", "web", "http", "TCP")
 
-    def __init__(self) -> None:
+    def __init__(self, endpoints: tuple[Endpoint, ...] = (EP, EP2)) -> None:
+        self.endpoints = endpoints
         self.events: list[str] = []
 
     def new_flow(self, protocol: str, client: HostPort, frontend: HostPort) -> Flow:
@@ -84,10 +97,10 @@ class FakeOwner:
         self.events.append("end")
 
     def pick(self, kind: Scope, client_ip: str, exclude: Collection[Endpoint]) -> Endpoint | None:
-        return None
+        return next((e for e in self.endpoints if e not in exclude), None)
 
     def failed(self, kind: Scope, ep: Endpoint) -> None:
-        self.events.append("failed")
+        self.events.append(f"failed {ep}")
 
     def opened(self, kind: Scope, ep: Endpoint) -> None:
         self.events.append("opened")
@@ -102,21 +115,65 @@ class FakeOwner:
         self.events.append("pipes released")
 
 
+class FakeSocket:
+    """A connecting socket of FakeEngine: `error` is what SO_ERROR will say."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.error = 0
+        self.closed = False
+
+    def fileno(self) -> int:
+        return 1000
+
+    def getsockopt(self, level: int, option: int) -> int:
+        return self.error
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeEngine:
+    """Dials that wait until the test connects them (`side.connection_made`, as the engine does
+    once the socket is writable) or fails them (`fail`)."""
+
+    def __init__(self) -> None:
+        self.dials: list[tuple[FakeSocket, Callable[[int], None]]] = []
+
+    def connect(self, host: str, port: int, handler: Callable[[int], None]) -> FakeSocket:
+        self.dials.append((FakeSocket(host, port), handler))
+        return self.dials[-1][0]
+
+    def forget(self, fd: int) -> None:
+        pass
+
+    def fail(self, i: int, err: int = errno.ECONNREFUSED) -> None:
+        sock, handler = self.dials[i]
+        sock.error = err
+        handler(select.EPOLLOUT | select.EPOLLERR)
+
+
 async def accepted(owner: FlowOwner | None = None) -> tuple[ClientSide, FakeTransport]:
-    """A ClientSide whose own dial is stopped, so the test plays the endpoint's part."""
-    client = ClientSide(owner or FakeOwner(), "cluster", ("10.96.10.10", 80))
+    """A ClientSide dialing its first endpoint on a FakeEngine: the test plays the endpoint's part."""
+    client = ClientSide(owner or FakeOwner(), "cluster", ("10.96.10.10", 80), asyncio.get_running_loop(),
+                        FakeEngine())  # type: ignore[arg-type]
     t = FakeTransport(("10.244.9.10", 40000), ("10.96.10.10", 80))
     t.protocol = client
     client.connection_made(t)  # type: ignore[arg-type]
-    assert client.dial is not None
-    client.dial.cancel()
-    await asyncio.gather(client.dial, return_exceptions=True)
+    assert client.dialing is not None
     return client, t
 
 
-def endpoint_leg(client: ClientSide, over_high_water: bool = False) -> tuple[EndpointSide, FakeTransport]:
-    side = EndpointSide(client, EP)
-    t = FakeTransport((str(EP.ip), EP.port), ("10.244.0.1", 50000))
+def engine_of(client: ClientSide) -> FakeEngine:
+    return cast(FakeEngine, client.engine)
+
+
+def endpoint_leg(client: ClientSide, over_high_water: bool = False,
+                 side: EndpointSide | None = None) -> tuple[EndpointSide, FakeTransport]:
+    """The dial in progress (or `side`) connects: its connection_made, as the loop would run it."""
+    side = side or client.dialing
+    assert side is not None
+    t = FakeTransport((side.endpoint.host, side.endpoint.port), ("10.244.0.1", 50000))
     t.protocol = side
     t.over_high_water = over_high_water
     side.connection_made(t)  # type: ignore[arg-type]
@@ -177,50 +234,64 @@ async def test_fin_each_way_then_both_legs_close() -> None:
 async def test_endpoint_connected_after_the_client_left_never_touches_it() -> None:
     owner = FakeOwner()
     client, ct = await accepted(owner)
+    dialing = client.dialing
+    assert dialing is not None
     client.connection_lost(ConnectionResetError())
+    assert dialing.abandoned and client.dialing is None
+    assert engine_of(client).dials[0][0].closed  # the connecting socket is closed at once
     ops_before = list(ct.ops)
-    side, ut = endpoint_leg(client)
+    side, ut = endpoint_leg(client, side=dialing)  # a connection_made that still came
     assert ut.closing  # the late connection is closed at once
     side.data_received(b"stale")
     side.eof_received()
     side.connection_lost(None)
     assert ct.ops == ops_before
     assert owner.events.count("opened") == 0
+    assert not any(e.startswith("failed") for e in owner.events)  # the endpoint did nothing wrong
 
 
-async def test_endpoint_connected_after_its_dial_timed_out_never_attaches() -> None:
-    """The race at a dial timeout: the connect completes in the same loop turn the timeout fires
-    in, so `connection_made` runs while the dial is being cancelled (the loop then closes the
-    transport). The side must not attach: the client stays untouched for the next endpoint."""
+async def test_a_dial_that_times_out_is_given_up_and_the_next_endpoint_dialed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At its timeout a dial's socket is closed and the next endpoint is dialed; a connection_made
+    for the first one (were its connect to complete in the same turn) never attaches: the client
+    stays untouched."""
+    monkeypatch.setattr(tcp, "DIAL_TIMEOUTS", (0.01, 5.0))
     owner = FakeOwner()
     client, ct = await accepted(owner)
-    sides: list[EndpointSide] = []
-    try:
-        async with asyncio.timeout(0.01) as client.deadline:
-            try:
-                await asyncio.sleep(1)
-            except asyncio.CancelledError:
-                assert client.deadline.expired()
-                side, _ = endpoint_leg(client)  # connection_made after the timer fired
-                sides.append(side)
-                raise
-    except TimeoutError:
-        pass
-    else:
-        raise AssertionError("the dial's timeout did not fire")
-    assert not sides[0].attached and client.upstream is None
-    sides[0].data_received(b"late")
+    first = client.dialing
+    assert first is not None and first.endpoint == EP
+    await asyncio.sleep(0.05)  # the first dial's timeout fires
+    assert first.abandoned and owner.events == [f"failed {EP}"] and engine_of(client).dials[0][0].closed
+    assert client.dialing is not None and client.dialing.endpoint == EP2
+    late, lt = endpoint_leg(client, side=first)
+    assert not late.attached and client.upstream is None and lt.closing
+    late.data_received(b"late")
     assert ct.ops == [] and owner.events.count("opened") == 0
+    side, _ = endpoint_leg(client)  # the second endpoint answers
+    assert side.attached and client.upstream is side and client.endpoint == EP2
 
 
-async def test_endpoint_connected_in_time_stops_the_dial_timeout() -> None:
-    client, ct = await accepted()
-    async with asyncio.timeout(0.05) as client.deadline:
-        side, _ = endpoint_leg(client)
-        await asyncio.sleep(0.1)  # past the timeout: it must not fire any more
-    assert side.attached and client.upstream is side
+async def test_endpoint_connected_in_time_stops_the_dial_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tcp, "DIAL_TIMEOUTS", (0.05, 5.0))
+    owner = FakeOwner()
+    client, ct = await accepted(owner)
+    side, _ = endpoint_leg(client)
+    await asyncio.sleep(0.1)  # past the timeout: it must not fire any more
+    assert side.attached and client.upstream is side and side.timer is None
+    assert not any(e.startswith("failed") for e in owner.events)
     side.data_received(b"reply")
     assert ct.ops == [b"reply"]
+
+
+async def test_a_refused_dial_tries_the_next_endpoint_then_gives_the_client_up() -> None:
+    owner = FakeOwner()
+    client, ct = await accepted(owner)
+    engine = engine_of(client)
+    engine.fail(0)
+    assert owner.events == [f"failed {EP}"] and engine.dials[0][0].closed
+    assert client.dialing is not None and client.dialing.endpoint == EP2
+    engine.fail(1)
+    assert owner.events == [f"failed {EP}", f"failed {EP2}"]
+    assert client.dialing is None and ct.ops == ["CLOSE"]  # no endpoint left: reset (SO_LINGER 0 + close)
 
 
 async def test_the_endpoint_legs_keepalive_is_left_to_the_relays_sweep() -> None:
@@ -229,7 +300,8 @@ async def test_the_endpoint_legs_keepalive_is_left_to_the_relays_sweep() -> None
     client, _ = await accepted()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     with sock:
-        side = EndpointSide(client, EP)
+        side = client.dialing
+        assert side is not None
         t = FakeTransport((str(EP.ip), EP.port), ("10.244.0.1", 50000))
         t.extra["socket"] = sock
         t.protocol = side

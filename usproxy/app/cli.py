@@ -1,4 +1,4 @@
-"""The `usproxy` command: run, explain, flows, status, check.
+"""The `usproxy` command: run, explain, flows, status, check, tour.
 
 Exit codes: 0 done, 1 runtime failure, 2 bad usage or bad input (the message names the object
 and field).
@@ -77,6 +77,23 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--bpf-lb-acceleration", choices=["native", "disabled"],
                    help="--offload bpf: serve NodePorts at XDP on interfaces with native XDP, tc elsewhere "
                         "(Cilium's flag; default disabled)")
+    p.add_argument("--enable-tcx", type=_bool, nargs="?", const=True, metavar="true|false",
+                   help="attach the tc programs with tcx where the kernel has it (default true; false: through a "
+                        "clsact qdisc's cls_bpf filters, as on kernels before 6.6) (Cilium's flag)")
+    p.add_argument("--bpf-map-dynamic-size-ratio", type=float, metavar="RATIO",
+                   help="share of the machine's memory (MemTotal) the BPF connection and socket tables are sized "
+                        f"to, as Cilium's (default {d.bpf_map_dynamic_size_ratio}; 0: fixed default sizes)")
+    for flag, what, default in (
+            ("--bpf-ct-global-tcp-max", "the tc programs' TCP connection table", "0: sized to the memory"),
+            ("--bpf-ct-global-any-max", "the tc programs' UDP and not-yet-confirmed connection tables",
+             "0: sized to the memory"),
+            ("--bpf-sock-rev-map-max", "the socket LB's per-socket tables (reverse translation, steered sockets)",
+             "0: sized to the memory"),
+            ("--bpf-lb-map-max", "the load-balancing tables (services, slots, backends, Maglev)",
+             f"{d.bpf_lb_map_max}"),
+            ("--bpf-lb-affinity-map-max", "the sessionAffinity table", "0: as --bpf-lb-map-max"),
+            ("--bpf-fragments-map-max", "the tc programs' IPv4 fragment table", f"{d.bpf_fragments_map_max}")):
+        p.add_argument(flag, type=int, metavar="N", help=f"entries of {what} (default {default}; Cilium's flag)")
     p.add_argument("--relay-capture", choices=["auto", "nftables", "iptables", "none"],
                    help="capture a relayed frontend whose port a node socket holds (0.0.0.0:PORT) ahead of the "
                         "kernel's socket lookup: auto (default) takes the first that works of nftables, iptables")
@@ -91,17 +108,20 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--tour-results", type=Path, metavar="DIR",
                    help="a tour's results directory: the web view (/view) shows its plots (*.svg, *.png) "
                         "with the captions of its results.json")
-    p.add_argument("--iptables-localhost-nodeports", dest="iptables_localhost_nodeports", type=_true_false,
+    p.add_argument("--iptables-localhost-nodeports", dest="iptables_localhost_nodeports", type=_bool,
                    metavar="true|false", help="the iptables datapath serves NodePorts on 127.0.0.1 too, where "
                    "every IPv4 address serves them (kube-proxy's; it sets route_localnet; default true)")
     p.add_argument("--cleanup", action="store_true", default=None,
                    help="remove everything usproxy installed in the kernel, then exit")
 
 
-def _true_false(text: str) -> bool:
-    if text.lower() not in ("true", "false"):
-        raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
-    return text.lower() == "true"
+def _bool(text: str) -> bool:
+    """true/false, as Cilium's boolean flags take them (--enable-tcx=false)."""
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _comma_list(text: str) -> tuple[str, ...]:
@@ -123,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--json", action="store_true")
     c = sub.add_parser("check", help="probe this node's kernel datapaths")
     c.add_argument("--json", action="store_true")
+    t = sub.add_parser("tour", help="serve one set of Services by each mode in turn (relay, iptables, IPVS, "
+                       "nftables, BPF), live in network namespaces of its own, and measure them (as root)")
+    t.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="where results.json and the plots go (the web view and explain --html read them "
+                        "with --tour-results DIR)")
+    t.add_argument("--quick", action="store_true",
+                   help="10 and 1,000 Services with shorter windows (under 3 minutes) instead of 10, 1,000 "
+                        "and 10,000 (under 10)")
+    t.add_argument("--modes", type=_comma_list, metavar="MODE,...",
+                   help="only these of relay, iptables, ipvs, nftables, bpf (default: all of them)")
     return parser
 
 
@@ -179,6 +209,10 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
         parse_cidrs(cfg.service_cidrs, "--service-cidr")
     except ConfigError as err:
         raise ConfigError(str(err), obj="usproxy run") from None
+    from usproxy.offload.bpf import map_sizes
+    from usproxy.offload.settings import map_size_flags
+
+    map_sizes.validate(map_size_flags(cfg))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -275,8 +309,22 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return int(explain_main(args.rest))
 
 
+def cmd_tour(args: argparse.Namespace) -> int:
+    from usproxy.app.privileges import require_net_admin
+    from usproxy.tour import runner
+
+    wrong = [m for m in args.modes or () if m not in runner.MODE_NAMES]
+    if wrong:
+        raise ConfigError(f"unknown mode {', '.join(wrong)} (the modes: {', '.join(runner.MODE_NAMES)})",
+                          obj="usproxy tour", field="--modes")
+    if args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"{args.out} exists and is not a directory", obj="usproxy tour", field="--out")
+    require_net_admin("usproxy tour")
+    return runner.run(args.out, runner.QUICK if args.quick else runner.FULL, tuple(args.modes or runner.MODE_NAMES))
+
+
 COMMANDS = {"run": cmd_run, "status": cmd_status, "flows": cmd_flows, "check": cmd_check,
-            "explain": cmd_explain}
+            "explain": cmd_explain, "tour": cmd_tour}
 
 
 def _error_line(err: ConfigError) -> str:

@@ -9,8 +9,8 @@ their own installed view and touch only what differs. `FakeDatapath` records sta
 What only some datapaths offer is declared here, next to Datapath, as Protocols their callers
 check with isinstance, each saying who calls it: FlowsView and ChunkedFlowsView (/flows),
 ExternalView (/services' external route), ServiceCIDRHandler (the cluster's Service CIDRs), and
-three that kernel datapaths (usproxy/offload/kernel_datapath.py) offer the offload manager and
-the agent: NodeAddressFollower, ExternalServing and UdpConntrackReconciler.
+four that kernel datapaths (usproxy/offload/kernel_datapath.py) offer the offload manager and
+the agent: NodeAddressFollower, ExternalServing, UdpConntrackReconciler and KernelWriteCounter.
 """
 
 from __future__ import annotations
@@ -130,6 +130,19 @@ class ExternalServing(Protocol):
     whose datapath is its own path, "tc", or "relay" with the reason it leaves the traffic there)."""
 
     def external_route(self, state: ServicePortState) -> Placement: ...
+
+
+@runtime_checkable
+class KernelWriteCounter(Protocol):
+    """Read by the offload manager's metric usproxy_kernel_writes_total (and through it by
+    `usproxy tour`): what this kernel datapath has sent to the kernel since it was built,
+    counted in its own unit, `write_unit`: lines of iptables-restore input (iptables),
+    operations of its nftables transactions (an element, rule, chain, map, set or table added or
+    deleted, a chain flushed: nftables), BPF map elements written or deleted (bpf)."""
+
+    write_unit: str
+
+    def kernel_writes(self) -> int: ...
 
 
 class FakeDatapath:

@@ -11,7 +11,8 @@ order they are shown, and the tour's plots when a results directory is given.
   the map lookups do not. Linear in the Services (cost.py's per-ClusterIP table is quadratic).
 - `services_in_order(ss)`: Services with a usable endpoint first, so the first one a page shows
   (and opens) is one a connection can reach.
-- `tour_html(dir)`: every plot (*.svg, *.png) of a results directory with its caption, from
+- `tour_html(dir)`: every plot (*.svg, *.png) of a results directory with its caption, in the
+  order results.json lists them (the others after, by name), captions from
   results.json's "plots" list ({"file", "caption"}) where it has one; None when the directory
   holds no plot.
 
@@ -125,6 +126,8 @@ def tour_html(directory: Path) -> str | None:
     if not files:
         return None
     captions = _captions(directory)
+    order = list(captions)  # results.json lists its plots in the order they are best read
+    files.sort(key=lambda f: (order.index(f.name) if f.name in order else len(order), f.name))
     figures = []
     for f in files:
         mime = "image/svg+xml" if f.suffix == ".svg" else "image/png"

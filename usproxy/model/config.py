@@ -56,6 +56,17 @@ class ProxyConfig:
     # bpf-lb-mode; usproxy/offload/bpf/dsr.h)
     bpf_lb_mode: BpfLbMode = "snat"
     bpf_lb_acceleration: BpfLbAcceleration = "disabled"
+    # BPF map sizes (usproxy/offload/bpf/map_sizes.py), Cilium's flags: 0 = sized to the memory
+    bpf_map_dynamic_size_ratio: float = 0.0025
+    bpf_ct_global_tcp_max: int = 0
+    bpf_ct_global_any_max: int = 0
+    bpf_sock_rev_map_max: int = 0
+    bpf_lb_map_max: int = 65536
+    bpf_lb_affinity_map_max: int = 0
+    bpf_fragments_map_max: int = 8192
+    # the tc programs attach with tcx where the kernel has it; false: a clsact qdisc's cls_bpf
+    # filters even there (Cilium's enable-tcx)
+    enable_tcx: bool = True
     # how the relay captures a frontend whose port another local socket holds (relay/port_capture.py)
     relay_capture: str = "auto"
     cleanup: bool = False

@@ -29,9 +29,22 @@ class Endpoint:
     # `ip` as text, made once: the relay dials and records it for every connection, and
     # ipaddress's __str__ costs ~2 us each time. Not compared: derived from `ip`.
     host: str = field(init=False, compare=False, repr=False)
+    # The hash, made on first use: the relay hashes an endpoint several times per connection
+    # (leastConnections counts, back-offs), and the generated one hashes all eight compared
+    # fields through ipaddress's __hash__ (~0.3 us each time). Over the address as an integer
+    # and the port, which equal endpoints share (so it agrees with ==) and which hash the same
+    # in every process (no per-process string hash seed in a cached value).
+    _hash: int = field(default=0, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "host", str(self.ip))
+
+    def __hash__(self) -> int:
+        h = self._hash
+        if not h:
+            h = hash((int(self.ip), self.port))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def address(self) -> tuple[IPAddress, int]:

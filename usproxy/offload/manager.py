@@ -14,6 +14,8 @@ in halves until the failing ServicePorts are found; those are *demoted*: removed
 and served by the relay, with the reason in /services, `usproxy status`, the log and the metric
 usproxy_offload_demotions. They are retried after another window. Each ServicePort's phase and
 the faults that keep it in the relay are values (reason.py), worded only for those outputs.
+What each kernel datapath has sent to the kernel (KernelWriteCounter) is the metric
+usproxy_kernel_writes_total{datapath, unit}, read at scrape time.
 
 On the first (full) sync after start, what the kernel holds is read back: ServicePorts installed
 and still wanted stay offloaded at once and only differences are applied (field case C20);
@@ -27,13 +29,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+
+from prometheus_client.core import CounterMetricFamily
 
 from usproxy.core.events import EventHub
 from usproxy.util.metrics import Metrics
 from usproxy.model.types import IPNetwork
-from usproxy.core.datapath import Placement, ServiceCIDRHandler, ServicePortState, SyncRequest
+from usproxy.core.datapath import KernelWriteCounter, Placement, ServiceCIDRHandler, ServicePortState, SyncRequest
 from usproxy.model.endpoint import Endpoint
 from usproxy.util.errors import OffloadError
 from usproxy.offload import external_route, registry
@@ -111,6 +115,7 @@ class OffloadManager:
                                   lambda k, spn: spn not in self.ports or k in self.ports[spn].kernels)
         self._timer_due = 0.0
         self._covering: dict[tuple[str, ...], bool] = {}  # kernel datapaths -> whether they serve all traffic
+        self.metrics.registry.register(_KernelWritesCollector(self.kernels))
 
     def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
         """The ServiceCIDR objects' CIDRs changed: told to every kernel datapath that checks them
@@ -463,3 +468,19 @@ def _log_offloaded(lines: list[str]) -> None:
     log.info("%d ServicePorts offloaded (%s, ...)", len(lines), "; ".join(lines[:3]))
     for line in lines:
         log.debug("%s", line)
+
+
+class _KernelWritesCollector:
+    """usproxy_kernel_writes_total{datapath, unit}: what each kernel datapath has sent to the
+    kernel, in its own unit (KernelWriteCounter), read from the datapaths at scrape time."""
+
+    def __init__(self, kernels: Sequence[KernelDatapath]) -> None:
+        self.kernels = kernels
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("usproxy_kernel_writes", "What each kernel datapath sent to the kernel, "
+                                     "in its own unit", labels=["datapath", "unit"])
+        for k in self.kernels:
+            if isinstance(k, KernelWriteCounter):
+                family.add_metric([k.name, k.write_unit], k.kernel_writes())
+        yield family

@@ -10,6 +10,7 @@ from usproxy.model.config import BpfLbAcceleration, BpfLbMode, ProxyConfig, pars
 from usproxy.model.datapath_name import OffloadMode
 from usproxy.model.service_port import LBPolicy
 from usproxy.model.types import IPNetwork
+from usproxy.offload.bpf.map_sizes import MapSizeFlags
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +28,18 @@ class OffloadSettings:
     bpf_lb_mode: BpfLbMode = "snat"  # --bpf-lb-mode: NodePorts at tc with SNAT or DSR
     bpf_lb_acceleration: BpfLbAcceleration = "disabled"  # --bpf-lb-acceleration: "native" adds XDP to tc
     iptables_localhost_nodeports: bool = True  # iptables.localhostNodePorts
+    bpf_map_sizes: MapSizeFlags = MapSizeFlags()  # --bpf-map-dynamic-size-ratio and the per-map flags
+    bpf_enable_tcx: bool = True  # --enable-tcx
 
     @classmethod
     def from_config(cls, cfg: ProxyConfig) -> OffloadSettings:
         return cls(cfg.offload, cfg.offload_after, cfg.lb_policy, cfg.bpf_cgroup,
                    parse_cidrs(cfg.service_cidrs, "--service-cidr"), cfg.vip_interface, cfg.bpf_lb_mode,
-                   cfg.bpf_lb_acceleration, cfg.iptables_localhost_nodeports)
+                   cfg.bpf_lb_acceleration, cfg.iptables_localhost_nodeports, map_size_flags(cfg), cfg.enable_tcx)
+
+
+def map_size_flags(cfg: ProxyConfig) -> MapSizeFlags:
+    """The BPF map sizing flags of `cfg` (usproxy/offload/bpf/map_sizes.py)."""
+    return MapSizeFlags(cfg.bpf_map_dynamic_size_ratio, cfg.bpf_ct_global_tcp_max, cfg.bpf_ct_global_any_max,
+                        cfg.bpf_sock_rev_map_max, cfg.bpf_lb_map_max, cfg.bpf_lb_affinity_map_max,
+                        cfg.bpf_fragments_map_max)

@@ -84,9 +84,8 @@ class FlowAdmission:
     def descriptors_held(self) -> int:
         """Descriptors the relay holds now: one per listener and UDP flow, two per TCP flow, four
         per spliced TCP flow's pipes."""
-        live = self.table.live
-        return (len(self.listeners) + 2 * live.get("TCP", 0) + sum(n for p, n in live.items() if p != "TCP")
-                + self.pipe_fds)
+        live = self.table.live  # (no generator: this runs for most new connections)
+        return len(self.listeners) + sum(live.values()) + live.get("TCP", 0) + self.pipe_fds
 
     def _over_budget(self, need: int) -> bool:
         return self.descriptors is not None and self.descriptors_held() + need > self.descriptors

@@ -56,7 +56,7 @@ from usproxy.relay.flow_owner import RelayStopping, SourceRefused
 from usproxy.relay.port_capture import Frontend, PortCapture, port_held
 from usproxy.relay.port_holder import describe_holder
 from usproxy.relay.source_filter import DROP_ALL, Clause, allows, attach_clauses
-from usproxy.relay.tcp import ClientSide
+from usproxy.relay.tcp import client_factory
 from usproxy.relay.tcp_listener import TcpListener
 from usproxy.relay.udp import UdpListener, UdpRelay
 from usproxy.model.service_port import LBPolicy, ServicePort
@@ -207,7 +207,7 @@ class ServicePortRelay:
         addr, port, kind = key
         if self.spn.protocol == "TCP":
             return await TcpListener.open(addr, port if bind_port is None else bind_port,
-                                          lambda: ClientSide(self, kind, (addr, port)))
+                                          client_factory(self, kind, (addr, port)))
         return UdpListener(self.udp, self, (addr, port), kind, bind_port)
 
     async def _captured_listener(self, key: ListenerKey) -> Listener:

@@ -10,16 +10,19 @@ Events in, writes out; no Streams on the hot path. Invariants:
   after the same buffered bytes (and no RST: that leg's peer sent FIN, so nothing is left unread),
   one shutdown(2) less per connection.
 - A reset on one side is passed on as a reset (SO_LINGER 0) after the bytes already received from
-  it have been handed to the kernel.
-- Dials never block accepting: each runs as its own task with bounded timeouts (kube-proxy
-  userspace's 250 ms, 500 ms, 1 s, 2 s, pkg/proxy/userspace/proxysocket.go tryConnect), and a
-  refused or timed-out endpoint is retried on the next one (C14). The loop connects and makes
-  the transport in one call (`create_connection(host, port)`, in C under uvloop: a Python socket
-  and `sock_connect` cost ~50 us more per connection). The EndpointSide attaches itself to its
-  client in `connection_made`, which first stops the dial's timeout; a side connected after its
-  dial timed out never attaches (`ClientSide.connected`). So an abandoned dial leaves nothing that
-  could act on the client, and no byte from an endpoint arrives before the client knows its
-  upstream.
+  it have been handed to the kernel. The relay's own resets (idle timeouts, the relay stopping)
+  set SO_LINGER 0 on both legs before closing either: a Leg's close ends the other leg at once.
+- Both legs are Legs of the loop's TcpEngine (tcp_engine.py: the relay's own epoll, no transport
+  of the loop; issue 30), but any asyncio transport works (tests relay through a loop's own).
+- Dials never block accepting: each starts from the client's `connection_made` with bounded
+  timeouts (kube-proxy userspace's 250 ms, 500 ms, 1 s, 2 s, pkg/proxy/userspace/proxysocket.go
+  tryConnect), and a refused or timed-out endpoint is retried on the next one (C14). Each attempt
+  is an EndpointSide: a non-blocking connect(2) on the engine's epoll under one timer handle
+  (`call_later`); no Task, no asyncio.timeout, no running-loop lookup per connection (issue 30:
+  five getpid(2) per connection in Python 3.11, and their objects). Giving an attempt up (its
+  timeout, or the client leaving) closes its socket; it never attaches. An EndpointSide stops its
+  timer and attaches itself to its client in `connection_made`, so no byte from an endpoint
+  arrives before the client knows its upstream.
 - Data that arrived during the dial is written first, then the client's FIN if it came; reading
   resumes only if the dial buffer paused it and the endpoint leg is under its high-water mark.
 - Bulk flows leave the transports for splice(2) (tcp_splice.py, issue 17): after BULK_STREAK reads
@@ -28,21 +31,31 @@ Events in, writes out; no Streams on the hot path. Invariants:
   stop reading and their write limits drop to 0, so `resume_writing` says when a leg's buffer is
   empty; with both empty (no byte left in userspace: every read was written), the sockets are
   dup()'d and the transports, switched to a protocol that ignores their end, aborted (an abort
-  of an empty buffer sends nothing and closes only the transport's descriptor; uvloop's
-  transports own their descriptor, so readiness is then watched on the dup). Small messages never
+  of an empty buffer sends nothing and closes only the transport's descriptor, which a Leg takes
+  out of the engine's epoll first; readiness is then watched on the dup). Small messages never
   make a streak and keep this path. A hand-over still waiting after HANDOVER_WAIT (a peer that
   reads only after it wrote everything keeps its leg's buffer full, and the paused other direction
   would then never drain) is given up: both legs resume, and the flow stays here for good.
+- Per connection nothing is asked of the kernel or the loop whose answer is known (issue 30): the
+  loop and engine come with the listener's factory (`client_factory`), the client's address from
+  accept(2), the frontend's is the listener's, the endpoint's local address is read only when
+  /flows shows it, write-buffer limits are set only on a transport whose default differs
+  (`tune`), and SO_KEEPALIVE and TCP_NODELAY are inherited from the listener (client leg), or set
+  by the relay's sweep on flows still live (SO_KEEPALIVE, endpoint leg).
+  Both protocols are slotted, and a finished connection leaves no reference cycle (the flow's
+  callbacks are dropped at its end), so it is freed at once, not by the cyclic collector.
 """
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import logging
 import os
+import select
 import socket
 import struct
-from typing import cast
+from collections.abc import Callable
 
 from usproxy.flows.flow_table import Flow, FlowTableFull, HostPort
 from usproxy.model.endpoint import Endpoint
@@ -50,6 +63,7 @@ from usproxy.util.ratelimit import RateLimitedLog
 from usproxy.relay import tcp_splice
 from usproxy.model.types import Scope
 from usproxy.relay.flow_owner import FlowOwner, SourceRefused
+from usproxy.relay.tcp_engine import HIGH_WATER, LOW_WATER, READABLE, Leg, TcpEngine
 from usproxy.relay.tcp_splice import LINGER_ZERO, SplicedFlow
 
 log = logging.getLogger(__name__)
@@ -57,8 +71,9 @@ limited = RateLimitedLog(log)
 
 DIAL_TIMEOUTS = (0.25, 0.5, 1.0, 2.0)
 DIAL_BUFFER = 256 * 1024
-HIGH_WATER = 64 * 1024  # per leg, as HAProxy's 16 KiB buffers: the kernel's socket buffers (bounded by tcp_mem) hold the rest
-LOW_WATER = 16 * 1024
+# HIGH_WATER (64 KiB) and LOW_WATER (16 KiB) per leg, tcp_engine.py's: as HAProxy's 16 KiB buffers,
+# the kernel's socket buffers (bounded by tcp_mem) hold the rest.
+__all__ = ["HIGH_WATER", "LOW_WATER", "ClientSide", "EndpointSide", "client_factory"]
 BULK_READ = 64 * 1024  # a read this large means the sender outruns us: both loops read up to 256 KiB
 BULK_STREAK = 4  # such reads in a row in one direction make the flow bulk (spliced)
 HANDOVER_WAIT = 1.0  # seconds a hand-over to splice may wait for empty buffers
@@ -66,12 +81,20 @@ SPLICE = tcp_splice.available()  # tests may turn it off
 TCPI_LAST_ACK_RECV = 56  # offset of tcpi_last_ack_recv (u32, ms) in Linux's struct tcp_info
 
 
-def tune(transport: asyncio.BaseTransport) -> None:
-    """Per-connection set-up kept to what the socket does not already have: accepted sockets
-    inherit SO_KEEPALIVE from their listener (see tcp_listener.py) and get TCP_NODELAY from
-    the loop; endpoint connections get SO_KEEPALIVE from `keepalive`, run by the relay's next
-    sweep on flows still live then (`Flow.settle`), so short connections skip it."""
-    cast(asyncio.WriteTransport, transport).set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
+# transport type -> its default write-buffer limits are the relay's (a Leg's are: it is made with them)
+_DEFAULT_LIMITS: dict[type, bool] = {Leg: True}
+
+
+def tune(transport: asyncio.Transport) -> None:
+    """Write-buffer limits HIGH_WATER and LOW_WATER on a new leg, unless its loop's default is
+    that already (asyncio's is; uvloop's low-water mark is 16 bytes, not 16 KiB): known once per
+    transport type, so asyncio pays no call per connection."""
+    kind = type(transport)
+    ok = _DEFAULT_LIMITS.get(kind)
+    if ok is None:
+        ok = _DEFAULT_LIMITS[kind] = transport.get_write_buffer_limits() == (LOW_WATER, HIGH_WATER)
+    if not ok:
+        transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
 
 
 def keepalive(transport: asyncio.BaseTransport) -> None:
@@ -106,26 +129,46 @@ def socket_ack_age(sock: socket.socket | None) -> float | None:
 
 def reset(transport: asyncio.WriteTransport) -> None:
     """Close with RST once our userspace buffer is flushed (SO_LINGER 0)."""
+    linger_zero(transport)
+    transport.close()
+
+
+def linger_zero(transport: asyncio.BaseTransport) -> None:
+    """SO_LINGER 0 on the transport's socket: its close, whenever it comes, sends RST."""
     sock = transport.get_extra_info("socket")
     try:
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_ZERO)
     except OSError:
         pass
-    transport.close()
+
+
+def client_factory(owner: FlowOwner, kind: Scope, frontend: HostPort) -> Callable[[], ClientSide]:
+    """The protocol factory of a listener on `frontend` (called in the loop that will run it)."""
+    loop = asyncio.get_running_loop()
+    engine = TcpEngine.of(loop)
+    return lambda: ClientSide(owner, kind, frontend, loop, engine)
 
 
 class ClientSide(asyncio.Protocol):
     """The accepted connection from the client to ClusterIP:port (or NodePort).
 
     It owns the flow, the dial and the client's transport. Its EndpointSide reaches it only
-    through `attach`, `reply`, `reply_eof`, `upstream_lost`, `pause_reading` and `resume_reading`.
+    through `attach`, `dial_failed`, `reply`, `reply_eof`, `upstream_lost`, `pause_reading` and
+    `resume_reading`.
     """
 
-    def __init__(self, owner: FlowOwner, kind: Scope, frontend: HostPort) -> None:
+    __slots__ = ("owner", "kind", "frontend", "loop", "engine", "transport", "upstream", "flow", "pending", "held",
+                 "eof_in", "eof_out", "dialing", "tried", "endpoint", "closed", "streak_in", "streak_out",
+                 "splicing", "pipes_held", "spliced", "handover_timer", "stays")
+
+    def __init__(self, owner: FlowOwner, kind: Scope, frontend: HostPort,
+                 loop: asyncio.AbstractEventLoop | None = None, engine: TcpEngine | None = None) -> None:
         self.owner = owner
         self.kind: Scope = kind
         self.frontend = frontend  # the listener's address: no getsockname per connection
+        self.loop = loop  # None: the running loop (and its engine), looked up in connection_made
+        self.engine = engine
         self.transport: asyncio.Transport | None = None
         self.upstream: EndpointSide | None = None  # set by `attach`
         self.flow: Flow | None = None
@@ -133,8 +176,8 @@ class ClientSide(asyncio.Protocol):
         self.held = False  # reading paused because `pending` is full (not for backpressure)
         self.eof_in = False  # client sent FIN
         self.eof_out = False  # endpoint sent FIN
-        self.dial: asyncio.Task[None] | None = None
-        self.deadline: asyncio.Timeout | None = None  # the running dial's timeout
+        self.dialing: EndpointSide | None = None  # the attempt in progress
+        self.tried: tuple[Endpoint, ...] = ()  # endpoints dialed for this connection, in order
         self.endpoint: Endpoint | None = None
         self.closed = False
         self.streak_in = self.streak_out = 0  # reads of BULK_READ or more in a row, each way
@@ -146,31 +189,39 @@ class ClientSide(asyncio.Protocol):
 
     # -- client events -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        tune(transport)
-        client = transport.get_extra_info("peername")
+        # (uvloop's transports are no asyncio.Transport subclasses; no cast(): a call per connection)
+        t: asyncio.Transport = transport  # type: ignore[assignment]
+        self.transport = t
+        tune(t)
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        if self.engine is None:
+            self.engine = TcpEngine.of(self.loop)
+        client = t.get_extra_info("peername")
         if client is None:  # reset before we got to it: nothing to relay
-            self.transport.abort()
+            t.abort()
             return
         try:
-            self.flow = self.owner.new_flow("TCP", (client[0], client[1]), self.frontend)
+            peer = client if len(client) == 2 else (client[0], client[1])  # (IPv6's has four items)
+            self.flow = flow = self.owner.new_flow("TCP", peer, self.frontend)
         except FlowTableFull:
             limited.warning("flow table full: refusing %s", self.owner.spn)
-            reset(self.transport)
+            reset(t)
             return
         except SourceRefused:  # its SYN passed before the socket filter was in place: no dial
-            reset(self.transport)
+            reset(t)
             return
-        self.flow.state = "SYN_SENT"
-        self.flow.closer = self.expire
-        self.flow.liveness = self.ack_age
-        self.dial = asyncio.get_running_loop().create_task(self._dial(client[0]))
+        flow.state = "SYN_SENT"
+        flow.closer = self.expire
+        flow.liveness = self.ack_age
+        self._dial()
 
     def data_received(self, data: bytes) -> None:
         if self.flow is not None:
             self.flow.seen_in(len(data))
-        if self.upstream is not None:
-            self.upstream.send(data)
+        up = self.upstream
+        if up is not None:
+            up.transport.write(data)  # type: ignore[union-attr]  # (attached: it has one)
             if len(data) >= BULK_READ:
                 self.streak_in += 1
                 if self.streak_in >= BULK_STREAK:
@@ -192,8 +243,9 @@ class ClientSide(asyncio.Protocol):
         return True  # else `attach` sends the FIN after the buffered bytes
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.dial is not None and not self.dial.done():
-            self.dial.cancel()
+        if self.dialing is not None:
+            self.dialing.abandon()
+            self.dialing = None
         up = self.upstream
         if up is not None and exc is not None:
             up.reset()
@@ -217,10 +269,14 @@ class ClientSide(asyncio.Protocol):
         if self.spliced is not None:
             self.spliced.expire()
             return
-        if self.upstream is not None:
-            self.upstream.reset()
-        if self.transport is not None and not self.transport.is_closing():
-            reset(self.transport)
+        # Both sockets linger 0 before either closes: a leg's close runs the other's end at
+        # once (a Leg's connection_lost is synchronous), and that must be a reset too.
+        legs = [t for t in (self.transport, self.upstream.transport if self.upstream else None)
+                if t is not None and not t.is_closing()]
+        for t in legs:
+            linger_zero(t)
+        for t in legs:
+            t.close()
 
     def pause_writing(self) -> None:
         if self.upstream is not None:
@@ -233,20 +289,12 @@ class ClientSide(asyncio.Protocol):
             self.upstream.resume_reading()
 
     # -- what its EndpointSide may ask ---------------------------------------------------------
-    def connected(self, side: EndpointSide) -> bool:
-        """`side` connected: stop the dial's timeout and attach it, unless the timeout fired
-        first (the dial is being cancelled, and the loop closes `side`'s transport): then the
-        side never touches this client, whose dial goes on to the next endpoint."""
-        if self.deadline is not None:
-            if self.deadline.expired():
-                return False
-            self.deadline.reschedule(None)
-        return self.attach(side)
-
     def attach(self, side: EndpointSide) -> bool:
         """`side` is connected to its endpoint: make it this connection's upstream and hand it
         what the client sent meanwhile (bytes, then FIN). False, and `side` closed, when the
         client is gone (a dial that completed after its client left never touches it)."""
+        if self.dialing is side:
+            self.dialing = None
         if self.closed or self.transport is None or self.transport.is_closing():
             side.close()
             return False
@@ -328,13 +376,14 @@ class ClientSide(asyncio.Protocol):
         for leg in (t, up.transport):
             leg.pause_reading()
             leg.set_write_buffer_limits(high=0, low=0)  # resume_writing once it is empty
-        loop = asyncio.get_running_loop()
-        self.handover_timer = loop.call_later(HANDOVER_WAIT, self._cancel_handover)
+        assert self.loop is not None
+        self.handover_timer = self.loop.call_later(HANDOVER_WAIT, self._cancel_handover)
         self._handover_soon()
 
     def _handover_soon(self) -> None:
         # Out of the transport's own callback: its write path still runs after resume_writing.
-        asyncio.get_running_loop().call_soon(self._handover)
+        assert self.loop is not None
+        self.loop.call_soon(self._handover)
 
     def _handover(self) -> None:
         """Both legs' buffers empty: take the sockets and start splicing. A leg closing meanwhile
@@ -356,7 +405,8 @@ class ClientSide(asyncio.Protocol):
             self.flow.local, self.flow.local_of = ((name[0], name[1]) if name else None), None
         up.attached = False  # the endpoint side hears nothing more
         self._stop_handover_timer()
-        self.spliced = SplicedFlow(asyncio.get_running_loop(), _take(t), _take(ut), self.flow, pipes, self._spliced_done)
+        assert self.loop is not None
+        self.spliced = SplicedFlow(self.loop, _take(t), _take(ut), self.flow, pipes, self._spliced_done)
         self.splicing = False
         if self.flow is not None and self.flow.settle is not None:
             self.flow.settle = self.spliced.keepalive
@@ -396,28 +446,34 @@ class ClientSide(asyncio.Protocol):
             self.owner.release_pipes()
 
     # -- dialing -------------------------------------------------------------------------------
-    async def _dial(self, client_ip: str) -> None:
-        tried: list[Endpoint] = []
-        loop = asyncio.get_running_loop()
-        for timeout in DIAL_TIMEOUTS:
-            ep = self.owner.pick(self.kind, client_ip, tried)
-            if ep is None:
-                break
-            tried.append(ep)
-            try:
-                async with asyncio.timeout(timeout) as self.deadline:  # no extra Task per dial
-                    await loop.create_connection(lambda: EndpointSide(self, ep), ep.host, ep.port)
-            except (OSError, TimeoutError) as err:
-                limited.warning("%s: endpoint %s failed (%s); trying the next", self.owner.spn, ep,
-                                type(err).__name__ if isinstance(err, TimeoutError) else err)
-                self.owner.failed(self.kind, ep)
-                continue
-            finally:
-                self.deadline = None
+    def _dial(self) -> None:
+        """Dial the next endpoint (none of `tried`), or give the client up when there is none or
+        every timeout of DIAL_TIMEOUTS was used."""
+        loop, engine, n = self.loop, self.engine, len(self.tried)
+        ep = None
+        if n < len(DIAL_TIMEOUTS) and loop is not None and engine is not None and self.flow is not None:
+            ep = self.owner.pick(self.kind, self.flow.client[0], self.tried)
+        if ep is None:
+            if self.flow is not None:
+                limited.warning("%s: no endpoint answered for %s", self.owner.spn, self.flow.client[0])
+            if self.transport is not None:
+                reset(self.transport)
             return
-        limited.warning("%s: no endpoint answered for %s", self.owner.spn, client_ip)
-        if self.transport is not None:
-            reset(self.transport)
+        assert loop is not None and engine is not None
+        self.tried += (ep,)
+        self.dialing = side = EndpointSide(self, ep)
+        side.dial(loop, engine, DIAL_TIMEOUTS[n])
+
+    def dial_failed(self, side: EndpointSide, err: BaseException) -> None:
+        """`side`'s dial failed (refused, unreachable, timed out): back off from its endpoint and
+        try the next one."""
+        if side is not self.dialing or self.closed:
+            return
+        self.dialing = None
+        limited.warning("%s: endpoint %s failed (%s); trying the next", self.owner.spn, side.endpoint,
+                        type(err).__name__ if isinstance(err, TimeoutError) else err)
+        self.owner.failed(self.kind, side.endpoint)
+        self._dial()
 
     # -- teardown ------------------------------------------------------------------------------
     def _maybe_finish(self) -> None:
@@ -433,10 +489,14 @@ class ClientSide(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
-        self._stop_handover_timer()
-        self._give_back_pipes()
-        if self.flow is not None:
-            self.owner.end_flow(self.flow)
+        if self.handover_timer is not None:
+            self._stop_handover_timer()
+        if self.pipes_held:
+            self._give_back_pipes()
+        flow = self.flow
+        if flow is not None:
+            self.owner.end_flow(flow)
+            flow.closer = flow.liveness = flow.settle = None  # they refer back here: no cycle left
         if self.endpoint is not None:
             self.owner.closed(self.kind, self.endpoint)
 
@@ -458,13 +518,16 @@ def _take(transport: asyncio.Transport) -> socket.socket:
 
 
 class EndpointSide(asyncio.Protocol):
-    """The proxy's connection to the chosen endpoint.
+    """One dial of an endpoint for a ClientSide, then the proxy's connection to it.
 
-    It owns the endpoint's transport. It attaches itself to its ClientSide in `connection_made`,
-    so no byte can arrive before the client knows its upstream; a side that was not attached (its
-    client went away meanwhile) never touches the client. Its ClientSide reaches it only through
-    `send`, `send_eof`, `close`, `reset`, `pause_reading`, `resume_reading` and `over_high_water`.
+    It owns the dial (a connecting socket on the engine, and its timer) and then the endpoint's
+    Leg. It attaches itself to its ClientSide in `connection_made`, so no byte can arrive before
+    the client knows its upstream; a side given up (timed out, or its client went away) never
+    touches the client. Its ClientSide reaches it only through `abandon`, `send`, `send_eof`,
+    `close`, `reset`, `pause_reading`, `resume_reading` and `over_high_water`.
     """
+
+    __slots__ = ("client", "endpoint", "transport", "attached", "lost", "connecting", "timer", "abandoned")
 
     def __init__(self, client: ClientSide, endpoint: Endpoint) -> None:
         self.client = client
@@ -472,13 +535,81 @@ class EndpointSide(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.attached = False
         self.lost = False
+        self.connecting: _socket.socket | None = None  # the socket, until connected or given up
+        self.timer: asyncio.TimerHandle | None = None  # the dial's timeout
+        self.abandoned = False  # given up: never attaches
+
+    # -- the dial ------------------------------------------------------------------------------
+    def dial(self, loop: asyncio.AbstractEventLoop, engine: TcpEngine, timeout: float) -> None:
+        """Connect to the endpoint within `timeout` seconds; the client hears `attach` (from
+        `connection_made`) or `dial_failed`."""
+        try:
+            self.connecting = engine.connect(self.endpoint.host, self.endpoint.port, self._connect_event)
+        except OSError as err:  # refused at once (unreachable, out of descriptors, ...)
+            self.abandoned = True
+            self.client.dial_failed(self, err)
+            return
+        self.timer = loop.call_later(timeout, self._timed_out)
+
+    def _connect_event(self, ev: int) -> None:
+        """The connecting socket is writable (connected) or failed."""
+        sock = self.connecting
+        if sock is None:
+            return
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if not err and not ev & select.EPOLLOUT:
+            return  # not yet
+        client, loop = self.client, self.client.loop
+        engine = client.engine
+        assert loop is not None and engine is not None
+        self.connecting = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if err:
+            engine.forget(sock.fileno())
+            sock.close()
+            if not self.abandoned:
+                self.abandoned = True
+                client.dial_failed(self, OSError(err, os.strerror(err)))
+            return
+        leg = Leg(engine, loop, sock, (self.endpoint.host, self.endpoint.port), self, HIGH_WATER, LOW_WATER)
+        engine.handlers[leg.fd] = leg.event
+        self.connection_made(leg)  # type: ignore[arg-type]
+        if ev & READABLE and not leg.closed:
+            leg.event(ev & ~select.EPOLLOUT)  # what the endpoint sent with its SYN-ACK's edge
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if not self.abandoned:
+            self.abandon()
+            self.client.dial_failed(self, TimeoutError())
+
+    def abandon(self) -> None:
+        """Give the dial up (its timeout, or the client left): its socket is closed, and a
+        `connection_made` still to come (a loop's own transport) does not attach."""
+        self.abandoned = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        sock, self.connecting = self.connecting, None
+        if sock is not None and self.client.engine is not None:
+            self.client.engine.forget(sock.fileno())
+            sock.close()
 
     # -- endpoint events -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        tune(transport)
+        t: asyncio.Transport = transport  # type: ignore[assignment]  # (as ClientSide's)
+        self.transport = t
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.abandoned:  # connected after its dial was given up: never attach
+            t.close()
+            return
+        tune(t)
         self.attached = True  # before attach writes, so a pause_writing it causes is seen
-        self.attached = self.client.connected(self)
+        self.attached = self.client.attach(self)
 
     def data_received(self, data: bytes) -> None:
         if self.attached:

@@ -11,30 +11,33 @@ asyncio's own Server has exactly this fault: it accepts in the listener's reader
 the transport in a task that runs later; when the Server was closed in between (a sync closing the
 listener in the same loop iteration), making the transport fails (`Server._attach` asserts, and
 `_accept_connection2` swallows the error) and the accepted socket stays open until garbage
-collection (asyncio/selector_events.py, CPython 3.11). So on asyncio this class accepts itself and
-hands each socket to `loop.connect_accepted_socket`, which involves no Server; a socket whose hand-
-over fails is reset. uvloop accepts and makes the transport inside one libuv callback
-(uvloop/handles/streamserver.pyx `_on_listen`), so nothing can close its server in between; its
-Server is kept there, which costs one task per connection less.
+collection (asyncio/selector_events.py, CPython 3.11). So no loop's Server is used: on both loops
+the listening socket is one of the relay's TcpEngine (tcp_engine.py), and each accepted socket
+becomes a Leg handed to its protocol in the same callback that accepted it (no task, no transport
+of the loop), so nothing can close the listener in between. accept(2) gives the client's address
+(no getpeername); the accepted socket inherits SO_KEEPALIVE and TCP_NODELAY from the listener
+(Linux), so nothing is set per connection.
 
-The socket is made here on both loops: SO_REUSEADDR (a restarted agent rebinds at once),
-SO_KEEPALIVE (inherited by every accepted connection on Linux), IPV6_V6ONLY for IPv6,
-IP_FREEBIND (the relay binds a new frontend before its address is on the ClusterIP interface,
-so a capture of its port, port_capture.py, is in place before the first packet can arrive),
-backlog BACKLOG. A failed bind raises OSError with the kernel's strerror. Port 0 binds a port the
-kernel picks (`port`), where a captured frontend's traffic is sent.
+The socket is made here: SO_REUSEADDR (a restarted agent rebinds at once), SO_KEEPALIVE and
+TCP_NODELAY (inherited by every accepted connection), IPV6_V6ONLY for IPv6, IP_FREEBIND (the relay
+binds a new frontend before its address is on the ClusterIP interface, so a capture of its port,
+port_capture.py, is in place before the first packet can arrive), backlog BACKLOG. A failed bind
+raises OSError with the kernel's strerror. Port 0 binds a port the kernel picks (`port`), where a
+captured frontend's traffic is sent.
 """
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import errno
-import functools
 import logging
+import select
 import socket
 from collections.abc import Callable
 
 from usproxy.util.ratelimit import RateLimitedLog
+from usproxy.relay.tcp_engine import EDGE, HIGH_WATER, LOW_WATER, Leg, TcpEngine
 from usproxy.relay.tcp_splice import reset_socket
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ def listening_socket(addr: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         freebind(sock)
@@ -75,22 +79,18 @@ def freebind(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_IP, IP_FREEBIND, 1)
 
 
-def accepts_atomically(loop: asyncio.AbstractEventLoop) -> bool:
-    """True where the loop's Server makes the transport in the callback that accepts (uvloop)."""
-    return type(loop).__module__.split(".")[0] == "uvloop"
-
-
 class TcpListener:
     """A frontend's listening socket; `factory()` makes the protocol of each connection."""
 
-    __slots__ = ("sock", "factory", "loop", "server", "handing", "retry", "closed")
+    __slots__ = ("sock", "fd", "family", "factory", "loop", "engine", "retry", "closed")
 
     def __init__(self, sock: socket.socket, factory: ProtocolFactory) -> None:
         self.sock = sock
+        self.fd = sock.fileno()
+        self.family = int(sock.family)  # (socket.family makes an enum on every read)
         self.factory = factory
         self.loop = asyncio.get_running_loop()
-        self.server: asyncio.AbstractServer | None = None
-        self.handing: set[asyncio.Task[object]] = set()  # accepted sockets on their way to a protocol
+        self.engine = TcpEngine.of(self.loop)
         self.retry: asyncio.TimerHandle | None = None
         self.closed = False
 
@@ -98,14 +98,7 @@ class TcpListener:
     async def open(cls, addr: str, port: int, factory: ProtocolFactory) -> TcpListener:
         """Listen on addr:port; raises OSError when the address cannot be bound."""
         listener = cls(listening_socket(addr, port), factory)
-        if not accepts_atomically(listener.loop):
-            listener.loop.add_reader(listener.sock.fileno(), listener._accept)
-            return listener
-        try:
-            listener.server = await listener.loop.create_server(factory, sock=listener.sock, backlog=BACKLOG)
-        except BaseException:
-            listener.sock.close()
-            raise
+        listener._watch()
         return listener
 
     @property
@@ -115,42 +108,36 @@ class TcpListener:
 
     def close(self) -> None:
         """Stop listening: the kernel resets the connections still in the accept queue, and the
-        ones already accepted reach their protocol all the same. Established ones run on."""
+        ones already accepted reached their protocol. Established ones run on."""
         if self.closed:
             return
         self.closed = True
-        if self.server is not None:
-            self.server.close()  # closes the socket (uvloop detaches ours first)
-            return
         if self.retry is not None:
             self.retry.cancel()
-        else:
-            self.loop.remove_reader(self.sock.fileno())
+        self.engine.forget(self.fd)
         self.sock.close()
 
-    def _accept(self) -> None:
+    def _accept(self, _: int) -> None:
+        family, engine, loop = self.family, self.engine, self.loop
         for _ in range(BACKLOG):  # everything queued, as asyncio's own accept loop does
             try:
-                conn, _ = self.sock.accept()
+                fd, peer = self.sock._accept()  # type: ignore[attr-defined]
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
             except OSError as err:
                 self._accept_failed(err)
                 return
-            conn.setblocking(False)
-            self._hand_over(conn)
-
-    def _hand_over(self, conn: socket.socket) -> None:
-        task = self.loop.create_task(self.loop.connect_accepted_socket(self.factory, conn))
-        self.handing.add(task)
-        task.add_done_callback(functools.partial(self._handed, conn))
-
-    def _handed(self, conn: socket.socket, task: asyncio.Task[object]) -> None:
-        self.handing.discard(task)
-        if task.cancelled() or task.exception() is not None:
-            if not task.cancelled():
-                limited.warning("accepted connection not relayed: %s", task.exception())
-            reset_socket(conn)  # no transport took it: refuse, never leave it open
+            conn = _socket.socket(family, socket.SOCK_STREAM, 0, fd)  # (the C type: no Python __init__)
+            try:
+                protocol = self.factory()
+                leg = Leg(engine, loop, conn, peer, protocol, HIGH_WATER, LOW_WATER)
+                engine.register(fd, EDGE, leg.event)
+            except Exception as err:  # no protocol took it: refuse, never leave it open
+                limited.warning("accepted connection not relayed: %s", err)
+                engine.forget(fd)
+                reset_socket(conn)
+                continue
+            protocol.connection_made(leg)  # type: ignore[arg-type]
 
     def _accept_failed(self, err: OSError) -> None:
         """accept() failed. Out of descriptors (or memory), the socket would be reported
@@ -158,10 +145,10 @@ class TcpListener:
         Other errors are the accepted connection's own (accept(2)): the next event goes on."""
         limited.warning("accept on %s: %s", self.sock.getsockname(), err)
         if err.errno in OUT_OF_RESOURCES:
-            self.loop.remove_reader(self.sock.fileno())
+            self.engine.unregister(self.fd)
             self.retry = self.loop.call_later(ACCEPT_RETRY, self._watch)
 
     def _watch(self) -> None:
         self.retry = None
         if not self.closed:
-            self.loop.add_reader(self.sock.fileno(), self._accept)
+            self.engine.register(self.fd, select.EPOLLIN, self._accept)

@@ -23,6 +23,7 @@ splice prototype in bench/prototypes halved it). Runs on uvloop and asyncio alik
 
 from __future__ import annotations
 
+import _socket
 import asyncio
 import fcntl
 import os
@@ -61,7 +62,7 @@ def pipe() -> tuple[int, int, int]:
     return r, w, size
 
 
-def reset_socket(sock: socket.socket) -> None:
+def reset_socket(sock: _socket.socket) -> None:
     """Close a socket no transport owns with RST (SO_LINGER 0); a closed one is left alone."""
     if sock.fileno() != -1:
         try:

@@ -113,8 +113,8 @@ class Env:
         assert proc.returncode == 0, proc.stderr
         return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
-    def start(self, ns: str, *args: object) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(self._argv(ns, *map(str, args)), stdin=subprocess.PIPE,
+    def start(self, ns: str, *args: object, in_cgroup: bool = True) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(self._argv(ns, *map(str, args), in_cgroup=in_cgroup), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.procs.append(proc)
         return proc

@@ -3,7 +3,10 @@
 Modules: `datapath` (BpfDatapath, the KernelDatapath), `tables` (the maps as typed tables: one
 service group at a time, written through a journal), `layout` (the byte form of every key and value,
 LAYOUT_VERSION), `loader` (load the object, attach and pin its programs, swap them on restart,
-remove them), `libbpf` (a ctypes binding over libbpf.so.1), `build` (compile the C source into
+remove them), `map_sizes` (the entries of every map on this machine, set before load: Cilium's
+dynamic size ratio and per-map flags), `map_resize` (a pinned map of another size replaced at a
+restart, its entries carried over), `cls_bpf` (the tc programs as cls_bpf filters of a clsact
+qdisc, where the kernel has no tcx), `libbpf` (a ctypes binding over libbpf.so.1), `build` (compile the C source into
 sock_lb-<hash>.o), `nodeport` (which interfaces the tc programs hook and the maps that tell them,
 the DSR peers' networks; conntrack rows for /flows), `xdp` (which hooked interfaces can run the XDP program), `maglev` (Maglev
 tables, as Cilium builds them) and `view` (the pinned state read back for `explain --live` and
@@ -20,7 +23,8 @@ Traffic served (the datapath's `traffic`):
 - `local`: the socket LB rewrites the destination of connect() and of unconnected UDP sendmsg()
   from a ClusterIP to an endpoint for processes in the `--bpf-cgroup` subtree, and rewrites it
   back at recvmsg() and getpeername(): no packet is translated, nothing is in conntrack.
-- `forwarded`: the tc programs, attached with tcx to every interface holding a NodePort address,
+- `forwarded`: the tc programs, attached with tcx (or, on a kernel without it, as cls_bpf filters of
+  a clsact qdisc) to every interface holding a NodePort address,
   DNAT (and SNAT to the interface's address, or not for externalTrafficPolicy Local, or DSR)
   IPv4 TCP and UDP packets from outside to NodePorts, LoadBalancer IPs and externalIPs, with
   their own connection tables for the reverse NAT of replies (new flows apart from confirmed ones,
@@ -39,7 +43,8 @@ Maps (layout.py lists each key and value), shaped as Cilium's bpf/lib/lb.h: `usp
 flagged F_TC_ONLY); an update writes only the elements that differ, backends first and the service
 entry's count last (the programs read slots up to it).
 
-Everything is pinned under `<pin root>/v<LAYOUT_VERSION>/` (maps/ and links/), so programs stay
+Everything is pinned under `<pin root>/v<LAYOUT_VERSION>/` (maps/, links/, and tc/ for the
+programs of cls_bpf filters), so programs stay
 attached and maps keep their contents when the agent exits; the next agent reuses the maps, swaps
 each link to its new program (never a moment without one) and reads the groups back instead of
 rebuilding them (field case C20). Only `usproxy run --cleanup` detaches and unpins.

@@ -8,7 +8,8 @@ sock4_getpeername). So it serves only `local` traffic: sockets of processes in t
 never pass these hooks.
 
 With `nodeport_cidrs` given (`--offload bpf`: the agent passes --nodeport-addresses), the same
-object's tc programs serve NodePorts, LoadBalancer IPs and externalIPs for IPv4 TCP/UDP packets
+object's tc programs (attached with tcx, or where the kernel has no tcx as cls_bpf filters of a
+clsact qdisc: the rung is probed, cls_bpf.rung) serve NodePorts, LoadBalancer IPs and externalIPs for IPv4 TCP/UDP packets
 arriving at the node's interfaces (nodeport.py chooses them; sock_lb.c's tc section and
 tc_frontends.h say how): each ServicePort gets up to two more groups, flagged F_TC_ONLY (the socket
 LB never translates them), holding the IPv4 external endpoints (externalTrafficPolicy Local: the
@@ -38,6 +39,9 @@ interfaces.
 Invariants: `apply` writes per changed element and is all-or-nothing (a journal restores every
 element on failure); maps, programs and links are pinned, so an agent that exits leaves traffic
 flowing and a new one reads the maps back instead of rebuilding them; `cleanup` removes it all.
+Maps are sized to the machine at every open (map_sizes.py, from MemTotal and the flags; one entry
+for the tc programs' tables when those programs are not loaded); a restart whose sizes differ
+from the pins carries the entries into maps of the new sizes (map_resize.py).
 A ServicePort without usable endpoints is installed with count 0: connect() and sendmsg() fail
 with ECONNREFUSED at once (field case C01).
 """
@@ -58,7 +62,8 @@ from usproxy.model.endpoint import Endpoint, usable
 from usproxy.model.config import BpfLbAcceleration, BpfLbMode
 from usproxy.model.source_ranges import allowed_sources
 from usproxy.model.types import IPNetwork
-from usproxy.offload.bpf import loader, nodeport, view, xdp
+from usproxy.offload.bpf import cls_bpf, loader, map_sizes, nodeport, view, xdp
+from usproxy.offload.bpf.map_sizes import MapSizeFlags, MapSizes
 from usproxy.offload.bpf.build import object_path
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.pin_root import default_pin_root
@@ -105,10 +110,12 @@ class BpfDatapath:
     """
 
     name = "bpf"
+    write_unit = "BPF map writes"
 
     def __init__(self, cgroup: Path = Path("/sys/fs/cgroup/unified"), pin_root: Path | None = None,
                  *, selection: str = "random", nodeport_cidrs: tuple[IPNetwork, ...] | None = None,
-                 lb_mode: BpfLbMode = "snat", acceleration: BpfLbAcceleration = "disabled") -> None:
+                 lb_mode: BpfLbMode = "snat", acceleration: BpfLbAcceleration = "disabled",
+                 map_sizes: MapSizeFlags = MapSizeFlags(), enable_tcx: bool = True) -> None:
         self.cgroup = cgroup
         self.pins = loader.PinLayout(pin_root or default_pin_root())
         self.selection: Selection = _selection(selection)
@@ -118,12 +125,17 @@ class BpfDatapath:
         self.hooked: list[nodeport.HookedInterface] = []  # where the tc programs run (after probe)
         self.tc_detail = "tc NodePort programs not asked for (--offload bpf asks)"
         self.acceleration: BpfLbAcceleration = acceleration  # --bpf-lb-acceleration
+        self.map_size_flags = map_sizes  # --bpf-map-dynamic-size-ratio and the per-map flags
+        self.enable_tcx = enable_tcx  # --enable-tcx: false takes the clsact rung even where tcx exists
+        self.tc_attach: loader.TcAttach = "tcx"  # the rung the tc programs attach on (after probe)
+        self.map_sizes: MapSizes | None = None  # as the last open sized them
         self.xdp_plan = xdp.XdpPlan((), ())  # where the XDP program runs (after probe and open)
         self._lb: loader.SockLB | None = None
         self._tables: Tables | None = None
         self._groups: dict[int, Group] = {}  # service id -> group
         self._by_spn: dict[ServicePortName, dict[int, int]] = {}  # spn -> family -> service id
         self.last_writes = 0  # map elements written by the last apply (tests: cost ∝ change)
+        self._writes = 0  # by every apply that succeeded (kernel_writes)
 
     # -- capability -------------------------------------------------------------------------
     def probe(self) -> Capability:
@@ -154,11 +166,12 @@ class BpfDatapath:
             if not hooked:
                 raise bpf.BpfError("no interface holds a NodePort address", 0)
             _load_probe(xdp=False)
+            self.tc_attach, rung = cls_bpf.rung(self.enable_tcx)
         except Exception as err:  # noqa: BLE001 - a probe reports, it never raises
             self._tc_unavailable(f"{type(err).__name__}: {err}")
             return
         self.hooked, self.traffic = hooked, ALL_TRAFFIC
-        self.tc_detail = (f"NodePorts, LoadBalancer IPs and externalIPs at tc (tcx, lb mode {self.lb_mode}) on "
+        self.tc_detail = (f"NodePorts, LoadBalancer IPs and externalIPs at tc ({rung}; lb mode {self.lb_mode}) on "
                           + ", ".join(h.name for h in hooked))
         if self.acceleration == "native":
             self._probe_xdp()
@@ -218,17 +231,30 @@ class BpfDatapath:
         fails leaves the socket LB alone (NodePorts go back to the relay, with the reason)."""
         if self.hooked:
             lb = loader.SockLB(self.pins, self.cgroup, tuple(h.ifindex for h in self.hooked),
-                               self.xdp_plan.ifindexes if self.acceleration == "native" else None)
+                               self.xdp_plan.ifindexes if self.acceleration == "native" else None,
+                               sizes=self._sizes(tc=True).entries, tc_attach=self.tc_attach)
             try:
                 lb.open()
                 nodeport.write_maps(lb.maps, self.hooked, self.nodeport_cidrs or ())
                 self._xdp_attached(lb)
-                return lb
+                return self._opened(lb)
             except bpf.BpfError as err:
                 lb.close()
                 self._tc_unavailable(f"attach: {err}")
-        lb = loader.SockLB(self.pins, self.cgroup)
+        lb = loader.SockLB(self.pins, self.cgroup, sizes=self._sizes(tc=False).entries)
         lb.open()
+        return self._opened(lb)
+
+    def _sizes(self, *, tc: bool) -> MapSizes:
+        """The map sizes for this machine (map_sizes.py), with or without the tc programs."""
+        self.map_sizes = map_sizes.plan(self.map_size_flags, map_sizes.total_memory(), tc=tc)
+        return self.map_sizes
+
+    def _opened(self, lb: loader.SockLB) -> loader.SockLB:
+        if self.map_sizes is not None:
+            kept = "; ".join(f"{name} {why}" for name, why in lb.kept.items())
+            log.info("bpf maps: %s; the kernel charges %.1f MiB for them%s", self.map_sizes.detail(),
+                     lb.memlock() / 2**20, f"; pinned sizes kept: {kept}" if kept else "")
         return lb
 
     async def node_addresses_changed(self) -> None:
@@ -292,6 +318,11 @@ class BpfDatapath:
             raise
         self._groups, self._by_spn = groups, {k: v for k, v in by_spn.items() if v}
         self.last_writes = journal.writes
+        self._writes += journal.writes
+
+    def kernel_writes(self) -> int:
+        """Map elements written or deleted by every apply that succeeded (KernelWriteCounter)."""
+        return self._writes
 
     def _apply_one(self, tables: Tables, j: Journal, ids: IdAllocator, groups: dict[int, Group],
                    by_spn: dict[ServicePortName, dict[int, int]], spn: ServicePortName,
@@ -359,7 +390,7 @@ class BpfDatapath:
             return Placement(RELAY, "tc serves IPv4 only; this ServicePort's external frontends are IPv6")
         wants = self._external_wants(ServicePortName("", "", "", sp.protocol), state, PROTO_NUMBERS[sp.protocol])
         flags = next(iter(wants.values())).flags
-        notes = ["tc (tcx) on " + ",".join(h.name for h in self.hooked),
+        notes = [f"tc ({self.tc_attach}) on " + ",".join(h.name for h in self.hooked),
                  "client address kept (externalTrafficPolicy Local)" if flags & F_LOCAL_ONLY
                  else "DSR: an endpoint on another node gets the client's address and answers it directly; "
                  "this node's endpoints are SNATed to the node" if flags & F_DSR
@@ -488,9 +519,10 @@ class BpfDatapath:
 
 def _load_probe(*, xdp: bool) -> None:
     """Load the object once without attaching anything (the verifier's verdict): the tc programs,
-    and the XDP program when `xdp`. Raises BpfError."""
+    and the XDP program when `xdp`; its maps at one entry each. Raises BpfError."""
     obj = bpf.BpfObject(str(object_path()))
     try:
+        loader.shrink_for_probe(obj)
         obj.set_autoload(loader.XDP_PROGRAM, xdp)
         obj.load()
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from usproxy.core.datapath import ExternalServing, NodeAddressFollower
+from usproxy.core.datapath import ExternalServing, KernelWriteCounter, NodeAddressFollower
 from usproxy.offload.kernel_datapath import ALL_TRAFFIC, BuildContext, Capability, KernelDatapath, KernelDatapathDeclaration
 from usproxy.offload.pin_root import PinsLock, default_pin_root, has_pins
 
@@ -26,13 +26,16 @@ def build(ctx: BuildContext) -> KernelDatapath:
     s = ctx.settings
     nodeport = ctx.node.nodeport_cidrs if s.mode == "bpf" else None
     return BpfDatapath(s.bpf_cgroup, selection=s.lb_policy, nodeport_cidrs=nodeport, lb_mode=s.bpf_lb_mode,
-                       acceleration=s.bpf_lb_acceleration)
+                       acceleration=s.bpf_lb_acceleration, map_sizes=s.bpf_map_sizes, enable_tcx=s.bpf_enable_tcx)
 
 
 def probes(cfg: ProxyConfig) -> list[Capability]:
     from usproxy.offload.bpf import probes as p
 
-    return [p.probe_bpf(cfg.bpf_cgroup), p.probe_bpf_tc(), p.probe_xdp(), p.probe_bpffs()]
+    from usproxy.offload.settings import map_size_flags
+
+    return [p.probe_bpf(cfg.bpf_cgroup), p.probe_bpf_tc(cfg.enable_tcx), p.probe_xdp(), p.probe_bpffs(),
+            p.probe_bpf_map_sizes(map_size_flags(cfg))]
 
 
 async def leftovers(cfg: ProxyConfig) -> list[str]:
@@ -71,5 +74,5 @@ DECLARATION = KernelDatapathDeclaration(
     leftovers=leftovers,
     remove=remove,
     lock=lock,
-    optional=(NodeAddressFollower, ExternalServing),
+    optional=(NodeAddressFollower, ExternalServing, KernelWriteCounter),
 )

@@ -78,6 +78,8 @@ def _declare(so: ctypes.CDLL) -> None:
         "bpf_map__name": (s, [p]),
         "bpf_map__fd": (i, [p]),
         "bpf_map__reuse_fd": (i, [p, i]),
+        "bpf_map__set_max_entries": (i, [p, u32]),
+        "bpf_map__max_entries": (u32, [p]),
         "bpf_program__fd": (i, [p]),
         "bpf_program__set_autoload": (i, [p, ctypes.c_bool]),
         "bpf_map_create": (i, [i, s, u32, u32, u32, p]),
@@ -293,6 +295,14 @@ class BpfObject:
     def reuse_map(self, name: str, fd: int) -> None:
         """Before load: use an existing (pinned) map instead of creating `name`."""
         _check(lib().bpf_map__reuse_fd(self._maps()[name], fd), f"bpf_map__reuse_fd {name}")
+
+    def set_max_entries(self, name: str, entries: int) -> None:
+        """Before load: create map `name` with room for `entries` (usproxy/offload/bpf/map_sizes.py)."""
+        _check(lib().bpf_map__set_max_entries(self._maps()[name], entries), f"bpf_map__set_max_entries {name}")
+
+    def max_entries(self, name: str) -> int:
+        """The entries map `name` is (or will be) created with."""
+        return int(lib().bpf_map__max_entries(self._maps()[name]))
 
     def load(self) -> None:
         """Create maps, verify and load programs (BPF_PROG_LOAD). Raises BpfError."""

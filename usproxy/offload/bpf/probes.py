@@ -1,7 +1,9 @@
-"""`usproxy check`'s probes of the BPF datapath: cgroup hooks (the socket LB), tc (tcx) attach,
-XDP per interface, bpffs. Each returns a Capability and never raises; the socket-LB probe is the
-datapath's own (BpfDatapath.probe), so `usproxy check` and the agent cannot disagree. The tc probe
-attaches usp_tc_ingress to a throwaway veth (PROBE_LINK, its peer goes with it) and detaches it.
+"""`usproxy check`'s probes of the BPF datapath: cgroup hooks (the socket LB), tc attach and its
+rung (tcx, or a clsact qdisc's cls_bpf filters), XDP per interface, bpffs, the map sizes. Each
+returns a Capability and never raises; the socket-LB probe is the datapath's own (BpfDatapath.probe), and the tc rung and the map sizes are chosen by the functions
+the datapath calls (cls_bpf.rung, map_sizes.plan), so `usproxy check` and the agent cannot
+disagree. The tc probe attaches usp_tc_ingress to a throwaway veth (PROBE_LINK, its peer goes with
+it) and removes it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import ctypes.util
 from pathlib import Path
 from typing import Any
 
+from usproxy.offload.bpf.map_sizes import MapSizeFlags
 from usproxy.offload.kernel_datapath import Capability
 
 PROBE_LINK = "usproxy-probe"
@@ -32,16 +35,18 @@ def probe_bpf(cgroup: Path = Path("/sys/fs/cgroup/unified")) -> Capability:
     return Capability("bpf cgroup hooks", real.available, real.detail)
 
 
-def probe_bpf_tc() -> Capability:
+def probe_bpf_tc(enable_tcx: bool = True) -> Capability:
     """Can the tc programs (NodePorts, LoadBalancer IPs and externalIPs from outside the node,
-    `--offload bpf`) load and attach with tcx here? Attaches usp_tc_ingress to a throwaway veth
-    (PROBE_LINK, its peer goes with it) and detaches it (usproxy.offload.bpf.loader.probe_tc_attach); without it
-    external traffic stays with nftables or the relay."""
-    name = "bpf tc (tcx) attach"
+    `--offload bpf`) load and attach here, and on which rung? tcx where the kernel has it, else a
+    clsact qdisc's cls_bpf filters (cls_bpf.rung: probed, not by version); usp_tc_ingress is
+    attached that way to a throwaway veth (PROBE_LINK, its peer goes with it) and removed
+    (usproxy.offload.bpf.loader.probe_tc_attach); without it external traffic stays with
+    nftables or the relay."""
+    name = "bpf tc attach"
 
     def make(ipr: Any) -> int:
         drop(ipr)  # one a crashed probe left
-        ipr.link("add", ifname=PROBE_LINK, kind="veth", peer=PROBE_LINK + "-p")  # veth: every kernel with tcx has it
+        ipr.link("add", ifname=PROBE_LINK, kind="veth", peer=PROBE_LINK + "-p")  # veth: every kernel with BPF has it
         return int(ipr.link_lookup(ifname=PROBE_LINK)[0])
 
     def drop(ipr: Any) -> Capability:
@@ -49,23 +54,42 @@ def probe_bpf_tc() -> Capability:
             ipr.link("del", index=idx)
         return Capability(name, True, "")
 
+    why = "tc"
     try:
-        from usproxy.offload.bpf import loader
+        from usproxy.offload.bpf import cls_bpf, loader
         from usproxy.util.netlink_worker import NetlinkWorker
 
+        how, why = cls_bpf.rung(enable_tcx)
         worker = NetlinkWorker()
         try:
             ifindex = worker.call_sync(make)
             try:
-                loader.probe_tc_attach(ifindex)
+                loader.probe_tc_attach(ifindex, how)
             finally:
                 worker.call_sync(drop)
         finally:
             worker.close()
     except Exception as err:  # noqa: BLE001 - a probe reports, it never raises
-        return Capability(name, False, f"{type(err).__name__}: {err}; external traffic stays with nftables or the relay")
-    return Capability(name, True, "usp_tc_ingress attached to a veth and detached: NodePorts, LoadBalancer "
+        return Capability(name, False, f"{why}: {type(err).__name__}: {err}; external traffic stays with nftables "
+                                       "or the relay")
+    return Capability(name, True, f"{why}: usp_tc_ingress attached to a veth and removed: NodePorts, LoadBalancer "
                                   "IPs and externalIPs can be served at tc (--offload bpf)")
+
+
+def probe_bpf_map_sizes(flags: MapSizeFlags = MapSizeFlags()) -> Capability:
+    """How the BPF maps are sized on this machine (map_sizes.py), with and without the tc programs
+    (`--offload bpf`; `auto` leaves them out), and what they cost the kernel (estimated)."""
+    from usproxy.offload.bpf import map_sizes
+
+    try:
+        memory = map_sizes.total_memory()
+    except OSError as err:
+        return Capability("bpf map sizes", False, f"MemTotal unreadable: {err}")
+    local, tc = (map_sizes.plan(flags, memory, tc=t) for t in (False, True))
+    return Capability("bpf map sizes", True, f"{tc.detail()}; without the tc programs (--offload auto) about "
+                                             f"{local.kernel_bytes() / 2**20:.1f} MiB")
+
+
 def probe_xdp() -> Capability:
     """Which interfaces could serve NodePorts at XDP (--bpf-lb-acceleration native): the
     interfaces the tc programs would hook, by their drivers' xdp-features and, for a veth, whether

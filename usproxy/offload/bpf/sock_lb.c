@@ -115,7 +115,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 1 << 20);
+	__uint(max_entries, 65536);	/* --bpf-lb-map-max: map_sizes.py */
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, struct slot_key);
 	__type(value, __u32);
@@ -123,7 +123,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 1 << 20);
+	__uint(max_entries, 65536);	/* --bpf-lb-map-max: map_sizes.py */
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, __u32);
 	__type(value, struct backend_val);
@@ -139,7 +139,7 @@ struct backend_key {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 1 << 20);
+	__uint(max_entries, 65536);	/* --bpf-lb-map-max: map_sizes.py */
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, struct backend_key);
 	__type(value, __u32);
@@ -1148,6 +1148,9 @@ static __always_inline __u16 snat_port(struct pkt *p, __u32 snat, __u32 be_addr,
 	struct ct_val *old;
 	int i;
 
+	/* unrolled: Linux before 6.4 refuses a loop whose back-edge follows a helper call
+	 * ("back-edge from insn ..."), and the lab's 6.1 guests run these programs */
+#pragma unroll
 	for (i = 0; i < SNAT_TRIES; i++) {
 		rk.dport = port;
 		old = ct_confirmed(&rk);

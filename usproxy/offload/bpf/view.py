@@ -124,7 +124,8 @@ def _render(pins: loader.PinLayout, tables: Tables) -> str:
     out = [f"# bpf socket LB pinned at {pins.base}"]
     for prog, info in loader.attached_links(pins).items():
         where = f"ifindex={info['ifindex']}" if "ifindex" in info else f"cgroup_id={info.get('cgroup_id')}"
-        out.append(f"link {prog}: prog_id={info.get('prog_id')} {where}")
+        kind = "tc filter (clsact)" if info.get("link_type") == "cls_bpf" else "link"
+        out.append(f"{kind} {prog}: prog_id={info.get('prog_id')} {where}")
     out += group_lines(groups, selected)
     for e in tables.affinity():
         r = affinity_row(e, groups, now)

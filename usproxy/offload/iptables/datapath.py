@@ -84,6 +84,7 @@ class IptablesDatapath:
 
     name = "iptables"
     traffic: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
+    write_unit = "iptables-restore lines"
 
     def __init__(self, client: IptablesTransport | None = None, conntrack: KernelConntrack | None = None, *,
                  netns: str | None = None, node: NodeFacts = NodeFacts(), lb_policy: str = "roundRobin",
@@ -125,6 +126,7 @@ class IptablesDatapath:
         self._readback: dict[Family, ReadBack] = {}
         self.syncs = self.full_syncs = 0
         self.last_input: dict[Family, str] = {}  # the last restore input per family (tests, bench)
+        self._restore_lines = 0  # of every restore input the kernel accepted (kernel_writes)
         self._former: dict[FrontendKey, str] = {}
         self._former_lock = threading.Lock()
 
@@ -260,6 +262,7 @@ class IptablesDatapath:
         for w in writes:
             for text in w.texts:
                 await self.client.run(self.tools.restore(w.family), text)
+                self._restore_lines += text.count("\n")
             if w.texts:
                 self.last_input[w.family] = "".join(w.texts)
         for w in writes:
@@ -417,6 +420,7 @@ class IptablesDatapath:
                     continue
                 try:
                     await self.client.run(tools.restore(f), writes)
+                    self._restore_lines += writes.count("\n")
                 except OffloadError as err:
                     errors.append(str(err))
         self.installed, self._fam = {}, {f: FamilyRules(f) for f in FAMILIES}
@@ -424,6 +428,10 @@ class IptablesDatapath:
         self._need_full = True
         if errors:
             raise OffloadError("; ".join(errors))
+
+    def kernel_writes(self) -> int:
+        """Lines of every iptables-restore input the kernel accepted (KernelWriteCounter)."""
+        return self._restore_lines
 
     async def leftovers(self) -> list[str]:
         """What this mode holds in either backend and family (leftovers.describe), changing

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from usproxy.core.datapath import UdpConntrackReconciler
+from usproxy.core.datapath import KernelWriteCounter, UdpConntrackReconciler
 from usproxy.offload.kernel_datapath import ALL_TRAFFIC, BuildContext, Capability, KernelDatapath, KernelDatapathDeclaration
 
 if TYPE_CHECKING:
@@ -78,5 +78,5 @@ DECLARATION = KernelDatapathDeclaration(
     probes=probes,
     leftovers=leftovers,
     remove=remove,
-    optional=(UdpConntrackReconciler,),
+    optional=(UdpConntrackReconciler, KernelWriteCounter),
 )

@@ -86,6 +86,16 @@ def render(commands: Iterable[Command]) -> str:
     return "\n".join(c.nft() for c in commands) + "\n"
 
 
+def operations(commands: Iterable[Command]) -> int:
+    """The operations these commands make in the kernel's transaction: one per element added
+    or deleted (one `add element` line may carry thousands), one per other command (a rule, a
+    chain, map, set or table added or deleted, a chain flushed), as explain diff counts them."""
+    return sum(len(c.elems) if c.obj == "element" else 1 for c in commands)
+
+
+# the keys of `service-ips` as a plain set (Transaction.commands keeps them equal), for
+# service_address_source's lookup
+SERVICE_FRONTENDS = "service-frontends"
 MARK_MASQ = f"meta mark set meta mark | {MASQ_MARK:#x}"  # masqueraded in nat-postrouting
 
 
@@ -137,6 +147,7 @@ def base_commands(family: Family, hooks: HookSettings = HookSettings()) -> list[
         cmds.append(Command("add", "map", family, name, f"type {at} . inet_proto . inet_service : verdict;"))
     for name in ("service-nodeports", "no-endpoint-nodeports"):
         cmds.append(Command("add", "map", family, name, "type inet_proto . inet_service : verdict;"))
+    cmds.append(Command("add", "set", family, SERVICE_FRONTENDS, f"type {at} . inet_proto . inet_service;"))
     cmds.append(Command("add", "set", family, "hairpin", f"type {at} . {at};"))
     cmds.append(Command("add", "set", family, NODEPORT_IPS, f"type {at};"))
     cmds.append(Command("add", "map", family, FIREWALL_MAP, f"type {at} . inet_proto . inet_service : verdict;"))
@@ -176,9 +187,11 @@ def service_address_source(family: Family) -> list[str]:
     source); DNATed, it would reach an endpoint on another node with that source, and the answer
     would go to that node, which holds the same address. Masqueraded, it leaves with the address
     the route to the endpoint picks, the node's, as in kube-proxy's other modes where Service
-    addresses are not local. `service-ips` holds exactly the (address, protocol, port) frontends
-    this table DNATs, so nothing else is touched."""
-    return [f"{_ipx(family)} saddr . meta l4proto . th dport @service-ips {MARK_MASQ}"]
+    addresses are not local. SERVICE_FRONTENDS holds exactly the keys of `service-ips`, the
+    (address, protocol, port) frontends this table DNATs, so nothing else is touched. A set of its
+    own, not a lookup in the verdict map: Linux 6.1 refuses a lookup in a map with EINVAL (found in
+    the VM lab; later kernels accept it)."""
+    return [f"{_ipx(family)} saddr . meta l4proto . th dport @{SERVICE_FRONTENDS} {MARK_MASQ}"]
 
 
 def cluster_ips_check(family: Family, cidrs: Sequence[str]) -> list[str]:

@@ -26,7 +26,7 @@ from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.offload.netns_worker import NetnsWorker
 from usproxy.core.stale_udp import StaleUdp
-from usproxy.offload.nftables.commands import Command, HookSettings, render
+from usproxy.offload.nftables.commands import Command, HookSettings, operations, render
 from usproxy.offload.nftables.names import TABLE, affinity_endpoint, nft_family
 from usproxy.offload.nftables.pins import Pin, parse_pins
 from usproxy.offload.nftables.readback import read_table
@@ -60,6 +60,7 @@ class NftablesDatapath:
 
     name = "nftables"
     traffic: frozenset[TrafficKind] = frozenset({"local", "forwarded"})
+    write_unit = "nftables operations"
 
     def __init__(self, transport: NftTransport | None = None, conntrack: KernelConntrack | None = None,
                  *, netns: str | None = None, lb_policy: str = "roundRobin", node: NodeFacts = NodeFacts(),
@@ -95,6 +96,7 @@ class NftablesDatapath:
         self.node_ips = node_ips
         self.tables: dict[Family, TableState] = {f: self._empty_table(f) for f in FAMILIES}
         self.transactions = 0
+        self._operations = 0  # sent in transactions the kernel accepted (kernel_writes)
         # frontends of ServicePorts taken out of the table whose kernel flows may still run on
         # their conntrack entries (a demotion): listed in /flows until none is left
         self._former: dict[FrontendKey, str] = {}
@@ -170,7 +172,7 @@ class NftablesDatapath:
         zero_to_n = self._udp_zero_to_n(changes)
         if commands:
             try:
-                await self.transport.apply(commands)
+                await self._send(commands)
             except OffloadError:
                 await self._resync()
                 raise
@@ -261,7 +263,7 @@ class NftablesDatapath:
             tx = Transaction(table, self.hooks[table.family])
             tx.ensure_base()
             try:  # per family: a node without IPv6 still tracks IPv4
-                await self.transport.apply(tx.commands())
+                await self._send(tx.commands())
             except OffloadError as err:
                 log.warning("installing table %s %s: %s", nft_family(table.family), TABLE, err)
                 continue
@@ -322,12 +324,21 @@ class NftablesDatapath:
                 lines += _dump_rules(table.rules[spn])
         return "\n".join(lines)
 
+    async def _send(self, commands: Sequence[Command]) -> None:
+        """One transaction to the kernel; its operations counted once it was accepted."""
+        await self.transport.apply(commands)
+        self._operations += operations(commands)
+
+    def kernel_writes(self) -> int:
+        """The operations of every transaction the kernel accepted (KernelWriteCounter)."""
+        return self._operations
+
     async def cleanup(self) -> None:
         """Delete the usproxy tables (both families), whether or not they exist."""
         cmds = []
         for f in FAMILIES:
             cmds += [Command("add", "table", f), Command("delete", "table", f)]
-        await self.transport.apply(cmds)
+        await self._send(cmds)
         self.tables = {f: self._empty_table(f) for f in FAMILIES}
 
     def close(self) -> None:

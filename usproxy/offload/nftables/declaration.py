@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from usproxy.util.errors import OffloadError
-from usproxy.core.datapath import ServiceCIDRHandler, UdpConntrackReconciler
+from usproxy.core.datapath import KernelWriteCounter, ServiceCIDRHandler, UdpConntrackReconciler
 from usproxy.offload.kernel_datapath import ALL_TRAFFIC, BuildContext, Capability, KernelDatapath, KernelDatapathDeclaration
 
 if TYPE_CHECKING:
@@ -86,5 +86,5 @@ DECLARATION = KernelDatapathDeclaration(
     probes=probes,
     leftovers=leftovers,
     remove=remove,
-    optional=(ServiceCIDRHandler, UdpConntrackReconciler),
+    optional=(ServiceCIDRHandler, UdpConntrackReconciler, KernelWriteCounter),
 )

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from usproxy.offload.nftables.commands import NODEPORT_IPS
+from usproxy.offload.nftables.commands import NODEPORT_IPS, SERVICE_FRONTENDS
 from usproxy.offload.nftables.names import (
     FIREWALL_MAP,
     GROUP_CHAIN,
@@ -73,7 +73,14 @@ def read_table(family: Family, items: list[dict[str, Any]] | None) -> TableState
             state.hairpin[ip] += 1
     state.nodeport_ips = frozenset(norm_ip(str(_concat(e)[0])) for e in lst.sets.get(NODEPORT_IPS, []))
     state.orphans = _orphans(lst, state)
+    state.frontends_missing = frozenset(_frontends_missing(lst))
     return state
+
+
+def _frontends_missing(lst: _Listing) -> set[str]:
+    """Keys of `service-ips` that SERVICE_FRONTENDS lacks (its extra keys are orphans)."""
+    have = {_key_text("ip", _concat(e)) for e in lst.sets.get(SERVICE_FRONTENDS, [])}
+    return {_key_text("ip", _concat(k)) for k, _ in lst.maps.get("service-ips", [])} - have
 
 
 def _key_text(kind: Kind, parts: list[Any]) -> str:
@@ -104,6 +111,8 @@ def _orphans(lst: _Listing, state: TableState) -> dict[str, set[str]]:
     for name, kind in _VERDICT_MAPS.items():
         present.update((name, _key_text(kind, _concat(k))) for k, _ in lst.maps.get(name, []))
     present.update((name, key) for name, index in lst.slots.items() for key in index)
+    owned.update((SERVICE_FRONTENDS, key) for name, key in list(owned) if name == "service-ips")
+    present.update((SERVICE_FRONTENDS, _key_text("ip", _concat(e))) for e in lst.sets.get(SERVICE_FRONTENDS, []))
     present.update(("hairpin", " . ".join(_key_text("ip", [p]) for p in _concat(e))) for e in lst.sets.get("hairpin", []))
     out: dict[str, set[str]] = {}
     for name, key in present - owned:

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from usproxy.offload.nftables.commands import (
     NODEPORT_IPS,
+    SERVICE_FRONTENDS,
     Command,
     Elem,
     HookSettings,
@@ -58,6 +59,9 @@ class TableState:
     not_local: str = ""
     # its "from a pod" match ("": none), for the externalTrafficPolicy Local short-circuit
     if_local: str = ""
+    # keys of `service-ips` that read back did not find in SERVICE_FRONTENDS (a table written
+    # before that set existed); the next transaction adds them
+    frontends_missing: frozenset[str] = frozenset()
 
 
 class Transaction:
@@ -92,9 +96,20 @@ class Transaction:
         return self.state.family
 
     def commands(self) -> list[Command]:
+        self._mirror_service_ips()
         dels = [Command("delete", "element", self.family, m, elems=tuple(e)) for m, e in self._elem_del.items() if e]
         adds = [Command("add", "element", self.family, m, elems=tuple(e)) for m, e in self._elem_add.items() if e]
         return [*dels, *self.flushes, *self.drops, *self.creates, *adds]
+
+    def _mirror_service_ips(self) -> None:
+        """SERVICE_FRONTENDS gets the keys `service-ips` gets and loses the keys it loses, besides
+        what read back found it lacking (added) or holding beyond `service-ips` (orphans)."""
+        m, dels, adds = SERVICE_FRONTENDS, self._elem_del.get("service-ips", []), self._elem_add.get("service-ips", [])
+        gone = {e.key for e in self._elem_del.get(m, [])}
+        gone |= {e.key for e in dels} - self.state.frontends_missing
+        self._elem_del[m] = [Elem(k) for k in sorted(gone)]
+        added = {e.key for e in adds} | (self.state.frontends_missing - {e.key for e in dels})
+        self._elem_add[m] = [Elem(k) for k in sorted(added)]
 
     def retime(self, pins: Mapping[str, tuple[int, list[Pin]]]) -> None:
         """Write the pins of affinity sets whose ServicePort's timeout changes in this
@@ -310,6 +325,7 @@ class Transaction:
         sent here: the datapath sends, and calls this only on success)."""
         s = self.state
         s.orphans = {}
+        s.frontends_missing = frozenset()
         s.base = self._base
         s.nodeport_ips = self._nodeport_ips
         s.slots = self._slots
