@@ -97,14 +97,16 @@ def test_the_child_ends_with_an_agent_killed_during_its_start(tmp_path: Path) ->
     """An agent killed before its source took the manifests (SIGKILL: no handler runs) leaves no
     child parsing on (PR_SET_PDEATHSIG)."""
     write_list(tmp_path / "m.yaml", objects(0, 2000))
-    code = ("import sys, time; from pathlib import Path; from usproxy.sources.parse_helper import Prefetch; "
-            f"p = Prefetch.start(Path({str(tmp_path / 'm.yaml')!r}), least=0); print(p.pid, flush=True); time.sleep(60)")
+    # the child's parse never ends by itself here, whether the agent dies before or after the
+    # child asked for PDEATHSIG (before: the child finds it has another parent and exits)
+    code = ("import sys, time; from pathlib import Path; import usproxy.sources.parse_helper as h; "
+            "h.parse_share = lambda *a: time.sleep(600); "
+            f"p = h.Prefetch.start(Path({str(tmp_path / 'm.yaml')!r}), least=0); print(p.pid, flush=True); time.sleep(60)")
     agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     child = 0
     try:
         assert agent.stdout is not None
         child = int(agent.stdout.readline())
-        os.kill(child, signal.SIGSTOP)  # it would not end by itself (a stopped process only dies of SIGKILL)
         agent.kill()
         agent.wait()
         for _ in range(500):

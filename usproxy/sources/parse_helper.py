@@ -100,10 +100,11 @@ class Prefetch:
 
     def _fork(self) -> None:
         read, write = os.pipe()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child (its result is what the tests check)
             os.close(read)
-            _child(write, self.texts, self.starts)
+            _child(write, self.texts, self.starts, parent)
         os.close(write)
         self.pid, self.pipe = pid, read
 
@@ -157,13 +158,14 @@ class Prefetch:
                         os.waitstatus_to_exitcode(status))
 
 
-def _child(write: int, texts: Mapping[Path, tuple[FileKey, str, bytes | None]], starts: Mapping[Path, int]) -> None:
+def _child(write: int, texts: Mapping[Path, tuple[FileKey, str, bytes | None]], starts: Mapping[Path, int],
+           parent: int) -> None:
     """The forked child: parse each file's share, pickle it to `write`, exit. Never returns."""
     code = 1
     try:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
-        _die_with_parent()
+        _die_with_parent(parent)
         gc.disable()  # it lives for one parse: nothing for the collector to free
         out: Shares = {str(f): parse_share(text, starts[f], str(f))
                        for f, (_, text, _) in texts.items() if starts[f] <= len(text)}
@@ -179,13 +181,13 @@ def _child(write: int, texts: Mapping[Path, tuple[FileKey, str, bytes | None]], 
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when the agent that forked it ends (prctl(2) PR_SET_PDEATHSIG): an
-    agent killed during its start leaves no child parsing on."""
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the agent that forked it (`parent`) ends (prctl(2)
+    PR_SET_PDEATHSIG): an agent killed during its start leaves no child parsing on."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass
-    if os.getppid() == 1:  # the parent ended before the request took effect
+    if os.getppid() != parent:  # it ended before the request took effect (adopted by init or a subreaper)
         os._exit(1)
