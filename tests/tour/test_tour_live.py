@@ -142,10 +142,19 @@ def mid_visit(tour: subprocess.Popen[bytes], timeout: float = 120.0) -> tuple[st
             if st["pid"] == tour.pid and os.path.exists(f"/run/netns/{st['netns'][0]}"):
                 ps = subprocess.run(["ip", "netns", "pids", st["netns"][0]], capture_output=True, text=True)
                 pids = [int(p) for p in ps.stdout.split()]
-                if len(pids) >= 2:  # the agent and the client
+                if len(pids) >= 2 and any(_is_agent(p) for p in pids):  # the agent and the client
                     return f.name.removeprefix("tour-").removesuffix(".json"), pids
         time.sleep(0.2)
     raise TimeoutError("the tour's visit did not start")
+
+
+def _is_agent(pid: int) -> bool:
+    """`usproxy run` (the visit's agent), not `usproxy check` (the tour's probe, in a namespace of
+    the same kind, whose children made the wait end before the visit once)."""
+    try:
+        return b"usproxy\0run\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def gone(pids: list[int], timeout: float = 10.0) -> bool:
