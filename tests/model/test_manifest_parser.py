@@ -135,3 +135,61 @@ def test_an_item_that_is_not_an_object_is_named_by_document_and_item() -> None:
     text = "a: 1\n---\nkind: List\nitems:\n- kind: Service\n  metadata: {name: a}\n- 42\n"
     with pytest.raises(ConfigError, match=r"f.yaml: document 1 item 1: expected an object, got int"):
         ManifestParser().parse(text, "f.yaml")
+
+
+class Helper:
+    """A PieceHelper in this process: `parse_share` of the same text from `start` on, or nothing
+    (`deliver=False`: the helper failed)."""
+
+    def __init__(self, text: str, start: int, deliver: bool = True) -> None:
+        self.start = start
+        self.share = manifest.parse_share(text, start, "f.yaml") if deliver else None
+        self.asked = 0
+
+    def result(self) -> dict[bytes, Any] | None:
+        self.asked += 1
+        return dict(self.share) if self.share is not None else None
+
+
+def mixed(n: int) -> list[dict[str, Any]]:
+    """n Services and slices with a bad object, a skipped Service and an ignored kind spread over the text."""
+    objs = objects(n)
+    objs[2]["spec"]["ports"][0]["port"] = "eighty"  # an error in the first part
+    objs[-2]["metadata"]["name"] = "Bad_Name"  # and one in the last
+    objs[n]["spec"]["type"] = "ExternalName"  # skipped
+    objs.insert(n // 2, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}})
+    return objs
+
+
+@pytest.mark.parametrize("at", [0.0, 0.3, 0.7, 1.0])
+def test_a_text_parsed_in_two_parts_gives_what_one_parse_gives(at: float) -> None:
+    """The pieces from `start` on come from the helper (sources/parse_helper.py forks one): the
+    same objects, errors (named by document and item) and skipped Services as one parse, and the
+    parser keeps every piece for the next text."""
+    text = as_list(mixed(20))
+    helper = Helper(text, int(len(text) * at))
+    parser = ManifestParser()
+    helped = parser.parse(text, "f.yaml", helper)
+    assert same(helped, whole(text)) and helped.errors and helped.skipped
+    assert helper.asked == (1 if helper.share else 0)  # asked once, and only when it has pieces
+    again = parser.parse(text, "f.yaml")
+    assert all(again.services[k] is helped.services[k] for k in helped.services)
+
+
+def test_pieces_the_helper_does_not_deliver_are_parsed_here() -> None:
+    text = as_list(mixed(20))
+    helper = Helper(text, len(text) // 2, deliver=False)
+    assert same(ManifestParser().parse(text, "f.yaml", helper), whole(text)) and helper.asked == 1
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_text_broken_in_either_part_is_reported_at_its_line_and_column(where: str) -> None:
+    name = "s1" if where == "first" else "s18"
+    text = as_list(objects(20)).replace(f"    name: {name}\n", f"    name: [{name}\n", 1)
+    helper = Helper(text, len(text) // 2)
+    assert helper.share is None or where == "first"  # the helper's part did not parse alone: nothing
+    with pytest.raises(ConfigError) as err:
+        ManifestParser().parse(text, "f.yaml", helper)
+    with pytest.raises(ConfigError) as ref:
+        manifest._parse_whole(text, "f.yaml")
+    assert str(err.value) == str(ref.value) and " at line " in str(err.value)

@@ -202,14 +202,14 @@ def test_everything_withdrawn_on_a_local_error_unreadable_file_is_retried(tmp_pa
     rec = Recorder()
     src = StaticSource(tmp_path, rec, on_error=errors.append, settle=0.0)
     src.load_initial()
-    real = Path.read_text
+    real = Path.read_bytes
     failing = [True]
 
-    def read_text(self: Path, *args: Any, **kwargs: Any) -> str:
+    def read_bytes(self: Path) -> bytes:
         if failing[0] and self == f:
             raise OSError(24, "Too many open files", str(self))
-        return real(self, *args, **kwargs)
-    monkeypatch.setattr(Path, "read_text", read_text)
+        return real(self)
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
     rename_into(f, service_yaml("a", 90))
     assert not src.poll()
     assert ports(rec, "a") == [80] and errors and errors[-1].errno == 24

@@ -46,6 +46,7 @@ from usproxy.util.rows import FlowRow, ServiceRow
 
 if TYPE_CHECKING:
     from usproxy.offload.manager import OffloadManager
+    from usproxy.sources.parse_helper import Prefetch
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,9 @@ class Agent:
     (node_facts(), needed for detectLocalMode NodeCIDR), else resolved here."""
 
     def __init__(self, cfg: ProxyConfig, datapaths: list[Datapath] | None = None, *,
-                 node: NodeFacts | None = None) -> None:
+                 node: NodeFacts | None = None, prefetch: Prefetch | None = None) -> None:
         self.cfg = cfg
+        self.prefetch = prefetch  # the static manifests, read (and partly parsed) at start
         # Real datapaths: one agent per ClusterIP interface, and one offloading agent (the
         # kernel tables are per namespace), in this network namespace; a kernel datapath's own
         # lock (BPF: one agent per pin root, bpffs is node-wide) is taken in start().
@@ -298,7 +300,8 @@ class Agent:
 
             src = StaticSource(self.cfg.services, self.proxier, node=self.node,
                                on_error=lambda e: self.metrics.config_errors.labels("manifest").inc())
-            src.load_initial()
+            src.load_initial(self.prefetch)
+            self.prefetch = None
             watch_sighup(src)
             return src
         if uses_api_server(self.cfg):

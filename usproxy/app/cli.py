@@ -224,6 +224,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         from usproxy.app.cleanup import cleanup
 
         return int(cleanup(cfg))
+    # A static agent's manifests are read now and partly parsed by a forked child while the
+    # agent starts (sources/parse_helper.py): before any import below, thread or event loop.
+    prefetch = None
+    if cfg.services is not None:
+        from usproxy.sources.parse_helper import Prefetch
+
+        prefetch = Prefetch.start(cfg.services)
     from usproxy.app.agent import Agent
 
     agent: list[Agent] = []
@@ -231,20 +238,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def main() -> None:
         from usproxy.app.agent import node_facts
 
-        agent.append(Agent(cfg, node=await node_facts(cfg)))
+        agent.append(Agent(cfg, node=await node_facts(cfg), prefetch=prefetch))
         await agent[0].run()
 
     # Worker threads (list decoding, admin snapshots, large endpoint diffs) hand the GIL back every
     # 1 ms instead of CPython's 5 ms: a relayed connection waits at most that long for the loop
     # while one runs (the loop holds the GIL only between its own short callbacks).
     sys.setswitchinterval(SWITCH_INTERVAL)
-    # USPROXY_EVENT_LOOP=asyncio runs on the default loop (tests run every relay case on both).
-    if os.environ.get("USPROXY_EVENT_LOOP") == "asyncio":
-        asyncio.run(main())
-    else:
-        import uvloop
+    try:
+        # USPROXY_EVENT_LOOP=asyncio runs on the default loop (tests run every relay case on both).
+        if os.environ.get("USPROXY_EVENT_LOOP") == "asyncio":
+            asyncio.run(main())
+        else:
+            import uvloop
 
-        uvloop.run(main())
+            uvloop.run(main())
+    finally:
+        if prefetch is not None:  # the agent stopped before its source took them
+            prefetch.close()
     return agent[0].exit_code if agent else 1
 
 

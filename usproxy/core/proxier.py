@@ -188,11 +188,12 @@ class Proxier:
                 self._need_full = True
                 self.metrics.sync_failures.inc()
                 raise
-        if large:
-            freeze_heap()  # its state lives as long as the agent: no full collection walks it (gc_pause)
-            await give_back_free_heap()  # the burst's transients (a transaction's text, a parse) are free now
+            if large:  # before the collector is back: its first allocation would walk the whole heap
+                freeze_heap()  # its state lives as long as the agent: no full collection walks it (gc_pause)
         self._need_full = False
         self._finish(start, queued)
+        if large:  # after the sync is in force (/healthz): housekeeping
+            await give_back_free_heap()  # the burst's transients (a transaction's text, a parse) are free now
 
     def _finish(self, start: float, queued: float | None) -> None:
         now = time.time()

@@ -49,6 +49,7 @@ from usproxy.core.datapath import ServiceCIDRHandler
 from usproxy.model.service_cidr import ServiceCIDRTracker
 from usproxy.sources import Provider, hold_syncs
 from usproxy.sources.file_watch import FileWatch
+from usproxy.sources.parse_helper import Prefetch
 from usproxy.util.time_slice import TimeSlice
 from usproxy.model.types import IPNetwork, NamespacedName
 
@@ -133,13 +134,21 @@ class StaticSource:
         self._wake = asyncio.Event()  # SIGHUP, or inotify: look now
         self._forced = False  # SIGHUP: read every file, changed or not
 
-    def load_initial(self) -> None:
-        """First load; raises ConfigError when a file cannot be read or parsed at all."""
+    def load_initial(self, prefetch: Prefetch | None = None) -> None:
+        """First load; raises ConfigError when a file cannot be read or parsed at all. A file
+        `prefetch` read at start is parsed from that text, with the child's share of it."""
         if not self.path.exists():
             raise ConfigError("no such file or directory", obj=str(self.path))
         for f in manifest_files(self.path):
-            self._keys[f] = _stat_key(f)
-            self._good[f] = self._report(load_file(f, self._parser(f)))
+            early = prefetch.take(f) if prefetch is not None else None
+            if early is None:
+                self._keys[f] = _stat_key(f)
+                self._good[f] = self._report(load_file(f, self._parser(f)))
+                continue
+            self._keys[f], text, data, share = early
+            self._good[f] = self._report(self._parser(f).parse(text, str(f), share, data))
+        if prefetch is not None:
+            prefetch.close()
         self._deliver()
         self.provider.on_services_synced()
         self.provider.on_endpoint_slices_synced()
