@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lab import machine, rootfs
+from lab import debs, machine, rootfs
 from lab.scenarios import SCENARIOS, Scenario
 from lab.wheel import usproxy_wheel
 
@@ -64,7 +64,7 @@ def params_for(s: Scenario, args: argparse.Namespace) -> dict[str, Any]:
     return {"scenario": s.name, "arch": s.arch, "smp": args.smp or s.smp, "memory_mib": args.memory or s.memory_mib,
             "blacklist": list(s.blacklist), "cgroups": s.cgroups, "load_modules": list(s.load_modules),
             "duration_s": args.duration if args.duration is not None else s.soak_s, "run": args.run,
-            "offload": args.offload or "nftables"}
+            "offload": args.offload or "nftables", "debs": list(s.debs)}
 
 
 def params_sh(p: dict[str, Any]) -> str:
@@ -118,6 +118,8 @@ def input_members(tmp: Path, p: dict[str, Any], wheel: Path) -> dict[str, Path]:
     (tmp / "params.sh").write_text(params_sh(p))
     members = {"guest": Path(__file__).with_name("guest"), "params.json": tmp / "params.json",
                "params.sh": tmp / "params.sh", wheel.name: wheel}
+    for deb in debs.fetch(tuple(p["debs"]), p["arch"]):
+        members[f"debs/{deb.name}"] = deb
     if p["run"]:
         (tmp / "run.sh").write_text(p["run"] + "\n")
         members["run.sh"] = tmp / "run.sh"

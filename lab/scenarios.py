@@ -30,6 +30,10 @@ class Scenario:
     timeout_s: float = 900.0  # the whole boot-to-poweroff, beyond which the lab gives up
     soak_s: float = 0.0  # edge: default soak length (--duration overrides)
     summary: str = ""
+    # Debian packages of the guest's release that one scenario needs, installed at boot with
+    # dpkg -i from .debs the host downloads (lab/debs.py): kept out of the cached root, whose
+    # package list is its cache key (a new key rebuilds the root and evicts every other one).
+    debs: tuple[str, ...] = ()
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -39,8 +43,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              summary="kernel without nf_tables and ip_tables: netfilter offload impossible, the relay serves"),
     Scenario("cgroup1", "amd64", 2, 1024, cgroups="v1",
              summary="cgroup v1 only: no BPF socket LB, nftables serves ClusterIPs"),
-    Scenario("ipvs", "amd64", 2, 1024, load_modules=("ip_vs", "ip_vs_rr"),
-             summary="ip_vs loaded: the IPVS datapath serves, where it exists"),
+    Scenario("ipvs", "amd64", 2, 1024, load_modules=("ip_vs", "ip_vs_rr"), debs=("ipset", "libipset13"),
+             summary="ip_vs loaded and the ipset tool (kube-proxy's IPVS mode needs both): the IPVS datapath serves"),
     Scenario("edge-256", "amd64", 1, 256, timeout_s=1500.0, soak_s=600.0,
              summary="1 vCPU, 256 MiB, 100 Services, offload on, a soak with an endpoint change every second"),
     Scenario("arm64", "arm64", 2, 1024, timeout_s=1500.0,

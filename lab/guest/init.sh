@@ -32,6 +32,10 @@ say "up $(cut -d' ' -f1 /proc/uptime)s: $(uname -r) $(uname -m), $(grep MemTotal
 # file removed from this boot's overlay (so not even insmod of the file can bring it back)
 for m in $LAB_REMOVE_MODULES; do find /lib/modules -name "$m.ko*" -delete; done
 for m in $LAB_LOAD_MODULES; do modprobe "$m" || say "modprobe $m failed"; done
+# the scenario's own .debs (lab/debs.py), not in the cached root
+if [ -d /lab/debs ]; then
+  dpkg -i /lab/debs/*.deb > /lab/out/dpkg.log 2>&1 || say "dpkg -i of the scenario's packages failed: $(tail -n 3 /lab/out/dpkg.log)"
+fi
 t0=$(cut -d' ' -f1 /proc/uptime)
 pip install --disable-pip-version-check -q --no-deps --no-index --no-compile /lab/usproxy-*.whl > /lab/out/pip.log 2>&1 \
   || say "pip install of the wheel failed: $(tail -n 3 /lab/out/pip.log)"
