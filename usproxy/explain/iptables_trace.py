@@ -27,10 +27,10 @@ MAX_DEPTH = 32
 _SKIP_ONE = {"--comment", "--mode", "--name", "--seconds", "--nfacct-name"}
 _FLAGS = {"--reap", "--set"}
 _MODULES = {"tcp", "udp", "sctp", "comment", "addrtype", "statistic", "recent", "nfacct", "mark",
-            "conntrack", "set", "physdev"}
+            "conntrack", "set", "physdev", "socket", "ipvs"}
 _WITH_VALUE = {"-p": "proto", "-s": "src", "-d": "dst", "--dport": "dport", "--src-type": "src-type",
                "--dst-type": "dst-type", "--probability": "probability", "--mark": "mark",
-               "--ctstate": "ctstate"}
+               "--ctstate": "ctstate", "--vaddr": "vaddr", "--vproto": "vproto", "--vport": "vport"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +82,8 @@ def parse_rule(table: str, line: str) -> TextRule:
         elif tok == "--rcheck":
             conds.append(Cond("rcheck", negate, ""))
             i += 1
-        elif tok == "--physdev-is-in":
-            conds.append(Cond("physdev-is-in", negate, ""))
+        elif tok in ("--physdev-is-in", "--nowildcard"):  # --nowildcard: IPVS mode's KUBE-IPVS-FILTER
+            conds.append(Cond(tok[2:], negate, ""))
             i += 1
         elif tok == "--match-set":
             conds.append(Cond("match-set", negate, f"{tokens[i + 1]} {tokens[i + 2]}"))

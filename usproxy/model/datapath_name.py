@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal, TypeAlias, get_args
 
-KernelDatapathName: TypeAlias = Literal["bpf", "nftables", "iptables"]
+KernelDatapathName: TypeAlias = Literal["bpf", "nftables", "ipvs", "iptables"]
 USERSPACE: Literal["userspace"] = "userspace"  # the relay, as kube-proxy 1.0's userspace mode
 DatapathName: TypeAlias = Literal["userspace", KernelDatapathName]
 OffloadMode: TypeAlias = Literal["auto", KernelDatapathName, "none"]

@@ -103,7 +103,8 @@ class KernelDatapathDeclaration:
     libbpf or libnftables. `build` may leave out a datapath `--offload` asks for only by name
     (returns None); `remove` deletes everything it ever installed (raises on failure);
     `leftovers` names what an earlier run left without changing anything; `lock` is a lock an
-    agent running it holds beyond its network namespace's (BPF: the node-wide pin root)."""
+    agent running it holds beyond its network namespace's (BPF: the node-wide pin root); a
+    datapath it `conflicts` with is left out of the ladder where this one is usable."""
 
     name: KernelDatapathName
     summary: str  # one line: what it is, for --help and `usproxy check`
@@ -115,6 +116,9 @@ class KernelDatapathDeclaration:
     remove: Callable[[ProxyConfig], Awaitable[None]]
     lock: Callable[[ProxyConfig], NetnsLock] | None = None
     optional: tuple[type, ...] = field(default=())  # the optional protocols its datapath implements
+    # datapaths whose kernel state collides with this one's (kube-proxy's iptables and IPVS modes
+    # name chains alike): an agent uses this one only where none of them is usable
+    conflicts: tuple[str, ...] = ()
 
     def policy_gap(self, policy: LBPolicy) -> str | None:
         """Why this datapath cannot serve `policy`, or None (placement checks membership)."""

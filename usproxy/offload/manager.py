@@ -126,16 +126,25 @@ class OffloadManager:
 
     # -- kernels -------------------------------------------------------------------------------
     def usable_kernels(self) -> list[KernelDatapath]:
-        """Kernel datapaths that probed available (probed once, on first use)."""
+        """Kernel datapaths that probed available (probed once, on first use), but one that
+        conflicts with a better one that did (its declaration says why they cannot share a node)."""
         if self._usable is None:
             self._usable = []
             for k in self.kernels:
                 cap = k.probe()
+                clash = next((u.name for u in self._usable if self._conflict(u.name, k.name)), None)
+                if cap.available and clash is not None:
+                    cap = Capability(k.name, False, f"{clash} serves here, and {k.name} writes kernel state of the "
+                                                    f"same names (kube-proxy runs one mode per node)")
                 self.capabilities[k.name] = cap
                 log.info("kernel datapath %s: %s (%s)", k.name, "available" if cap.available else "unavailable", cap.detail)
                 if cap.available:
                     self._usable.append(k)
         return self._usable
+
+    def _conflict(self, a: str, b: str) -> bool:
+        da, db = self.declared.get(a), self.declared.get(b)
+        return (da is not None and b in da.conflicts) or (db is not None and a in db.conflicts)
 
     def leave_out(self, name: str, why: str) -> None:
         """Take the kernel datapath `name` out of the ladder before the first sync (the agent:

@@ -21,11 +21,12 @@ from usproxy.model.datapath_name import KERNEL_DATAPATH_NAMES, OffloadMode
 from usproxy.offload.bpf.declaration import DECLARATION as BPF
 from usproxy.offload.kernel_datapath import BuildContext, KernelDatapath, KernelDatapathDeclaration
 from usproxy.offload.iptables.declaration import DECLARATION as IPTABLES
+from usproxy.offload.ipvs.declaration import DECLARATION as IPVS
 from usproxy.offload.nftables.declaration import DECLARATION as NFTABLES
 
 log = logging.getLogger(__name__)
 
-KERNEL_DATAPATHS: tuple[KernelDatapathDeclaration, ...] = (BPF, NFTABLES, IPTABLES)  # (IPVS: above iptables)
+KERNEL_DATAPATHS: tuple[KernelDatapathDeclaration, ...] = (BPF, NFTABLES, IPVS, IPTABLES)
 BY_NAME: dict[str, KernelDatapathDeclaration] = {d.name: d for d in KERNEL_DATAPATHS}
 
 if tuple(BY_NAME) != KERNEL_DATAPATH_NAMES:  # the Literal and the registry must list the same ladder

@@ -9,14 +9,16 @@ kubelet's) are never named and stay as they are. Two exceptions keep them workin
 - a chain that a rule of another program jumps to stays, with what it jumps to in turn (deleting
   it would fail, and that program relies on it; KUBE-MARK-MASQ is the usual one);
 - when kubelet is there (its hint chains in mangle), KUBE-FIREWALL and its two jumps stay: they
-  are kubelet's rules as much as kube-proxy's.
+  are kubelet's rules as much as kube-proxy's;
+- the chains iptables and IPVS mode both name (shared.py) stay while the other mode holds them:
+  after a switch of mode, the new one's first sync rewrote them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from usproxy.offload.iptables import names
+from usproxy.offload.iptables import names, shared
 from usproxy.offload.iptables.jumps import BUILTIN, DATAPATH_JUMPS, Jump
 from usproxy.offload.iptables.restore_input import TableWrite
 from usproxy.offload.iptables.saved import SavedTable
@@ -31,21 +33,24 @@ def kubelet_present(tables: Mapping[str, SavedTable]) -> bool:
 
 
 def removal(tables: Mapping[str, SavedTable], owned: Callable[[str, str], bool] = names.owned,
-            entry: Sequence[Jump] = DATAPATH_JUMPS) -> list[TableWrite]:
+            entry: Sequence[Jump] = DATAPATH_JUMPS, other: shared.Mode = "ipvs") -> list[TableWrite]:
     """The writes that remove the datapath's jumps and chains from one family's `tables`: the
     chains `owned(table, chain)` says are the mode's, and its `entry` jumps (another mode that
-    writes KUBE-* chains, such as IPVS, passes its own)."""
+    writes KUBE-* chains, such as IPVS, passes its own, and "iptables" as the `other` mode)."""
     keep_firewall = kubelet_present(tables)
     out = []
     for name in TABLES:
         table = tables.get(name)
         if table is None:
             continue
-        ours = {c for c in table.user_chains() if owned(name, c)}
+        kept = shared.kept(name, table, other)
+        ours = {c for c in table.user_chains() if owned(name, c)} - kept
         if keep_firewall and name == "filter":
             ours.discard(names.FIREWALL)
         ours -= _needed_by_others(table, ours, entry)
-        jumps = {j.text() for j in entry if j.table == name and j.target in ours}
+        theirs = shared.jump_texts(other) if kept else frozenset()  # the other mode's own jumps stay
+        jumps = {j.text() for j in entry if j.table == name
+                 and (j.target in ours or (j.target in kept and j.text() not in theirs))}
         edits = [f"-D {r.chain} {r.spec}" for b in _BUILTIN.get(name, ()) for r in table.in_chain(b)
                  if r.text() in jumps]
         out.append(TableWrite(name, delete=sorted(ours), edits=edits))
@@ -70,9 +75,9 @@ def _needed_by_others(table: SavedTable, ours: set[str], entry: Sequence[Jump]) 
 
 
 def describe(backend: str, family: int, tables: Mapping[str, SavedTable],
-             owned: Callable[[str, str], bool] = names.owned) -> str | None:
+             owned: Callable[[str, str], bool] = names.owned, other: shared.Mode = "ipvs") -> str | None:
     """What of a mode one backend's family holds ("iptables-nft IPv4: 12 KUBE-* chains"), or
     None when nothing."""
     count = sum(1 for name in TABLES for c in (tables[name].user_chains() if name in tables else ())
-                if owned(name, c))
+                if owned(name, c) and c not in shared.kept(name, tables[name], other))
     return f"iptables-{backend} IPv{family}: {count} KUBE-* chains" if count else None

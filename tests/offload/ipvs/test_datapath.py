@@ -1,0 +1,257 @@
+"""IpvsDatapath without a kernel (FakeIpvsKernel, FakeIpvsTools): what it installs is the
+generator's that explain prints; syncs change only what differs; a real server with connections
+is terminated gracefully; an unwanted virtual server with connections is retired (new connections
+to the local socket) and revived when wanted again; a restart adopts the virtual servers usproxy's
+set names and nothing else; a refused step is repaired by the next pass; cleanup removes only what
+is usproxy's. (The same against the kernel: tests/offload/ipvs/test_kernel.py, in the VM lab.)"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+
+import pytest
+
+from usproxy.core.datapath import ServicePortState
+from usproxy.model.node import LocalAddresses, NodeFacts
+from usproxy.model.types import IPAddress, ServicePortName
+from usproxy.offload.iptables.saved import parse
+from usproxy.offload.ipvs import rules
+from usproxy.offload.ipvs.datapath import IpvsDatapath
+from usproxy.offload.ipvs.fake import FakeIpvsKernel, FakeIpvsTools
+from usproxy.offload.ipvs.kernel import Dest, Service
+from usproxy.offload.kernel_conntrack import KernelConntrack
+from usproxy.util.errors import OffloadError
+
+from tests.offload.helpers import ep, every_feature, spn, state
+
+WEB, DNS = spn("web", "http"), spn("dns", "dns", "UDP")
+NODE_IP = ipaddress.ip_address("192.0.2.10")
+IP = ipaddress.ip_address
+
+
+class NoConntrack(KernelConntrack):
+    def __init__(self) -> None:
+        super().__init__()
+        self.deleted: list[set[tuple[str, int]]] = []
+
+    async def delete_udp(self, *, reply_src: object = (), orig_dst: object = ()) -> int:
+        self.deleted.append({*reply_src, *orig_dst})  # type: ignore[misc]
+        return 0
+
+
+def addresses(*more: tuple[str, IPAddress]) -> object:
+    async def read() -> LocalAddresses:
+        return [("eth0", NODE_IP), ("lo", IP("127.0.0.1")), ("usproxy0", IP("10.96.0.1")), *more]
+    return read
+
+
+def datapath(kernel: FakeIpvsKernel, tools: FakeIpvsTools | None = None, **kw: object) -> IpvsDatapath:
+    return IpvsDatapath(kernel, tools or FakeIpvsTools(), NoConntrack(), node=NodeFacts("node"),  # type: ignore[arg-type]
+                        addresses=addresses(), node_ips=lambda: (NODE_IP,), **kw)  # type: ignore[arg-type]
+
+
+def web(eps: Sequence[str] = ("10.244.1.1", "10.244.2.1"), **kw: object) -> ServicePortState:
+    return state(WEB, "10.96.0.1", 80, [ep(a) for a in eps], **kw)
+
+
+def vs_key(proto: str, addr: str, port: int) -> tuple[str, IPAddress, int]:
+    return (proto, IP(addr), port)
+
+
+def reals(k: FakeIpvsKernel, key: tuple[str, IPAddress, int]) -> dict[str, int]:
+    return {f"{d.address}:{d.port}": d.weight for d in k.reals[key].values()}
+
+
+@pytest.fixture
+def kernel() -> FakeIpvsKernel:
+    return FakeIpvsKernel()
+
+
+async def test_installs_the_generators_state_that_explain_prints(kernel: FakeIpvsKernel) -> None:
+    tools = FakeIpvsTools()
+    dp = datapath(kernel, tools)
+    states = every_feature()
+    await dp.apply(states)
+    for family in (4, 6):
+        t = dp.tables(family)
+        servers = t.servers()
+        assert {k for k in kernel.services if k[1].version == family} == set(servers)
+        for key, vs in servers.items():
+            svc = kernel.services[key]
+            assert (svc.scheduler, svc.timeout, bool(svc.flags & rules.PERSISTENT)) == \
+                (vs.scheduler, vs.persistent or 0, bool(vs.persistent))
+            assert reals(kernel, key) == {f"{e.ip}:{e.port}" if e.ip.version == 4 else f"{e.ip}:{e.port}": 1
+                                          for e in vs.reals}
+        for s in rules.SETS:
+            assert kernel.members(s.named(family)) == set(t.entries[s.name]), s.name
+        assert {a for a in kernel.addresses or () if a.version == family} == set(t.bound)
+        saved = parse(tools.save("nft", family))
+        for table, text in zip(("nat", "filter"), t.restore_input(random_fully=True).split("*filter")):
+            for chain in {r.chain for r in saved[table].rules if r.chain.startswith("KUBE-")}:
+                assert [r.text() for r in saved[table].in_chain(chain)] == \
+                    [line for line in text.splitlines() if line.startswith(f"-A {chain} ")], (table, chain)
+        jumps = {r.text() for table in saved.values() for r in table.rules if not r.chain.startswith("KUBE-")}
+        assert jumps == {j.text() for j in rules.JUMPS}
+    # every virtual server is named in usproxy's set, with its ServicePortName
+    named = kernel.members("USPROXY-IPVS") | kernel.members("USPROXY-6-IPVS")
+    assert len(named) == len(kernel.services)
+    assert 'comment "default/web:http/TCP"' in "".join(named)
+
+
+async def test_the_scheduler_and_persistence_follow_the_service_port(kernel: FakeIpvsKernel) -> None:
+    dp = datapath(kernel)
+    lc = spn("lc")
+    await dp.apply({WEB: web(session_affinity="ClientIP", affinity_timeout=30),
+                    lc: state(lc, "10.96.0.2", 80, [ep("10.244.1.1")], lb_policy="leastConnections")})
+    assert kernel.services[vs_key("TCP", "10.96.0.1", 80)] == Service("TCP", IP("10.96.0.1"), 80, "rr", 1, 30)
+    assert kernel.services[vs_key("TCP", "10.96.0.2", 80)] == Service("TCP", IP("10.96.0.2"), 80, "lc", 0, 0)
+
+
+async def test_an_endpoint_change_touches_only_that_real_server(kernel: FakeIpvsKernel) -> None:
+    dp = datapath(kernel)
+    await dp.apply({WEB: web(node_port=30080, service_type="NodePort"), DNS: state(DNS, "10.96.0.10", 53,
+                                                                                   [ep("10.244.1.1", 53)])})
+    kernel.calls.clear()
+    await dp.apply({WEB: web(("10.244.1.1", "10.244.2.1", "10.244.3.1"), node_port=30080, service_type="NodePort")})
+    assert sorted(kernel.calls) == ["add_dest", "add_dest"]  # the ClusterIP and the NodePort virtual server
+    assert reals(kernel, vs_key("TCP", "192.0.2.10", 30080)) == {
+        "10.244.1.1:8080": 1, "10.244.2.1:8080": 1, "10.244.3.1:8080": 1}
+
+
+async def test_a_tcp_real_server_with_connections_is_terminated_gracefully(kernel: FakeIpvsKernel) -> None:
+    dp = datapath(kernel)
+    key = vs_key("TCP", "10.96.0.1", 80)
+    await dp.apply({WEB: web()})
+    kernel.conns[(key, (IP("10.244.2.1"), 8080))] = 3
+    await dp.apply({WEB: web(("10.244.1.1",))})
+    assert reals(kernel, key) == {"10.244.1.1:8080": 1, "10.244.2.1:8080": 0}  # weight 0: no new connection
+    assert dp.collect() is True  # still busy
+    kernel.conns.clear()
+    assert dp.collect() is False
+    assert reals(kernel, key) == {"10.244.1.1:8080": 1}
+
+
+async def test_a_udp_real_server_goes_at_once(kernel: FakeIpvsKernel) -> None:
+    dp = datapath(kernel)
+    key = vs_key("UDP", "10.96.0.10", 53)
+    await dp.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53), ep("10.244.2.1", 53)])})
+    kernel.conns[(key, (IP("10.244.2.1"), 53))] = 5
+    await dp.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53)])})
+    assert reals(kernel, key) == {"10.244.1.1:53": 1}
+
+
+async def test_an_unwanted_virtual_server_with_connections_is_retired_then_revived(kernel: FakeIpvsKernel) -> None:
+    dp = datapath(kernel)
+    key = vs_key("TCP", "10.96.0.1", 80)
+    await dp.apply({WEB: web()})
+    kernel.conns[(key, (IP("10.244.1.1"), 8080))] = 1
+    await dp.apply({WEB: None})  # demoted to the relay
+    # its busy real server stays at weight 0, the idle one went, new connections to the VIP itself
+    assert reals(kernel, key) == {"10.244.1.1:8080": 0, "10.96.0.1:80": 1}
+    assert kernel.members("KUBE-CLUSTER-IP") == set() and IP("10.96.0.1") not in (kernel.addresses or ())
+    assert any(m.startswith("10.96.0.1,tcp:80 ") for m in kernel.members("USPROXY-IPVS"))  # still ours
+    kernel.conns[(key, (IP("10.96.0.1"), 80))] = 1  # a relay connection made through it
+    await dp.apply({WEB: web()})  # wanted again before it went idle
+    # the local real server waits at weight 0 for its connection, the endpoints serve again
+    assert reals(kernel, key) == {"10.244.1.1:8080": 1, "10.244.2.1:8080": 1, "10.96.0.1:80": 0}
+    kernel.conns.clear()
+    dp.collect()
+    assert reals(kernel, key) == {"10.244.1.1:8080": 1, "10.244.2.1:8080": 1}
+
+
+async def test_an_idle_unwanted_virtual_server_is_deleted_with_its_name(kernel: FakeIpvsKernel) -> None:
+    dp = datapath(kernel)
+    await dp.apply({WEB: web()})
+    await dp.apply({WEB: None})
+    assert kernel.services == {} and kernel.members("USPROXY-IPVS") == set()
+
+
+async def test_a_retired_virtual_server_goes_once_idle(kernel: FakeIpvsKernel) -> None:
+    dp = datapath(kernel)
+    key = vs_key("TCP", "10.96.0.1", 80)
+    await dp.apply({WEB: web()})
+    kernel.conns[(key, (IP("10.244.1.1"), 8080))] = 1
+    await dp.apply({WEB: None})
+    kernel.conns[(key, (IP("10.96.0.1"), 80))] = 4  # relay connections through it do not keep it
+    assert dp.collect() is True
+    kernel.conns.pop((key, (IP("10.244.1.1"), 8080)))
+    assert dp.collect() is False
+    assert key not in kernel.services and kernel.members("USPROXY-IPVS") == set()
+
+
+async def test_a_restart_adopts_what_usproxys_set_names_and_nothing_else(kernel: FakeIpvsKernel) -> None:
+    dp = datapath(kernel)
+    await dp.apply({WEB: web(), DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53)])})
+    theirs = Service("TCP", IP("198.51.100.7"), 443, "wlc")
+    kernel.add_service(theirs)
+    kernel.add_dest(theirs.key, Dest(IP("198.51.100.8"), 443))
+    before = dict(kernel.services)
+    dp.close()
+    dp2 = datapath(kernel)
+    assert await dp2.read_back() == {WEB: (ep("10.244.1.1"), ep("10.244.2.1")), DNS: (ep("10.244.1.1", 53),)}
+    kernel.calls.clear()
+    await dp2.apply({WEB: web(), DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53)])})
+    assert [c for c in kernel.calls if c != "dump"] == []  # adopted as it was: nothing rewritten
+    assert kernel.services == before
+    await dp2.apply({WEB: None, DNS: None})
+    assert kernel.services == {theirs.key: theirs}  # another program's virtual server stays
+
+
+async def test_a_refused_step_raises_and_the_next_pass_repairs(kernel: FakeIpvsKernel) -> None:
+    dp = datapath(kernel)
+    await dp.apply({WEB: web()})
+    kernel.schedulers.discard("lc")
+    lc = spn("lc")
+    with pytest.raises(OffloadError):
+        await dp.apply({lc: state(lc, "10.96.0.2", 80, [ep("10.244.1.1")], lb_policy="leastConnections")})
+    assert vs_key("TCP", "10.96.0.2", 80) not in kernel.services
+    kernel.fail_on = "add_dest"
+    with pytest.raises(OffloadError):
+        await dp.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53)])})
+    await dp.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53)])})
+    assert reals(kernel, vs_key("UDP", "10.96.0.10", 53)) == {"10.244.1.1:53": 1}
+    assert kernel.members("KUBE-CLUSTER-IP") == {"10.96.0.1,tcp:80", "10.96.0.10,udp:53"}
+
+
+async def test_cleanup_removes_only_usproxys(kernel: FakeIpvsKernel) -> None:
+    tools = FakeIpvsTools()
+    dp = datapath(kernel, tools)
+    await dp.apply(every_feature())
+    theirs = Service("UDP", IP("198.51.100.7"), 53, "rr")
+    kernel.add_service(theirs)
+    tools.restore("nft", 4, "*nat\n:DOCKER - [0:0]\n-A POSTROUTING -s 172.17.0.0/16 -j MASQUERADE\nCOMMIT\n")
+    assert "device kube-ipvs0" in await dp.leftovers()
+    await dp.cleanup()
+    assert kernel.services == {theirs.key: theirs}
+    assert kernel.addresses is None and kernel.sets == {}
+    nat = parse(tools.save("nft", 4))["nat"]
+    assert [r.text() for r in nat.rules] == ["-A POSTROUTING -s 172.17.0.0/16 -j MASQUERADE"]
+    assert await dp.leftovers() == []
+
+
+async def test_reading_back_creates_nothing(kernel: FakeIpvsKernel) -> None:
+    dp = datapath(kernel)
+    assert await dp.read_back() == {}
+    assert kernel.addresses is None and kernel.sets == {}
+
+
+def test_the_probe(kernel: FakeIpvsKernel) -> None:
+    assert datapath(kernel).probe().available
+    cap = datapath(FakeIpvsKernel(loaded=False), load_module=False).probe()
+    assert not cap.available and "ip_vs is not loaded" in cap.detail
+    cap = datapath(FakeIpvsKernel(ipset_tool=False)).probe()
+    assert not cap.available and "ipset" in cap.detail
+    cap = datapath(kernel, FakeIpvsTools(socket_match=False)).probe()
+    assert not cap.available and "refused" in cap.detail
+
+
+def test_what_it_does_not_serve(kernel: FakeIpvsKernel) -> None:
+    dp = datapath(kernel)
+    sctp = spn("s", proto="SCTP")
+    assert dp.unsupported(state(sctp, "10.96.0.3", 80, [])) == "SCTP is served by the relay only"
+    assert dp.unsupported(web()) is None
+
+
+def test_spn_text_round_trips() -> None:
+    assert ServicePortName.from_key(WEB.key()) == WEB

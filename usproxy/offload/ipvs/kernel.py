@@ -1,0 +1,277 @@
+"""IpvsKernel: IPVS virtual and real servers over generic netlink, the kube-ipvs0 device, ipsets.
+
+Every call runs in one worker thread (NetnsWorker: in the datapath's network namespace when one is
+given), with pyroute2's IPVS and IPRoute sockets built there on a private selector loop (pyroute2's
+synchronous API cannot run inside the agent's loop, and its asynchronous one fails under uvloop:
+docs/platform.md). The ipset tool runs from that thread too (a child it forks starts in its
+namespace). A failed call raises OffloadError with the kernel's errno.
+
+Facts of the kernel's interface this relies on (net/netfilter/ipvs/ip_vs_ctl.c): adding or editing
+a service needs the scheduler, flags, timeout and netmask attributes all present; the netmask of an
+IPv6 service is a prefix length in the attribute's four bytes as the host orders them; the kernel
+adds its own "hashed" flag (0x2) to every service; a real server's forwarding method 0 is Masq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import os
+import socket
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from usproxy.model.types import IPAddress
+from usproxy.offload.netns_worker import NetnsWorker
+from usproxy.util.errors import OffloadError
+
+PROTOCOLS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": socket.IPPROTO_SCTP}
+PROTOCOL_NAMES = {v: k for k, v in PROTOCOLS.items()}
+MASQ = 0  # IP_VS_CONN_F_MASQ
+FWD_MASK = 0x7
+HASHED = 0x0002  # IP_VS_SVC_F_HASHED: the kernel's own
+IFA_F_NODAD = 0x02
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    """One IPVS service as the kernel holds it (flags without the kernel's hashed bit)."""
+
+    proto: str
+    address: IPAddress
+    port: int
+    scheduler: str
+    flags: int = 0
+    timeout: int = 0
+
+    @property
+    def key(self) -> tuple[str, IPAddress, int]:
+        return (self.proto, self.address, self.port)
+
+
+@dataclass(frozen=True, slots=True)
+class Dest:
+    """One real server: address, port, weight, forwarding method; the kernel's connection counts."""
+
+    address: IPAddress
+    port: int
+    weight: int = 1
+    fwd: int = MASQ
+    active: int = 0
+    inactive: int = 0
+
+    @property
+    def key(self) -> tuple[IPAddress, int]:
+        return (self.address, self.port)
+
+    @property
+    def connections(self) -> int:
+        return self.active + self.inactive
+
+
+def _netmask(family: int) -> str:
+    """The netmask attribute: 255.255.255.255 for IPv4, the prefix 128 for IPv6 (module docstring)."""
+    return "255.255.255.255" if family == 4 else socket.inet_ntoa((128).to_bytes(4, sys.byteorder))
+
+
+def _service_msg(s: Service) -> Any:
+    from pyroute2 import IPVSService
+
+    return IPVSService(af=socket.AF_INET if s.address.version == 4 else socket.AF_INET6,
+                       protocol=PROTOCOLS[s.proto], addr=str(s.address), port=s.port, sched_name=s.scheduler,
+                       flags={"flags": s.flags, "mask": 0xFFFFFFFF}, timeout=s.timeout,
+                       netmask=_netmask(s.address.version))
+
+
+def _key_msg(key: tuple[str, IPAddress, int]) -> Any:
+    from pyroute2 import IPVSService
+
+    proto, addr, port = key
+    return IPVSService(af=socket.AF_INET if addr.version == 4 else socket.AF_INET6, protocol=PROTOCOLS[proto],
+                       addr=str(addr), port=port)
+
+
+def _dest_msg(d: Dest) -> Any:
+    from pyroute2 import IPVSDest
+
+    return IPVSDest(addr=str(d.address), port=d.port, weight=d.weight, fwd_method=d.fwd,
+                    addr_family=socket.AF_INET if d.address.version == 4 else socket.AF_INET6)
+
+
+def _attr(msg: Any, nla: str, name: str) -> Any:
+    return msg.get(nla).get_attr(name)
+
+
+def _service_of(msg: Any) -> Service | None:
+    """A dumped service; None for what usproxy never writes (fwmark services, unknown protocols)."""
+    nla = "IPVS_CMD_ATTR_SERVICE"
+    proto = PROTOCOL_NAMES.get(_attr(msg, nla, "IPVS_SVC_ATTR_PROTOCOL") or 0)
+    addr = _attr(msg, nla, "IPVS_SVC_ATTR_ADDR")
+    if proto is None or not addr or _attr(msg, nla, "IPVS_SVC_ATTR_FWMARK"):
+        return None
+    flags = _attr(msg, nla, "IPVS_SVC_ATTR_FLAGS") or {}
+    return Service(proto, ipaddress.ip_address(str(addr)), int(_attr(msg, nla, "IPVS_SVC_ATTR_PORT")),
+                   str(_attr(msg, nla, "IPVS_SVC_ATTR_SCHED_NAME")), int(flags.get("flags", 0)) & ~HASHED,
+                   int(_attr(msg, nla, "IPVS_SVC_ATTR_TIMEOUT") or 0))
+
+
+def _dest_of(msg: Any) -> Dest:
+    nla = "IPVS_CMD_ATTR_DEST"
+    return Dest(ipaddress.ip_address(str(_attr(msg, nla, "IPVS_DEST_ATTR_ADDR"))), int(_attr(msg, nla, "IPVS_DEST_ATTR_PORT")),
+                int(_attr(msg, nla, "IPVS_DEST_ATTR_WEIGHT") or 0),
+                int(_attr(msg, nla, "IPVS_DEST_ATTR_FWD_METHOD") or 0) & FWD_MASK,
+                int(_attr(msg, nla, "IPVS_DEST_ATTR_ACTIVE_CONNS") or 0),
+                int(_attr(msg, nla, "IPVS_DEST_ATTR_INACT_CONNS") or 0))
+
+
+def _errno(err: BaseException) -> int | None:
+    code = getattr(err, "code", None)
+    return code if isinstance(code, int) else None
+
+
+class IpvsKernel:
+    """IPVS and the dummy device of one network namespace (None: this process's)."""
+
+    def __init__(self, netns: str | None = None, device: str = "kube-ipvs0") -> None:
+        self.worker = NetnsWorker("ipvs", netns)
+        self.device = device
+        self._ipvs: Any = None
+        self._ipr: Any = None
+
+    # -- in the worker thread ---------------------------------------------------------------------
+    def _sock(self) -> Any:
+        if self._ipvs is None:
+            from pyroute2 import IPVS
+
+            self._ipvs = IPVS(use_event_loop=asyncio.SelectorEventLoop())
+        return self._ipvs
+
+    def _ip(self) -> Any:
+        if self._ipr is None:
+            from pyroute2 import IPRoute
+
+            self._ipr = IPRoute(use_event_loop=asyncio.SelectorEventLoop())
+        return self._ipr
+
+    def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        try:
+            return fn(*args, **kw)
+        except Exception as err:
+            raise OffloadError(f"IPVS {what}: {err}", errno=_errno(err) or 0) from None
+
+    def loaded(self) -> bool:
+        """Whether ip_vs is loaded here (its /proc file exists in this thread's namespace)."""
+        return os.path.exists("/proc/thread-self/net/ip_vs")
+
+    def dump(self) -> list[tuple[Service, list[Dest]]]:
+        """Every address-based service with its real servers."""
+        ipvs = self._sock()
+        out = []
+        for msg in self._call("dump", lambda: list(ipvs.service("dump"))):
+            svc = _service_of(msg)
+            if svc is None:
+                continue
+            dests = self._call(f"dump {svc.key}", lambda s=svc: list(ipvs.dest("dump", service=_key_msg(s.key))))
+            out.append((svc, [_dest_of(d) for d in dests]))
+        return out
+
+    def dests(self, key: tuple[str, IPAddress, int]) -> list[Dest]:
+        ipvs = self._sock()
+        return [_dest_of(d) for d in self._call(f"dump {key}", lambda: list(ipvs.dest("dump", service=_key_msg(key))))]
+
+    def add_service(self, s: Service) -> None:
+        self._call(f"add service {s.key}", self._sock().service, "add", service=_service_msg(s))
+
+    def edit_service(self, s: Service) -> None:
+        self._call(f"edit service {s.key}", self._sock().service, "set", service=_service_msg(s))
+
+    def del_service(self, key: tuple[str, IPAddress, int]) -> None:
+        try:
+            self._sock().service("del", service=_key_msg(key))
+        except Exception as err:
+            if _errno(err) not in (errno.ESRCH, errno.ENOENT):
+                raise OffloadError(f"IPVS delete service {key}: {err}", errno=_errno(err) or 0) from None
+
+    def add_dest(self, key: tuple[str, IPAddress, int], d: Dest) -> None:
+        self._call(f"add real server {d.key} to {key}", self._sock().dest, "add", service=_key_msg(key),
+                   dest=_dest_msg(d))
+
+    def edit_dest(self, key: tuple[str, IPAddress, int], d: Dest) -> None:
+        self._call(f"edit real server {d.key} of {key}", self._sock().dest, "set", service=_key_msg(key),
+                   dest=_dest_msg(d))
+
+    def del_dest(self, key: tuple[str, IPAddress, int], d: Dest) -> None:
+        try:
+            self._sock().dest("del", service=_key_msg(key), dest=_dest_msg(d))
+        except Exception as err:
+            if _errno(err) not in (errno.ESRCH, errno.ENOENT):
+                raise OffloadError(f"IPVS delete real server {d.key} of {key}: {err}", errno=_errno(err) or 0) from None
+
+    def ensure_device(self) -> int:
+        """kube-ipvs0 as kube-proxy's EnsureDummyDevice: a dummy, left down; its index."""
+        ipr = self._ip()
+        found = ipr.link_lookup(ifname=self.device)
+        if not found:
+            self._call(f"create {self.device}", ipr.link, "add", ifname=self.device, kind="dummy")
+            found = ipr.link_lookup(ifname=self.device)
+        return int(found[0])
+
+    def device_addresses(self) -> set[IPAddress] | None:
+        """The addresses on kube-ipvs0; None when it does not exist."""
+        ipr = self._ip()
+        found = ipr.link_lookup(ifname=self.device)
+        if not found:
+            return None
+        return {ipaddress.ip_address(a.get_attr("IFA_ADDRESS")) for a in ipr.get_addr(index=found[0])}
+
+    def bind(self, index: int, addrs: Iterable[IPAddress]) -> None:
+        ipr = self._ip()
+        for ip in addrs:
+            try:
+                ipr.addr("add", index=index, address=str(ip), prefixlen=32 if ip.version == 4 else 128,
+                         flags=IFA_F_NODAD)
+            except Exception as err:
+                if _errno(err) != errno.EEXIST:
+                    raise OffloadError(f"bind {ip} to {self.device}: {err}", errno=_errno(err) or 0) from None
+
+    def unbind(self, index: int, addrs: Iterable[IPAddress]) -> None:
+        ipr = self._ip()
+        for ip in addrs:
+            try:
+                ipr.addr("del", index=index, address=str(ip), prefixlen=32 if ip.version == 4 else 128)
+            except Exception as err:
+                if _errno(err) not in (errno.EADDRNOTAVAIL, errno.ENOENT, errno.ESRCH):
+                    raise OffloadError(f"unbind {ip} from {self.device}: {err}", errno=_errno(err) or 0) from None
+
+    def delete_device(self) -> bool:
+        ipr = self._ip()
+        found = ipr.link_lookup(ifname=self.device)
+        if found:
+            self._call(f"delete {self.device}", ipr.link, "del", index=found[0])
+        return bool(found)
+
+    def ipset(self, argv: list[str], stdin: str | None = None) -> str:
+        """The ipset tool here (`ipset ARGV`); its stdout, OffloadError when it fails."""
+        from usproxy.offload.iptables.client import run_command
+
+        return run_command(["ipset", *argv], stdin)
+
+    def close_sockets(self) -> None:
+        for s in (self._ipvs, self._ipr):
+            if s is not None:
+                s.close()
+        self._ipvs = self._ipr = None
+
+    # -- from the event loop ----------------------------------------------------------------------
+    async def run(self, fn: Any, *args: Any) -> Any:
+        return await self.worker.run(fn, *args)
+
+    def close(self) -> None:
+        try:
+            self.worker.call(self.close_sockets, timeout=10)
+        except Exception:
+            pass
+        self.worker.close()
