@@ -468,3 +468,16 @@ async def test_serves_at_once_only_without_a_window_and_for_every_traffic_kind()
     assert not make(refused, after=0.0)[0].serves_at_once(served)
     assert not make(FakeKernelDatapath("bpf", frozenset({"local"})), after=0.0)[0].serves_at_once(served)
     assert make(FakeKernelDatapath("bpf", frozenset({"local"})), FakeKernelDatapath(), after=0.0)[0].serves_at_once(served)
+
+
+async def test_a_datapath_conflicting_with_a_better_usable_one_is_left_out() -> None:
+    """The IPVS and iptables datapaths write chains of the same names (their declarations say so):
+    where IPVS is usable iptables is left out of the ladder, with the reason; where IPVS is not,
+    iptables serves."""
+    ipvs, ipt = FakeKernelDatapath("ipvs"), FakeKernelDatapath("iptables")
+    mgr, _, _ = make(ipvs, ipt)
+    assert [k.name for k in mgr.usable_kernels()] == ["ipvs"]
+    assert not mgr.capabilities["iptables"].available
+    assert "ipvs serves here" in mgr.capabilities["iptables"].detail
+    mgr2, _, _ = make(FakeKernelDatapath("ipvs", available=False), FakeKernelDatapath("iptables"))
+    assert [k.name for k in mgr2.usable_kernels()] == ["iptables"]

@@ -70,12 +70,6 @@ def probe_conntrack() -> Capability:
     return Capability("conntrack", True, f"{n} entries readable")
 
 
-def probe_ipvs() -> Capability:
-    if Path("/proc/net/ip_vs").exists():
-        return Capability("ipvs", True, "present (usproxy does not use it; explain renders it)")
-    return Capability("ipvs", False, "CONFIG_IP_VS off (explain still renders IPVS tables)")
-
-
 def probe_relay_capture() -> Capability:
     """The relay's own choice of how to capture a frontend whose port a node socket holds
     (usproxy/relay/port_capture.py `choose`, which installs nothing)."""
@@ -89,11 +83,12 @@ def probe_relay_capture() -> Capability:
 
 def probe_all(cfg: ProxyConfig = ProxyConfig()) -> list[Capability]:
     """Interfaces for ClusterIPs, then every declared kernel datapath's probes in ladder order,
-    then conntrack, IPVS and the relay's capture of held ports."""
+    then conntrack and the relay's capture of held ports (IPVS is a datapath of the registry: its
+    probe is there)."""
     from usproxy.offload import registry
 
     caps = [probe_link_kind("dummy"), probe_link_kind("bridge"),
             Capability("interface lo", os.path.exists("/sys/class/net/lo"), "last resort for ClusterIPs")]
     for d in registry.KERNEL_DATAPATHS:
         caps += d.probes(cfg)
-    return [*caps, probe_conntrack(), probe_ipvs(), probe_relay_capture()]
+    return [*caps, probe_conntrack(), probe_relay_capture()]

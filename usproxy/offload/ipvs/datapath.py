@@ -172,6 +172,8 @@ class IpvsDatapath:
 
     def _check(self) -> str:
         if not self.load_module and not self.kernel.worker.call(self.kernel.loaded, timeout=30):
+            if not self.kernel.installed():
+                raise LookupError("no IPVS in this kernel (CONFIG_IP_VS off, no ip_vs module)")
             raise LookupError("ip_vs is not loaded (--offload ipvs loads it, as does modprobe ip_vs)")
 
         def ipvs() -> None:
@@ -574,14 +576,17 @@ class IpvsDatapath:
         return left
 
     # -- cleanup ----------------------------------------------------------------------------------
-    async def cleanup(self) -> None:
+    async def cleanup(self, keep_busy: bool = False) -> None:
         """Remove every virtual server usproxy's set names, kube-ipvs0, this mode's chains and
-        jumps and the sets (leftovers.py). Another program's virtual servers stay."""
+        jumps and the sets (leftovers.py); with `keep_busy` (leftovers at an agent's start) the
+        virtual servers carrying connections stay. Another program's virtual servers stay."""
         from usproxy.offload.ipvs import leftovers
 
         if self._checker is not None:
             self._checker.cancel()
-        await leftovers.remove(self.kernel, self.tools_client)
+        kept = await leftovers.remove(self.kernel, self.tools_client, keep_busy)
+        if kept:
+            log.info("kept %d IPVS virtual servers of an earlier run until their connections end", len(kept))
         self._vs, self.installed = {}, {}
         self._fam = {f: _Family(rules.Tables(f, Node())) for f in FAMILIES}
         self._setup_done, self._need_full = False, True

@@ -61,12 +61,13 @@ async def leftovers(cfg: ProxyConfig) -> list[str]:
 
 
 async def remove(cfg: ProxyConfig) -> None:
-    """Delete all of it, keeping every other program's virtual servers and rules (leftovers.py)."""
+    """Delete all of it, keeping every other program's virtual servers and rules (leftovers.py);
+    at an agent's start (not --cleanup) the virtual servers that carry connections stay."""
     from usproxy.offload.ipvs.datapath import IpvsDatapath
 
     dp = IpvsDatapath()
     try:
-        await dp.cleanup()
+        await dp.cleanup(keep_busy=not cfg.cleanup)
     finally:
         dp.close()
 

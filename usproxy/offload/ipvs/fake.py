@@ -76,6 +76,9 @@ class FakeIpvsKernel:
     def loaded(self) -> bool:
         return self.is_loaded
 
+    def installed(self) -> bool:
+        return True  # a module to load (the probe says "not loaded", not "no IPVS")
+
     def dump(self) -> list[tuple[Service, list[Dest]]]:
         self._enter("dump")
         return [(s, self.dests(k)) for k, s in self.services.items()]

@@ -140,21 +140,27 @@ class IpvsKernel:
         self.device = device
         self._ipvs: Any = None
         self._ipr: Any = None
+        self._loops: list[asyncio.AbstractEventLoop] = []  # the sockets' private loops, closed with them
 
     # -- in the worker thread ---------------------------------------------------------------------
     def _sock(self) -> Any:
         if self._ipvs is None:
             from pyroute2 import IPVS
 
-            self._ipvs = IPVS(use_event_loop=asyncio.SelectorEventLoop())
+            self._ipvs = IPVS(use_event_loop=self._loop())
         return self._ipvs
 
     def _ip(self) -> Any:
         if self._ipr is None:
             from pyroute2 import IPRoute
 
-            self._ipr = IPRoute(use_event_loop=asyncio.SelectorEventLoop())
+            self._ipr = IPRoute(use_event_loop=self._loop())
         return self._ipr
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.SelectorEventLoop()
+        self._loops.append(loop)
+        return loop
 
     def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         try:
@@ -165,6 +171,9 @@ class IpvsKernel:
     def loaded(self) -> bool:
         """Whether ip_vs is loaded here (its /proc file exists in this thread's namespace)."""
         return os.path.exists("/proc/thread-self/net/ip_vs")
+
+    def installed(self) -> bool:
+        return module_installed()
 
     def dump(self) -> list[tuple[Service, list[Dest]]]:
         """Every address-based service with its real servers."""
@@ -263,7 +272,12 @@ class IpvsKernel:
         for s in (self._ipvs, self._ipr):
             if s is not None:
                 s.close()
+        for loop in self._loops:  # one turn lets the closing transports finish, then the loop goes
+            if not loop.is_closed():
+                loop.run_until_complete(asyncio.sleep(0))
+                loop.close()
         self._ipvs = self._ipr = None
+        self._loops = []
 
     # -- from the event loop ----------------------------------------------------------------------
     async def run(self, fn: Any, *args: Any) -> Any:
@@ -275,3 +289,12 @@ class IpvsKernel:
         except Exception:
             pass
         self.worker.close()
+
+
+def module_installed() -> bool:
+    """Whether this kernel has an ip_vs module to load (modules.dep names it)."""
+    try:
+        with open(f"/lib/modules/{os.uname().release}/modules.dep") as f:
+            return any("/ip_vs.ko" in line.split(":", 1)[0] for line in f)
+    except OSError:
+        return False

@@ -3,7 +3,11 @@
 As kube-proxy's IPVS cleanupLeftovers (pkg/proxy/ipvs/proxier.go), with one difference: kube-proxy
 flushes every IPVS virtual server of the node, usproxy deletes only those its own set
 (USPROXY-IPVS, ipsets.py) names, so another program's virtual servers (keepalived's, a second
-load balancer's) stay. Then the kube-ipvs0 device, this mode's iptables chains and entry jumps
+load balancer's) stay; and at an agent's start (leftovers of a run with another --offload), a
+virtual server that still carries connections stays too, with its name: packets of those
+connections keep reaching IPVS (their conntrack entries bypass the new datapath's NAT), while the
+new datapath catches every new connection before IPVS sees it; a later start, or --cleanup,
+removes it once idle. Then the kube-ipvs0 device, this mode's iptables chains and entry jumps
 in both backends and families (the iptables datapath's removal, offload/iptables/leftovers.py,
 with this mode's chains, jumps and the chains it shares with iptables mode: shared.py), and
 last the sets, which no rule refers to by then.
@@ -75,14 +79,19 @@ async def describe(kernel: IpvsKernel, tools: IptablesTransport) -> list[str]:
     return out
 
 
-async def remove(kernel: IpvsKernel, tools: IptablesTransport) -> None:
-    """Remove it all (module docstring). Raises OffloadError naming what failed."""
+async def remove(kernel: IpvsKernel, tools: IptablesTransport, keep_busy: bool = False) -> list[Service]:
+    """Remove it (module docstring); with `keep_busy`, the virtual servers that carry
+    connections stay. Returns those kept. Raises OffloadError naming what failed."""
     errors = []
     saved = await _sets(kernel)
+    kept: list[Service] = []
     try:  # without ip_vs loaded or usproxy's set there is no virtual server of ours
         if saved and await kernel.run(kernel.loaded):
             for svc in await kernel.run(_ours, kernel, saved):
-                await kernel.run(kernel.del_service, svc.key)
+                if keep_busy and any(d.connections for d in await kernel.run(kernel.dests, svc.key)):
+                    kept.append(svc)
+                else:
+                    await kernel.run(kernel.del_service, svc.key)
     except OffloadError as err:
         errors.append(str(err))
     try:
@@ -96,11 +105,19 @@ async def remove(kernel: IpvsKernel, tools: IptablesTransport) -> None:
                 await tools.run(t.restore(f), text)
             except OffloadError as err:
                 errors.append(str(err))
-    gone = [n for f in FAMILIES for n in ipsets.owned(f) if n in saved]
+    naming = {ipsets.names_set(4 if s.address.version == 4 else 6) for s in kept}
+    gone = [n for f in FAMILIES for n in ipsets.owned(f) if n in saved and n not in naming]
     if gone:
         try:
             await kernel.run(kernel.ipset, ["-exist", "restore"], "".join(f"flush {n}\ndestroy {n}\n" for n in gone))
         except OffloadError as err:
             errors.append(str(err))
+    for name in naming:  # only the kept virtual servers stay named
+        entries = {f"{s.address},{s.proto.lower()}:{s.port}" for s in kept}
+        stale = [m for m in saved[name].members if m.split(" comment ", 1)[0] not in entries]
+        if stale:
+            await kernel.run(kernel.ipset, ["-exist", "restore"],
+                             "".join(f"del {name} {m.split(' comment ', 1)[0]}\n" for m in stale))
     if errors:
         raise OffloadError("; ".join(errors))
+    return kept

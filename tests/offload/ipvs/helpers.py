@@ -1,0 +1,36 @@
+"""Builders for the IPVS datapath's unit tests: the datapath over the fakes, on node "node"
+(192.0.2.10), without kernel conntrack."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from usproxy.model.node import LocalAddresses, NodeFacts
+from usproxy.model.types import IPAddress
+from usproxy.offload.ipvs.datapath import IpvsDatapath
+from usproxy.offload.ipvs.fake import FakeIpvsKernel, FakeIpvsTools
+from usproxy.offload.kernel_conntrack import KernelConntrack
+
+NODE_IP = ipaddress.ip_address("192.0.2.10")
+IP = ipaddress.ip_address
+
+
+class NoConntrack(KernelConntrack):
+    def __init__(self) -> None:
+        super().__init__()
+        self.deleted: list[set[tuple[str, int]]] = []
+
+    async def delete_udp(self, *, reply_src: object = (), orig_dst: object = ()) -> int:
+        self.deleted.append({*reply_src, *orig_dst})  # type: ignore[misc]
+        return 0
+
+
+def addresses(*more: tuple[str, IPAddress]) -> object:
+    async def read() -> LocalAddresses:
+        return [("eth0", NODE_IP), ("lo", IP("127.0.0.1")), ("usproxy0", IP("10.96.0.1")), *more]
+    return read
+
+
+def datapath(kernel: FakeIpvsKernel, tools: FakeIpvsTools | None = None, **kw: object) -> IpvsDatapath:
+    return IpvsDatapath(kernel, tools or FakeIpvsTools(), NoConntrack(), node=NodeFacts("node"),  # type: ignore[arg-type]
+                        addresses=addresses(), node_ips=lambda: (NODE_IP,), **kw)  # type: ignore[arg-type]
