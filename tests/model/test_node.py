@@ -52,7 +52,8 @@ def test_primary_is_the_primary_address_of_each_family() -> None:
 
 
 LOCAL = [("lo", "127.0.0.1"), ("eth0", "192.0.2.10"), ("eth0", "192.0.2.11"), ("eth1", "198.51.100.7"),
-         ("eth0", "2001:db8::10"), ("eth0", "fe80::1"), ("usproxy0", "10.96.0.1"), ("lo", "::1")]
+         ("eth0", "2001:db8::10"), ("eth0", "fe80::1"), ("usproxy0", "10.96.0.1"), ("lo", "::1"),
+         ("kube-ipvs0", "10.96.0.1"), ("kube-ipvs0", "10.96.0.2")]  # the IPVS datapath's: Service addresses too
 
 
 def ip(text: str) -> IPAddress:

@@ -47,6 +47,11 @@ T = TypeVar("T")
 LocalAddresses = list[tuple[str, IPAddress]]  # (interface name, address)
 
 
+
+# The IPVS datapath's dummy device (kube-proxy's IPVS mode's name): it holds Service addresses, which
+# are never NodePort addresses (kube-proxy's IPVS NodeIPs leaves its addresses out alike)
+IPVS_DEVICE = "kube-ipvs0"
+
 @dataclass(frozen=True, slots=True)
 class NodeFacts:
     """This node as every part of the agent sees it.
@@ -77,10 +82,11 @@ class NodeFacts:
     def nodeport_ips(self, local: Iterable[tuple[str, IPAddress]], clusterip_interface: str) -> tuple[IPAddress, ...]:
         """The addresses among `local` ((interface, address) pairs) that serve NodePorts, sorted:
         admitted by nodeport_cidrs (per family), never loopback (kube-proxy's nftables mode
-        refuses localhost NodePorts), link-local, nor on the ClusterIP interface."""
+        refuses localhost NodePorts), link-local, nor on the ClusterIP interface or IPVS_DEVICE
+        (Service addresses both, never the node's)."""
         out = set()
         for ifname, ip in local:
-            if ifname == clusterip_interface or ip.is_loopback or ip.is_link_local:
+            if ifname in (clusterip_interface, IPVS_DEVICE) or ip.is_loopback or ip.is_link_local:
                 continue
             if self.nodeport_match_all(ip.version) or any(ip in n for n in self.nodeport_cidrs):
                 out.add(ip)

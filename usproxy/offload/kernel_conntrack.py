@@ -96,6 +96,39 @@ class KernelConntrack:
                 ct.close()
         return deleted
 
+    async def delete_udp_turned_answers(self, pairs: Iterable[tuple[tuple[str, int], str]]) -> int:
+        """Delete UDP entries whose original source is an endpoint (address, port) and whose reply
+        destination is the Service address paired with it: what the kernel makes of an endpoint's
+        answer that IPVS turned into the Service address's while a conntrack entry without NAT
+        (a relayed session's) held that tuple (offload/ipvs/datapath.py). Returns how many."""
+        wanted = {(ep, vip) for ep, vip in pairs}
+        return await self._worker.run(self._delete_turned, wanted) if wanted else 0
+
+    def _delete_turned(self, wanted: set[tuple[tuple[str, int], str]]) -> int:
+        from pyroute2 import Conntrack
+        from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+        deleted = 0
+        for family in FAMILIES:
+            v6 = family == socket.AF_INET6
+            mine = {(ep, vip) for ep, vip in wanted if (":" in vip) == v6}
+            if not mine:
+                continue
+            ct = Conntrack(nfgen_family=family)
+            try:
+                for a, p in {ep for ep, _ in mine}:
+                    for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=family, proto=socket.IPPROTO_UDP,
+                                                                      saddr=a, sport=p)):
+                        if ((a, p), str(e.tuple_reply.daddr)) in mine:
+                            try:
+                                ct.entry("del", tuple_orig=e.tuple_orig)
+                                deleted += 1
+                            except Exception as err:  # gone meanwhile: fine
+                                log.debug("conntrack delete %s: %s", e.tuple_orig, err)
+            finally:
+                ct.close()
+        return deleted
+
     def flows(self, frontends: Mapping[FrontendKey, str], datapath: str, timeout: float = 5.0) -> list[FlowRow]:
         """DNATed entries to `frontends` (key -> ServicePortName text), as /flows rows."""
         if not frontends:

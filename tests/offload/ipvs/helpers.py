@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 
 from usproxy.model.node import LocalAddresses, NodeFacts
 from usproxy.model.types import IPAddress
@@ -20,8 +21,14 @@ class NoConntrack(KernelConntrack):
         super().__init__()
         self.deleted: list[set[tuple[str, int]]] = []
 
+        self.turned: list[set[tuple[tuple[str, int], str]]] = []
+
     async def delete_udp(self, *, reply_src: object = (), orig_dst: object = ()) -> int:
         self.deleted.append({*reply_src, *orig_dst})  # type: ignore[misc]
+        return 0
+
+    async def delete_udp_turned_answers(self, pairs: Iterable[tuple[tuple[str, int], str]]) -> int:
+        self.turned.append(set(pairs))
         return 0
 
 

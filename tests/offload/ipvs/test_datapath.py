@@ -21,7 +21,7 @@ from usproxy.offload.ipvs.kernel import Dest, Service
 from usproxy.util.errors import OffloadError
 
 from tests.offload.helpers import ep, every_feature, spn, state
-from tests.offload.ipvs.helpers import datapath
+from tests.offload.ipvs.helpers import NoConntrack, datapath
 
 WEB, DNS = spn("web", "http"), spn("dns", "dns", "UDP")
 IP = ipaddress.ip_address
@@ -204,6 +204,44 @@ async def test_cleanup_removes_only_usproxys(kernel: FakeIpvsKernel) -> None:
     nat = parse(tools.save("nft", 4))["nat"]
     assert [r.text() for r in nat.rules] == ["-A POSTROUTING -s 172.17.0.0/16 -j MASQUERADE"]
     assert await dp.leftovers() == []
+
+
+async def test_leftovers_at_an_agents_start_keep_busy_virtual_servers(kernel: FakeIpvsKernel) -> None:
+    """At an agent's start with another --offload (keep_busy) a virtual server carrying
+    connections stays, named in USPROXY-IPVS, and the leftovers listed (and logged as removed)
+    leave it out; an idle one goes; --cleanup (no keep_busy) removes it too."""
+    tools = FakeIpvsTools()
+    dp = datapath(kernel, tools)
+    await dp.apply({WEB: web(), DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53)])})
+    busy = vs_key("TCP", "10.96.0.1", 80)
+    kernel.conns[(busy, (IP("10.244.1.1"), 8080))] = 3
+    listed = await dp.leftovers(keep_busy=True)
+    assert "1 IPVS virtual servers" in listed, listed
+    await dp.cleanup(keep_busy=True)
+    assert list(kernel.services) == [busy]
+    assert kernel.members("USPROXY-IPVS") == {'10.96.0.1,tcp:80 comment "default/web:http/TCP"'}
+    assert await dp.leftovers(keep_busy=True) == []  # nothing more to remove while it is busy
+    await dp.cleanup()
+    assert kernel.services == {} and kernel.sets == {}
+
+
+async def test_udp_entries_to_a_frontend_new_here_go_once(kernel: FakeIpvsKernel) -> None:
+    """A UDP ServicePort new to this datapath (a new Service, or one the relay served) has its
+    frontend's conntrack entries deleted once, with those an endpoint's answer turned into the
+    Service address's made (a relayed session's entry would clash with IPVS's answers: test_kernel,
+    in the VM lab); an endpoint change does not; after a restart, the ServicePorts read back are
+    not new."""
+    dp = datapath(kernel)
+    ct: NoConntrack = dp.conntrack  # type: ignore[assignment]
+    await dp.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53)])})
+    assert ct.deleted == [{("10.96.0.10", 53)}]
+    assert ct.turned == [{(("10.244.1.1", 53), "10.96.0.10")}]
+    await dp.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53), ep("10.244.2.1", 53)])})
+    assert len(ct.deleted) == 1 and len(ct.turned) == 1
+    dp2 = datapath(kernel)
+    await dp2.read_back()
+    await dp2.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53), ep("10.244.2.1", 53)])})
+    assert dp2.conntrack.deleted == [] and dp2.conntrack.turned == []  # type: ignore[attr-defined]
 
 
 async def test_reading_back_creates_nothing(kernel: FakeIpvsKernel) -> None:

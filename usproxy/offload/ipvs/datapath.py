@@ -147,6 +147,7 @@ class IpvsDatapath:
         self.node_ips = node_ips
         self.families: tuple[Family, ...] = FAMILIES
         self.installed: dict[ServicePortName, ServicePortState] = {}
+        self._held: set[ServicePortName] = set()  # read back, not applied since: IPVS served them already
         self._fam: dict[Family, _Family] = {f: _Family(rules.Tables(f, Node())) for f in FAMILIES}
         self._vs: dict[VsKey, _Vs] = {}
         self._node_addrs: dict[Family, tuple[IPAddress, ...]] = {f: () for f in FAMILIES}
@@ -254,10 +255,13 @@ class IpvsDatapath:
             await self._read_view()
             raise
         self._need_full = False
-        zero_to_n = self._udp_zero_to_n(changes)
+        zero_to_n, turned = self._udp_newly_active(changes)
         self.installed = installed
+        self._held -= set(changes)
         if zero_to_n:
             await self.conntrack.delete_udp(orig_dst=zero_to_n)
+        if turned:
+            await self.conntrack.delete_udp_turned_answers(turned)
         self._start_checker()
 
     async def _sync(self, installed: Mapping[ServicePortName, ServicePortState], changed: set[ServicePortName],
@@ -470,6 +474,7 @@ class IpvsDatapath:
             if spn is None:
                 continue
             out.setdefault(spn, set()).update(Endpoint(ip, port) for (ip, port), d in vs.dests.items() if d.weight)
+        self._held = set(out)
         return {spn: tuple(sorted(eps, key=str)) for spn, eps in out.items()}
 
     async def _read_view(self) -> None:
@@ -499,20 +504,32 @@ class IpvsDatapath:
         if targets:
             await self.conntrack.delete_udp(reply_src=targets)
 
-    def _udp_zero_to_n(self, changes: Mapping[ServicePortName, ServicePortState | None]) -> set[tuple[str, int]]:
-        """UDP frontends that refused until now and get endpoints in this change (kube-proxy's
-        CleanStaleEntries for newly active UDP Services)."""
-        out = set()
+    def _udp_newly_active(self, changes: Mapping[ServicePortName, ServicePortState | None]
+                          ) -> tuple[set[tuple[str, int]], set[tuple[tuple[str, int], str]]]:
+        """(UDP frontends, (endpoint, Service address) pairs) whose conntrack entries go after
+        this change. Frontends that refused until now, or that this datapath did not serve (the
+        relay did, or the Service is new; not one read back), and get endpoints: kube-proxy's
+        CleanStaleEntries for newly active UDP Services, which here also removes a relayed
+        session's entry. Made without NAT, it would clash with IPVS's answers to that session's
+        next datagrams: the kernel gives those another source port, which the client's connected
+        socket drops (seen in the VM lab; docs/platform.md, IPVS). The pairs, for a ServicePort
+        new to this datapath: the entries such a clash made before the frontend's went."""
+        out: set[tuple[str, int]] = set()
+        turned: set[tuple[tuple[str, int], str]] = set()
         for spn, st in changes.items():
             prev = self.installed.get(spn)
-            if st is None or prev is None or spn.protocol != "UDP":
+            if st is None or spn.protocol != "UDP" or (prev is None and spn in self._held):
                 continue
             sp = st.service_port
-            if not prev.cluster_endpoints and st.cluster_endpoints:
-                out |= {(str(ip), sp.port) for ip in sp.cluster_ips}
-            if not prev.external_endpoints and st.external_endpoints:
-                out |= {(str(ip), sp.port) for ip in (*sp.external_ips, *sp.load_balancer_ips)}
-        return out
+            for eps, before, ips in ((st.cluster_endpoints, prev.cluster_endpoints if prev else (), sp.cluster_ips),
+                                     (st.external_endpoints, prev.external_endpoints if prev else (),
+                                      (*sp.external_ips, *sp.load_balancer_ips))):
+                if before or not eps:
+                    continue
+                out |= {(str(ip), sp.port) for ip in ips}
+                if prev is None:
+                    turned |= {((str(e.ip), e.port), str(ip)) for e in eps for ip in ips if e.ip.version == ip.version}
+        return out, turned
 
     def frontends(self) -> dict[FrontendKey, str]:
         """(address, PROTO, port) -> ServicePortName text of every virtual server of ours."""
@@ -587,15 +604,16 @@ class IpvsDatapath:
         kept = await leftovers.remove(self.kernel, self.tools_client, keep_busy)
         if kept:
             log.info("kept %d IPVS virtual servers of an earlier run until their connections end", len(kept))
-        self._vs, self.installed = {}, {}
+        self._vs, self.installed, self._held = {}, {}, set()
         self._fam = {f: _Family(rules.Tables(f, Node())) for f in FAMILIES}
         self._setup_done, self._need_full = False, True
 
-    async def leftovers(self) -> list[str]:
-        """What this mode holds in this namespace (leftovers.describe), changing nothing."""
+    async def leftovers(self, keep_busy: bool = False) -> list[str]:
+        """What this mode holds in this namespace (leftovers.describe), changing nothing; with
+        `keep_busy`, what cleanup(keep_busy=True) would remove."""
         from usproxy.offload.ipvs import leftovers
 
-        return await leftovers.describe(self.kernel, self.tools_client)
+        return await leftovers.describe(self.kernel, self.tools_client, keep_busy)
 
     def close(self) -> None:
         """Stop the threads; what is installed stays (C20)."""

@@ -50,12 +50,13 @@ def probes(cfg: ProxyConfig) -> list[Capability]:
 
 
 async def leftovers(cfg: ProxyConfig) -> list[str]:
-    """This mode's virtual servers (those usproxy's set names), kube-ipvs0, sets and chains."""
+    """This mode's virtual servers (those usproxy's set names), kube-ipvs0, sets and chains; at
+    an agent's start, without the virtual servers remove() keeps (those carrying connections)."""
     from usproxy.offload.ipvs.datapath import IpvsDatapath
 
     dp = IpvsDatapath()
     try:
-        return await dp.leftovers()
+        return await dp.leftovers(keep_busy=not cfg.cleanup)
     finally:
         dp.close()
 

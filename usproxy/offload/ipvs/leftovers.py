@@ -60,16 +60,23 @@ async def _saved_tables(tools: IptablesTransport) -> list[tuple[Tools, Family, d
     return out
 
 
-async def describe(kernel: IpvsKernel, tools: IptablesTransport) -> list[str]:
-    """What of this mode the namespace holds, changing nothing."""
+async def _busy(kernel: IpvsKernel, services: list[Service]) -> list[Service]:
+    return [s for s in services if any(d.connections for d in await kernel.run(kernel.dests, s.key))]
+
+
+async def describe(kernel: IpvsKernel, tools: IptablesTransport, keep_busy: bool = False) -> list[str]:
+    """What of this mode the namespace holds, changing nothing; with `keep_busy`, what remove()
+    with it would remove (the busy virtual servers and the sets naming them left out)."""
     out = []
     saved = await _sets(kernel)
     ours = await kernel.run(_ours, kernel, saved) if saved and await kernel.run(kernel.loaded) else []
-    if ours:
-        out.append(f"{len(ours)} IPVS virtual servers")
+    busy = await _busy(kernel, ours) if keep_busy else []
+    if len(ours) > len(busy):
+        out.append(f"{len(ours) - len(busy)} IPVS virtual servers")
     if await kernel.run(kernel.device_addresses) is not None:
         out.append(f"device {kernel.device}")
-    sets = [n for f in FAMILIES for n in ipsets.owned(f) if n in saved]
+    naming = {ipsets.names_set(4 if s.address.version == 4 else 6) for s in busy}
+    sets = [n for f in FAMILIES for n in ipsets.owned(f) if n in saved and n not in naming]
     if sets:
         out.append(f"{len(sets)} ipsets")
     for t, f, tables in await _saved_tables(tools):
@@ -87,10 +94,10 @@ async def remove(kernel: IpvsKernel, tools: IptablesTransport, keep_busy: bool =
     kept: list[Service] = []
     try:  # without ip_vs loaded or usproxy's set there is no virtual server of ours
         if saved and await kernel.run(kernel.loaded):
-            for svc in await kernel.run(_ours, kernel, saved):
-                if keep_busy and any(d.connections for d in await kernel.run(kernel.dests, svc.key)):
-                    kept.append(svc)
-                else:
+            ours = await kernel.run(_ours, kernel, saved)
+            kept = await _busy(kernel, ours) if keep_busy else []
+            for svc in ours:
+                if svc not in kept:
                     await kernel.run(kernel.del_service, svc.key)
     except OffloadError as err:
         errors.append(str(err))

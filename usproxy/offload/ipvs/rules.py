@@ -34,12 +34,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from usproxy.model.endpoint import Endpoint
+from usproxy.model.node import IPVS_DEVICE
 from usproxy.model.service_port import LBPolicy
 from usproxy.model.service_set import FamilyPort, Node
 from usproxy.model.types import Family, IPAddress, ServicePortName
 from usproxy.offload.iptables.jumps import Jump
 
-DUMMY = "kube-ipvs0"
+DUMMY = IPVS_DEVICE
 SERVICES, POSTROUTING, NODE_PORT = "KUBE-SERVICES", "KUBE-POSTROUTING", "KUBE-NODE-PORT"
 LOAD_BALANCER, MARK_MASQ, FORWARD = "KUBE-LOAD-BALANCER", "KUBE-MARK-MASQ", "KUBE-FORWARD"
 PROXY_FIREWALL, SOURCE_RANGES_FIREWALL = "KUBE-PROXY-FIREWALL", "KUBE-SOURCE-RANGES-FIREWALL"
