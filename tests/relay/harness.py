@@ -24,7 +24,10 @@ import yaml
 from tests.netns import Topology, inside
 
 ROOT = Path(__file__).resolve().parents[2]
-USPROXY = str(ROOT / ".venv" / "bin" / "usproxy")
+# the worktree's venv; where there is none (the VM lab's guest, which installs the wheel), the
+# usproxy next to this interpreter
+USPROXY = str(next((p for p in (ROOT / ".venv" / "bin" / "usproxy", Path(sys.executable).with_name("usproxy"))
+                    if p.exists()), ROOT / ".venv" / "bin" / "usproxy"))
 BACKENDS = str(Path(__file__).with_name("backends.py"))
 
 
