@@ -1,8 +1,10 @@
 """New connections per second, and CPU per connection, with 10 and with 10,000 Services, side by
-side in one run: a direct connection, usproxy's relay, the nftables datapath and the iptables
-datapath (iptables-nft and iptables-legacy). Not a test.
+side in one run: a direct connection, usproxy's relay, the nftables datapath, the iptables
+datapath (iptables-nft and iptables-legacy) and, where IPVS is (the VM lab's ipvs guest), the IPVS
+datapath. Not a test.
 
     sudo .venv/bin/python -m bench.service_scale [--sizes 10,10000] [--rounds 3] [--seconds 2]
+                                                [--contenders direct,relay,nftables,iptables-nft,ipvs]
 
 Each contender gets its own bench topology (client, node and server network namespaces, as
 bench/topology.py builds them), so no contender's rules lie in another's path: iptables' nat hook
@@ -36,6 +38,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +157,10 @@ class Kernel(Contender):
             from usproxy.offload.iptables.datapath import IptablesDatapath
 
             dp: Any = IptablesDatapath(netns=self.topo.node, node=NodeFacts("node-0"), backend=self.backend)  # type: ignore[arg-type]
+        elif self.kind == "ipvs":
+            from usproxy.offload.ipvs.datapath import IpvsDatapath
+
+            dp = IpvsDatapath(netns=self.topo.node, node=NodeFacts("node-0"))
         else:
             from usproxy.offload.nftables.datapath import NftablesDatapath
 
@@ -198,12 +205,21 @@ def measure(c: Contender, seconds: float) -> dict[str, float]:
     return {"cps": cps, "cpu_s_per_10k": cpu, "errors": r["errors"]}
 
 
-def run(sizes: list[int], rounds: int, seconds: float) -> list[dict[str, Any]]:
+def contenders_of(names: list[str], work: Path) -> list[Contender]:
+    make: dict[str, Callable[[], Contender]] = {"direct": lambda: Contender("direct", work), "relay": lambda: Relay("relay", work),
+            "nftables": lambda: Kernel("nftables", work, "nftables"),
+            "iptables-nft": lambda: Kernel("iptables-nft", work, "iptables", "nft"),
+            "iptables-legacy": lambda: Kernel("iptables-legacy", work, "iptables", "legacy"),
+            "ipvs": lambda: Kernel("ipvs", work, "ipvs")}
+    return [make[n]() for n in names]
+
+
+def run(sizes: list[int], rounds: int, seconds: float,
+        names: tuple[str, ...] = ("direct", "relay", "nftables", "iptables-nft", "iptables-legacy")) -> list[dict[str, Any]]:
     work = Path(tempfile.mkdtemp(prefix="usproxy-svcscale-"))
     rows = []
     for n in sizes:
-        contenders = [Contender("direct", work), Relay("relay", work), Kernel("nftables", work, "nftables"),
-                      Kernel("iptables-nft", work, "iptables", "nft"), Kernel("iptables-legacy", work, "iptables", "legacy")]
+        contenders = contenders_of(list(names), work)
         try:
             for c in contenders:
                 c.start(n)
@@ -234,16 +250,19 @@ def main() -> None:
     ap.add_argument("--sizes", default="10,10000")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--contenders", default="direct,relay,nftables,iptables-nft,iptables-legacy")
+    ap.add_argument("--out", default="service_scale.json", help="file name under bench/results")
     args = ap.parse_args()
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
-    rows = run([int(x) for x in args.sizes.split(",")], args.rounds, args.seconds)
+    rows = run([int(x) for x in args.sizes.split(",")], args.rounds, args.seconds, tuple(args.contenders.split(",")))
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
     RESULTS.mkdir(exist_ok=True)
     meta = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_before": load_before,
             "loadavg_after": load_after, "rounds": args.rounds, "seconds": args.seconds, "results": rows}
-    (RESULTS / "service_scale.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (RESULTS / args.out).write_text(json.dumps(meta, indent=1) + "\n")
+    print(json.dumps(meta))
     print(f"{'services':>8} {'contender':>16} {'conn/s':>8} {'of direct':>9} {'CPU s/10k':>10} {'program s':>10}")
     for r in rows:
         ratio = r["of_direct"]

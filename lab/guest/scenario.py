@@ -137,7 +137,7 @@ def traffic_through(res: Result, agent: Agent, frontends: dict[str, tuple[str, i
     probes["before"]["nodeport 192.0.2.10:30080"] = held_probe(agent, node.NODE_IP, 30080, "TCP")
     flows = [traffic.Flow("tcp clusterIP", "10.96.0.10", 80, "TCP", 0.25).start(),
              traffic.Flow("tcp nodePort", node.NODE_IP, 30080, "TCP", 0.25).start(),
-             traffic.Flow("udp clusterIP", "10.96.0.53", 53, "UDP", 0.1).start()]
+             traffic.Flow("udp clusterIP", "10.96.0.53", 53, "UDP", 0.1, may_move=forwarded == "ipvs").start()]
     parts = ({forwarded} - {"userspace"}) | ({"bpf"} if socket_lb else set())
     want = {spn: "+".join(sorted(parts)) or "userspace" for spn in frontends}
     res.data["expected"] = want
