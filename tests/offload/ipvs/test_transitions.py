@@ -49,17 +49,31 @@ def virtual_servers(topology: Topology) -> list[str]:
             if line.startswith(("TCP", "UDP"))]
 
 
+# The guest is emulated (TCG) on a shared host: an agent's start took 4x its idle time at host
+# load 12 (30 s was too short there once); a start that fails stops the agent it started, so no
+# agent outlives its test
+AGENT_UP_S = 120
+
+
+def up(agent: AgentProc) -> None:
+    try:
+        agent.start(timeout=AGENT_UP_S)
+    except BaseException:
+        agent.stop(signal.SIGKILL)
+        raise
+
+
 def start(topology: Topology, m: Manifests, node: str, after: str = "1", loop: str = "uvloop") -> AgentProc:
     """An agent on web and dns with --offload ipvs; on a warm node `other` was offloaded first."""
     agent = AgentProc(topology, m, loop, *flags("ipvs", after))
     if node == "warm":
         m.write(*services(other=True)[4:])
-        agent.start(timeout=30)
-        wait_for(lambda: on(agent, "ipvs", OTHER), 30, "other offloaded")
+        up(agent)
+        wait_for(lambda: on(agent, "ipvs", OTHER), 60, "other offloaded")
         m.write(*services(other=True))
     else:
         m.write(*services())
-        agent.start(timeout=30)
+        up(agent)
     return agent
 
 
@@ -78,7 +92,7 @@ def test_relayed_flows_survive_the_offload_to_ipvs(topology: Topology, tmp_path:
     try:
         wait_for(lambda: on(agent, "userspace", WEB, DNS), 20, "web and dns relayed")
         r_tcp, r_udp = talk(cli, 4, 2)
-        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 40, "offload to ipvs")
+        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 60, "offload to ipvs")
         t_off, before = time.monotonic(), counts(r_tcp)
         time.sleep(3)
         assert tcp_peer_name(cli, VIP, 80)[1] == CLIENT  # new connections: IPVS, not the relay
@@ -96,7 +110,7 @@ def test_a_demotion_keeps_kernel_flows_and_new_ones_go_to_the_relay(topology: To
     m = Manifests(tmp_path / "m")
     agent = start(topology, m, "fresh")
     try:
-        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 40, "offload to ipvs")
+        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 60, "offload to ipvs")
         k_tcp, k_udp = talk(cli, 4, 2)
         time.sleep(1)
         m.write(*annotated(services(), "userspace"))
@@ -118,7 +132,7 @@ def test_an_agent_restart_on_ipvs_keeps_kernel_flows(topology: Topology, tmp_pat
     m = Manifests(tmp_path / "m")
     agent = start(topology, m, "fresh")
     try:
-        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 40, "offload to ipvs")
+        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 60, "offload to ipvs")
         k_tcp, k_udp = talk(cli, 4, 2)
         time.sleep(1)
         held = virtual_servers(topology)
@@ -126,8 +140,8 @@ def test_an_agent_restart_on_ipvs_keeps_kernel_flows(topology: Topology, tmp_pat
         agent.stop(sig)
         time.sleep(2)
         kept(k_tcp, before, 4)  # while no agent runs
-        agent.start(timeout=30)
-        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 30, "read back")
+        up(agent)
+        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 60, "read back")
         assert "read back 2 ServicePorts from ipvs" in agent.log.read_text()
         assert virtual_servers(topology) == held
         before = counts(k_tcp)
@@ -150,13 +164,13 @@ def test_a_long_lived_connection_survives_relay_then_ipvs_then_nftables(topology
     try:
         wait_for(lambda: on(agent, "userspace", WEB, DNS), 20, "web and dns relayed")
         r_tcp, r_udp = talk(cli, 2, 1)
-        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 40, "offload to ipvs")
+        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 60, "offload to ipvs")
         k_tcp, k_udp = talk(cli, 4, 2)
         time.sleep(1)
         agent.stop()
         agent = AgentProc(topology, m, "uvloop", *flags("nftables"))
-        agent.start(timeout=30)
-        wait_for(lambda: on(agent, "nftables", WEB, DNS), 40, "offload to nftables")
+        up(agent)
+        wait_for(lambda: on(agent, "nftables", WEB, DNS), 60, "offload to nftables")
         t_nft, before = time.monotonic(), counts(k_tcp)
         time.sleep(3)
         assert tcp_peer_name(cli, VIP, 80)[1] == CLIENT
@@ -178,7 +192,7 @@ def test_cleanup_removes_everything(topology: Topology, tmp_path: Path, pods: Po
     m = Manifests(tmp_path / "m")
     agent = start(topology, m, "fresh")
     try:
-        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 40, "offload to ipvs")
+        wait_for(lambda: on(agent, "ipvs", WEB, DNS), 60, "offload to ipvs")
         k_tcp, k_udp = talk(cli, 2, 1)
         time.sleep(1)
         agent.stop()
