@@ -153,11 +153,6 @@ def test_an_agent_restart_on_ipvs_keeps_kernel_flows(topology: Topology, tmp_pat
         agent.stop()
 
 
-# Not strict: it passes where main's nftables datapath installs (it did before main's nat-output
-# rule for the node's connections from a ClusterIP, issue 27 item 4)
-@pytest.mark.xfail(reason="the nftables datapath's nat-output rule 'ip saddr . meta l4proto . th dport "
-                   "@service-ips' is refused by the VM lab's Debian 6.1 kernel (errno 22; seen 2026-12-05), "
-                   "so the --offload nftables agent never serves", strict=False)
 def test_a_long_lived_connection_survives_relay_then_ipvs_then_nftables(topology: Topology, tmp_path: Path,
                                                                         pods: Pods) -> None:
     """Talkers through the relay, then more through IPVS; the agent restarts with --offload
