@@ -254,7 +254,11 @@ def markdown(d: dict[str, Any]) -> str:
 
 # -- charts ----------------------------------------------------------------------------------------------
 def charts(d: dict[str, Any], stem: str) -> list[Path]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # optional: the tables are the results
+        print("bench: no charts (matplotlib is not installed: pip install matplotlib)", flush=True)
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
