@@ -152,6 +152,17 @@ def judge(s: Scenario, args: argparse.Namespace, out: machine.Outcome, results: 
     return summary
 
 
+def cache_problem() -> str:
+    """Why the root file systems' cache directory cannot be used ("": it can)."""
+    try:
+        rootfs.CACHE.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"USPROXY_LAB_CACHE {rootfs.CACHE}: cannot be made: {err.strerror}"
+    if not os.access(rootfs.CACHE, os.W_OK | os.X_OK):
+        return f"USPROXY_LAB_CACHE {rootfs.CACHE}: not a writable directory"
+    return ""
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     if args.scenario == "list":
@@ -161,7 +172,7 @@ def main(argv: list[str]) -> int:
     if args.scenario == "build":
         arches = ["amd64", "arm64"] if args.arch in (None, "all") else [args.arch]
         for arch in arches:
-            missing = need_tools(arch)
+            missing = need_tools(arch) or cache_problem()
             if missing:
                 print(f"vm.sh: {missing}", file=sys.stderr)
                 return 1
@@ -179,7 +190,7 @@ def main(argv: list[str]) -> int:
         print(f"vm.sh: unknown scenario {args.scenario!r}; one of {', '.join(SCENARIOS)}", file=sys.stderr)
         return 2
     s = SCENARIOS[args.scenario]
-    missing = need_tools(s.arch)
+    missing = need_tools(s.arch) or cache_problem()
     if missing:
         print(f"vm.sh: {missing}", file=sys.stderr)
         print(json.dumps({"scenario": s.name, "passed": False, "error": missing}))
