@@ -245,6 +245,15 @@ def run(sizes: list[int], rounds: int, seconds: float,
     return rows
 
 
+def bridge_netfilter() -> None:
+    """br_netfilter, as on this project's machines: the client and the server share the node's
+    bridge, so without it the server's answer is bridged straight to the client and never meets
+    the node's DNAT to be reversed (every kernel datapath's SYNs went unanswered in the VM lab's
+    guest, whose kernel has br_netfilter as a module)."""
+    if not Path("/proc/sys/net/bridge/bridge-nf-call-iptables").exists():
+        subprocess.run(["modprobe", "br_netfilter"], check=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="10,10000")
@@ -253,6 +262,7 @@ def main() -> None:
     ap.add_argument("--contenders", default="direct,relay,nftables,iptables-nft,iptables-legacy")
     ap.add_argument("--out", default="service_scale.json", help="file name under bench/results")
     args = ap.parse_args()
+    bridge_netfilter()
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
     rows = run([int(x) for x in args.sizes.split(",")], args.rounds, args.seconds, tuple(args.contenders.split(",")))
