@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 
 import pytest
 
 from tests.netns import Topology, inside, nsexec
 from tests.offload.conntrack_fill import fill_udp
 from tests.offload.helpers import ep, spn, state
+from usproxy.offload import ctnetlink as c
 from usproxy.offload.kernel_conntrack import KernelConntrack, _run_cleanup
 from usproxy.core.stale_udp import StaleUdp, packed
 
@@ -103,6 +105,35 @@ def test_the_cleanup_child_deletes_exactly_the_stale_entries(topology: Topology)
     left = nsexec(topology.node, "conntrack", "-L", "-p", "udp").stdout
     assert "src=10.244.1.5" not in left and left.count("src=10.244.1.6") == 2000
     assert left.count("] src=10.96.0.10 ") == 1000 and left.count("src=10.244.1.9") == 500
+
+
+@pytest.mark.netns
+def test_every_turned_answer_entry_is_deleted(topology: Topology) -> None:
+    """KernelConntrack.delete_udp_turned_answers (the IPVS datapath's offload of a relayed UDP
+    Service): entries whose original source is an endpoint and whose reply goes to the Service
+    address, one per relayed session, all go; others stay. It once deleted the first and failed
+    ("Event loop is closed"), leaving a second session without answers."""
+    ep, vip = socket.inet_aton("10.244.1.5"), socket.inet_aton("10.96.10.20")
+    msgs = []
+    for i, (src, peer) in enumerate([(ep, vip), (ep, vip), (ep, vip), (ep, socket.inet_aton("10.96.10.21"))]):
+        client, port = socket.inet_aton(f"10.244.9.{10 + i}"), 40000 + i
+        orig = c.tuple_attr(c.CTA_TUPLE_ORIG, socket.AF_INET, src, client, 8080, port, socket.IPPROTO_UDP)
+        reply = c.tuple_attr(c.CTA_TUPLE_REPLY, socket.AF_INET, client, peer, port, 50000 + i, socket.IPPROTO_UDP)
+        body = orig + reply + c.attr(c.CTA_TIMEOUT, struct.pack("!I", 600))
+        msgs.append(c.message(c.IPCTNL_MSG_CT_NEW, c.NLM_F_REQUEST | c.NLM_F_CREATE, socket.AF_INET, body))
+    with inside(topology.node):
+        conn = c.Conntrack()
+        try:
+            assert conn.send_batched(msgs) == 4
+        finally:
+            conn.close()
+    ct = KernelConntrack(topology.node)
+    try:
+        assert asyncio.run(ct.delete_udp_turned_answers([(("10.244.1.5", 8080), "10.96.10.20")])) == 3
+    finally:
+        ct.close()
+    left = nsexec(topology.node, "conntrack", "-L", "-p", "udp").stdout
+    assert "dst=10.96.10.20" not in left and left.count("dst=10.96.10.21") == 1, left
 
 
 def test_a_failing_child_is_an_error_naming_it() -> None:

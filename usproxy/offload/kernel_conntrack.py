@@ -116,15 +116,19 @@ class KernelConntrack:
                 continue
             ct = Conntrack(nfgen_family=family)
             try:
-                for a, p in {ep for ep, _ in mine}:
-                    for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=family, proto=socket.IPPROTO_UDP,
-                                                                      saddr=a, sport=p)):
-                        if ((a, p), str(e.tuple_reply.daddr)) in mine:
-                            try:
-                                ct.entry("del", tuple_orig=e.tuple_orig)
-                                deleted += 1
-                            except Exception as err:  # gone meanwhile: fine
-                                log.debug("conntrack delete %s: %s", e.tuple_orig, err)
+                # listed in full before any delete: pyroute2's sync calls close the thread's event
+                # loop when they end, so an entry("del") inside a dump's iteration broke the dump
+                # after its first delete ("Event loop is closed"), leaving the other entries
+                found = [e.tuple_orig for a, p in {ep for ep, _ in mine}
+                         for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=family, proto=socket.IPPROTO_UDP,
+                                                                           saddr=a, sport=p))
+                         if ((a, p), str(e.tuple_reply.daddr)) in mine]
+                for o in found:
+                    try:
+                        ct.entry("del", tuple_orig=o)
+                        deleted += 1
+                    except Exception as err:  # gone meanwhile: fine
+                        log.debug("conntrack delete %s: %s", o, err)
             finally:
                 ct.close()
         return deleted
