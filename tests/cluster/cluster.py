@@ -116,7 +116,7 @@ class Cluster:
              "--metrics-bind-address", "127.0.0.1:10249", *flags],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         log.close()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # until synced; at load 12 the first sync took longer than 15 s
         while time.monotonic() < deadline:
             if self.agents[i].poll() is not None:
                 raise RuntimeError(f"agent n{i} exited:\n{self.log(i)}")

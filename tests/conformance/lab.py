@@ -323,7 +323,7 @@ class Lab:
         with inside(self.topo.node), urllib.request.urlopen("http://127.0.0.1:10249/services", timeout=5) as r:
             return list(json.load(r))
 
-    def _wait_placed(self, datapath: str, timeout: float = 20.0) -> None:
+    def _wait_placed(self, datapath: str, timeout: float = 60.0) -> None:  # a BPF first sync took > 20 s at load 12
         """Until every ServicePort with endpoints is where the datapath under test puts it, on the
         node and (bpf-tc-dsr) on the peer node."""
         want = {"relay": "userspace", "nftables": "nftables", "bpf": "bpf", "bpf-tc": "bpf", "bpf-tc-dsr": "bpf",

@@ -141,8 +141,8 @@ def edit(objs: list[dict[str, Any]], what: str, rnd: random.Random) -> tuple[lis
     return objs, None
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.sampled_from(EDITS), min_size=1, max_size=6), st.integers(0, 2**32))
+@settings(max_examples=12, deadline=None)  # each example parses ~150 KB whole up to 5 times: 53 s at 25 x 6
+@given(st.lists(st.sampled_from(EDITS), min_size=1, max_size=4), st.integers(0, 2**32))
 def test_any_sequence_of_edits_gives_what_one_parse_gives(edits: list[str], seed: int) -> None:
     rnd = random.Random(seed)
     parser = ManifestParser()
