@@ -218,9 +218,6 @@ def _map_or_set(t: FakeTable, cmd: Command) -> None:
     store: dict[str, object] = t.maps if cmd.obj == "map" else t.sets  # type: ignore[assignment]
     if cmd.name not in store:
         raise _fail(cmd, "no such set", ENOENT)
-    if cmd.verb == "flush":
-        store[cmd.name] = {} if cmd.obj == "map" else set()
-        return
     if _referenced(t, "@" + cmd.name):
         raise _fail(cmd, "set in use", EBUSY)
     del store[cmd.name]
