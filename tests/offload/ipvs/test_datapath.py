@@ -17,6 +17,7 @@ from usproxy.model.types import IPAddress, ServicePortName
 from usproxy.offload.iptables.saved import parse
 from usproxy.offload.ipvs import rules
 from usproxy.offload.ipvs.fake import FakeIpvsKernel, FakeIpvsTools
+from usproxy.offload.ipvs.datapath import PROBE_VS
 from usproxy.offload.ipvs.kernel import Dest, Service
 from usproxy.util.errors import OffloadError
 
@@ -242,6 +243,31 @@ async def test_udp_entries_to_a_frontend_new_here_go_once(kernel: FakeIpvsKernel
     await dp2.read_back()
     await dp2.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53), ep("10.244.2.1", 53)])})
     assert dp2.conntrack.deleted == [] and dp2.conntrack.turned == []  # type: ignore[attr-defined]
+
+
+class WatchedKernel(FakeIpvsKernel):
+    """Notes, at every call, each virtual server that exists with no real server: what a packet
+    arriving then would find (IPVS: "no destination available", an ICMP port unreachable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty: set[tuple[str, IPAddress, int]] = set()
+
+    def _enter(self, what: str) -> None:
+        self.empty |= {k for k in self.services if not self.reals.get(k) and k != PROBE_VS}
+        super()._enter(what)
+
+
+async def test_a_new_virtual_server_never_exists_without_a_real_server() -> None:
+    """Its first real server goes in the same netlink write (kernel.py); the VM lab's relayed UDP
+    session saw ECONNREFUSED when it went in a second one."""
+    kernel = WatchedKernel()
+    dp = datapath(kernel)
+    await dp.apply({WEB: web(), DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53), ep("10.244.2.1", 53)])})
+    await dp.apply({WEB: web(("10.244.3.1",))})
+    assert kernel.services and kernel.empty == set()
+    assert reals(kernel, vs_key("UDP", "10.96.0.10", 53)) == {"10.244.1.1:53": 1, "10.244.2.1:53": 1}
+    assert reals(kernel, vs_key("TCP", "10.96.0.1", 80)) == {"10.244.3.1:8080": 1}
 
 
 async def test_reading_back_creates_nothing(kernel: FakeIpvsKernel) -> None:

@@ -346,7 +346,7 @@ class IpvsDatapath:
         if p.bind and p.device is not None:
             self.kernel.bind(p.device, p.bind)
         for svc, dests, spn in p.add_vs:
-            self._add_vs(svc, spn)
+            self._add_vs(svc, spn, dests[0] if dests else None)
             for d in dests:
                 self._put_dest(svc.key, d)
         for svc, spn in p.edit_vs:
@@ -356,12 +356,13 @@ class IpvsDatapath:
         for key, d in p.put_dest:
             self._put_dest(key, d)
 
-    def _add_vs(self, svc: Service, spn: str) -> None:
-        """A new virtual server; one of the same key that is not ours yet (a kube-proxy leftover)
-        is taken over as it is named now."""
+    def _add_vs(self, svc: Service, spn: str, first: Dest | None) -> None:
+        """A new virtual server with its first real server in the same write (kernel.py: never
+        without one while live traffic arrives); one of the same key that is not ours yet (a
+        kube-proxy leftover) is taken over as it is named now."""
         try:
-            self.kernel.add_service(svc)
-            self._vs[svc.key] = _Vs(svc, {}, spn)
+            self.kernel.add_service(svc, first)
+            self._vs[svc.key] = _Vs(svc, {} if first is None else {first.key: first}, spn)
         except OffloadError as err:
             if err.errno != errno.EEXIST:
                 raise
@@ -370,6 +371,8 @@ class IpvsDatapath:
 
     def _put_dest(self, key: VsKey, d: Dest) -> None:
         vs = self._vs[key]
+        if vs.dests.get(d.key) == d:
+            return
         if d.key in vs.dests:
             self.kernel.edit_dest(key, d)
         else:

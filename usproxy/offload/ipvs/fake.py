@@ -86,13 +86,21 @@ class FakeIpvsKernel:
     def dests(self, key: VsKey) -> list[Dest]:
         return [replace(d, active=self.conns.get((key, d.key), 0)) for d in self.reals.get(key, {}).values()]
 
-    def add_service(self, s: Service) -> None:
+    def add_service(self, s: Service, first: Dest | None = None) -> None:
         self._enter("add_service")
         if s.key in self.services:
+            if first is not None and first.key not in self.reals[s.key]:  # the batch's second message
+                self.reals[s.key][first.key] = first
             raise OffloadError(f"IPVS add service {s.key}: File exists", errno.EEXIST)
         if s.scheduler not in self.schedulers:
             raise OffloadError(f"IPVS add service {s.key}: No such file or directory", errno.ENOENT)
         self.services[s.key], self.reals[s.key] = s, {}
+        if first is not None:  # the batch's second message, in the same write; it may fail on its own
+            self.calls.append("add_dest")
+            if self.fail_on == "add_dest":
+                self.fail_on = None
+                raise OffloadError(f"IPVS add real server {first.key}: injected failure", errno.EINVAL)
+            self.reals[s.key][first.key] = first
 
     def edit_service(self, s: Service) -> None:
         self._enter("edit_service")

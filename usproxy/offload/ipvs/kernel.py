@@ -9,7 +9,10 @@ namespace). A failed call raises OffloadError with the kernel's errno.
 Facts of the kernel's interface this relies on (net/netfilter/ipvs/ip_vs_ctl.c): adding or editing
 a service needs the scheduler, flags, timeout and netmask attributes all present; the netmask of an
 IPv6 service is a prefix length in the attribute's four bytes as the host orders them; the kernel
-adds its own "hashed" flag (0x2) to every service; a real server's forwarding method 0 is Masq.
+adds its own "hashed" flag (0x2) to every service; a real server's forwarding method 0 is Masq;
+a service with no real server answers every new packet with ICMP port unreachable ("no destination
+available"), so a new service and its first real server go in one write: generic netlink runs the
+messages of one write one after the other in the same system call.
 """
 
 from __future__ import annotations
@@ -99,6 +102,18 @@ def _dest_msg(d: Dest) -> Any:
 
     return IPVSDest(addr=str(d.address), port=d.port, weight=d.weight, fwd_method=d.fwd,
                     addr_family=socket.AF_INET if d.address.version == 4 else socket.AF_INET6)
+
+
+def _request(family: int, cmd: int, attrs: list[tuple[str, Any]]) -> Any:
+    """One IPVS command that creates, with its acknowledgement asked for (for a batch)."""
+    from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST
+    from pyroute2.netlink.generic.ipvs import GENL_VERSION, ipvsmsg
+
+    msg = ipvsmsg()
+    msg["cmd"], msg["version"], msg["attrs"] = cmd, GENL_VERSION, attrs
+    msg["header"]["type"] = family
+    msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
+    return msg
 
 
 def _attr(msg: Any, nla: str, name: str) -> Any:
@@ -191,8 +206,24 @@ class IpvsKernel:
         ipvs = self._sock()
         return [_dest_of(d) for d in self._call(f"dump {key}", lambda: list(ipvs.dest("dump", service=_key_msg(key))))]
 
-    def add_service(self, s: Service) -> None:
-        self._call(f"add service {s.key}", self._sock().service, "add", service=_service_msg(s))
+    def add_service(self, s: Service, first: Dest | None = None) -> None:
+        """A new service; with `first`, its first real server in the same netlink write (module
+        docstring: the kernel runs both messages in one system call, so a packet that arrives
+        between them finds no real server only for microseconds, not for a round trip)."""
+        if first is None:
+            self._call(f"add service {s.key}", self._sock().service, "add", service=_service_msg(s))
+            return
+        from pyroute2.netlink.generic.ipvs import IPVS_CMD_NEW_DEST, IPVS_CMD_NEW_SERVICE
+
+        ipvs = self._sock()
+        msgs = [_request(ipvs.prid, IPVS_CMD_NEW_SERVICE, [("IPVS_CMD_ATTR_SERVICE", _service_msg(s).dump_nla())]),
+                _request(ipvs.prid, IPVS_CMD_NEW_DEST, [("IPVS_CMD_ATTR_SERVICE", _key_msg(s.key).dump_key()),
+                                                        ("IPVS_CMD_ATTR_DEST", _dest_msg(first).dump_nla())])]
+        try:
+            self._call(f"add service {s.key} with real server {first.key}", lambda: list(ipvs.nlm_request_batch(msgs)))
+        except OffloadError:
+            self.close_sockets()  # the second answer may be unread: the next call starts clean
+            raise
 
     def edit_service(self, s: Service) -> None:
         self._call(f"edit service {s.key}", self._sock().service, "set", service=_service_msg(s))
