@@ -169,3 +169,16 @@ def test_a_pod_in_a_nodes_pod_cidr_is_traced_as_a_pod_there(tmp_path: Path,
     assert rc == 0 and "not on this node (--node-name node-a)" in out and "connect() hook" not in out
     rc, out = run(["trace", "10.244.200.1", "10.96.10.10:80/TCP", "--services", str(path), "--mode", "bpf"], capsys)
     assert rc == 0 and "traced as a pod" not in out and "arriving from elsewhere" in out
+
+
+def test_a_port_no_service_uses_on_a_cluster_ip_is_told_alike_in_summary_and_walk(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """IPVS mode: the address is on kube-ipvs0 but no virtual server has the port; filter INPUT's
+    KUBE-IPVS-FILTER (before IPVS) rejects the new connection, ICMP port unreachable: the walk
+    names that rule and says what the one-line answer says (it said "TCP RST" before)."""
+    rc, out = run(["trace", "10.244.9.10", "10.96.10.10:81/tcp", "--services", str(EXAMPLES)], capsys)
+    assert rc == 0
+    assert "refused at once (ICMP port unreachable)" in answers(out)["ipvs"]
+    walk = out.split("## ipvs")[1].split("\n## ")[0]
+    assert "filter KUBE-IPVS-FILTER rule" in walk and "-j REJECT" in walk
+    assert "KUBE-IPVS-FILTER rejects a new connection (ICMP port unreachable)" in walk and "TCP RST" not in walk

@@ -168,6 +168,7 @@ class Walker:
             return c.value == "LOCAL" and (pkt.src_local if c.kind == "src-type" else pkt.dst_local)
         simple: dict[str, Callable[[], bool]] = {"proto": lambda: pkt.p == c.value, "dport": lambda: str(pkt.dport) == c.value,
                   "rcheck": lambda: False, "physdev-is-in": lambda: False,
+                  "nowildcard": lambda: False,  # a socket bound to the address itself: none in a static input
                   "mark": lambda: p.masquerade,
                   "ctstate": lambda: bool({"NEW", *(["DNAT"] if p.lands else [])}
                                           & set(c.value.split(","))),

@@ -14,9 +14,9 @@ from __future__ import annotations
 from usproxy.model.service_set import ServiceSet
 from usproxy.model.types import Family, IPAddress, format_hostport
 from usproxy.offload.ipvs import rules
-from usproxy.offload.ipvs.rules import DUMMY, PROXY_FIREWALL, VirtualServer
+from usproxy.offload.ipvs.rules import DUMMY, IPVS_FILTER, PROXY_FIREWALL, VirtualServer
 
-__all__ = ["DUMMY", "PROXY_FIREWALL", "dummy_addresses", "ip_addr", "ipset_save", "iptables_helpers",
+__all__ = ["DUMMY", "IPVS_FILTER", "PROXY_FIREWALL", "dummy_addresses", "ip_addr", "ipset_save", "iptables_helpers",
            "ipvsadm", "render", "virtual_servers"]
 
 

@@ -85,7 +85,7 @@ def trace_ipvs(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS) -> 
     p.lookups += 1
     vs = services.get((pkt.proto, format_hostport(pkt.dst, pkt.dport)))
     if vs is None:
-        return [_no_service(p, pkt, pkt.dst in bound)]
+        return [_no_service(Walker(rules, pkt, sets), p, pkt.dst in bound)]
     p.note(f"IPVS service table: {vs.line}")
     if not vs.reals:
         p.result = ("no real servers: ip_vs_leave() answers ICMP port unreachable "
@@ -104,13 +104,23 @@ def trace_ipvs(ss: ServiceSet, pkt: Packet, opts: TraceOptions = NO_OPTIONS) -> 
     return out
 
 
-def _no_service(p: Path, pkt: Packet, bound: bool) -> Path:
-    if bound:
-        p.result = (f"{pkt.dst} is bound to {ipvs.DUMMY} but no IPVS service has this port: "
-                    f"the kernel refuses ({'TCP RST' if pkt.proto == 'TCP' else 'ICMP port unreachable'})")
-        p.lands = "REJECT"
-    else:
+def _no_service(w: Walker, p: Path, bound: bool) -> Path:
+    """No virtual server: an address on kube-ipvs0 meets filter INPUT's KUBE-IPVS-FILTER (which
+    runs before IPVS's LOCAL_IN hook) and its REJECT of new connections; any other is routed."""
+    pkt = w.pkt
+    if not bound:
         p.result = "no IPVS virtual server: routed as addressed"
+        return p
+    if ("filter", ipvs.IPVS_FILTER) in w.rules:
+        q = w.walk("filter", ipvs.IPVS_FILTER, p)[0]
+        if q.lands == "REJECT":
+            q.result = (f"{pkt.dst} is bound to {ipvs.DUMMY} but no IPVS service has this port: "
+                        f"{ipvs.IPVS_FILTER} rejects a new connection (ICMP port unreachable)")
+            return q
+        p = q
+    p.result = (f"{pkt.dst} is bound to {ipvs.DUMMY} but no IPVS service has this port: "
+                f"the kernel refuses ({'TCP RST' if pkt.proto == 'TCP' else 'ICMP port unreachable'})")
+    p.lands = "REJECT"
     return p
 
 
