@@ -104,7 +104,8 @@ def usproxy_form(ss: ServiceSet) -> str:
     table = render_table(["SERVICE PORT", "LISTENER", "ENDPOINTS", "POLICY", "AFFINITY", "DATAPATH"], rows)
     return (f"# ip addr show {VIP_INTERFACE}\n{VIP_INTERFACE}: <BROADCAST,NOARP,UP,LOWER_UP>\n"
             + "\n".join(addrs) + f"\n\n# relay listeners\n{table}\n\n"
-            "# flow table\n(no flows: this is a static rendering; `--live` shows a running agent's)\n")
+            "# flow table\n(none here: this section renders the input; a running agent's flows are in the live "
+            "section, with `--live`)\n")
 
 
 def render(ss: ServiceSet) -> str:
