@@ -34,9 +34,10 @@ def test_garbage_file_exits_2_naming_it(tmp_path: Path) -> None:
     assert f"{f}: cannot parse" in res.stderr
 
 
-def test_missing_path_exits_2(tmp_path: Path) -> None:
+def test_missing_path_exits_2_in_one_line(tmp_path: Path) -> None:
+    """Checked before the agent logs anything (a fresh user saw an INFO line first)."""
     res = run("run", "--services", str(tmp_path / "nope"), *OWN_LOCKS)
-    assert res.returncode == 2 and "no such file or directory" in res.stderr
+    assert res.returncode == 2 and res.stderr == f"usproxy: {tmp_path / 'nope'}: no such file or directory\n"
 
 
 def test_a_config_error_names_usproxy_once() -> None:
@@ -59,8 +60,11 @@ def test_a_bpf_map_size_out_of_bounds_exits_2_naming_the_flag(flag: str, value: 
 
 
 def test_missing_cluster_cidr_is_logged_once(tmp_path: Path) -> None:
-    res = run("run", "--services", str(tmp_path / "nope"), *OWN_LOCKS)
-    assert res.returncode == 2 and res.stderr.count("no --cluster-cidr") == 1
+    f = tmp_path / "bad.yaml"
+    f.write_text("apiVersion: v1\nkind: Service\n  metadata: [\n")  # the agent starts, logs, then exits 2 on it
+    res = run("run", "--services", str(f), "--healthz-bind-address", "127.0.0.1:0",
+              "--metrics-bind-address", "127.0.0.1:0", *OWN_LOCKS)
+    assert res.returncode == 2 and res.stderr.count("no --cluster-cidr") == 1, res.stderr
 
 
 @pytest.mark.netns

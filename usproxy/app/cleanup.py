@@ -37,7 +37,7 @@ async def remove_kernel_state(cfg: ProxyConfig,
     for d in declared:
         try:
             await d.remove(cfg)
-            log.info("removed what the %s datapath installed", d.name)
+            log.info("%s datapath: removed whatever of it was installed (nothing, if it never ran)", d.name)
         except Exception as err:
             log.error("removing what the %s datapath installed: %s", d.name, err)
             ok = False

@@ -182,6 +182,8 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
 
     if given_services and given_kubeconfig:
         raise ConfigError("give --services or --kubeconfig, not both", obj="usproxy run")
+    if cfg.services is not None and not cfg.services.exists():  # before the agent says anything
+        raise ConfigError("no such file or directory", obj=str(cfg.services))
     for flag, value in (("--healthz-bind-address", cfg.healthz_bind_address),
                         ("--metrics-bind-address", cfg.metrics_bind_address)):
         if value:

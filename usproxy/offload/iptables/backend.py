@@ -64,8 +64,9 @@ def detect(run: Run) -> tuple[Backend, str]:
         return "legacy", "kubelet's hint chain is in iptables-legacy"
     n_legacy, n_nft = len(RULE_LINE.findall(legacy)), len(RULE_LINE.findall(_saved(run, "nft")))
     if n_legacy > n_nft:
-        return "legacy", f"iptables-legacy holds more rules ({n_legacy} against {n_nft})"
-    return "nft", f"iptables-nft holds as many rules or more ({n_nft} against {n_legacy})"
+        return "legacy", f"no kubelet hint chain; iptables-legacy holds more rules than iptables-nft ({n_legacy} against {n_nft})"
+    return "nft", (f"no kubelet hint chain; iptables-nft holds at least as many rules as iptables-legacy "
+                   f"({n_nft} against {n_legacy})")
 
 
 def choose(run: Run, usable: Callable[[Backend], str | None]) -> tuple[Backend, str]:
