@@ -161,7 +161,8 @@ class Demo:
         return Counter(eval(out.stdout))  # our own printed dict
 
     def run(self) -> None:
-        title("Topology: node (agent), pods web-1..3 and coredns-1, a client; all in network namespaces")
+        title("Built: node (agent), pods web-1..3 and coredns-1, a client, all in network namespaces; "
+              "the agent's status")
         self.build()
         self.start_pods()
         self.start_agent("--offload-after", "6")
@@ -210,9 +211,10 @@ class Demo:
             print("(not a terminal: the demo ends and tears down now, so the address above closes)")
 
     def show_flows(self) -> None:
-        title("The flow table while three connections are open (usproxy flows)")
+        title("The flow table while three connections are open, each has sent a request line (usproxy flows)")
         code = ("import socket,time,subprocess\n"
                 "s=[socket.create_connection(('10.96.10.10',80)) for _ in range(3)]\n"
+                "[c.sendall(b'GET / HTTP/1.1\\r\\n') for c in s]\n"
                 "time.sleep(1.5)\n")
         holder = subprocess.Popen(["ip", "netns", "exec", ns(CLIENT[0]), sys.executable, "-c", code])
         time.sleep(0.8)
