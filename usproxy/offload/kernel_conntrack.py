@@ -176,6 +176,26 @@ class KernelConntrack:
         self._cleaner.close()
 
 
+async def reconcile_logged(ct: KernelConntrack, rule: StaleUdp) -> None:
+    """A kernel datapath's reconcile_udp (kube-proxy's CleanStaleEntries after its syncs; called
+    beside the syncs by the offload manager's StaleCleanup): delete, then say what went."""
+    summary = await ct.reconcile_udp(rule)
+    log.log(logging.INFO if summary["deleted"] else logging.DEBUG,
+            "conntrack: %s stale UDP entries of %s deleted in %.2fs%s", summary["deleted"], summary["listed"],
+            summary["seconds"], f" (refused: {summary['errors']})" if summary["errors"] else "")
+
+
+async def delete_removed_udp_endpoints(ct: KernelConntrack, removed: Mapping[Any, frozenset[Any]]) -> int:
+    """A kernel datapath's clear_stale: the UDP entries whose answers come from an endpoint
+    removed from a UDP ServicePort (`removed`: ServicePortName -> Endpoints)."""
+    targets = {(str(ep.ip), ep.port) for spn, eps in removed.items() if spn.protocol == "UDP" for ep in eps}
+    if not targets:
+        return 0
+    n = await ct.delete_udp(reply_src=targets)
+    log.debug("deleted %d kernel conntrack entries of removed UDP endpoints", n)
+    return n
+
+
 def _run_cleanup(rule_json: str) -> dict[str, Any]:
     """The cleanup child (python -m usproxy.offload.ctnetlink), started from the calling thread,
     so in its network namespace; blocks that thread (not the GIL) until the child is done."""

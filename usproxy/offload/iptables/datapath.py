@@ -53,7 +53,7 @@ from usproxy.offload.iptables.readback import ReadBack, read
 from usproxy.offload.iptables.restore_input import TableWrite, render
 from usproxy.offload.iptables.rules import Options, Ruleset, render_ruleset
 from usproxy.offload.iptables.saved import parse
-from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
+from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack, delete_removed_udp_endpoints, reconcile_logged
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.offload.netns_worker import NetnsWorker
 from usproxy.util.errors import OffloadError
@@ -351,19 +351,11 @@ class IptablesDatapath:
         return {spn: tuple(sorted(eps)) for spn, eps in out.items()}
 
     async def reconcile_udp(self, rule: StaleUdp) -> None:
-        """Delete the UDP conntrack entries `rule` calls stale, as kube-proxy's CleanStaleEntries
-        after its syncs (KernelConntrack.reconcile_udp; called beside the syncs by the offload
-        manager's StaleCleanup, which then no longer calls clear_stale)."""
-        summary = await self.conntrack.reconcile_udp(rule)
-        log.log(logging.INFO if summary["deleted"] else logging.DEBUG,
-                "conntrack: %s stale UDP entries of %s deleted in %.2fs%s", summary["deleted"], summary["listed"],
-                summary["seconds"], f" (refused: {summary['errors']})" if summary["errors"] else "")
+        """Delete the UDP conntrack entries `rule` calls stale, as kube-proxy's CleanStaleEntries."""
+        await reconcile_logged(self.conntrack, rule)
 
     async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
-        targets = {(str(ep.ip), ep.port) for spn, eps in removed.items() if spn.protocol == "UDP" for ep in eps}
-        if targets:
-            n = await self.conntrack.delete_udp(reply_src=targets)
-            log.debug("deleted %d kernel conntrack entries of removed UDP endpoints", n)
+        await delete_removed_udp_endpoints(self.conntrack, removed)
 
     def frontends(self) -> dict[FrontendKey, str]:
         """(address or "*", PROTO, port) -> ServicePortName text of what the rules hold."""

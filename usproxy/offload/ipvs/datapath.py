@@ -57,7 +57,7 @@ from usproxy.offload.iptables.saved import parse
 from usproxy.offload.ipvs import ipsets, rules
 from usproxy.offload.ipvs.kernel import Dest, IpvsKernel, Service
 from usproxy.offload.ipvs.rules import DUMMY, FILTER_CHAINS, JUMPS, NAT_CHAINS, VsKey
-from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
+from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack, delete_removed_udp_endpoints
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.offload.netns_worker import NetnsWorker
 from usproxy.util.errors import OffloadError
@@ -503,9 +503,7 @@ class IpvsDatapath:
 
     async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
         """UDP conntrack entries of removed endpoints, as kube-proxy's CleanStaleEntries."""
-        targets = {(str(ep.ip), ep.port) for spn, eps in removed.items() if spn.protocol == "UDP" for ep in eps}
-        if targets:
-            await self.conntrack.delete_udp(reply_src=targets)
+        await delete_removed_udp_endpoints(self.conntrack, removed)
 
     def _udp_newly_active(self, changes: Mapping[ServicePortName, ServicePortState | None]
                           ) -> tuple[set[tuple[str, int]], set[tuple[tuple[str, int], str]]]:

@@ -22,7 +22,7 @@ from usproxy.model.endpoint import Endpoint
 from usproxy.util.errors import OffloadError
 from usproxy.util.gc_pause import LARGE, gc_paused
 from usproxy.model.node import LocalAddresses, NodeFacts, read_local_addresses
-from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack
+from usproxy.offload.kernel_conntrack import FrontendKey, KernelConntrack, delete_removed_udp_endpoints, reconcile_logged
 from usproxy.offload.kernel_datapath import Capability, TrafficKind
 from usproxy.offload.netns_worker import NetnsWorker
 from usproxy.core.stale_udp import StaleUdp
@@ -280,17 +280,11 @@ class NftablesDatapath:
             self.tables[f].not_local, self.tables[f].if_local = self._not_local(f), self._if_local(f)
 
     async def reconcile_udp(self, rule: StaleUdp) -> None:
-        """Delete the UDP conntrack entries `rule` calls stale (KernelConntrack.reconcile_udp)."""
-        summary = await self.conntrack.reconcile_udp(rule)
-        log.log(logging.INFO if summary["deleted"] else logging.DEBUG,
-                "conntrack: %s stale UDP entries of %s deleted in %.2fs%s", summary["deleted"], summary["listed"],
-                summary["seconds"], f" (refused: {summary['errors']})" if summary["errors"] else "")
+        """Delete the UDP conntrack entries `rule` calls stale, as kube-proxy's CleanStaleEntries."""
+        await reconcile_logged(self.conntrack, rule)
 
     async def clear_stale(self, removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> None:
-        targets = {(str(ep.ip), ep.port) for spn, eps in removed.items() if spn.protocol == "UDP" for ep in eps}
-        if targets:
-            n = await self.conntrack.delete_udp(reply_src=targets)
-            log.debug("deleted %d kernel conntrack entries of removed UDP endpoints", n)
+        await delete_removed_udp_endpoints(self.conntrack, removed)
 
     def frontends(self) -> dict[FrontendKey, str]:
         """(address or "*", PROTO, port) -> ServicePortName text, of what the tables hold."""
