@@ -11,13 +11,14 @@ sockets it creates belong there (setns is per thread).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import secrets
 import subprocess
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from usproxy.util import netns as _netns
+
+inside = _netns.inside  # tests import it from here
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -26,30 +27,6 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 def nsexec(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return sh("ip", "netns", "exec", ns, *args, check=check)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET = 0x40000000
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-@contextlib.contextmanager
-def inside(ns: str) -> Iterator[None]:
-    """Run the block with this thread in netns `ns`; restore the original namespace after."""
-    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-    try:
-        _setns(target)
-        yield
-    finally:
-        _setns(original)
-        os.close(original)
-        os.close(target)
 
 
 @dataclass

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.netns import _setns, inside, nsexec
+from tests.netns import inside, nsexec
+from usproxy.util.netns import setns
 from tests.relay.harness import Backends
 
 T = TypeVar("T")
@@ -93,7 +94,7 @@ class NsPool(concurrent.futures.ThreadPoolExecutor):
 
     def __init__(self, ns: str, workers: int) -> None:
         self._fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-        super().__init__(max_workers=workers, initializer=_setns, initargs=(self._fd,))
+        super().__init__(max_workers=workers, initializer=setns, initargs=(self._fd,))
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         super().shutdown(wait, cancel_futures=cancel_futures)

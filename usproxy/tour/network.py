@@ -20,7 +20,6 @@ in a namespace (setns is per thread), for the tour's HTTP reads of the agent.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -51,30 +50,6 @@ NODE_SYSCTLS = (
     ("net.netfilter.nf_conntrack_tcp_timeout_time_wait", "1"),
 )
 PODS_SYSCTLS = (("net.core.somaxconn", "65535"), ("net.ipv4.tcp_max_syn_backlog", "65535"))
-
-_libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET = 0x40000000
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-@contextlib.contextmanager
-def inside(ns: str) -> Iterator[None]:
-    """The block runs with this thread in network namespace `ns`, and back after."""
-    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-    try:
-        _setns(target)
-        yield
-    finally:
-        _setns(original)
-        os.close(original)
-        os.close(target)
-
 
 _SHIELD = {"depth": 0, "pending": 0}
 ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

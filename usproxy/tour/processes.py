@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from usproxy.tour.manifests import NODE
-from usproxy.tour.network import inside
+from usproxy.util.netns import inside
 
 METRICS = "127.0.0.1:10249"
 HEALTHZ = "127.0.0.1:10256"
