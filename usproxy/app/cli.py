@@ -179,11 +179,12 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
     """Reject settings that cannot work before anything starts."""
     from usproxy.admin.server import split_hostport
     from usproxy.model.node import detector_of
+    from usproxy.model.service_set import require_path
 
     if given_services and given_kubeconfig:
         raise ConfigError("give --services or --kubeconfig, not both", obj="usproxy run")
-    if cfg.services is not None and not cfg.services.exists():  # before the agent says anything
-        raise ConfigError("no such file or directory", obj=str(cfg.services))
+    if cfg.services is not None:  # before the agent says anything
+        require_path(cfg.services)
     for flag, value in (("--healthz-bind-address", cfg.healthz_bind_address),
                         ("--metrics-bind-address", cfg.metrics_bind_address)):
         if value:

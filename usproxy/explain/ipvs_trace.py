@@ -111,15 +111,13 @@ def _no_service(w: Walker, p: Path, bound: bool) -> Path:
     if not bound:
         p.result = "no IPVS virtual server: routed as addressed"
         return p
+    why = f"{pkt.dst} is bound to {ipvs.DUMMY} but no IPVS service has this port: "
     if ("filter", ipvs.IPVS_FILTER) in w.rules:
-        q = w.walk("filter", ipvs.IPVS_FILTER, p)[0]
-        if q.lands == "REJECT":
-            q.result = (f"{pkt.dst} is bound to {ipvs.DUMMY} but no IPVS service has this port: "
-                        f"{ipvs.IPVS_FILTER} rejects a new connection (ICMP port unreachable)")
-            return q
-        p = q
-    p.result = (f"{pkt.dst} is bound to {ipvs.DUMMY} but no IPVS service has this port: "
-                f"the kernel refuses ({'TCP RST' if pkt.proto == 'TCP' else 'ICMP port unreachable'})")
+        p = w.walk("filter", ipvs.IPVS_FILTER, p)[0]
+        if p.lands == "REJECT":
+            p.result = why + f"{ipvs.IPVS_FILTER} rejects a new connection (ICMP port unreachable)"
+            return p
+    p.result = why + f"the kernel refuses ({'TCP RST' if pkt.proto == 'TCP' else 'ICMP port unreachable'})"
     p.lands = "REJECT"
     return p
 

@@ -249,11 +249,16 @@ def service_set(m: Manifests, node: Node = Node()) -> ServiceSet:
     return ServiceSet(tuple((sp, eps.get(sp.name, ())) for sp in ports), node, tuple(m.skipped))
 
 
+def require_path(path: Path) -> None:
+    """ConfigError naming `path` when it does not exist (checked before an agent starts, too)."""
+    if not path.exists():
+        raise ConfigError("no such file or directory", obj=str(path))
+
+
 def load_manifests(path: Path) -> Manifests:
     """Every manifest under `path` (a file or a directory). Raises ConfigError."""
     files = manifest_files(path)
-    if not path.exists():
-        raise ConfigError("no such file or directory", obj=str(path))
+    require_path(path)
     if not files:
         raise ConfigError("no manifest files (*.yaml, *.yml, *.json)", obj=str(path))
     out = Manifests()

@@ -32,7 +32,8 @@ from typing import Any
 
 from usproxy.offload.netns_worker import NetnsWorker
 from usproxy.core.stale_udp import StaleUdp
-from usproxy.model.types import format_hostport
+from usproxy.model.endpoint import Endpoint
+from usproxy.model.types import ServicePortName, format_hostport
 from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,8 @@ async def reconcile_logged(ct: KernelConntrack, rule: StaleUdp) -> None:
             summary["seconds"], f" (refused: {summary['errors']})" if summary["errors"] else "")
 
 
-async def delete_removed_udp_endpoints(ct: KernelConntrack, removed: Mapping[Any, frozenset[Any]]) -> int:
+async def delete_removed_udp_endpoints(ct: KernelConntrack,
+                                       removed: Mapping[ServicePortName, frozenset[Endpoint]]) -> int:
     """A kernel datapath's clear_stale: the UDP entries whose answers come from an endpoint
     removed from a UDP ServicePort (`removed`: ServicePortName -> Endpoints)."""
     targets = {(str(ep.ip), ep.port) for spn, eps in removed.items() if spn.protocol == "UDP" for ep in eps}
