@@ -4,7 +4,8 @@ Built on tests/netns.py's Topology (node netns with bridge usbr0 = 10.244.0.1/16
 addresses, pods on veths into it, 10.96.0.0/16 routed to the node). Added here:
 - the client has SOURCES extra /32 addresses, so short-connection tests are not limited by ports;
 - every netns gets the full ephemeral port range and TIME_WAIT reuse, the node a short conntrack
-  TIME_WAIT (its own netns only), large accept backlogs;
+  TIME_WAIT (its own netns only), the servers none (tcp_max_tw_buckets=0, see build), large
+  accept backlogs;
 - the VIPs of contenders that are not usproxy (HAProxy, prototypes) live on the node's `lo`.
 `close()` removes every netns (and with it every nft table, address and socket in it) and kills
 what still runs inside; run.py calls it on any exit, also on Ctrl-C.
@@ -63,6 +64,15 @@ class BenchTopology:
         # Short connections leave conntrack entries in TIME_WAIT on the node (offloaded path);
         # keep them from piling up across rounds. This netns only.
         nsexec(self.node, "sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_timeout_time_wait=1", check=False)
+        # The servers close first (Connection: close), so their netns holds a TIME_WAIT socket per
+        # connection, for 60 s. The next contender's connections reach the server with the same
+        # 4-tuple (the client's address and port, the server's) but timestamps and initial
+        # sequence numbers the client derived from another destination (a ClusterIP, HAProxy's
+        # VIP, the pod itself): TIME_WAIT rejects their SYNs (PAWS) and every one costs a 1 s
+        # retransmission. The first contender of a round got ~12k conn/s, the ones after it ~3k,
+        # whoever they were. No TIME_WAIT on the servers' side keeps the runs apart.
+        for ns in (self.server, self.server2):
+            nsexec(ns, "sysctl", "-qw", "net.ipv4.tcp_max_tw_buckets=0", check=False)
 
     def add_vip(self, address: str) -> None:
         nsexec(self.node, "ip", "addr", "add", f"{address}/32", "dev", "lo")
