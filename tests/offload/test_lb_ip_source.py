@@ -1,23 +1,24 @@
 """A packet from the network with a LoadBalancer IP as its source, to that LB IP: kube-proxy's
 "same node to LB, SNATted to LB (implicitly allowed)", where a load balancer loops a node's own
-connection back to the node (issue 27 item 3). What happens here, and why it cannot complete.
+connection back to the node (issue 27 item 3). It completes, answered by an endpoint that sees a
+node address, in the relay and in the nftables datapath.
 
 Netns "lb" stands for the load balancer: it owns the LB IP and sends a connection from it to it,
 to the node (its own policy routing sends that one flow out). The node holds the LB IP as a local
-address on usproxy0, as every datapath here needs (the relay listens there; IPVS mode's
-kube-ipvs0 holds it the same way). Found:
-- Without `accept_local` on the interface it arrives on, the kernel drops it as a martian (a source
-  that is one of the node's own addresses): no datapath sees it.
-- With it, nftables DNATs it and masquerades it as kube-proxy would: the endpoint answers, to the
-  node's address. conntrack turns the answer's destination back into the LB IP, and the routing
-  decision for that address is `local`: the answer is delivered to the node itself (whose stack,
-  knowing no such connection, resets it), not sent back to the load balancer, so the connection
-  never completes. The relay meets the same route for its
-  SYN-ACK. kube-proxy's iptables and nftables modes do not hold LB IPs as local addresses and route
-  the answer out; its IPVS mode has this very limitation (Kubernetes' answer is `ipMode: Proxy`,
-  which usproxy honours: such an LB IP is not served on the node at all). Closing it needs the LB
-  IPs out of the `local` table (local routes in a table of their own behind policy rules, with
-  IP_FREEBIND listeners) or the `local` rule moved behind a mark rule; README "Differences".
+address on usproxy0 (the relay listens there), which stood in the way twice (found here first,
+with the agent's pieces applied by hand one at a time; each is necessary):
+- without `accept_local` the kernel drops the packet as a martian (a source that is one of the
+  node's own addresses): no datapath sees it;
+- with it, nftables DNATs and masquerades it and the endpoint answers, but conntrack turns the
+  answer's destination back into the LB IP, which table `local` makes the node's own: the answer
+  was delivered to the node itself (which reset it), never sent back to the load balancer; the
+  relay's SYN-ACK met the same route.
+The agent now sets accept_local, marks the connections that arrive from the network with a local
+source and their answers (table `ip usproxy-return`), and routes marked answers by `main` ahead
+of `local` (usproxy/relay/return_route.py). The load balancer side needs accept_local too: the
+answer reaches it with its own address as the source.
+
+test_hairpin_completes fails on the old code (TimeoutError: the martian drop).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ NODE_SIDE, LB_SIDE = "10.255.255.1", "10.255.255.2"
 def load_balancer(topo: Topology) -> tuple[str, str]:
     """Netns "lb" on a /30 link to the node; (its netns, the node's interface to it). Its own
     connection from the LB IP to the LB IP leaves to the node (the `local` rule moved behind a
-    rule for that flow); answers to the LB IP coming back from the node are local there."""
+    rule for that flow); answers to the LB IP coming back from the node are local there (with
+    accept_local: their source is the LB IP too)."""
     lb = topo.ns("lb")
     sh("ip", "netns", "add", lb)
     topo.namespaces.append(lb)
@@ -54,6 +56,7 @@ def load_balancer(topo: Topology) -> tuple[str, str]:
     for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "addr", "add", f"{LB_SIDE}/30", "dev", "eth0"],
                 ["ip", "link", "set", "eth0", "up"], ["ip", "addr", "add", f"{LB_IP}/32", "dev", "lo"],
                 ["ip", "route", "add", "10.244.0.0/16", "via", NODE_SIDE],
+                ["sysctl", "-qw", "net.ipv4.conf.eth0.accept_local=1"],
                 ["ip", "rule", "add", "pref", "100", "lookup", "local"], ["ip", "rule", "del", "pref", "0"],
                 ["ip", "rule", "add", "pref", "10", "iif", "lo", "from", LB_IP, "to", LB_IP, "lookup", "200"],
                 ["ip", "route", "add", "default", "via", NODE_SIDE, "table", "200"]):
@@ -61,49 +64,110 @@ def load_balancer(topo: Topology) -> tuple[str, str]:
     return lb, dev
 
 
-def hairpin(lb: str) -> str:
-    with inside(lb):
+def connect(ns: str, src: str | None = None) -> socket.socket:
+    """A TCP connection from `ns` (bound to `src`) to the LB IP's port 80."""
+    with inside(ns):
         s = socket.socket()
-    s.settimeout(1.5)
+    s.settimeout(3.0)
     try:
-        s.bind((LB_IP, 0))
+        if src:
+            s.bind((src, 0))
         s.connect((LB_IP, 80))
-        return s.recv(64).decode().split()[0]
-    except OSError as err:
-        return type(err).__name__
-    finally:
+    except OSError:
         s.close()
+        raise
+    return s
 
 
-def test_the_answer_is_routed_to_the_node_itself(topology: Topology, tmp_path: Path) -> None:
+def greeting(s: socket.socket) -> tuple[str, str]:
+    """(endpoint name, the peer address the endpoint saw) from idsrv's first line."""
+    name, peer = s.recv(128).decode().split()[:2]
+    return name, peer
+
+
+def echoes(s: socket.socket) -> bool:
+    try:
+        s.sendall(b"ping\n")
+        return s.recv(64) == b"ping\n"
+    except OSError:
+        return False
+
+
+def node_addresses(node: str) -> set[str]:
+    """The node's IPv4 addresses on its own interfaces (not usproxy0's Service addresses)."""
+    out = nsexec(node, "ip", "-4", "-o", "addr", "show").stdout
+    return {f.split()[3].split("/")[0] for f in out.splitlines() if f.split()[1] not in ("usproxy0", "lo")}
+
+
+def start(topology: Topology, tmp_path: Path, datapath: str, loop: str) -> tuple[Pods, AgentProc, str]:
+    """The endpoint, the load balancer netns and the agent; returns (pods, agent, lb netns)."""
     pods = Pods(topology, tmp_path)
     m = Manifests(tmp_path / "m")
     web = svc("web", "10.96.10.10", [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
               type="LoadBalancer")
     web["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
     m.write(web, slice_("web", [{"ip": ENDPOINT, "ready": True}], [{"name": "http", "port": 8080, "protocol": "TCP"}]))
-    agent = AgentProc(topology, m, "uvloop", *OFFLOAD)
+    agent = AgentProc(topology, m, loop, *(OFFLOAD if datapath == "nftables" else ()))
+    pods.add("web", ENDPOINT)
+    lb, _ = load_balancer(topology)
+    wait_listening(topology.node, ENDPOINT, 8080)
+    agent.start()
+    deadline = time.monotonic() + 15
+    while datapath == "nftables" and not any(r["datapath"] == "nftables" for r in agent.services()):
+        assert time.monotonic() < deadline, agent.services()
+        time.sleep(0.1)
+    return pods, agent, lb
+
+
+CASES = [("relay", "asyncio"), ("relay", "uvloop"), ("nftables", "asyncio"), ("nftables", "uvloop")]
+
+
+@pytest.mark.parametrize(("datapath", "loop"), CASES)
+def test_hairpin_completes(topology: Topology, tmp_path: Path, datapath: str, loop: str) -> None:
+    """The hairpinned connection is answered by the endpoint, which sees a node address; ordinary
+    clients of the LB IP (a pod's, and the node's own, bound to the LB IP or not) still are. In nftables the kernel carries it (conntrack shows the DNAT and the masquerade)."""
+    pods, agent, lb = start(topology, tmp_path, datapath, loop)
+    node = topology.node
     try:
-        pods.add("web", ENDPOINT)
-        lb, dev = load_balancer(topology)
-        wait_listening(topology.node, ENDPOINT, 8080)
-        agent.start()
-        for _ in range(100):
-            if any(r["datapath"] == "nftables" for r in agent.services()):
-                break
-            time.sleep(0.1)
-        node = topology.node
-        assert hairpin(lb) == "TimeoutError"  # a martian: dropped before any datapath
-        assert f"src={LB_IP} dst={LB_IP}" not in conntrack(node)
-        nsexec(node, "sysctl", "-qw", f"net.ipv4.conf.{dev}.accept_local=1")
-        assert hairpin(lb) == "TimeoutError"  # in, DNATed and masqueraded, but the answer never leaves
-        entries = [e for e in conntrack(node).splitlines() if f"src={LB_IP} dst={LB_IP}" in e]
-        assert entries and all(f"src={ENDPOINT} dst=10.244.0.1 sport=8080" in e for e in entries), entries
-        answered = [int(re.search(r"src=\S+ dst=10\.244\.0\.1 sport=8080 dport=\d+ packets=(\d+)", e).group(1))  # type: ignore[union-attr]
-                    for e in entries]
-        assert all(n >= 1 for n in answered), entries  # the endpoint answered, to the node's address
-        route = nsexec(node, "ip", "route", "get", LB_IP, "from", ENDPOINT, "iif", "usbr0").stdout
-        assert route.startswith(f"local {LB_IP} ") and " dev lo " in route, route  # to the node itself
+        with connect(lb, LB_IP) as s:
+            name, peer = greeting(s)
+            assert name == "web" and echoes(s)
+        assert peer in node_addresses(node) and peer != LB_IP, peer  # masqueraded
+        if datapath == "nftables":
+            entries = [e for e in conntrack(node).splitlines() if f"src={LB_IP} dst={LB_IP}" in e]
+            assert entries and all(f"src={ENDPOINT} dst={peer} sport=8080" in e for e in entries), entries
+        client = topology.add_host("client", "10.244.2.7")
+        for ns, src in ((client, None), (node, None), (node, LB_IP)):  # not hairpins: unchanged
+            with connect(ns, src) as s:
+                assert greeting(s)[0] == "web" and echoes(s), (ns, src)
+    finally:
+        agent.stop()
+        nsexec(topology.node, USPROXY, "run", "--cleanup", check=False)
+        pods.close()
+
+
+def test_hairpin_outlives_an_agent_restart_and_cleanup_restores_local(topology: Topology, tmp_path: Path) -> None:
+    """nftables: a hairpinned connection keeps talking while the agent restarts (its conntrack
+    mark, the rules and table usproxy-return stay); `run --cleanup` takes them back and puts the
+    `local` rule back at priority 0."""
+    pods, agent, lb = start(topology, tmp_path, "nftables", "uvloop")
+    node = topology.node
+    try:
+        rules = nsexec(node, "ip", "rule").stdout
+        assert "fwmark 0x10000/0x10000 lookup main" in rules and not re.search(r"^0:\s+from all lookup local", rules, re.M)
+        with connect(lb, LB_IP) as s:
+            assert greeting(s)[0] == "web"
+            agent.stop()
+            assert echoes(s)
+            agent.start()
+            assert echoes(s)
+            with connect(lb, LB_IP) as again:
+                assert greeting(again)[0] == "web"
+        agent.stop()
+        assert nsexec(node, USPROXY, "run", "--cleanup", check=False).returncode == 0
+        rules = nsexec(node, "ip", "rule").stdout
+        assert re.search(r"^0:\s+from all lookup local", rules, re.M) and "proto 67" not in rules, rules
+        assert "usproxy-return" not in nsexec(node, "nft", "list", "tables").stdout
     finally:
         agent.stop()
         nsexec(topology.node, USPROXY, "run", "--cleanup", check=False)

@@ -3,8 +3,10 @@
 `cleanup`: as kube-proxy's CleanupLeftovers for every mode, remove what every declared kernel
 datapath (usproxy/offload/registry.py) ever installed, then the ClusterIP interface (usproxy0)
 with its addresses and the relay's blackhole routes of the Service CIDRs
-(usproxy/relay/service_cidr_routes.py), and the relay's capture rules (table usproxy-capture,
-or its iptables chains: usproxy/relay/port_capture.py); exit code 0 when everything was removed, 1 otherwise (one
+(usproxy/relay/service_cidr_routes.py), the relay's capture rules (table usproxy-capture,
+or its iptables chains: usproxy/relay/port_capture.py), and the routing of answers to local
+sources from the network (table usproxy-return and its policy rules, `local` back at priority 0:
+usproxy/relay/return_route.py); exit code 0 when everything was removed, 1 otherwise (one
 failing does not stop the others).
 
 `remove_leftovers`: at agent start, what an earlier run left of the kernel datapaths this run
@@ -75,9 +77,30 @@ async def _relay_capture() -> bool:
         return False
 
 
+async def _return_route() -> bool:
+    """Table usproxy-return and usproxy's policy rules (usproxy/relay/return_route.py)."""
+    from usproxy.relay import return_route
+    from usproxy.util.netlink_worker import NetlinkWorker
+
+    worker = NetlinkWorker()
+    try:
+        if why := await return_route.remove_table():
+            log.error("removing %s", why)
+            return False
+        if done := await worker.call(return_route.remove_rules):
+            log.info("removed the policy rules that route answers to local sources out: %s", " ".join(done))
+        return True
+    except Exception as err:
+        log.error("removing the policy rules that route answers to local sources out: %s", err)
+        return False
+    finally:
+        worker.close()
+
+
 async def _cleanup(cfg: ProxyConfig) -> int:
     ok = await remove_kernel_state(cfg)
     ok = await _relay_capture() and ok
+    ok = await _return_route() and ok
     ok = await _vip_interface(cfg) and ok
     return 0 if ok else 1
 

@@ -61,7 +61,7 @@ from usproxy.relay.udp import UdpRelay
 from usproxy.relay.vip_interface import VipInterface
 from usproxy.model.service_port import LBPolicy
 from usproxy.model.types import IPAddress, IPNetwork, ServicePortName, format_hostport
-from usproxy.relay import service_cidr_routes
+from usproxy.relay import return_route, service_cidr_routes
 from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,9 @@ class Relay:
         self.drop_unallocated = True
         self.service_cidr_objects: tuple[IPNetwork, ...] = ()  # the ServiceCIDR objects' CIDRs
         self._routed: tuple[IPNetwork, ...] | None = None  # what service_cidr_routes holds (None: unknown)
+        # answers to connections from the network with a local source routed out (return_route.py):
+        # node-wide state, so only the agent turns it on, never a relay built in a test's own netns
+        self.route_returns = False
         self.capture = PortCapture(settings.capture)
         # Whether a kernel datapath serves a new ServicePort from this very sync (the agent wires
         # the offload manager's serves_at_once): its listeners then open after the sync.
@@ -243,10 +246,26 @@ class Relay:
     async def _start(self) -> None:
         self.capture.start()  # probes in the background; a capture waits for it
         await self.vip.setup()
+        if self.route_returns:
+            await self._route_returns()
         self.node_ips = await self._node_addresses()
         log.info("NodePort addresses: %s", ", ".join(self.node_ips) or "none")
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._started = True
+
+    async def _route_returns(self) -> None:
+        """Once: the answers to a load balancer that hairpins the node's connection (source and
+        destination its LB IP) go back out (return_route.py). A failure is logged: every other
+        client is served all the same."""
+        try:
+            done = await self.vip.worker.call(return_route.reconcile_rules)
+        except Exception as err:
+            log.error("policy rules for answers to local sources from the network: %s", err)
+            return
+        if why := await return_route.apply_table():
+            log.error("answers to local sources from the network stay on the node: %s", why)
+        elif done:
+            log.info("answers to local sources from the network are routed out: %s", " ".join(done))
 
     def _kernel_served(self, request: SyncRequest) -> set[ServicePortName]:
         """The new ServicePorts of `request` a kernel datapath serves from this sync on."""

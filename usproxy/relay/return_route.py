@@ -1,0 +1,154 @@
+"""ReturnRoute: the answers to a connection that came from the network with one of the node's own
+addresses as its source are routed back out, not delivered to the node (issue 27 item 3).
+
+The case: a load balancer hairpins the node's own connection, so a packet arrives from the network
+with a LoadBalancer IP as its source, addressed to that same LB IP (kube-proxy's "same node to LB,
+SNATted to LB (implicitly allowed)"). kube-proxy's iptables and nftables modes hold no LB IP as a
+local address, so their answer (the endpoint's, de-NATed back to the LB IP) follows the routing
+table out to the load balancer. usproxy holds every ClusterIP, externalIP and LB IP as a local
+address on `usproxy0` (the relay listens there), so three things stood in the way, each shown
+necessary by tests/offload/test_lb_ip_source.py:
+- the kernel drops a packet whose source is a local address as a martian, before any hook, unless
+  `accept_local`: ACCEPT_LOCAL (`net.ipv4.conf.all.accept_local`) is set to 1;
+- the answer's destination is the LB IP, and table `local` (rule 0, consulted first) says it is
+  this node's: the endpoint's answer (nftables datapath), or the relay's SYN-ACK, was delivered to
+  the node itself. Connections that arrived from another interface than `lo` with a local
+  source (`fib saddr type local`) get the conntrack mark RETURN_MARK in table `ip usproxy-return`
+  (NFT_TABLE), and every packet of their reply direction gets it as packet mark: in prerouting
+  (the endpoint's answer, before its routing decision) and in a route hook on output (the relay's
+  own answers, which the kernel routes again when the mark changes);
+- policy rules: `fwmark RETURN_MARK lookup main` (MARK_PRIORITY) ahead of `local`, which moves
+  from priority 0 to LOCAL_PRIORITY (as Cilium moves it to 100): marked answers skip `local` and
+  take main's route out. The node's own connections to its LB IPs cross `lo`, are not marked, and
+  stay local, as do its answers to anything else.
+
+Invariants: the rules usproxy adds carry RULE_PROTOCOL, so `remove` takes back exactly its own
+(and puts `local` back at priority 0 first: never a moment without a `local` rule); the new
+`local` rule is added before the old one is deleted, so `apply` never leaves one either. `apply`
+is idempotent and replaces NFT_TABLE atomically (`nft -f`), so an agent restart keeps the
+conntrack marks and with them the hairpinned connections. Like `usproxy0`, everything stays when
+the agent stops; `usproxy run --cleanup` removes the table and the rules (accept_local stays, as
+kube-proxy leaves route_localnet). IPv4 only: IPv6 has no martian check of local sources, but its
+`local` rule would need the same move; not done. A strict `rp_filter` (1) on the interface the
+load balancer's packets arrive on still drops them (their source's route is on `usproxy0`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+from usproxy.relay.port_capture import run
+
+log = logging.getLogger(__name__)
+
+RETURN_MARK = 0x10000  # a bit neither kube-proxy (0x4000, 0x8000) nor usproxy's nftables uses
+NFT_TABLE = "usproxy-return"
+MARK_PRIORITY, LOCAL_PRIORITY = 99, 100
+RULE_PROTOCOL = 67  # FRA_PROTOCOL of usproxy's rules (unassigned; the kernel's own are 2)
+TABLE_LOCAL, TABLE_MAIN = 255, 254
+ACCEPT_LOCAL = Path("/proc/sys/net/ipv4/conf/all/accept_local")
+
+RULESET = f"""table ip {NFT_TABLE} {{}}
+delete table ip {NFT_TABLE}
+table ip {NFT_TABLE} {{
+  chain prerouting {{
+    type filter hook prerouting priority mangle; policy accept;
+    iifname != "lo" ct state new fib saddr type local ct mark set ct mark | {RETURN_MARK:#x}
+    ct direction reply ct mark & {RETURN_MARK:#x} == {RETURN_MARK:#x} meta mark set meta mark | {RETURN_MARK:#x}
+  }}
+  chain output {{
+    type route hook output priority mangle; policy accept;
+    ct direction reply ct mark & {RETURN_MARK:#x} == {RETURN_MARK:#x} meta mark set meta mark | {RETURN_MARK:#x}
+  }}
+}}
+"""
+
+
+def reconcile_rules(ipr: Any) -> list[str]:
+    """Make the IPv4 rules hold `fwmark RETURN_MARK lookup main` ahead of `local` (pyroute2
+    IPRoute `ipr`, blocking); returns what changed. Raises pyroute2's NetlinkError."""
+    done = []
+    rules = _rules(ipr)
+    if not any(_is_local(r) and _prio(r) == LOCAL_PRIORITY for r in rules):
+        _quiet(lambda: ipr.rule("add", family=socket.AF_INET, priority=LOCAL_PRIORITY, table=TABLE_LOCAL,
+                                protocol=RULE_PROTOCOL))
+        done.append(f"+rule {LOCAL_PRIORITY} lookup local")
+    if not any(_is_mark(r) for r in rules):
+        _quiet(lambda: ipr.rule("add", family=socket.AF_INET, priority=MARK_PRIORITY, table=TABLE_MAIN,
+                                fwmark=RETURN_MARK, fwmask=RETURN_MARK, protocol=RULE_PROTOCOL))
+        done.append(f"+rule {MARK_PRIORITY} fwmark {RETURN_MARK:#x} lookup main")
+    for r in rules:  # only now: a `local` rule stays at every moment
+        if _is_local(r) and _prio(r) < MARK_PRIORITY:
+            _quiet(lambda: ipr.rule("del", family=socket.AF_INET, priority=_prio(r), table=TABLE_LOCAL))
+            done.append(f"-rule {_prio(r)} lookup local")
+    return done
+
+
+def remove_rules(ipr: Any) -> list[str]:
+    """Take back usproxy's rules, `local` at priority 0 first when usproxy moved it (a `local`
+    rule another agent moved, e.g. Cilium's at 100, stays where it is); returns what changed."""
+    done = []
+    rules = _rules(ipr)
+    mine = [r for r in rules if r.get_attr("FRA_PROTOCOL") == RULE_PROTOCOL]
+    if any(_is_local(r) for r in mine) and not any(_is_local(r) and _prio(r) == 0 for r in rules):
+        _quiet(lambda: ipr.rule("add", family=socket.AF_INET, priority=0, table=TABLE_LOCAL))
+        done.append("+rule 0 lookup local")
+    for r in mine:
+        _quiet(lambda: ipr.rule("del", family=socket.AF_INET, priority=_prio(r), table=_table(r),
+                                protocol=RULE_PROTOCOL))
+        done.append(f"-rule {_prio(r)}")
+    return done
+
+
+def _rules(ipr: Any) -> list[Any]:
+    return list(ipr.get_rules(family=socket.AF_INET))
+
+
+def _prio(rule: Any) -> int:
+    return int(rule.get_attr("FRA_PRIORITY") or 0)
+
+
+def _table(rule: Any) -> int:
+    return int(rule.get_attr("FRA_TABLE") or rule["table"])
+
+
+def _is_local(rule: Any) -> bool:
+    """A plain `lookup local` rule (no selector)."""
+    return _table(rule) == TABLE_LOCAL and rule["action"] == 1 and not rule.get_attr("FRA_FWMARK") \
+        and not rule["src_len"] and not rule["dst_len"] and not rule.get_attr("FRA_IIFNAME")
+
+
+def _is_mark(rule: Any) -> bool:
+    return _table(rule) == TABLE_MAIN and rule.get_attr("FRA_FWMARK") == RETURN_MARK \
+        and _prio(rule) < LOCAL_PRIORITY
+
+
+def _quiet(call: Any) -> None:
+    """Run one netlink change; one that finds its work done (a race with another agent) is no error."""
+    try:
+        call()
+    except Exception as err:
+        if getattr(err, "code", None) not in (errno.EEXIST, errno.ENOENT, errno.ESRCH):
+            raise
+
+
+async def apply_table() -> str:
+    """Write NFT_TABLE (atomically) and accept_local; "" when done, else why not."""
+    try:
+        if ACCEPT_LOCAL.read_text().strip() != "1":
+            ACCEPT_LOCAL.write_text("1\n")
+            log.info("net.ipv4.conf.all.accept_local=1: packets from the network with a local source are no martians")
+    except OSError as exc:
+        return f"accept_local: {exc.strerror or exc}"
+    code, err = await run(["nft", "-f", "-"], RULESET)
+    return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}" if code else ""
+
+
+async def remove_table() -> str:
+    """Delete NFT_TABLE; "" when done (or there was none), else why not."""
+    code, err = await run(["nft", "-f", "-"], f"table ip {NFT_TABLE} {{}}\ndelete table ip {NFT_TABLE}\n")
+    return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}" if code and code != 127 else ""
