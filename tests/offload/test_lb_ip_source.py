@@ -125,7 +125,8 @@ CASES = [("relay", "asyncio"), ("relay", "uvloop"), ("nftables", "asyncio"), ("n
 @pytest.mark.parametrize(("datapath", "loop"), CASES)
 def test_hairpin_completes(topology: Topology, tmp_path: Path, datapath: str, loop: str) -> None:
     """The hairpinned connection is answered by the endpoint, which sees a node address; ordinary
-    clients of the LB IP (a pod's, and the node's own, bound to the LB IP or not) still are. In nftables the kernel carries it (conntrack shows the DNAT and the masquerade)."""
+    clients of the LB IP (a pod's, and the node's own, bound to the LB IP or not) still are. A
+    packet from the network with one of the node's real addresses as its source stays dropped. In nftables the kernel carries it (conntrack shows the DNAT and the masquerade)."""
     pods, agent, lb = start(topology, tmp_path, datapath, loop)
     node = topology.node
     try:
@@ -136,6 +137,12 @@ def test_hairpin_completes(topology: Topology, tmp_path: Path, datapath: str, lo
         if datapath == "nftables":
             entries = [e for e in conntrack(node).splitlines() if f"src={LB_IP} dst={LB_IP}" in e]
             assert entries and all(f"src={ENDPOINT} dst={peer} sport=8080" in e for e in entries), entries
+        spoofed = topology.node_addresses[0]  # one of the node's real addresses as the source:
+        nsexec(lb, "ip", "addr", "add", f"{spoofed}/32", "dev", "lo")  # still a martian, dropped
+        nsexec(lb, "ip", "rule", "add", "pref", "11", "iif", "lo", "from", spoofed, "to", LB_IP, "lookup", "200")
+        with pytest.raises(TimeoutError):
+            connect(lb, spoofed).close()
+        assert f"src={spoofed} dst={LB_IP}" not in conntrack(node)  # neither relayed nor DNATed
         client = topology.add_host("client", "10.244.2.7")
         for ns, src in ((client, None), (node, None), (node, LB_IP)):  # not hairpins: unchanged
             with connect(ns, src) as s:

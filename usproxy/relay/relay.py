@@ -158,6 +158,7 @@ class Relay:
         # answers to connections from the network with a local source routed out (return_route.py):
         # node-wide state, so only the agent turns it on, never a relay built in a test's own netns
         self.route_returns = False
+        self._return_hosts: set[IPAddress] | None = None  # the node addresses table usproxy-return drops
         self.capture = PortCapture(settings.capture)
         # Whether a kernel datapath serves a new ServicePort from this very sync (the agent wires
         # the offload manager's serves_at_once): its listeners then open after the sync.
@@ -181,6 +182,8 @@ class Relay:
             await self._start()
         elif request.full:
             self.node_ips = await self._node_addresses()
+            if self.route_returns and self._return_hosts != self.host_ips:
+                await self._route_returns()  # the node's addresses changed, or the last try failed
         if request.full:  # addresses a previous agent left that nothing claims any more
             now = time.monotonic()
             for ip in self.vip.addresses - self._uses.keys() - self.released.keys():
@@ -246,9 +249,9 @@ class Relay:
     async def _start(self) -> None:
         self.capture.start()  # probes in the background; a capture waits for it
         await self.vip.setup()
+        self.node_ips = await self._node_addresses()
         if self.route_returns:
             await self._route_returns()
-        self.node_ips = await self._node_addresses()
         log.info("NodePort addresses: %s", ", ".join(self.node_ips) or "none")
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._started = True
@@ -262,10 +265,19 @@ class Relay:
         except Exception as err:
             log.error("policy rules for answers to local sources from the network: %s", err)
             return
-        if why := await return_route.apply_table():
-            log.error("answers to local sources from the network stay on the node: %s", why)
-        elif done:
+        if await self._return_table() and done:
             log.info("answers to local sources from the network are routed out: %s", " ".join(done))
+
+    async def _return_table(self) -> bool:
+        """Write table usproxy-return for the node's addresses now (`host_ips`); on failure, logged,
+        written again at the next full sync."""
+        hosts = set(self.host_ips)
+        if why := await return_route.apply_table(hosts):
+            log.error("answers to local sources from the network stay on the node: %s", why)
+            self._return_hosts = None
+            return False
+        self._return_hosts = hosts
+        return True
 
     def _kernel_served(self, request: SyncRequest) -> set[ServicePortName]:
         """The new ServicePorts of `request` a kernel datapath serves from this sync on."""

@@ -9,7 +9,9 @@ table out to the load balancer. usproxy holds every ClusterIP, externalIP and LB
 address on `usproxy0` (the relay listens there), so three things stood in the way, each shown
 necessary by tests/offload/test_lb_ip_source.py:
 - the kernel drops a packet whose source is a local address as a martian, before any hook, unless
-  `accept_local`: ACCEPT_LOCAL (`net.ipv4.conf.all.accept_local`) is set to 1;
+  `accept_local`: ACCEPT_LOCAL (`net.ipv4.conf.all.accept_local`) is set to 1, and NFT_TABLE drops
+  instead those whose source is one of the node's own addresses on its other interfaces (set
+  `node-addresses`, rewritten when they change), so only usproxy0's Service addresses pass;
 - the answer's destination is the LB IP, and table `local` (rule 0, consulted first) says it is
   this node's: the endpoint's answer (nftables datapath), or the relay's SYN-ACK, was delivered to
   the node itself. Connections that arrived from another interface than `lo` with a local
@@ -29,7 +31,8 @@ is idempotent and replaces NFT_TABLE atomically (`nft -f`), so an agent restart 
 conntrack marks and with them the hairpinned connections. Like `usproxy0`, everything stays when
 the agent stops; `usproxy run --cleanup` removes the table and the rules (accept_local stays, as
 kube-proxy leaves route_localnet). IPv4 only: IPv6 has no martian check of local sources, but its
-`local` rule would need the same move; not done. A strict `rp_filter` (1) on the interface the
+`local` rule would need the same move; not done. A node without nftables (the relay alone) gets the
+rules but no marks, so nothing changes there. A strict `rp_filter` (1) on the interface the
 load balancer's packets arrive on still drops them (their source's route is on `usproxy0`).
 """
 
@@ -38,9 +41,11 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from usproxy.model.types import IPAddress
 from usproxy.relay.port_capture import run
 
 log = logging.getLogger(__name__)
@@ -52,17 +57,29 @@ RULE_PROTOCOL = 67  # FRA_PROTOCOL of usproxy's rules (unassigned; the kernel's 
 TABLE_LOCAL, TABLE_MAIN = 255, 254
 ACCEPT_LOCAL = Path("/proc/sys/net/ipv4/conf/all/accept_local")
 
-RULESET = f"""table ip {NFT_TABLE} {{}}
+
+
+def ruleset(node_addresses: Iterable[IPAddress]) -> str:
+    """Table NFT_TABLE as nft input (replacing any earlier one). `node_addresses`: the node's own
+    IPv4 addresses on its other interfaces, which stay martians (dropped) when they come from the
+    network as sources, as without accept_local; only usproxy0's (Service addresses) pass."""
+    mark = f"{RETURN_MARK:#x}"
+    elements = ", ".join(sorted(str(a) for a in node_addresses if a.version == 4))
+    return f"""table ip {NFT_TABLE} {{}}
 delete table ip {NFT_TABLE}
 table ip {NFT_TABLE} {{
+  set node-addresses {{
+    type ipv4_addr;{f" elements = {{ {elements} }};" if elements else ""}
+  }}
   chain prerouting {{
     type filter hook prerouting priority mangle; policy accept;
-    iifname != "lo" ct state new fib saddr type local ct mark set ct mark | {RETURN_MARK:#x}
-    ct direction reply ct mark & {RETURN_MARK:#x} == {RETURN_MARK:#x} meta mark set meta mark | {RETURN_MARK:#x}
+    iifname != "lo" ct state new fib saddr type local ip saddr @node-addresses drop
+    iifname != "lo" ct state new fib saddr type local ct mark set ct mark | {mark}
+    ct direction reply ct mark & {mark} == {mark} meta mark set meta mark | {mark}
   }}
   chain output {{
     type route hook output priority mangle; policy accept;
-    ct direction reply ct mark & {RETURN_MARK:#x} == {RETURN_MARK:#x} meta mark set meta mark | {RETURN_MARK:#x}
+    ct direction reply ct mark & {mark} == {mark} meta mark set meta mark | {mark}
   }}
 }}
 """
@@ -136,15 +153,15 @@ def _quiet(call: Any) -> None:
             raise
 
 
-async def apply_table() -> str:
-    """Write NFT_TABLE (atomically) and accept_local; "" when done, else why not."""
+async def apply_table(node_addresses: Iterable[IPAddress]) -> str:
+    """Write NFT_TABLE (atomically, see `ruleset`) and accept_local; "" when done, else why not."""
     try:
         if ACCEPT_LOCAL.read_text().strip() != "1":
             ACCEPT_LOCAL.write_text("1\n")
             log.info("net.ipv4.conf.all.accept_local=1: packets from the network with a local source are no martians")
     except OSError as exc:
         return f"accept_local: {exc.strerror or exc}"
-    code, err = await run(["nft", "-f", "-"], RULESET)
+    code, err = await run(["nft", "-f", "-"], ruleset(node_addresses))
     return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}" if code else ""
 
 
