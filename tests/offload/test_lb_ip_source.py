@@ -99,15 +99,18 @@ def node_addresses(node: str) -> set[str]:
     return {f.split()[3].split("/")[0] for f in out.splitlines() if f.split()[1] not in ("usproxy0", "lo")}
 
 
-def start(topology: Topology, tmp_path: Path, datapath: str, loop: str) -> tuple[Pods, AgentProc, str]:
-    """The endpoint, the load balancer netns and the agent; returns (pods, agent, lb netns)."""
+def start(topology: Topology, tmp_path: Path, datapath: str, loop: str,
+          flags: tuple[str, ...] = OFFLOAD) -> tuple[Pods, AgentProc, str]:
+    """The endpoint, the load balancer netns and the agent; `datapath`: "relay" (--offload none),
+    "nftables" (`flags`; returns once nftables serves the Service) or "relay-first" (`flags`,
+    returns while the relay still serves it). Returns (pods, agent, lb netns)."""
     pods = Pods(topology, tmp_path)
     m = Manifests(tmp_path / "m")
     web = svc("web", "10.96.10.10", [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
               type="LoadBalancer")
     web["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
     m.write(web, slice_("web", [{"ip": ENDPOINT, "ready": True}], [{"name": "http", "port": 8080, "protocol": "TCP"}]))
-    agent = AgentProc(topology, m, loop, *(OFFLOAD if datapath == "nftables" else ()))
+    agent = AgentProc(topology, m, loop, *(flags if datapath != "relay" else ()))
     pods.add("web", ENDPOINT)
     lb, _ = load_balancer(topology)
     wait_listening(topology.node, ENDPOINT, 8080)
@@ -175,6 +178,32 @@ def test_hairpin_outlives_an_agent_restart_and_cleanup_restores_local(topology: 
         rules = nsexec(node, "ip", "rule").stdout
         assert re.search(r"^0:\s+from all lookup local", rules, re.M) and "proto 67" not in rules, rules
         assert "usproxy-return" not in nsexec(node, "nft", "list", "tables").stdout
+    finally:
+        agent.stop()
+        nsexec(topology.node, USPROXY, "run", "--cleanup", check=False)
+        pods.close()
+
+
+def test_hairpin_outlives_the_move_from_relay_to_nftables(topology: Topology, tmp_path: Path) -> None:
+    """A hairpinned connection the relay accepted keeps talking after nftables takes the Service
+    over (the relay keeps its flows), and the next one is the kernel's."""
+    flags = ("--offload", "nftables", "--offload-after", "5", "--min-sync-period", "200ms")
+    pods, agent, lb = start(topology, tmp_path, "relay-first", "uvloop", flags)
+    node = topology.node
+    try:
+        with connect(lb, LB_IP) as s:
+            assert greeting(s)[0] == "web"
+            assert all(r["datapath"] != "nftables" for r in agent.services())  # the relay's
+            deadline = time.monotonic() + 30
+            while not any(r["datapath"] == "nftables" for r in agent.services()):
+                assert time.monotonic() < deadline, agent.services()
+                time.sleep(0.2)
+            assert echoes(s)
+            with connect(lb, LB_IP) as again:
+                assert greeting(again)[0] == "web" and echoes(again)
+            assert echoes(s)
+        entries = [e for e in conntrack(node).splitlines() if f"src={LB_IP} dst={LB_IP}" in e]
+        assert any(f"src={ENDPOINT} " in e for e in entries), entries  # the second: DNATed by the kernel
     finally:
         agent.stop()
         nsexec(topology.node, USPROXY, "run", "--cleanup", check=False)
