@@ -182,7 +182,7 @@ class Relay:
             await self._start()
         elif request.full:
             self.node_ips = await self._node_addresses()
-            if self.route_returns and self._return_hosts != self.host_ips:
+            if self.route_returns and self._return_hosts != self._own_addresses():
                 await self._route_returns()  # the node's addresses changed, or the last try failed
         if request.full:  # addresses a previous agent left that nothing claims any more
             now = time.monotonic()
@@ -257,9 +257,10 @@ class Relay:
         self._started = True
 
     async def _route_returns(self) -> None:
-        """Once: the answers to a load balancer that hairpins the node's connection (source and
-        destination its LB IP) go back out (return_route.py). A failure is logged: every other
-        client is served all the same."""
+        """At start, and at a full sync when the node's addresses changed or the last try failed:
+        the answers to a load balancer that hairpins the node's connection (source and destination
+        its LB IP) go back out (return_route.py). A failure is logged: every other client is
+        served all the same."""
         try:
             done = await self.vip.worker.call(return_route.reconcile_rules)
         except Exception as err:
@@ -269,15 +270,20 @@ class Relay:
             log.info("answers to local sources from the network are routed out: %s", " ".join(done))
 
     async def _return_table(self) -> bool:
-        """Write table usproxy-return for the node's addresses now (`host_ips`); on failure, logged,
-        written again at the next full sync."""
-        hosts = set(self.host_ips)
+        """Write table usproxy-return for the node's own addresses now; on failure, logged, written
+        again at the next full sync."""
+        hosts = self._own_addresses()
         if why := await return_route.apply_table(hosts):
             log.error("answers to local sources from the network stay on the node: %s", why)
             self._return_hosts = None
             return False
         self._return_hosts = hosts
         return True
+
+    def _own_addresses(self) -> set[IPAddress]:
+        """The node's addresses on other interfaces, less the Service addresses (which share `lo`
+        with them where usproxy0 fell back to it)."""
+        return self.host_ips - self.vip.addresses
 
     def _kernel_served(self, request: SyncRequest) -> set[ServicePortName]:
         """The new ServicePorts of `request` a kernel datapath serves from this sync on."""

@@ -24,15 +24,16 @@ necessary by tests/offload/test_lb_ip_source.py:
   take main's route out. The node's own connections to its LB IPs cross `lo`, are not marked, and
   stay local, as do its answers to anything else.
 
-Invariants: the rules usproxy adds carry RULE_PROTOCOL, so `remove` takes back exactly its own
-(and puts `local` back at priority 0 first: never a moment without a `local` rule); the new
-`local` rule is added before the old one is deleted, so `apply` never leaves one either. `apply`
-is idempotent and replaces NFT_TABLE atomically (`nft -f`), so an agent restart keeps the
-conntrack marks and with them the hairpinned connections. Like `usproxy0`, everything stays when
+Invariants: the rules usproxy adds carry RULE_PROTOCOL, so `remove_rules` takes back exactly its
+own (and puts `local` back at priority 0 first: never a moment without a `local` rule); the new
+`local` rule is added before the old one is deleted, so `reconcile_rules` never leaves one
+either. Both are idempotent; `apply_table` replaces NFT_TABLE atomically (`nft -f`), so an agent
+restart keeps the conntrack marks and with them the hairpinned connections, and it sets
+accept_local only once the table (with its drop of the node's own addresses) is in place. Like `usproxy0`, everything stays when
 the agent stops; `usproxy run --cleanup` removes the table and the rules (accept_local stays, as
 kube-proxy leaves route_localnet). IPv4 only: IPv6 has no martian check of local sources, but its
 `local` rule would need the same move; not done. A node without nftables (the relay alone) gets the
-rules but no marks, so nothing changes there. A strict `rp_filter` (1) on the interface the
+rules but neither the table nor accept_local, so nothing changes there. A strict `rp_filter` (1) on the interface the
 load balancer's packets arrive on still drops them (their source's route is on `usproxy0`).
 """
 
@@ -56,7 +57,6 @@ MARK_PRIORITY, LOCAL_PRIORITY = 99, 100
 RULE_PROTOCOL = 67  # FRA_PROTOCOL of usproxy's rules (unassigned; the kernel's own are 2)
 TABLE_LOCAL, TABLE_MAIN = 255, 254
 ACCEPT_LOCAL = Path("/proc/sys/net/ipv4/conf/all/accept_local")
-
 
 
 def ruleset(node_addresses: Iterable[IPAddress]) -> str:
@@ -155,14 +155,16 @@ def _quiet(call: Any) -> None:
 
 async def apply_table(node_addresses: Iterable[IPAddress]) -> str:
     """Write NFT_TABLE (atomically, see `ruleset`) and accept_local; "" when done, else why not."""
-    try:
+    code, err = await run(["nft", "-f", "-"], ruleset(node_addresses))
+    if code:
+        return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}"
+    try:  # only now: the table drops the node's own addresses as sources, as the martian check did
         if ACCEPT_LOCAL.read_text().strip() != "1":
             ACCEPT_LOCAL.write_text("1\n")
-            log.info("net.ipv4.conf.all.accept_local=1: packets from the network with a local source are no martians")
+            log.info("net.ipv4.conf.all.accept_local=1: Service addresses as sources from the network are no martians")
     except OSError as exc:
         return f"accept_local: {exc.strerror or exc}"
-    code, err = await run(["nft", "-f", "-"], ruleset(node_addresses))
-    return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}" if code else ""
+    return ""
 
 
 async def remove_table() -> str:
