@@ -27,7 +27,7 @@ necessary by tests/offload/test_lb_ip_source.py:
 Invariants: the rules usproxy adds carry RULE_PROTOCOL, so `remove_rules` takes back exactly its
 own (and puts `local` back at priority 0 first: never a moment without a `local` rule); the new
 `local` rule is added before the old one is deleted, so `reconcile_rules` never leaves one
-either. Both are idempotent; `apply_table` replaces NFT_TABLE atomically (`nft -f`), so an agent
+either. Both are idempotent; `apply_table` rewrites NFT_TABLE atomically (`nft -f`, in place), so an agent
 restart keeps the conntrack marks and with them the hairpinned connections, and it sets
 accept_local only once the table (with its drop of the node's own addresses) is in place. Like `usproxy0`, everything stays when
 the agent stops; `usproxy run --cleanup` removes the table and the rules (accept_local stays, as
@@ -60,25 +60,34 @@ ACCEPT_LOCAL = Path("/proc/sys/net/ipv4/conf/all/accept_local")
 
 
 def ruleset(node_addresses: Iterable[IPAddress]) -> str:
-    """Table NFT_TABLE as nft input (replacing any earlier one). `node_addresses`: the node's own
-    IPv4 addresses on its other interfaces, which stay martians (dropped) when they come from the
-    network as sources, as without accept_local; only usproxy0's (Service addresses) pass."""
+    """Table NFT_TABLE as nft input, one transaction: declared (a no-op when it exists), emptied
+    and filled, so a rewrite keeps the table, and its place among the node's tables, as it was.
+    `node_addresses`: the node's own IPv4 addresses on its other interfaces, which stay martians
+    (dropped) when they come from the network as sources, as without accept_local; only usproxy0's
+    (Service addresses) pass."""
     mark = f"{RETURN_MARK:#x}"
     elements = ", ".join(sorted(str(a) for a in node_addresses if a.version == 4))
-    return f"""table ip {NFT_TABLE} {{}}
-delete table ip {NFT_TABLE}
+    pre = "type filter hook prerouting priority mangle; policy accept;"
+    out = "type route hook output priority mangle; policy accept;"
+    return f"""table ip {NFT_TABLE} {{
+  set node-addresses {{ type ipv4_addr; }}
+  chain prerouting {{ {pre} }}
+  chain output {{ {out} }}
+}}
+flush table ip {NFT_TABLE}
+flush set ip {NFT_TABLE} node-addresses
 table ip {NFT_TABLE} {{
   set node-addresses {{
     type ipv4_addr;{f" elements = {{ {elements} }};" if elements else ""}
   }}
   chain prerouting {{
-    type filter hook prerouting priority mangle; policy accept;
+    {pre}
     iifname != "lo" ct state new fib saddr type local ip saddr @node-addresses drop
     iifname != "lo" ct state new fib saddr type local ct mark set ct mark | {mark}
     ct direction reply ct mark & {mark} == {mark} meta mark set meta mark | {mark}
   }}
   chain output {{
-    type route hook output priority mangle; policy accept;
+    {out}
     ct direction reply ct mark & {mark} == {mark} meta mark set meta mark | {mark}
   }}
 }}
