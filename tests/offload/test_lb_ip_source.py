@@ -1,7 +1,7 @@
 """A packet from the network with a LoadBalancer IP as its source, to that LB IP: kube-proxy's
 "same node to LB, SNATted to LB (implicitly allowed)", where a load balancer loops a node's own
 connection back to the node (issue 27 item 3). It completes, answered by an endpoint that sees a
-node address, in the relay and in the nftables datapath.
+node address, in the relay and in the nftables datapath (and in iptables, by the same means).
 
 Netns "lb" stands for the load balancer: it owns the LB IP and sends a connection from it to it,
 to the node (its own policy routing sends that one flow out). The node holds the LB IP as a local
@@ -100,36 +100,42 @@ def node_addresses(node: str) -> set[str]:
 
 
 def start(topology: Topology, tmp_path: Path, datapath: str, loop: str,
-          flags: tuple[str, ...] = OFFLOAD) -> tuple[Pods, AgentProc, str]:
+          flags: tuple[str, ...] = ()) -> tuple[Pods, AgentProc, str]:
     """The endpoint, the load balancer netns and the agent; `datapath`: "relay" (--offload none),
-    "nftables" (`flags`; returns once nftables serves the Service) or "relay-first" (`flags`,
-    returns while the relay still serves it). Returns (pods, agent, lb netns)."""
+    a kernel datapath ("nftables", "iptables": returns once it serves the Service), or
+    "relay-first" (`flags`, returns while the relay still serves it). Returns (pods, agent, lb
+    netns)."""
     pods = Pods(topology, tmp_path)
     m = Manifests(tmp_path / "m")
     web = svc("web", "10.96.10.10", [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
               type="LoadBalancer")
     web["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
     m.write(web, slice_("web", [{"ip": ENDPOINT, "ready": True}], [{"name": "http", "port": 8080, "protocol": "TCP"}]))
-    agent = AgentProc(topology, m, loop, *(flags if datapath != "relay" else ()))
+    kernel = datapath not in ("relay", "relay-first")
+    if kernel:
+        flags = ("--offload", datapath, *OFFLOAD[2:])
+    agent = AgentProc(topology, m, loop, *flags)
     pods.add("web", ENDPOINT)
     lb, _ = load_balancer(topology)
     wait_listening(topology.node, ENDPOINT, 8080)
     agent.start()
     deadline = time.monotonic() + 15
-    while datapath == "nftables" and not any(r["datapath"] == "nftables" for r in agent.services()):
+    while kernel and not any(r["datapath"] == datapath for r in agent.services()):
         assert time.monotonic() < deadline, agent.services()
         time.sleep(0.1)
     return pods, agent, lb
 
 
-CASES = [("relay", "asyncio"), ("relay", "uvloop"), ("nftables", "asyncio"), ("nftables", "uvloop")]
+CASES = [("relay", "asyncio"), ("relay", "uvloop"), ("nftables", "asyncio"), ("nftables", "uvloop"),
+         ("iptables", "uvloop")]
 
 
 @pytest.mark.parametrize(("datapath", "loop"), CASES)
 def test_hairpin_completes(topology: Topology, tmp_path: Path, datapath: str, loop: str) -> None:
     """The hairpinned connection is answered by the endpoint, which sees a node address; ordinary
     clients of the LB IP (a pod's, and the node's own, bound to the LB IP or not) still are. A
-    packet from the network with one of the node's real addresses as its source stays dropped. In nftables the kernel carries it (conntrack shows the DNAT and the masquerade)."""
+    packet from the network with one of the node's real addresses as its source stays dropped.
+    In a kernel datapath the kernel carries it (conntrack shows the DNAT and the masquerade)."""
     pods, agent, lb = start(topology, tmp_path, datapath, loop)
     node = topology.node
     try:
@@ -137,7 +143,7 @@ def test_hairpin_completes(topology: Topology, tmp_path: Path, datapath: str, lo
             name, peer = greeting(s)
             assert name == "web" and echoes(s)
         assert peer in node_addresses(node) and peer != LB_IP, peer  # masqueraded
-        if datapath == "nftables":
+        if datapath != "relay":
             entries = [e for e in conntrack(node).splitlines() if f"src={LB_IP} dst={LB_IP}" in e]
             assert entries and all(f"src={ENDPOINT} dst={peer} sport=8080" in e for e in entries), entries
         spoofed = topology.node_addresses[0]  # one of the node's real addresses as the source:
