@@ -34,7 +34,8 @@ the agent stops; `usproxy run --cleanup` removes the table and the rules (accept
 kube-proxy leaves route_localnet). IPv4 only: IPv6 has no martian check of local sources, but its
 `local` rule would need the same move; not done. A node without nftables (the relay alone) gets the
 rules but neither the table nor accept_local, so nothing changes there. A strict `rp_filter` (1) on the interface the
-load balancer's packets arrive on still drops them (their source's route is on `usproxy0`).
+load balancer's packets arrive on still drops them (their source's route is on `usproxy0`); loose
+(2) and off (0) serve them (tried in the test's topology).
 """
 
 from __future__ import annotations
