@@ -59,6 +59,12 @@ def test_a_bpf_map_size_out_of_bounds_exits_2_naming_the_flag(flag: str, value: 
     assert res.returncode == 2 and res.stderr == f"usproxy run: {flag}: {says}\n"
 
 
+@pytest.mark.parametrize("value", ["0x3000", "-1", "0x100000000"])
+def test_a_hairpin_mark_of_more_than_one_bit_exits_2(value: str) -> None:
+    res = run("run", "--hairpin-mark", value, *OWN_LOCKS)
+    assert res.returncode == 2 and res.stderr.startswith("usproxy run: --hairpin-mark: must be one bit"), res.stderr
+
+
 def test_missing_cluster_cidr_is_logged_once(tmp_path: Path) -> None:
     f = tmp_path / "bad.yaml"
     f.write_text("apiVersion: v1\nkind: Service\n  metadata: [\n")  # the agent starts, logs, then exits 2 on it

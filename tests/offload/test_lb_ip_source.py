@@ -134,7 +134,8 @@ CASES = [("relay", "asyncio"), ("relay", "uvloop"), ("nftables", "asyncio"), ("n
 def test_hairpin_completes(topology: Topology, tmp_path: Path, datapath: str, loop: str) -> None:
     """The hairpinned connection is answered by the endpoint, which sees a node address; ordinary
     clients of the LB IP (a pod's, and the node's own, bound to the LB IP or not) still are. A
-    packet from the network with one of the node's real addresses as its source stays dropped.
+    packet from the network with one of the node's real addresses as its source stays dropped,
+    to the node and through it.
     In a kernel datapath the kernel carries it (conntrack shows the DNAT and the masquerade)."""
     pods, agent, lb = start(topology, tmp_path, datapath, loop)
     node = topology.node
@@ -152,6 +153,10 @@ def test_hairpin_completes(topology: Topology, tmp_path: Path, datapath: str, lo
         with pytest.raises(TimeoutError):
             connect(lb, spoofed).close()
         assert f"src={spoofed} dst={LB_IP}" not in conntrack(node)  # neither relayed nor DNATed
+        with pytest.raises(OSError):  # nor forwarded through the node (a martian without accept_local)
+            with inside(lb):
+                socket.create_connection((ENDPOINT, 8080), timeout=1.0, source_address=(spoofed, 0)).close()
+        assert f"src={spoofed} dst={ENDPOINT}" not in conntrack(node)
         client = topology.add_host("client", "10.244.2.7")
         for ns, src in ((client, None), (node, None), (node, LB_IP)):  # not hairpins: unchanged
             with connect(ns, src) as s:
@@ -170,7 +175,7 @@ def test_hairpin_outlives_an_agent_restart_and_cleanup_restores_local(topology: 
     node = topology.node
     try:
         rules = nsexec(node, "ip", "rule").stdout
-        assert "fwmark 0x10000/0x10000 lookup main" in rules and not re.search(r"^0:\s+from all lookup local", rules, re.M)
+        assert "fwmark 0x1000/0x1000 lookup main" in rules and not re.search(r"^0:\s+from all lookup local", rules, re.M)
         with connect(lb, LB_IP) as s:
             assert greeting(s)[0] == "web"
             agent.stop()
@@ -185,6 +190,33 @@ def test_hairpin_outlives_an_agent_restart_and_cleanup_restores_local(topology: 
         assert re.search(r"^0:\s+from all lookup local", rules, re.M) and "proto 67" not in rules, rules
         assert "usproxy-return" not in nsexec(node, "nft", "list", "tables").stdout
     finally:
+        agent.stop()
+        nsexec(topology.node, USPROXY, "run", "--cleanup", check=False)
+        pods.close()
+
+
+def test_hairpin_mark_0_turns_it_off_and_takes_an_earlier_agents_rules_back(topology: Topology,
+                                                                            tmp_path: Path) -> None:
+    """`--hairpin-mark 0` (a node whose other programs use every free mark bit): the agent
+    restarted with it removes table usproxy-return and its policy rules (`local` back at 0), so a
+    hairpinned connection is no longer served; every other client still is."""
+    pods, agent, lb = start(topology, tmp_path, "nftables", "uvloop")
+    node = topology.node
+    off = AgentProc(topology, agent.manifests, "uvloop", *agent.extra, "--hairpin-mark", "0")
+    try:
+        with connect(lb, LB_IP) as s:
+            assert greeting(s)[0] == "web"
+        agent.stop()
+        off.start()
+        rules = nsexec(node, "ip", "rule").stdout
+        assert re.search(r"^0:\s+from all lookup local", rules, re.M) and "proto 67" not in rules, rules
+        assert "usproxy-return" not in nsexec(node, "nft", "list", "tables").stdout
+        with pytest.raises(OSError):
+            connect(lb, LB_IP).close()
+        with connect(node) as s:
+            assert greeting(s)[0] == "web" and echoes(s)
+    finally:
+        off.stop()
         agent.stop()
         nsexec(topology.node, USPROXY, "run", "--cleanup", check=False)
         pods.close()

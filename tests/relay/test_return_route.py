@@ -22,6 +22,13 @@ def rules(ns: str) -> list[str]:
     return [re.sub(r"\s+", " ", line.strip()) for line in nsexec(ns, "ip", "rule").stdout.splitlines()]
 
 
+MARK = return_route.DEFAULT_MARK
+
+
+def reconcile(ipr: Any, mark: int = MARK) -> list[str]:
+    return return_route.reconcile_rules(ipr, mark)
+
+
 def call(ns: str, fn: Callable[[Any], list[str]]) -> list[str]:
     with inside(ns):
         ipr = IPRoute()
@@ -35,11 +42,11 @@ def test_local_moves_behind_the_mark_rule_and_back(topology: Topology) -> None:
     node = topology.node
     before = rules(node)
     assert before[0] == "0: from all lookup local"
-    assert call(node, return_route.reconcile_rules)
+    assert call(node, reconcile)
     moved = rules(node)
-    assert moved[:2] == ["99: from all fwmark 0x10000/0x10000 lookup main proto 67", "100: from all lookup local proto 67"]
+    assert moved[:2] == ["99: from all fwmark 0x1000/0x1000 lookup main proto 67", "100: from all lookup local proto 67"]
     assert not any(r.startswith("0:") for r in moved)
-    assert call(node, return_route.reconcile_rules) == [] and rules(node) == moved  # idempotent
+    assert call(node, reconcile) == [] and rules(node) == moved  # idempotent
     assert call(node, return_route.remove_rules)
     assert rules(node) == before
     assert call(node, return_route.remove_rules) == [] and rules(node) == before
@@ -50,6 +57,15 @@ def test_a_local_rule_someone_else_moved_stays(topology: Topology) -> None:
     nsexec(node, "ip", "rule", "add", "pref", "100", "lookup", "local")
     nsexec(node, "ip", "rule", "del", "pref", "0")
     theirs = rules(node)
-    assert call(node, return_route.reconcile_rules) == [f"+rule 99 fwmark {return_route.RETURN_MARK:#x} lookup main"]
+    assert call(node, reconcile) == [f"+rule 99 fwmark {MARK:#x} lookup main"]
     assert call(node, return_route.remove_rules) == ["-rule 99"]
     assert rules(node) == theirs
+
+
+def test_a_new_hairpin_mark_replaces_the_old_rule(topology: Topology) -> None:
+    """An agent restarted with another --hairpin-mark: one mark rule, the new one."""
+    node = topology.node
+    call(node, reconcile)
+    assert call(node, lambda ipr: reconcile(ipr, 0x2000)) == ["+rule 99 fwmark 0x2000 lookup main",
+                                                             f"-rule 99 fwmark {MARK:#x}"]
+    assert [r for r in rules(node) if "fwmark" in r] == ["99: from all fwmark 0x2000/0x2000 lookup main proto 67"]

@@ -59,7 +59,7 @@ def build_datapaths(cfg: ProxyConfig, node: NodeFacts, metrics: Metrics,
     from usproxy.relay.relay import Relay, RelaySettings
 
     relay = Relay(RelaySettings.from_config(cfg), node, metrics)
-    relay.route_returns = True  # hairpinned LB IP sources answered out (relay/return_route.py)
+    relay.return_mark = cfg.hairpin_mark  # hairpinned LB IP sources answered out (relay/return_route.py)
     if not registry.allowed(cfg.offload):
         return [relay]
     from usproxy.offload.kernel_datapath import BuildContext

@@ -56,6 +56,10 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--service-cidr", dest="service_cidrs", metavar="CIDR,...", type=_comma_list,
                    help="the cluster's Service CIDRs: traffic to an unallocated address in them is dropped")
     p.add_argument("--vip-interface", metavar="NAME")
+    p.add_argument("--hairpin-mark", type=lambda v: int(v, 0), metavar="BIT",
+                   help="the mark bit of connections a load balancer hairpins (source and destination a "
+                        "LoadBalancer IP), whose answers are routed back out; one bit no other program on the "
+                        f"node uses, or 0 to leave such connections unserved (default {d.hairpin_mark:#x})")
     p.add_argument("--lb-policy", choices=["roundRobin", "random", "leastConnections"],
                    help="how a new connection picks an endpoint when its Service has no usproxy.io/lb-policy "
                         "annotation: the relay and the BPF socket LB follow it (BPF picks at random for "
@@ -200,6 +204,9 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
         if not seconds >= 0 or seconds == float("inf"):  # also NaN
             raise ConfigError(f"must be a finite number of seconds, not negative, got {seconds}",
                               obj="usproxy run", field=flag)
+    if cfg.hairpin_mark and (cfg.hairpin_mark & (cfg.hairpin_mark - 1) or not 0 < cfg.hairpin_mark < 1 << 32):
+        raise ConfigError(f"must be one bit of a 32-bit mark (e.g. 0x1000) or 0, got {cfg.hairpin_mark:#x}",
+                          obj="usproxy run", field="--hairpin-mark")
     if cfg.sync_period <= 0:
         raise ConfigError(f"must be greater than 0, got {cfg.sync_period}", obj="usproxy run", field="--sync-period")
     for flag, n in (("--conntrack-max-per-core", cfg.conntrack_max_per_core), ("--conntrack-min", cfg.conntrack_min)):

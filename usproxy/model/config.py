@@ -42,6 +42,8 @@ class ProxyConfig:
     nodeport_addresses: tuple[str, ...] = ()  # CIDRs, or ("primary",): see parse_nodeport_addresses
     service_cidrs: tuple[str, ...] = ()  # the cluster's Service CIDRs (--service-cidr)
     vip_interface: str = "usproxy0"
+    # the packet and conntrack mark bit of answers to LB hairpins (usproxy/relay/return_route.py); 0: off
+    hairpin_mark: int = 0x1000  # return_route.DEFAULT_MARK (model imports nothing above it)
     lb_policy: LBPolicy = "roundRobin"
     sync_period: float = 30.0
     min_sync_period: float = 0.25

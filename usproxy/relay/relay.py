@@ -157,8 +157,11 @@ class Relay:
         self._routed: tuple[IPNetwork, ...] | None = None  # what service_cidr_routes holds (None: unknown)
         # answers to connections from the network with a local source routed out (return_route.py):
         # node-wide state, so only the agent turns it on, never a relay built in a test's own netns
-        self.route_returns = False
-        self._return_hosts: set[IPAddress] | None = None  # the node addresses table usproxy-return drops
+        # its mark bit (--hairpin-mark); 0: off (an earlier agent's table and rules go); None: untouched
+        self.return_mark: int | None = None
+        self.host_links: set[str] = set()  # the interfaces holding host_ips
+        # the node addresses (and their interfaces) table usproxy-return drops as sources
+        self._return_hosts: tuple[set[IPAddress], set[str]] | None = None
         self.capture = PortCapture(settings.capture)
         # Whether a kernel datapath serves a new ServicePort from this very sync (the agent wires
         # the offload manager's serves_at_once): its listeners then open after the sync.
@@ -182,7 +185,7 @@ class Relay:
             await self._start()
         elif request.full:
             self.node_ips = await self._node_addresses()
-            if self.route_returns and self._return_hosts != self._own_addresses():
+            if self.return_mark and self._return_hosts != self._own_addresses():
                 await self._route_returns()  # the node's addresses changed, or the last try failed
         if request.full:  # addresses a previous agent left that nothing claims any more
             now = time.monotonic()
@@ -250,8 +253,10 @@ class Relay:
         self.capture.start()  # probes in the background; a capture waits for it
         await self.vip.setup()
         self.node_ips = await self._node_addresses()
-        if self.route_returns:
+        if self.return_mark:
             await self._route_returns()
+        elif self.return_mark == 0:
+            await self._unroute_returns()
         log.info("NodePort addresses: %s", ", ".join(self.node_ips) or "none")
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._started = True
@@ -262,28 +267,42 @@ class Relay:
         its LB IP) go back out (return_route.py). A failure is logged: every other client is
         served all the same."""
         try:
-            done = await self.vip.worker.call(return_route.reconcile_rules)
+            mark = self.return_mark or return_route.DEFAULT_MARK
+            done = await self.vip.worker.call(lambda ipr: return_route.reconcile_rules(ipr, mark))
         except Exception as err:
             log.error("policy rules for answers to local sources from the network: %s", err)
             return
         if await self._return_table() and done:
             log.info("answers to local sources from the network are routed out: %s", " ".join(done))
 
+    async def _unroute_returns(self) -> None:
+        """--hairpin-mark 0: what an earlier agent set up for hairpins goes (accept_local stays)."""
+        why = await return_route.remove_table()
+        try:
+            done = await self.vip.worker.call(return_route.remove_rules)
+        except Exception as err:
+            why = why or str(err)
+            done = []
+        if why:
+            log.error("hairpin answers: removing an earlier agent's table and rules: %s", why)
+        elif done:
+            log.info("hairpin answers are off (--hairpin-mark 0): %s", " ".join(done))
+
     async def _return_table(self) -> bool:
         """Write table usproxy-return for the node's own addresses now; on failure, logged, written
         again at the next full sync."""
         hosts = self._own_addresses()
-        if why := await return_route.apply_table(hosts):
+        if why := await return_route.apply_table(self.return_mark or return_route.DEFAULT_MARK, *hosts):
             log.error("answers to local sources from the network stay on the node: %s", why)
             self._return_hosts = None
             return False
         self._return_hosts = hosts
         return True
 
-    def _own_addresses(self) -> set[IPAddress]:
+    def _own_addresses(self) -> tuple[set[IPAddress], set[str]]:
         """The node's addresses on other interfaces, less the Service addresses (which share `lo`
-        with them where usproxy0 fell back to it)."""
-        return self.host_ips - self.vip.addresses
+        with them where usproxy0 fell back to it), and the interfaces holding them."""
+        return self.host_ips - self.vip.addresses, self.host_links
 
     def _kernel_served(self, request: SyncRequest) -> set[ServicePortName]:
         """The new ServicePorts of `request` a kernel datapath serves from this sync on."""
@@ -362,6 +381,7 @@ class Relay:
         too); also refreshes `host_ips`, the addresses other interfaces hold."""
         local = await self.vip.local_addresses()
         self.host_ips = {ip for ifname, ip in local if ifname != self.vip.name}
+        self.host_links = {ifname for ifname, _ in local if ifname not in (self.vip.name, "lo")}
         return sorted(str(ip) for ip in self.node.nodeport_ips(local, self.vip.name))
 
     async def _open_deferred(self) -> None:

@@ -52,7 +52,10 @@ from usproxy.relay.port_capture import run
 
 log = logging.getLogger(__name__)
 
-RETURN_MARK = 0x10000  # a bit neither kube-proxy (0x4000, 0x8000) nor usproxy's nftables uses
+# RETURN_MARK is --hairpin-mark, DEFAULT_MARK unless given: outside the bits kube-proxy (0x4000,
+# 0x8000), Calico (0xffff0000), Cilium (0x0f00 and the upper 16), Istio (0x539), Weave (0x20000,
+# 0x40000) and the AWS VPC CNI (0x80) use; usproxy's nftables datapath uses none
+DEFAULT_MARK = 0x1000
 NFT_TABLE = "usproxy-return"
 MARK_PRIORITY, LOCAL_PRIORITY = 99, 100
 RULE_PROTOCOL = 67  # FRA_PROTOCOL of usproxy's rules (unassigned; the kernel's own are 2)
@@ -60,32 +63,50 @@ TABLE_LOCAL, TABLE_MAIN = 255, 254
 ACCEPT_LOCAL = Path("/proc/sys/net/ipv4/conf/all/accept_local")
 
 
-def ruleset(node_addresses: Iterable[IPAddress]) -> str:
+def ruleset(mark_bit: int, node_addresses: Iterable[IPAddress], links: Iterable[str] = ()) -> str:
     """Table NFT_TABLE as nft input, one transaction: declared (a no-op when it exists), emptied
     and filled, so a rewrite keeps the table, and its place among the node's tables, as it was.
     `node_addresses`: the node's own IPv4 addresses on its other interfaces, which stay martians
     (dropped) when they come from the network as sources, as without accept_local; only usproxy0's
-    (Service addresses) pass."""
-    mark = f"{RETURN_MARK:#x}"
+    (Service addresses) pass. Only packets to this node are marked or dropped in prerouting: a
+    bridge with br_netfilter shows the node's prerouting every frame it bridges, and a frame
+    between two other hosts (a DSR answer from an endpoint's node, whose source is this node's
+    NodePort address) is none of this table's business. Forwarded packets with one of those
+    sources were martians too and stay dropped, except those that leave by the link they came
+    in by (`links`: the node's interfaces holding those addresses), which is what a bridged frame
+    looks like in the forward hook."""
+    mark = f"{mark_bit:#x}"
     elements = ", ".join(sorted(str(a) for a in node_addresses if a.version == 4))
+    pairs = ", ".join(f'"{name}" . "{name}"' for name in sorted(set(links)))
     pre = "type filter hook prerouting priority mangle; policy accept;"
     out = "type route hook output priority mangle; policy accept;"
+    fwd = "type filter hook forward priority mangle; policy accept;"
     return f"""table ip {NFT_TABLE} {{
   set node-addresses {{ type ipv4_addr; }}
+  set same-link {{ typeof meta iifname . meta oifname; }}
   chain prerouting {{ {pre} }}
+  chain forward {{ {fwd} }}
   chain output {{ {out} }}
 }}
 flush table ip {NFT_TABLE}
 flush set ip {NFT_TABLE} node-addresses
+flush set ip {NFT_TABLE} same-link
 table ip {NFT_TABLE} {{
   set node-addresses {{
     type ipv4_addr;{f" elements = {{ {elements} }};" if elements else ""}
   }}
+  set same-link {{
+    typeof meta iifname . meta oifname;{f" elements = {{ {pairs} }};" if pairs else ""}
+  }}
   chain prerouting {{
     {pre}
-    iifname != "lo" ct state new fib saddr type local ip saddr @node-addresses drop
-    iifname != "lo" ct state new fib saddr type local ct mark set ct mark | {mark}
+    iifname != "lo" ct state new fib daddr type local fib saddr type local ip saddr @node-addresses drop
+    iifname != "lo" ct state new fib daddr type local fib saddr type local ct mark set ct mark | {mark}
     ct direction reply ct mark & {mark} == {mark} meta mark set meta mark | {mark}
+  }}
+  chain forward {{
+    {fwd}
+    iifname != "lo" ct state new ip saddr @node-addresses meta iifname . meta oifname != @same-link drop
   }}
   chain output {{
     {out}
@@ -95,19 +116,26 @@ table ip {NFT_TABLE} {{
 """
 
 
-def reconcile_rules(ipr: Any) -> list[str]:
+def reconcile_rules(ipr: Any, mark: int) -> list[str]:
     """Make the IPv4 rules hold `fwmark RETURN_MARK lookup main` ahead of `local` (pyroute2
-    IPRoute `ipr`, blocking); returns what changed. Raises pyroute2's NetlinkError."""
+    IPRoute `ipr`, blocking; RETURN_MARK is `mark`); returns what changed. A mark rule of
+    usproxy's with another mark (an earlier --hairpin-mark) goes. Raises pyroute2's NetlinkError."""
     done = []
     rules = _rules(ipr)
     if not any(_is_local(r) and _prio(r) == LOCAL_PRIORITY for r in rules):
         _quiet(lambda: ipr.rule("add", family=socket.AF_INET, priority=LOCAL_PRIORITY, table=TABLE_LOCAL,
                                 protocol=RULE_PROTOCOL))
         done.append(f"+rule {LOCAL_PRIORITY} lookup local")
-    if not any(_is_mark(r) for r in rules):
+    if not any(_is_mark(r, mark) for r in rules):
         _quiet(lambda: ipr.rule("add", family=socket.AF_INET, priority=MARK_PRIORITY, table=TABLE_MAIN,
-                                fwmark=RETURN_MARK, fwmask=RETURN_MARK, protocol=RULE_PROTOCOL))
-        done.append(f"+rule {MARK_PRIORITY} fwmark {RETURN_MARK:#x} lookup main")
+                                fwmark=mark, fwmask=mark, protocol=RULE_PROTOCOL))
+        done.append(f"+rule {MARK_PRIORITY} fwmark {mark:#x} lookup main")
+    for r in rules:
+        if r.get_attr("FRA_PROTOCOL") == RULE_PROTOCOL and r.get_attr("FRA_FWMARK") not in (None, mark):
+            old = r.get_attr("FRA_FWMARK")
+            _quiet(lambda: ipr.rule("del", family=socket.AF_INET, priority=_prio(r), table=_table(r),
+                                    fwmark=old, fwmask=old, protocol=RULE_PROTOCOL))
+            done.append(f"-rule {_prio(r)} fwmark {old:#x}")
     for r in rules:  # only now: a `local` rule stays at every moment
         if _is_local(r) and _prio(r) < MARK_PRIORITY:
             _quiet(lambda: ipr.rule("del", family=socket.AF_INET, priority=_prio(r), table=TABLE_LOCAL))
@@ -149,8 +177,8 @@ def _is_local(rule: Any) -> bool:
         and not rule["src_len"] and not rule["dst_len"] and not rule.get_attr("FRA_IIFNAME")
 
 
-def _is_mark(rule: Any) -> bool:
-    return _table(rule) == TABLE_MAIN and rule.get_attr("FRA_FWMARK") == RETURN_MARK \
+def _is_mark(rule: Any, mark: int) -> bool:
+    return _table(rule) == TABLE_MAIN and rule.get_attr("FRA_FWMARK") == mark \
         and _prio(rule) < LOCAL_PRIORITY
 
 
@@ -163,9 +191,9 @@ def _quiet(call: Any) -> None:
             raise
 
 
-async def apply_table(node_addresses: Iterable[IPAddress]) -> str:
+async def apply_table(mark: int, node_addresses: Iterable[IPAddress], links: Iterable[str] = ()) -> str:
     """Write NFT_TABLE (atomically, see `ruleset`) and accept_local; "" when done, else why not."""
-    code, err = await run(["nft", "-f", "-"], ruleset(node_addresses))
+    code, err = await run(["nft", "-f", "-"], ruleset(mark, node_addresses, links))
     if code:
         return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}"
     try:  # only now: the table drops the node's own addresses as sources, as the martian check did
