@@ -70,6 +70,13 @@ def build_datapaths(cfg: ProxyConfig, node: NodeFacts, metrics: Metrics,
     # the node's addresses now, for loadBalancerSourceRanges: the relay's (synced first)
     ctx = BuildContext(settings, node, node_ips=lambda: [ipaddress.ip_address(a) for a in relay.node_ips])
     kernels = registry.build(ctx)
+    if cfg.hairpin_mark and any(k.name == "bpf" for k in kernels):
+        # table usproxy-return tracks connections, and conntrack turns on br_netfilter's defrag:
+        # a pod's fragmented UDP answer reached the tc programs reassembled and was lost
+        # (tests/cluster/test_tc_fragments.py), so no hairpin table beside the BPF datapath
+        log.info("hairpinned LB IP sources are not routed back out beside the BPF datapath "
+                 "(its UDP fragments need a node without conntrack)")
+        relay.return_mark = 0
     # unallocated Service CIDR addresses: a kernel datapath that checks the CIDRs drops them (nftables'
     # cluster-ips-check, as kube-proxy's); without one the relay blackholes them
     relay.drop_unallocated = not any(isinstance(k, ServiceCIDRHandler) for k in kernels)
