@@ -93,6 +93,10 @@ def echoes(s: socket.socket) -> bool:
         return False
 
 
+def accept_local(ns: str) -> str:
+    return nsexec(ns, "sysctl", "-n", "net.ipv4.conf.all.accept_local").stdout.strip()
+
+
 def node_addresses(node: str) -> set[str]:
     """The node's IPv4 addresses on its own interfaces (not usproxy0's Service addresses)."""
     out = nsexec(node, "ip", "-4", "-o", "addr", "show").stdout
@@ -189,6 +193,7 @@ def test_hairpin_outlives_an_agent_restart_and_cleanup_restores_local(topology: 
         rules = nsexec(node, "ip", "rule").stdout
         assert re.search(r"^0:\s+from all lookup local", rules, re.M) and "proto 67" not in rules, rules
         assert "usproxy-return" not in nsexec(node, "nft", "list", "tables").stdout
+        assert accept_local(node) == "0"  # without the table's drop, no martian check is left
     finally:
         agent.stop()
         nsexec(topology.node, USPROXY, "run", "--cleanup", check=False)
@@ -206,11 +211,13 @@ def test_hairpin_mark_0_turns_it_off_and_takes_an_earlier_agents_rules_back(topo
     try:
         with connect(lb, LB_IP) as s:
             assert greeting(s)[0] == "web"
+        assert accept_local(node) == "1"
         agent.stop()
         off.start()
         rules = nsexec(node, "ip", "rule").stdout
         assert re.search(r"^0:\s+from all lookup local", rules, re.M) and "proto 67" not in rules, rules
         assert "usproxy-return" not in nsexec(node, "nft", "list", "tables").stdout
+        assert accept_local(node) == "0"  # without the table's drop, no martian check is left
         with pytest.raises(OSError):
             connect(lb, LB_IP).close()
         with connect(node) as s:

@@ -276,7 +276,7 @@ class Relay:
             log.info("answers to local sources from the network are routed out: %s", " ".join(done))
 
     async def _unroute_returns(self) -> None:
-        """--hairpin-mark 0: what an earlier agent set up for hairpins goes (accept_local stays)."""
+        """--hairpin-mark 0: what an earlier agent set up for hairpins goes (accept_local back to 0)."""
         why = await return_route.remove_table()
         try:
             done = await self.vip.worker.call(return_route.remove_rules)

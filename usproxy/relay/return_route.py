@@ -30,8 +30,10 @@ own (and puts `local` back at priority 0 first: never a moment without a `local`
 either. Both are idempotent; `apply_table` rewrites NFT_TABLE atomically (`nft -f`, in place), so an agent
 restart keeps the conntrack marks and with them the hairpinned connections, and it sets
 accept_local only once the table (with its drop of the node's own addresses) is in place. Like `usproxy0`, everything stays when
-the agent stops; `usproxy run --cleanup` removes the table and the rules (accept_local stays, as
-kube-proxy leaves route_localnet). IPv4 only: IPv6 has no martian check of local sources, but its
+the agent stops; `usproxy run --cleanup` removes the table and the rules, and sets accept_local
+back to 0 when it removed the table (without the table's drop, the node's own addresses would
+come in from the network as sources); so does an agent with `--hairpin-mark 0`, or beside a
+datapath that keeps the table out. IPv4 only: IPv6 has no martian check of local sources, but its
 `local` rule would need the same move; not done. A node without nftables (the relay alone) gets the
 rules but neither the table nor accept_local, so nothing changes there. A strict `rp_filter` (1) on the interface the
 load balancer's packets arrive on still drops them (their source's route is on `usproxy0`); loose
@@ -206,6 +208,17 @@ async def apply_table(mark: int, node_addresses: Iterable[IPAddress], links: Ite
 
 
 async def remove_table() -> str:
-    """Delete NFT_TABLE; "" when done (or there was none), else why not."""
+    """Delete NFT_TABLE and, when there was one, set accept_local back to 0: without the table's
+    drop of the node's own addresses, accept_local would let them in from the network; "" when
+    done (or there was none), else why not."""
+    listed, _ = await run(["nft", "list", "table", "ip", NFT_TABLE], "")
+    if listed:  # none (or no nft): accept_local is not ours to change
+        return ""
     code, err = await run(["nft", "-f", "-"], f"table ip {NFT_TABLE} {{}}\ndelete table ip {NFT_TABLE}\n")
-    return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}" if code and code != 127 else ""
+    if code:
+        return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}"
+    try:
+        ACCEPT_LOCAL.write_text("0\n")
+    except OSError as exc:
+        return f"accept_local: {exc.strerror or exc}"
+    return ""
