@@ -37,6 +37,7 @@ from tests.relay.harness import USPROXY, AgentProc, Manifests, slice_, svc
 pytestmark = pytest.mark.netns
 
 LB_IP, ENDPOINT = "198.51.100.1", "10.244.1.5"
+MARK = 0x1000  # --hairpin-mark: hairpins are off unless it is given
 NODE_SIDE, LB_SIDE = "10.255.255.1", "10.255.255.2"
 
 
@@ -118,7 +119,7 @@ def start(topology: Topology, tmp_path: Path, datapath: str, loop: str,
     kernel = datapath not in ("relay", "relay-first")
     if kernel:
         flags = ("--offload", datapath, *OFFLOAD[2:])
-    agent = AgentProc(topology, m, loop, *flags)
+    agent = AgentProc(topology, m, loop, *flags, "--hairpin-mark", f"{MARK:#x}")
     pods.add("web", ENDPOINT)
     lb, _ = load_balancer(topology)
     wait_listening(topology.node, ENDPOINT, 8080)

@@ -54,7 +54,7 @@ from usproxy.relay.port_capture import run
 
 log = logging.getLogger(__name__)
 
-# RETURN_MARK is --hairpin-mark, DEFAULT_MARK unless given: outside the bits kube-proxy (0x4000,
+# RETURN_MARK is --hairpin-mark (off unless given; DEFAULT_MARK suggested): outside the bits kube-proxy (0x4000,
 # 0x8000), Calico (0xffff0000), Cilium (0x0f00 and the upper 16), Istio (0x539), Weave (0x20000,
 # 0x40000) and the AWS VPC CNI (0x80) use; usproxy's nftables datapath uses none
 DEFAULT_MARK = 0x1000
