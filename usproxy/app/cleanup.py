@@ -84,17 +84,15 @@ async def _return_route() -> bool:
 
     worker = NetlinkWorker()
     try:
-        if why := await return_route.remove_table():
-            log.error("removing %s", why)
-            return False
-        if done := await worker.call(return_route.remove_rules):
-            log.info("removed the policy rules that route answers to local sources out: %s", " ".join(done))
-        return True
-    except Exception as err:
-        log.error("removing the policy rules that route answers to local sources out: %s", err)
-        return False
+        why, done = await return_route.remove(worker)
     finally:
         worker.close()
+    if why:
+        log.error("removing the routing of answers to local sources: %s", why)
+        return False
+    if done:
+        log.info("removed the policy rules that route answers to local sources out: %s", " ".join(done))
+    return True
 
 
 async def _cleanup(cfg: ProxyConfig) -> int:

@@ -267,7 +267,8 @@ class Relay:
         its LB IP) go back out (return_route.py). A failure is logged: every other client is
         served all the same."""
         try:
-            mark = self.return_mark or return_route.DEFAULT_MARK
+            mark = self.return_mark
+            assert mark  # called only when hairpins are on
             done = await self.vip.worker.call(lambda ipr: return_route.reconcile_rules(ipr, mark))
         except Exception as err:
             log.error("policy rules for answers to local sources from the network: %s", err)
@@ -277,12 +278,7 @@ class Relay:
 
     async def _unroute_returns(self) -> None:
         """--hairpin-mark 0: what an earlier agent set up for hairpins goes (accept_local back to 0)."""
-        why = await return_route.remove_table()
-        try:
-            done = await self.vip.worker.call(return_route.remove_rules)
-        except Exception as err:
-            why = why or str(err)
-            done = []
+        why, done = await return_route.remove(self.vip.worker)
         if why:
             log.error("hairpin answers: removing an earlier agent's table and rules: %s", why)
         elif done:
@@ -292,7 +288,8 @@ class Relay:
         """Write table usproxy-return for the node's own addresses now; on failure, logged, written
         again at the next full sync."""
         hosts = self._own_addresses()
-        if why := await return_route.apply_table(self.return_mark or return_route.DEFAULT_MARK, *hosts):
+        assert self.return_mark  # called only when hairpins are on
+        if why := await return_route.apply_table(self.return_mark, *hosts):
             log.error("answers to local sources from the network stay on the node: %s", why)
             self._return_hosts = None
             return False

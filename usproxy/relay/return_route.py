@@ -222,3 +222,14 @@ async def remove_table() -> str:
     except OSError as exc:
         return f"accept_local: {exc.strerror or exc}"
     return ""
+
+
+async def remove(worker: Any) -> tuple[str, list[str]]:
+    """Take back everything: the table (remove_table) and the policy rules (remove_rules, through
+    `worker`, a NetlinkWorker); (why not, "" when done; the rule changes made)."""
+    why = await remove_table()
+    try:
+        done = await worker.call(remove_rules)
+    except Exception as err:
+        return why or str(err), []
+    return why, list(done)
