@@ -160,8 +160,8 @@ class Relay:
         # its mark bit (--hairpin-mark); 0: off (an earlier agent's table and rules go); None: untouched
         self.return_mark: int | None = None
         self.host_links: set[str] = set()  # the interfaces holding host_ips
-        # the node addresses (and their interfaces) table usproxy-return drops as sources
-        self._return_hosts: tuple[set[IPAddress], set[str]] | None = None
+        self.returns: return_route.ReturnRoute | None = None  # from the start on, with return_mark
+        self._lb_ips: dict[ServicePortName, tuple[IPAddress, ...]] = {}  # LB IPs: the hairpins' pairs
         self.capture = PortCapture(settings.capture)
         # Whether a kernel datapath serves a new ServicePort from this very sync (the agent wires
         # the offload manager's serves_at_once): its listeners then open after the sync.
@@ -185,8 +185,6 @@ class Relay:
             await self._start()
         elif request.full:
             self.node_ips = await self._node_addresses()
-            if self.return_mark and self._return_hosts != self._own_addresses():
-                await self._route_returns()  # the node's addresses changed, or the last try failed
         if request.full:  # addresses a previous agent left that nothing claims any more
             now = time.monotonic()
             for ip in self.vip.addresses - self._uses.keys() - self.released.keys():
@@ -204,6 +202,7 @@ class Relay:
                 await self._sync_one(spn, state, spn in defer)
             except Exception:
                 log.exception("%s: relay sync failed", spn)
+            self._note_lb_ips(spn, state)
         if first:
             self.capture.settle()  # in the background
         adding = self.vip.add_many(ip for st in request.changes.values() if st is not None
@@ -219,6 +218,8 @@ class Relay:
         await self._sync_addresses()
         await self._sync_service_cidr_routes()
         await self._retry_failed()
+        if self.returns is not None:  # made at the start
+            await self.returns.update(self._lb_ip_set(), self.host_links, refresh=request.full)
 
     def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
         """The ServiceCIDR objects' CIDRs (ServiceCIDRHandler): routed at the next sync."""
@@ -253,53 +254,21 @@ class Relay:
         self.capture.start()  # probes in the background; a capture waits for it
         await self.vip.setup()
         self.node_ips = await self._node_addresses()
-        if self.return_mark:
-            await self._route_returns()
-        elif self.return_mark == 0:
-            await self._unroute_returns()
+        self.returns = return_route.ReturnRoute(self.return_mark, self.vip.worker)
+        await self.returns.start()  # --hairpin-mark 0: an earlier agent's go; on: at the sync's end
         log.info("NodePort addresses: %s", ", ".join(self.node_ips) or "none")
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._started = True
 
-    async def _route_returns(self) -> None:
-        """At start, and at a full sync when the node's addresses changed or the last try failed:
-        the answers to a load balancer that hairpins the node's connection (source and destination
-        its LB IP) go back out (return_route.py). A failure is logged: every other client is
-        served all the same."""
-        try:
-            mark = self.return_mark
-            assert mark  # called only when hairpins are on
-            done = await self.vip.worker.call(lambda ipr: return_route.reconcile_rules(ipr, mark))
-        except Exception as err:
-            log.error("policy rules for answers to local sources from the network: %s", err)
-            return
-        if await self._return_table() and done:
-            log.info("answers to local sources from the network are routed out: %s", " ".join(done))
+    def _note_lb_ips(self, spn: ServicePortName, state: ServicePortState | None) -> None:
+        """Keep the LB IPs of `spn` for the hairpin table (return_route.py)."""
+        if state is not None and state.service_port.load_balancer_ips:
+            self._lb_ips[spn] = state.service_port.load_balancer_ips
+        else:
+            self._lb_ips.pop(spn, None)
 
-    async def _unroute_returns(self) -> None:
-        """--hairpin-mark 0: what an earlier agent set up for hairpins goes (accept_local back to 0)."""
-        why, done = await return_route.remove(self.vip.worker)
-        if why:
-            log.error("hairpin answers: removing an earlier agent's table and rules: %s", why)
-        elif done:
-            log.info("hairpin answers are off (--hairpin-mark 0): %s", " ".join(done))
-
-    async def _return_table(self) -> bool:
-        """Write table usproxy-return for the node's own addresses now; on failure, logged, written
-        again at the next full sync."""
-        hosts = self._own_addresses()
-        assert self.return_mark  # called only when hairpins are on
-        if why := await return_route.apply_table(self.return_mark, *hosts):
-            log.error("answers to local sources from the network stay on the node: %s", why)
-            self._return_hosts = None
-            return False
-        self._return_hosts = hosts
-        return True
-
-    def _own_addresses(self) -> tuple[set[IPAddress], set[str]]:
-        """The node's addresses on other interfaces, less the Service addresses (which share `lo`
-        with them where usproxy0 fell back to it), and the interfaces holding them."""
-        return self.host_ips - self.vip.addresses, self.host_links
+    def _lb_ip_set(self) -> set[IPAddress]:
+        return {ip for ips in self._lb_ips.values() for ip in ips}
 
     def _kernel_served(self, request: SyncRequest) -> set[ServicePortName]:
         """The new ServicePorts of `request` a kernel datapath serves from this sync on."""

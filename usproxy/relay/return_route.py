@@ -65,50 +65,70 @@ TABLE_LOCAL, TABLE_MAIN = 255, 254
 ACCEPT_LOCAL = Path("/proc/sys/net/ipv4/conf/all/accept_local")
 
 
-def ruleset(mark_bit: int, node_addresses: Iterable[IPAddress], links: Iterable[str] = ()) -> str:
+def ruleset(mark_bit: int, lb_ips: Iterable[IPAddress] = (), links: Iterable[str] = (),
+            link_macs: Iterable[str] = ()) -> str:
     """Table NFT_TABLE as nft input, one transaction: declared (a no-op when it exists), emptied
     and filled, so a rewrite keeps the table, and its place among the node's tables, as it was.
-    `node_addresses`: the node's own IPv4 addresses on its other interfaces, which stay martians
-    (dropped) when they come from the network as sources, as without accept_local; only usproxy0's
-    (Service addresses) pass. Only packets to this node are marked or dropped in prerouting: a
-    bridge with br_netfilter shows the node's prerouting every frame it bridges, and a frame
-    between two other hosts (a DSR answer from an endpoint's node, whose source is this node's
-    NodePort address) is none of this table's business. Forwarded packets with one of those
-    sources were martians too and stay dropped, except those that leave by the link they came
-    in by (`links`: the node's interfaces holding those addresses), which is what a bridged frame
-    looks like in the forward hook."""
+
+    accept_local lets every local source in from the network; the table drops again all that
+    the martian check dropped but the one real hairpin, in every conntrack state:
+    - to the node (a unicast, broadcast or multicast destination; prerouting): a local source
+      passes only as an LB IP to that same LB IP (set `hairpins`, `lb_ips`' pairs); the node's
+      own addresses, ClusterIPs and externalIPs as sources, to anything, are dropped. Only
+      packets to the node: a bridge with br_netfilter shows the node's prerouting every frame it
+      bridges, and a frame between two other hosts (a DSR answer from an endpoint's node, whose
+      source is this node's NodePort address) is none of this table's business;
+    - through the node (forward): a local source is dropped but in the hairpins themselves
+      (DNATed to their endpoint before the masquerade: the conntrack mark) and in frames the
+      node only bridges. Those come in and leave by the same link (set `same-link`: `links`,
+      the node's interfaces holding its addresses; br_netfilter names the bridge for both) and
+      are addressed to another host's MAC; a packet the node routes is addressed to the MAC of
+      the link it came in by (set `link-macs`: `link_macs`), also when it leaves by that link.
+    Connections that pass are marked (ct mark `mark_bit`) and their answers too (packet mark: in
+    prerouting the endpoint's, in a route hook on output the relay's own)."""
     mark = f"{mark_bit:#x}"
-    elements = ", ".join(sorted(str(a) for a in node_addresses if a.version == 4))
-    pairs = ", ".join(f'"{name}" . "{name}"' for name in sorted(set(links)))
+    pairs = ", ".join(f"{a} . {a}" for a in sorted(str(a) for a in lb_ips if a.version == 4))
+    links_ = ", ".join(f'"{name}" . "{name}"' for name in sorted(set(links)))
+    macs = ", ".join(sorted(set(link_macs)))
     pre = "type filter hook prerouting priority mangle; policy accept;"
     out = "type route hook output priority mangle; policy accept;"
     fwd = "type filter hook forward priority mangle; policy accept;"
+    local_source = 'iifname != "lo" fib saddr type local'
+    not_hairpin = f"ct mark & {mark} != {mark}"
     return f"""table ip {NFT_TABLE} {{
-  set node-addresses {{ type ipv4_addr; }}
+  set hairpins {{ type ipv4_addr . ipv4_addr; }}
   set same-link {{ typeof meta iifname . meta oifname; }}
+  set link-macs {{ type ether_addr; }}
+  set node-addresses {{ type ipv4_addr; }}
   chain prerouting {{ {pre} }}
   chain forward {{ {fwd} }}
   chain output {{ {out} }}
 }}
 flush table ip {NFT_TABLE}
-flush set ip {NFT_TABLE} node-addresses
-flush set ip {NFT_TABLE} same-link
+delete set ip {NFT_TABLE} hairpins
+delete set ip {NFT_TABLE} same-link
+delete set ip {NFT_TABLE} link-macs
+delete set ip {NFT_TABLE} node-addresses
 table ip {NFT_TABLE} {{
-  set node-addresses {{
-    type ipv4_addr;{f" elements = {{ {elements} }};" if elements else ""}
+  set hairpins {{
+    type ipv4_addr . ipv4_addr;{_elements(pairs)}
   }}
   set same-link {{
-    typeof meta iifname . meta oifname;{f" elements = {{ {pairs} }};" if pairs else ""}
+    typeof meta iifname . meta oifname;{_elements(links_)}
+  }}
+  set link-macs {{
+    type ether_addr;{_elements(macs)}
   }}
   chain prerouting {{
     {pre}
-    iifname != "lo" ct state new fib daddr type local fib saddr type local ip saddr @node-addresses drop
-    iifname != "lo" ct state new fib daddr type local fib saddr type local ct mark set ct mark | {mark}
+    {local_source} fib daddr type {{ local, broadcast, multicast }} ip saddr . ip daddr != @hairpins drop
+    {local_source} ct state new fib daddr type local ct mark set ct mark | {mark}
     ct direction reply ct mark & {mark} == {mark} meta mark set meta mark | {mark}
   }}
   chain forward {{
     {fwd}
-    iifname != "lo" ct state new ip saddr @node-addresses meta iifname . meta oifname != @same-link drop
+    {local_source} {not_hairpin} meta iifname . meta oifname @same-link ether daddr != @link-macs accept
+    {local_source} {not_hairpin} drop
   }}
   chain output {{
     {out}
@@ -116,6 +136,10 @@ table ip {NFT_TABLE} {{
   }}
 }}
 """
+
+
+def _elements(joined: str) -> str:
+    return f" elements = {{ {joined} }};" if joined else ""
 
 
 def reconcile_rules(ipr: Any, mark: int) -> list[str]:
@@ -193,15 +217,23 @@ def _quiet(call: Any) -> None:
             raise
 
 
-async def apply_table(mark: int, node_addresses: Iterable[IPAddress], links: Iterable[str] = ()) -> str:
+def link_macs(ipr: Any, names: Iterable[str]) -> set[str]:
+    """The MAC addresses of the links named `names` (pyroute2 IPRoute `ipr`, blocking)."""
+    wanted = set(names)
+    return {str(link.get_attr("IFLA_ADDRESS")) for link in ipr.get_links()
+            if link.get_attr("IFLA_IFNAME") in wanted and link.get_attr("IFLA_ADDRESS")}
+
+
+async def apply_table(mark: int, lb_ips: Iterable[IPAddress], links: Iterable[str] = (),
+                      macs: Iterable[str] = ()) -> str:
     """Write NFT_TABLE (atomically, see `ruleset`) and accept_local; "" when done, else why not."""
-    code, err = await run(["nft", "-f", "-"], ruleset(mark, node_addresses, links))
+    code, err = await run(["nft", "-f", "-"], ruleset(mark, lb_ips, links, macs))
     if code:
         return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}"
-    try:  # only now: the table drops the node's own addresses as sources, as the martian check did
+    try:  # only now: the table drops what the martian check dropped
         if ACCEPT_LOCAL.read_text().strip() != "1":
             ACCEPT_LOCAL.write_text("1\n")
-            log.info("net.ipv4.conf.all.accept_local=1: Service addresses as sources from the network are no martians")
+            log.info("net.ipv4.conf.all.accept_local=1: LB IPs as sources from the network are no martians")
     except OSError as exc:
         return f"accept_local: {exc.strerror or exc}"
     return ""
@@ -233,3 +265,62 @@ async def remove(worker: Any) -> tuple[str, list[str]]:
     except Exception as err:
         return why or str(err), []
     return why, list(done)
+
+
+class ReturnRoute:
+    """One agent's hairpin answers: the policy rules and table NFT_TABLE kept up to date with
+    what the table holds (the LB IPs, the node's links and their MACs). `mark`: --hairpin-mark
+    (None: leave whatever an earlier agent set up; 0: take it back; else: its bit). `worker`:
+    the relay's NetlinkWorker. Failures are logged and tried again at the next update: every
+    other client is served all the same."""
+
+    def __init__(self, mark: int | None, worker: Any) -> None:
+        self.mark, self.worker = mark, worker
+        self._rules = False  # the policy rules are in place
+        self._written: tuple[frozenset[IPAddress], frozenset[str], frozenset[str]] | None = None
+
+    async def start(self) -> None:
+        """--hairpin-mark 0: take back what an earlier agent set up (with a mark, `update` after
+        the first sync sets it up)."""
+        if self.mark == 0:
+            await self._remove()
+
+    async def update(self, lb_ips: Iterable[IPAddress], links: Iterable[str], refresh: bool = False) -> None:
+        """After a sync: write the rules (until once done) and the table when what it holds
+        changed or the last write failed; `refresh` (a full sync) reads the links' MACs again."""
+        if not self.mark:
+            return
+        ips, names = frozenset(a for a in lb_ips if a.version == 4), frozenset(links)
+        if self._rules and self._written and (ips, names) == self._written[:2] and not refresh:
+            return
+        try:
+            if not self._rules:
+                await self._add_rules(self.mark)
+            macs = frozenset(await self.worker.call(lambda ipr: link_macs(ipr, names)))
+        except Exception as err:
+            log.error("policy rules for answers to LB hairpins: %s", err)
+            return
+        if (ips, names, macs) != self._written:
+            await self._write(ips, names, macs)
+
+    async def _add_rules(self, mark: int) -> None:
+        done = await self.worker.call(lambda ipr: reconcile_rules(ipr, mark))
+        self._rules = True
+        if done:
+            log.info("answers to LB hairpins are routed out: %s", " ".join(done))
+
+    async def _write(self, ips: frozenset[IPAddress], names: frozenset[str], macs: frozenset[str]) -> None:
+        assert self.mark
+        if why := await apply_table(self.mark, ips, names, macs):
+            log.error("answers to LB hairpins stay on the node: %s", why)
+            self._written = None
+            return
+        self._written = (ips, names, macs)
+
+    async def _remove(self) -> None:
+        """--hairpin-mark 0: what an earlier agent set up goes (accept_local back to 0)."""
+        why, done = await remove(self.worker)
+        if why:
+            log.error("hairpin answers: removing an earlier agent's table and rules: %s", why)
+        elif done:
+            log.info("hairpin answers are off (--hairpin-mark 0): %s", " ".join(done))

@@ -1,0 +1,159 @@
+"""Attacks on the hairpin table (issue 27 item 3; usproxy/relay/return_route.py): with
+`--hairpin-mark` on, `accept_local` lets packets with a local source in from the network, and
+table `ip usproxy-return` must drop every one a node without it drops (the martian check), except
+the one real hairpin: a LoadBalancer IP as the source, to that same LB IP.
+
+Netns "lb" (test_lb_ip_source.load_balancer) stands for the outside: it adds the address it
+spoofs to its own `lo` and routes what leaves from it to the node. Each test names the attack;
+every one of them got through the table before it checked source and destination together, in
+every conntrack state, to broadcast, and told bridged frames from routed ones by their
+destination MAC (found by an attack helper, 2026-12-05; each test failed on that table).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.netns import Topology, inside, nsexec
+from tests.offload.harness import Pods
+from tests.offload.test_lb_ip_source import ENDPOINT, LB_IP, LB_SIDE, NODE_SIDE, connect, greeting, start
+from tests.relay.harness import USPROXY, AgentProc
+
+pytestmark = pytest.mark.netns
+
+CLUSTER_IP = "10.96.10.10"
+WAIT = 1.0  # what a spoofed packet gets to arrive; each test first shows a real one arrives in it
+
+
+@pytest.fixture
+def hairpins(topology: Topology, tmp_path: Path) -> Iterator[tuple[Pods, AgentProc, str]]:
+    """The nftables datapath with hairpins on (test_lb_ip_source.start): (pods, agent, lb netns)."""
+    pods, agent, lb = start(topology, tmp_path, "nftables", "uvloop")
+    try:
+        yield pods, agent, lb
+    finally:
+        agent.stop()
+        nsexec(topology.node, USPROXY, "run", "--cleanup", check=False)
+        pods.close()
+
+
+def spoof(lb: str, source: str, pref: int, add: bool = True) -> None:
+    """Netns `lb` sends from `source` (added to its `lo` unless there) to the node, whatever the
+    destination."""
+    if add:
+        nsexec(lb, "ip", "addr", "add", f"{source}/32", "dev", "lo")
+    nsexec(lb, "ip", "rule", "add", "pref", str(pref), "iif", "lo", "from", source, "lookup", "200")
+
+
+@contextmanager
+def udp_socket(ns: str, addr: tuple[str, int]) -> Iterator[socket.socket]:
+    with inside(ns):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+    s.settimeout(WAIT)
+    s.bind(addr)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def arrives(receiver: socket.socket) -> bool:
+    try:
+        return bool(receiver.recv(64))
+    except TimeoutError:
+        return False
+
+
+def send(ns: str, source: tuple[str, int], to: tuple[str, int]) -> None:
+    with udp_socket(ns, source) as s:
+        s.sendto(b"spoofed", to)
+
+
+def test_a_service_address_as_source_reaches_no_node_process(topology: Topology, hairpins: tuple) -> None:
+    """A ClusterIP as the source to a node socket on 0.0.0.0, an LB IP to the node's address or
+    to a ClusterIP: dropped (they were martians without the table); the LB IP to itself is the
+    hairpin and is served."""
+    _, _, lb = hairpins
+    node = topology.node
+    spoof(lb, CLUSTER_IP, 11)
+    spoof(lb, LB_IP, 12, add=False)
+    with udp_socket(node, ("0.0.0.0", 5300)) as node_socket:
+        send(lb, (LB_SIDE, 0), (NODE_SIDE, 5300))
+        assert arrives(node_socket)  # the socket and the path work
+        for source, to in ((CLUSTER_IP, NODE_SIDE), (LB_IP, NODE_SIDE), (CLUSTER_IP, CLUSTER_IP), (LB_IP, CLUSTER_IP)):
+            send(lb, (source, 0), (to, 5300))
+            assert not arrives(node_socket), (source, to)
+    with inside(node):
+        listener = socket.create_server(("0.0.0.0", 5301))
+    try:  # the node answers an LB IP source by its route out to the load balancer: no handshake
+        with pytest.raises(TimeoutError):
+            with inside(lb):
+                socket.create_connection((NODE_SIDE, 5301), timeout=WAIT, source_address=(LB_IP, 0)).close()
+    finally:
+        listener.close()
+    with connect(lb, LB_IP) as s:
+        assert greeting(s)[0] == "web"
+
+
+def test_a_node_address_as_source_of_an_established_flow_is_dropped(topology: Topology, hairpins: tuple) -> None:
+    """The node's own flow (node address to node address, and node to pod) is in conntrack; a
+    packet from the network that matches it, as its answer or as more of it, is dropped in
+    every conntrack state, not only new ones."""
+    pods, _, lb = hairpins
+    node, spoofed = topology.node, topology.node_addresses[0]
+    spoof(lb, spoofed, 11)
+    with udp_socket(node, (NODE_SIDE, 5310)) as node_socket, udp_socket(node, (spoofed, 5311)) as peer:
+        node_socket.connect((spoofed, 5311))
+        node_socket.send(b"hello")  # conntrack: NODE_SIDE:5310 -> spoofed:5311
+        assert arrives(peer)
+        send(lb, (spoofed, 5311), (NODE_SIDE, 5310))  # its answer, from the network
+        assert not arrives(node_socket)
+    pod = topology.ns("web")
+    with udp_socket(pod, (ENDPOINT, 5312)) as pod_socket, udp_socket(node, (spoofed, 5313)) as node_socket:
+        node_socket.sendto(b"hello", (ENDPOINT, 5312))
+        assert arrives(pod_socket)  # conntrack: spoofed:5313 -> ENDPOINT:5312, through usbr0
+        send(lb, (spoofed, 5313), (ENDPOINT, 5312))  # more of that flow, from the network
+        assert not arrives(pod_socket)
+
+
+def test_a_node_address_as_source_to_a_broadcast_address_is_dropped(topology: Topology, hairpins: tuple) -> None:
+    """A node address as the source of a datagram to the link's broadcast address: dropped,
+    while one from the load balancer's own address reaches the node's 0.0.0.0 socket."""
+    _, _, lb = hairpins
+    node, spoofed = topology.node, topology.node_addresses[0]
+    spoof(lb, spoofed, 11)
+    broadcast = "10.255.255.3"  # of the /30 between the node and lb
+    with udp_socket(node, ("0.0.0.0", 5320)) as node_socket:
+        nsexec(lb, "ip", "rule", "add", "pref", "12", "iif", "lo", "from", LB_SIDE, "to", broadcast, "lookup", "200")
+        send(lb, (LB_SIDE, 0), (broadcast, 5320))
+        assert arrives(node_socket)
+        send(lb, (spoofed, 0), (broadcast, 5320))
+        assert not arrives(node_socket)
+
+
+def test_a_node_address_as_source_is_not_routed_back_out_its_link(topology: Topology, hairpins: tuple) -> None:
+    """A packet the node routes with its own address as the source is dropped, also when it
+    leaves by the link it came in by; a frame the node only bridges (pod to pod on usbr0, seen
+    by its hooks through br_netfilter) passes with such a source, as it did without the table."""
+    pods, _, lb = hairpins
+    spoofed = topology.node_addresses[0]
+    spoof(lb, spoofed, 11)
+    beyond = "198.51.100.7"  # behind lb, which the node routes to by the same link
+    nsexec(lb, "ip", "addr", "add", f"{beyond}/32", "dev", "lo")
+    with udp_socket(lb, (beyond, 5330)) as outside:
+        send(lb, (LB_SIDE, 0), (beyond, 5330))  # lb to itself: the socket works
+        assert arrives(outside)
+        send(lb, (spoofed, 0), (beyond, 5330))
+        assert not arrives(outside)
+    other = pods.add("other", "10.244.1.6")
+    pod = topology.ns("web")
+    nsexec(pod, "ip", "addr", "add", f"{spoofed}/32", "dev", "eth0")
+    with udp_socket(other, ("10.244.1.6", 5331)) as bridged:
+        send(pod, (spoofed, 0), ("10.244.1.6", 5331))
+        assert arrives(bridged)
