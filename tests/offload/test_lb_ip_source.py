@@ -105,17 +105,22 @@ def node_addresses(node: str) -> set[str]:
 
 
 def start(topology: Topology, tmp_path: Path, datapath: str, loop: str,
-          flags: tuple[str, ...] = ()) -> tuple[Pods, AgentProc, str]:
+          flags: tuple[str, ...] = (), local_policy: bool = False) -> tuple[Pods, AgentProc, str]:
     """The endpoint, the load balancer netns and the agent; `datapath`: "relay" (--offload none),
     a kernel datapath ("nftables", "iptables": returns once it serves the Service), or
-    "relay-first" (`flags`, returns while the relay still serves it). Returns (pods, agent, lb
+    "relay-first" (`flags`, returns while the relay still serves it). `local_policy`: the Service
+    has externalTrafficPolicy Local and its endpoint is on another node. Returns (pods, agent, lb
     netns)."""
     pods = Pods(topology, tmp_path)
     m = Manifests(tmp_path / "m")
     web = svc("web", "10.96.10.10", [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
               type="LoadBalancer")
     web["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
-    m.write(web, slice_("web", [{"ip": ENDPOINT, "ready": True}], [{"name": "http", "port": 8080, "protocol": "TCP"}]))
+    endpoint = {"ip": ENDPOINT, "ready": True}
+    if local_policy:
+        web["spec"]["externalTrafficPolicy"] = "Local"
+        endpoint["nodeName"] = "another-node"
+    m.write(web, slice_("web", [endpoint], [{"name": "http", "port": 8080, "protocol": "TCP"}]))
     kernel = datapath not in ("relay", "relay-first")
     if kernel:
         flags = ("--offload", datapath, *OFFLOAD[2:])

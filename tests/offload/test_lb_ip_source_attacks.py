@@ -21,7 +21,7 @@ import pytest
 
 from tests.netns import Topology, inside, nsexec
 from tests.offload.harness import Pods
-from tests.offload.test_lb_ip_source import ENDPOINT, LB_IP, LB_SIDE, NODE_SIDE, connect, greeting, start
+from tests.offload.test_lb_ip_source import ENDPOINT, LB_IP, LB_SIDE, NODE_SIDE, connect, echoes, greeting, start
 from tests.relay.harness import USPROXY, AgentProc
 
 pytestmark = pytest.mark.netns
@@ -157,3 +157,23 @@ def test_a_node_address_as_source_is_not_routed_back_out_its_link(topology: Topo
     with udp_socket(other, ("10.244.1.6", 5331)) as bridged:
         send(pod, (spoofed, 0), ("10.244.1.6", 5331))
         assert arrives(bridged)
+
+
+@pytest.mark.parametrize("datapath", ["relay", "nftables", "iptables"])
+def test_a_hairpin_to_a_local_policy_lb_ip_is_an_outside_client(topology: Topology, tmp_path: Path,
+                                                                datapath: str) -> None:
+    """The one source the table lets in, an LB IP to itself, is an outside client, as in
+    kube-proxy (whose LB IPs are no local addresses): to an externalTrafficPolicy Local Service
+    with no endpoint on this node it is dropped, not given the node's short-circuit to every
+    endpoint. The node's own connection still gets that short-circuit. (Spoofed,
+    blind UDP works the same way: what decides is the source, before any answer.)"""
+    pods, agent, lb = start(topology, tmp_path, datapath, "uvloop", local_policy=True)
+    try:
+        with pytest.raises(TimeoutError):
+            connect(lb, LB_IP).close()
+        with connect(topology.node) as s:
+            assert greeting(s)[0] == "web" and echoes(s)
+    finally:
+        agent.stop()
+        nsexec(topology.node, USPROXY, "run", "--cleanup", check=False)
+        pods.close()

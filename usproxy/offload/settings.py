@@ -30,12 +30,14 @@ class OffloadSettings:
     iptables_localhost_nodeports: bool = True  # iptables.localhostNodePorts
     bpf_map_sizes: MapSizeFlags = MapSizeFlags()  # --bpf-map-dynamic-size-ratio and the per-map flags
     bpf_enable_tcx: bool = True  # --enable-tcx
+    hairpin_mark: int = 0  # --hairpin-mark: the conntrack mark of LB hairpins (relay/return_route.py)
 
     @classmethod
     def from_config(cls, cfg: ProxyConfig) -> OffloadSettings:
         return cls(cfg.offload, cfg.offload_after, cfg.lb_policy, cfg.bpf_cgroup,
                    parse_cidrs(cfg.service_cidrs, "--service-cidr"), cfg.vip_interface, cfg.bpf_lb_mode,
-                   cfg.bpf_lb_acceleration, cfg.iptables_localhost_nodeports, map_size_flags(cfg), cfg.enable_tcx)
+                   cfg.bpf_lb_acceleration, cfg.iptables_localhost_nodeports, map_size_flags(cfg), cfg.enable_tcx,
+                   cfg.hairpin_mark)
 
 
 def map_size_flags(cfg: ProxyConfig) -> MapSizeFlags:

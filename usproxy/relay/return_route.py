@@ -10,8 +10,9 @@ address on `usproxy0` (the relay listens there), so three things stood in the wa
 necessary by tests/offload/test_lb_ip_source.py:
 - the kernel drops a packet whose source is a local address as a martian, before any hook, unless
   `accept_local`: ACCEPT_LOCAL (`net.ipv4.conf.all.accept_local`) is set to 1, and NFT_TABLE drops
-  instead those whose source is one of the node's own addresses on its other interfaces (set
-  `node-addresses`, rewritten when they change), so only usproxy0's Service addresses pass;
+  again all the martian check dropped but the hairpin itself, an LB IP as the source to that same
+  LB IP (set `hairpins`, rewritten after a sync that changed the LB IPs; see `ruleset`, and
+  tests/offload/test_lb_ip_source_attacks.py for each attack it stops);
 - the answer's destination is the LB IP, and table `local` (rule 0, consulted first) says it is
   this node's: the endpoint's answer (nftables datapath), or the relay's SYN-ACK, was delivered to
   the node itself. Connections that arrived from another interface than `lo` with a local
@@ -29,15 +30,19 @@ own (and puts `local` back at priority 0 first: never a moment without a `local`
 `local` rule is added before the old one is deleted, so `reconcile_rules` never leaves one
 either. Both are idempotent; `apply_table` rewrites NFT_TABLE atomically (`nft -f`, in place), so an agent
 restart keeps the conntrack marks and with them the hairpinned connections, and it sets
-accept_local only once the table (with its drop of the node's own addresses) is in place. Like `usproxy0`, everything stays when
+accept_local only once the table (with its drops) is in place. Like `usproxy0`, everything stays when
 the agent stops; `usproxy run --cleanup` removes the table and the rules, and sets accept_local
-back to 0 when it removed the table (without the table's drop, the node's own addresses would
-come in from the network as sources); so does an agent with `--hairpin-mark 0`, or beside a
+back to 0 when it removed the table (without the table's drops, local addresses would come in
+from the network as sources); so does an agent with `--hairpin-mark 0`, or beside a
 datapath that keeps the table out. IPv4 only: IPv6 has no martian check of local sources, but its
 `local` rule would need the same move; not done. A node without nftables (the relay alone) gets the
 rules but neither the table nor accept_local, so nothing changes there. A strict `rp_filter` (1) on the interface the
 load balancer's packets arrive on still drops them (their source's route is on `usproxy0`); loose
-(2) and off (0) serve them (tried in the test's topology).
+(2) and off (0) serve them (tried in the test's topology). The kernel datapaths count the
+hairpin as an outside client, as kube-proxy (its LB IPs are no local addresses): nftables by
+`meta iiftype != loopback fib saddr type local` in prerouting, iptables by the conntrack mark.
+A forwarded packet with a local source from a link that is not Ethernet (a tunnel) is dropped:
+`ether daddr` cannot tell it bridged.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from usproxy.relay.port_capture import run
 
 log = logging.getLogger(__name__)
 
-# RETURN_MARK is --hairpin-mark (off unless given; DEFAULT_MARK suggested): outside the bits kube-proxy (0x4000,
+# RETURN_MARK is --hairpin-mark, DEFAULT_MARK unless given: outside the bits kube-proxy (0x4000,
 # 0x8000), Calico (0xffff0000), Cilium (0x0f00 and the upper 16), Istio (0x539), Weave (0x20000,
 # 0x40000) and the AWS VPC CNI (0x80) use; usproxy's nftables datapath uses none
 DEFAULT_MARK = 0x1000

@@ -91,14 +91,15 @@ class IptablesDatapath:
                  backend: Backend | None = None, localhost_nodeports: bool = True,
                  clusterip_interface: str = "usproxy0",
                  addresses: Callable[[], Awaitable[LocalAddresses]] | None = None,
-                 node_ips: Callable[[], Collection[IPAddress]] = tuple) -> None:
+                 node_ips: Callable[[], Collection[IPAddress]] = tuple, hairpin_mark: int = 0) -> None:
         """`backend` None: the node's (backend.choose). `node` gives the node name, the NodePort
         addresses (NodeFacts.nodeport_ips over the local addresses, read by `addresses`, default
         netlink in `netns`, but those of `clusterip_interface`), the local-traffic detector and
         masqueradeAll; `node_ips` this node's addresses now (a loadBalancerSourceRanges range
         holding one allows the LB IPs as sources, kube-proxy's allowFromNode).
         `localhost_nodeports`: kube-proxy's --iptables-localhost-nodeports (only where every IPv4
-        address serves NodePorts, as kube-proxy; it sets route_localnet)."""
+        address serves NodePorts, as kube-proxy; it sets route_localnet). `hairpin_mark`:
+        --hairpin-mark (Options.hairpin_mark)."""
         self.client: IptablesTransport = client if client is not None else IptablesClient(netns)
         self.conntrack = conntrack if conntrack is not None else KernelConntrack(netns)
         self.node = node
@@ -107,6 +108,7 @@ class IptablesDatapath:
         self.backend_reason = "given" if backend is not None else ""
         self.families: tuple[Family, ...] = FAMILIES
         self.localhost_nodeports = localhost_nodeports and node.nodeport_match_all(4)
+        self.hairpin_mark = hairpin_mark
         self.clusterip_interface = clusterip_interface
         self._addr_worker: NetnsWorker | None = None
         if addresses is None and not all(node.nodeport_match_all(f) for f in FAMILIES):
@@ -195,7 +197,7 @@ class IptablesDatapath:
         for f in self.families:
             self.opts[f] = Options(localhost_nodeports=localhost and f == 4, nfacct=nfacct is None,
                                    random_fully=random_fully, conntrack_tcp_liberal=liberal,
-                                   service_address_source=True)
+                                   service_address_source=True, hairpin_mark=self.hairpin_mark if f == 4 else 0)
         self._setup_done = True
 
     def _probe_all(self) -> tuple[Capability, bool]:

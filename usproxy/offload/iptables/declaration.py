@@ -23,7 +23,8 @@ def build(ctx: BuildContext) -> KernelDatapath:
 
     s = ctx.settings
     return IptablesDatapath(netns=ctx.netns, node=ctx.node, lb_policy=s.lb_policy, clusterip_interface=s.vip_interface,
-                            node_ips=ctx.node_ips, localhost_nodeports=s.iptables_localhost_nodeports)
+                            node_ips=ctx.node_ips, localhost_nodeports=s.iptables_localhost_nodeports,
+                            hairpin_mark=s.hairpin_mark)
 
 
 def probe_iptables() -> Capability:

@@ -92,6 +92,10 @@ class Options:
     # Not kube-proxy's (the datapath sets it; explain prints kube-proxy's rules without it): a
     # node process's connection whose source is the ClusterIP it connects to is masqueraded.
     service_address_source: bool = False
+    # Not kube-proxy's either: the conntrack mark table usproxy-return gives a load balancer's
+    # hairpin (relay/return_route.py; 0: none), an LB IP as the source, which is a local
+    # address here but not in kube-proxy: it is an outside client, not the node (_external).
+    hairpin_mark: int = 0
 
 
 class _Builder:
@@ -405,6 +409,11 @@ def _external(rs: Ruleset, ctx: Context, fp: FamilyPort, p: Plan) -> None:
         if ctx.node.local_match(ctx.family):
             rs.add(ctx.if_local(_Builder("nat", ext).comment(f"pod traffic for {spn} external destinations"))
                    .jump(svc))
+        if ctx.opts.hairpin_mark:
+            mark = f"{ctx.opts.hairpin_mark:#x}"
+            rs.add(_Builder("nat", ext).comment(f"LB hairpin for {spn} is an outside client")
+                   .raw("-m", "connmark", "--mark", f"{mark}/{mark}")
+                   .jump(p.external_policy_chain if p.has_external else "RETURN"))
         rs.add(_Builder("nat", ext).comment(f"masquerade LOCAL traffic for {spn} external destinations")
                .addrtype("src").jump(MARK_MASQ),
                _Builder("nat", ext).comment(f"route LOCAL traffic for {spn} external destinations")

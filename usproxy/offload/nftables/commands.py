@@ -305,7 +305,11 @@ def short_circuit_rules(family: Family, rules: PortRules, if_local: str) -> dict
     (`if_local`, when the detector has a match for this family) goes to every endpoint unmarked,
     traffic from the node itself (`fib saddr type local`) is marked and goes to every endpoint,
     the rest goes to the local endpoints, or is dropped when there is none. One chain per
-    frontend kind (their local verdicts differ) and one DNAT chain over every endpoint."""
+    frontend kind (their local verdicts differ) and one DNAT chain over every endpoint.
+    IPv4: a local source that came in from the network (the chain is reached from prerouting;
+    from output, `iifname` matches nothing) is a load balancer's hairpin, its LB IP as the
+    source (the only local source table usproxy-return lets in, relay/return_route.py): an
+    outside client, as in kube-proxy, whose LB IPs are no local addresses."""
     be = rules.external
     if not be.short:
         return {}
@@ -319,9 +323,10 @@ def short_circuit_rules(family: Family, rules: PortRules, if_local: str) -> dict
         if fe.scope != "external" or name in out:
             continue
         local = local_verdict(rules, fe)
+        verdict = local if local == "drop" else f"goto {local}"
         out[name] = [*([f"{if_local} goto {pick}"] if if_local else []),
-                     f"fib saddr type local {MARK_MASQ}", f"fib saddr type local goto {pick}",
-                     local if local == "drop" else f"goto {local}"]
+                     *([f"meta iiftype != loopback fib saddr type local {verdict}"] if family == 4 else []),
+                     f"fib saddr type local {MARK_MASQ}", f"fib saddr type local goto {pick}", verdict]
     return out
 
 

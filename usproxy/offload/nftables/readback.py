@@ -292,7 +292,9 @@ def _backend(fe: Frontend, target: str, lst: _Listing) -> Backend | None:
 
 def _short_circuit_backend(chain: str, fe: Frontend, lst: _Listing) -> Backend | None:
     """An externalTrafficPolicy Local chain: matched rules go to the DNAT chain over every
-    endpoint; the last, unmatched one to the local verdict (a group chain, ..., or `drop`)."""
+    endpoint; the last, unmatched one to the local verdict (a group chain, ..., or `drop`). The
+    hairpin's rule (matched, to the local verdict) comes before the node's: the last matched
+    goto is the DNAT chain's."""
     local, pick = None, None
     for expr in lst.rules.get(chain, []):
         matched = any("match" in s for s in expr)
