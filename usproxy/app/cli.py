@@ -59,8 +59,7 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--hairpin-mark", type=lambda v: int(v, 0), metavar="BIT",
                    help="the mark bit of connections a load balancer hairpins (source and destination a "
                         "LoadBalancer IP), whose answers are routed back out; one bit no other program on the "
-                        "node uses, e.g. 0x1000; 0, the default, leaves them unserved (turning it on "
-                        "lets spoofed Service-address sources in: see the README)")
+                        f"node uses, or 0 to leave such connections unserved (default {d.hairpin_mark:#x})")
     p.add_argument("--lb-policy", choices=["roundRobin", "random", "leastConnections"],
                    help="how a new connection picks an endpoint when its Service has no usproxy.io/lb-policy "
                         "annotation: the relay and the BPF socket LB follow it (BPF picks at random for "

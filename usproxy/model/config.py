@@ -43,9 +43,7 @@ class ProxyConfig:
     service_cidrs: tuple[str, ...] = ()  # the cluster's Service CIDRs (--service-cidr)
     vip_interface: str = "usproxy0"
     # the packet and conntrack mark bit of answers to LB hairpins (usproxy/relay/return_route.py); 0: off
-    # off unless given (return_route.DEFAULT_MARK is the suggested bit): accept_local and the
-    # table let spoofed Service-address sources in from the network (README: known weaknesses)
-    hairpin_mark: int = 0
+    hairpin_mark: int = 0x1000  # return_route.DEFAULT_MARK (model imports nothing above it)
     lb_policy: LBPolicy = "roundRobin"
     sync_period: float = 30.0
     min_sync_period: float = 0.25
