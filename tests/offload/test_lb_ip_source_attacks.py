@@ -27,11 +27,12 @@ from tests.relay.harness import USPROXY, AgentProc
 pytestmark = pytest.mark.netns
 
 CLUSTER_IP = "10.96.10.10"
+Hairpins = tuple[Pods, AgentProc, str]
 WAIT = 1.0  # what a spoofed packet gets to arrive; each test first shows a real one arrives in it
 
 
 @pytest.fixture
-def hairpins(topology: Topology, tmp_path: Path) -> Iterator[tuple[Pods, AgentProc, str]]:
+def hairpins(topology: Topology, tmp_path: Path) -> Iterator[Hairpins]:
     """The nftables datapath with hairpins on (test_lb_ip_source.start): (pods, agent, lb netns)."""
     pods, agent, lb = start(topology, tmp_path, "nftables", "uvloop")
     try:
@@ -75,7 +76,7 @@ def send(ns: str, source: tuple[str, int], to: tuple[str, int]) -> None:
         s.sendto(b"spoofed", to)
 
 
-def test_a_service_address_as_source_reaches_no_node_process(topology: Topology, hairpins: tuple) -> None:
+def test_a_service_address_as_source_reaches_no_node_process(topology: Topology, hairpins: Hairpins) -> None:
     """A ClusterIP as the source to a node socket on 0.0.0.0, an LB IP to the node's address or
     to a ClusterIP: dropped (they were martians without the table); the LB IP to itself is the
     hairpin and is served."""
@@ -101,7 +102,7 @@ def test_a_service_address_as_source_reaches_no_node_process(topology: Topology,
         assert greeting(s)[0] == "web"
 
 
-def test_a_node_address_as_source_of_an_established_flow_is_dropped(topology: Topology, hairpins: tuple) -> None:
+def test_a_node_address_as_source_of_an_established_flow_is_dropped(topology: Topology, hairpins: Hairpins) -> None:
     """The node's own flow (node address to node address, and node to pod) is in conntrack; a
     packet from the network that matches it, as its answer or as more of it, is dropped in
     every conntrack state, not only new ones."""
@@ -122,7 +123,7 @@ def test_a_node_address_as_source_of_an_established_flow_is_dropped(topology: To
         assert not arrives(pod_socket)
 
 
-def test_a_node_address_as_source_to_a_broadcast_address_is_dropped(topology: Topology, hairpins: tuple) -> None:
+def test_a_node_address_as_source_to_a_broadcast_address_is_dropped(topology: Topology, hairpins: Hairpins) -> None:
     """A node address as the source of a datagram to the link's broadcast address: dropped,
     while one from the load balancer's own address reaches the node's 0.0.0.0 socket."""
     _, _, lb = hairpins
@@ -137,7 +138,7 @@ def test_a_node_address_as_source_to_a_broadcast_address_is_dropped(topology: To
         assert not arrives(node_socket)
 
 
-def test_a_node_address_as_source_is_not_routed_back_out_its_link(topology: Topology, hairpins: tuple) -> None:
+def test_a_node_address_as_source_is_not_routed_back_out_its_link(topology: Topology, hairpins: Hairpins) -> None:
     """A packet the node routes with its own address as the source is dropped, also when it
     leaves by the link it came in by; a frame the node only bridges (pod to pod on usbr0, seen
     by its hooks through br_netfilter) passes with such a source, as it did without the table."""
