@@ -113,14 +113,16 @@ def start(topology: Topology, tmp_path: Path, datapath: str, loop: str,
     netns)."""
     pods = Pods(topology, tmp_path)
     m = Manifests(tmp_path / "m")
-    web = svc("web", "10.96.10.10", [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
+    web = svc("web", "10.96.10.10", [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"},
+                                     {"name": "dns", "port": 80, "targetPort": 8080, "protocol": "UDP"}],
               type="LoadBalancer")
     web["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
     endpoint = {"ip": ENDPOINT, "ready": True}
     if local_policy:
         web["spec"]["externalTrafficPolicy"] = "Local"
         endpoint["nodeName"] = "another-node"
-    m.write(web, slice_("web", [endpoint], [{"name": "http", "port": 8080, "protocol": "TCP"}]))
+    m.write(web, slice_("web", [endpoint], [{"name": "http", "port": 8080, "protocol": "TCP"},
+                                            {"name": "dns", "port": 8080, "protocol": "UDP"}]))
     kernel = datapath not in ("relay", "relay-first")
     if kernel:
         flags = ("--offload", datapath, *OFFLOAD[2:])
@@ -130,7 +132,7 @@ def start(topology: Topology, tmp_path: Path, datapath: str, loop: str,
     wait_listening(topology.node, ENDPOINT, 8080)
     agent.start()
     deadline = time.monotonic() + 15
-    while kernel and not any(r["datapath"] == datapath for r in agent.services()):
+    while kernel and not all(r["datapath"] == datapath for r in agent.services()):
         assert time.monotonic() < deadline, agent.services()
         time.sleep(0.1)
     return pods, agent, lb

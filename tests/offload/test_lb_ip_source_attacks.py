@@ -13,6 +13,8 @@ destination MAC (found by an attack helper, 2026-12-05; each test failed on that
 from __future__ import annotations
 
 import socket
+import struct
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,15 +89,17 @@ def test_a_service_address_as_source_reaches_no_node_process(topology: Topology,
     with udp_socket(node, ("0.0.0.0", 5300)) as node_socket:
         send(lb, (LB_SIDE, 0), (NODE_SIDE, 5300))
         assert arrives(node_socket)  # the socket and the path work
-        for source, to in ((CLUSTER_IP, NODE_SIDE), (LB_IP, NODE_SIDE), (CLUSTER_IP, CLUSTER_IP), (LB_IP, CLUSTER_IP)):
+        for source, to in ((CLUSTER_IP, NODE_SIDE), (LB_IP, NODE_SIDE), (CLUSTER_IP, CLUSTER_IP), (LB_IP, CLUSTER_IP),
+                           (LB_IP, LB_IP)):  # the pair itself, to a port that is no ServicePort's
             send(lb, (source, 0), (to, 5300))
             assert not arrives(node_socket), (source, to)
     with inside(node):
         listener = socket.create_server(("0.0.0.0", 5301))
     try:  # the node answers an LB IP source by its route out to the load balancer: no handshake
-        with pytest.raises(TimeoutError):
-            with inside(lb):
-                socket.create_connection((NODE_SIDE, 5301), timeout=WAIT, source_address=(LB_IP, 0)).close()
+        for to in (NODE_SIDE, LB_IP):
+            with pytest.raises(TimeoutError):
+                with inside(lb):
+                    socket.create_connection((to, 5301), timeout=WAIT, source_address=(LB_IP, 0)).close()
     finally:
         listener.close()
     with connect(lb, LB_IP) as s:
@@ -123,9 +127,11 @@ def test_a_node_address_as_source_of_an_established_flow_is_dropped(topology: To
         assert not arrives(pod_socket)
 
 
-def test_a_node_address_as_source_to_a_broadcast_address_is_dropped(topology: Topology, hairpins: Hairpins) -> None:
-    """A node address as the source of a datagram to the link's broadcast address: dropped,
-    while one from the load balancer's own address reaches the node's 0.0.0.0 socket."""
+def test_a_node_or_broadcast_address_as_source_to_the_node_is_dropped(topology: Topology, hairpins: Hairpins) -> None:
+    """A node address as the source of a datagram to the link's broadcast address, and a
+    broadcast address as the source to the node: dropped (accept_local with rp_filter 0 skips
+    the kernel's own check of the latter), while one from the load balancer's own address
+    reaches the node's 0.0.0.0 socket."""
     _, _, lb = hairpins
     node, spoofed = topology.node, topology.node_addresses[0]
     spoof(lb, spoofed, 11)
@@ -135,6 +141,9 @@ def test_a_node_address_as_source_to_a_broadcast_address_is_dropped(topology: To
         send(lb, (LB_SIDE, 0), (broadcast, 5320))
         assert arrives(node_socket)
         send(lb, (spoofed, 0), (broadcast, 5320))
+        assert not arrives(node_socket)
+        spoof(lb, "192.0.2.255", 13)  # the broadcast address of the node's usbr0 as the source
+        send(lb, ("192.0.2.255", 0), (NODE_SIDE, 5320))
         assert not arrives(node_socket)
 
 
@@ -178,3 +187,126 @@ def test_a_hairpin_to_a_local_policy_lb_ip_is_an_outside_client(topology: Topolo
         agent.stop()
         nsexec(topology.node, USPROXY, "run", "--cleanup", check=False)
         pods.close()
+
+
+def test_no_local_source_from_the_network_joins_a_flow_of_the_nodes_own(topology: Topology, hairpins: Hairpins) -> None:
+    """A node process talking to its own LB IP has the hairpin's addresses (the LB IP is local, so
+    it is the socket's source too). A forged answer to it and a forged datagram in its flow, from
+    the network, are dropped; and a spoofed pair that took the node's next flow's addresses
+    first does not send the node's answers out to the load balancer. In nftables and in the
+    relay alone (where the forged datagram in the flow was relayed and answered)."""
+    _, agent, lb = hairpins
+    node = topology.node
+    spoof(lb, LB_IP, 12, add=False)
+    for n, datapath in enumerate(("nftables", "relay")):
+        if datapath == "relay":
+            agent = relay_only(topology, agent)
+        with udp_socket(node, (LB_IP, 0)) as client:
+            client.connect((LB_IP, 80))
+            client.send(b"hello")
+            assert arrives(client), datapath  # the node's own query, answered
+            port = client.getsockname()[1]
+            send(lb, (LB_IP, 80), (LB_IP, port))  # a forged answer
+            assert not arrives(client), datapath
+            send(lb, (LB_IP, port), (LB_IP, 80))  # a forged query in the node's flow: no second answer
+            assert not arrives(client), datapath
+        send(lb, (LB_IP, 40000 + n), (LB_IP, 80))  # a real hairpin's shape, the node's next flow's addresses
+        with udp_socket(node, (LB_IP, 40000 + n)) as client:
+            client.connect((LB_IP, 80))
+            client.send(b"hello")
+            assert arrives(client), datapath
+    agent.stop()
+
+
+def relay_only(topology: Topology, agent: AgentProc) -> AgentProc:
+    """`agent` stopped, and the same Services served by the relay alone (--offload none)."""
+    agent.stop()
+    relay = AgentProc(topology, agent.manifests, "uvloop", "--offload", "none", "--hairpin-mark", "0x1000")
+    relay.start()
+    return relay
+
+
+def test_the_table_comes_back_after_a_firewall_reload(topology: Topology, hairpins: Hairpins) -> None:
+    """A firewall reload flushes every table: the agent writes usproxy-return again (within its
+    watch period), so a ClusterIP source is dropped again; `--cleanup` with the table gone still
+    sets accept_local back to 0 (usproxy's policy rules show it was set)."""
+    _, agent, lb = hairpins
+    node = topology.node
+    spoof(lb, CLUSTER_IP, 11)
+    nsexec(node, "nft", "delete", "table", "ip", "usproxy-return")
+    deadline = time.monotonic() + 20  # the agent looks every 5 s
+    while nsexec(node, "nft", "list", "table", "ip", "usproxy-return", check=False).returncode:
+        assert time.monotonic() < deadline, "table usproxy-return not written again"
+        time.sleep(0.5)
+    with udp_socket(node, ("0.0.0.0", 5340)) as node_socket:
+        send(lb, (CLUSTER_IP, 0), (NODE_SIDE, 5340))
+        assert not arrives(node_socket)
+    with connect(lb, LB_IP) as s:
+        assert greeting(s)[0] == "web"
+    agent.stop()
+    nsexec(node, "nft", "delete", "table", "ip", "usproxy-return")
+    assert nsexec(node, USPROXY, "run", "--cleanup", check=False).returncode == 0
+    assert nsexec(node, "sysctl", "-n", "net.ipv4.conf.all.accept_local").stdout.strip() == "0"
+
+
+def test_a_packet_without_conntrack_entry_with_a_node_source_is_not_forwarded(topology: Topology,
+                                                                              hairpins: Hairpins) -> None:
+    """An ICMP error that quotes a flow conntrack never saw has no entry of its own (invalid): with
+    a node address as its source it is not forwarded to a pod (the relay alone, whose node has
+    no `ct state invalid` drop of a kernel datapath: --offload none)."""
+    pods, agent, lb = hairpins
+    relay = relay_only(topology, agent)
+    try:
+        spoofed = topology.node_addresses[0]
+        spoof(lb, spoofed, 11)
+        pod = topology.ns("web")
+        with inside(pod):
+            watcher = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+        watcher.settimeout(WAIT)
+        try:
+            with inside(lb):
+                raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+            try:
+                raw.bind((LB_SIDE, 0))
+                raw.sendto(port_unreachable(ENDPOINT), (ENDPOINT, 0))
+                assert icmp_from(watcher, LB_SIDE)  # the path and the watcher work
+                raw.close()
+                with inside(lb):
+                    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+                raw.bind((spoofed, 0))
+                raw.sendto(port_unreachable(ENDPOINT), (ENDPOINT, 0))
+                assert not icmp_from(watcher, spoofed)
+            finally:
+                raw.close()
+        finally:
+            watcher.close()
+    finally:
+        relay.stop()
+
+
+def port_unreachable(to: str) -> bytes:
+    """An ICMP port unreachable quoting a UDP datagram from `to` that nobody sent."""
+    quoted_ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 28, 0, 0, 64, 17, 0, socket.inet_aton(to),
+                            socket.inet_aton("203.0.113.9"))
+    quoted = quoted_ip + struct.pack("!HHHH", 5555, 53, 8, 0)
+    header = struct.pack("!BBHI", 3, 3, 0, 0)
+    return struct.pack("!BBHI", 3, 3, checksum(header + quoted), 0) + quoted
+
+
+def checksum(data: bytes) -> int:
+    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    total = (total >> 16) + (total & 0xFFFF)
+    return int(~(total + (total >> 16)) & 0xFFFF)
+
+
+def icmp_from(watcher: socket.socket, source: str) -> bool:
+    """Whether an ICMP packet from `source` reaches the raw socket `watcher` within WAIT."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        try:
+            packet, (peer, _) = watcher.recvfrom(2048)
+        except TimeoutError:
+            return False
+        if peer == source:
+            return True
+    return False

@@ -161,7 +161,9 @@ class Relay:
         self.return_mark: int | None = None
         self.host_links: set[str] = set()  # the interfaces holding host_ips
         self.returns: return_route.ReturnRoute | None = None  # from the start on, with return_mark
-        self._lb_ips: dict[ServicePortName, tuple[IPAddress, ...]] = {}  # LB IPs: the hairpins' pairs
+        # per ServicePort with LB IPs: (its LB IP frontends, its other addresses): the hairpins
+        self._lb_ips: dict[ServicePortName, tuple[tuple[return_route.Hairpin, ...], tuple[IPAddress, ...]]] = {}
+        self._return_watch: asyncio.Task[None] | None = None
         self.capture = PortCapture(settings.capture)
         # Whether a kernel datapath serves a new ServicePort from this very sync (the agent wires
         # the offload manager's serves_at_once): its listeners then open after the sync.
@@ -219,7 +221,9 @@ class Relay:
         await self._sync_service_cidr_routes()
         await self._retry_failed()
         if self.returns is not None:  # made at the start
-            await self.returns.update(self._lb_ip_set(), self.host_links, refresh=request.full)
+            await self.returns.update(self._hairpins(), self.host_links, refresh=request.full)
+            if self.return_mark and self._return_watch is None:
+                self._return_watch = asyncio.get_running_loop().create_task(self.returns.watch())
 
     def on_service_cidrs_changed(self, cidrs: tuple[IPNetwork, ...]) -> None:
         """The ServiceCIDR objects' CIDRs (ServiceCIDRHandler): routed at the next sync."""
@@ -261,14 +265,20 @@ class Relay:
         self._started = True
 
     def _note_lb_ips(self, spn: ServicePortName, state: ServicePortState | None) -> None:
-        """Keep the LB IPs of `spn` for the hairpin table (return_route.py)."""
-        if state is not None and state.service_port.load_balancer_ips:
-            self._lb_ips[spn] = state.service_port.load_balancer_ips
+        """Keep the LB IP frontends of `spn` (and its other addresses) for the hairpin table."""
+        sp = state.service_port if state is not None else None
+        if sp is not None and sp.load_balancer_ips:
+            self._lb_ips[spn] = (tuple((ip, sp.protocol, sp.port) for ip in sp.load_balancer_ips),
+                                 (*sp.cluster_ips, *sp.external_ips))
         else:
             self._lb_ips.pop(spn, None)
 
-    def _lb_ip_set(self) -> set[IPAddress]:
-        return {ip for ips in self._lb_ips.values() for ip in ips}
+    def _hairpins(self) -> set[return_route.Hairpin]:
+        """The LB IP frontends a load balancer may hairpin: not an LB IP that is also one of the
+        node's own addresses, a ClusterIP or an externalIP (a Service status naming one must
+        not open the table for that address as a source)."""
+        taken = self.host_ips | {ip for _, others in self._lb_ips.values() for ip in others}
+        return {fe for frontends, _ in self._lb_ips.values() for fe in frontends if fe[0] not in taken}
 
     def _kernel_served(self, request: SyncRequest) -> set[ServicePortName]:
         """The new ServicePorts of `request` a kernel datapath serves from this sync on."""
@@ -407,7 +417,7 @@ class Relay:
         hands to its protocol only later is reset, not relayed into the exit's FIN), reset every
         relayed TCP connection on both legs, close the listeners and UDP flows, give up the VIP
         interface's addresses."""
-        for task in (self._sweeper, self._opener):
+        for task in (self._sweeper, self._opener, self._return_watch):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

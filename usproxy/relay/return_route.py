@@ -47,6 +47,7 @@ A forwarded packet with a local source from a link that is not Ethernet (a tunne
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import socket
@@ -70,38 +71,53 @@ TABLE_LOCAL, TABLE_MAIN = 255, 254
 ACCEPT_LOCAL = Path("/proc/sys/net/ipv4/conf/all/accept_local")
 
 
-def ruleset(mark_bit: int, lb_ips: Iterable[IPAddress] = (), links: Iterable[str] = (),
+Hairpin = tuple[IPAddress, str, int]  # an LB IP frontend: (address, protocol, port)
+
+
+def ruleset(mark_bit: int, hairpins: Iterable[Hairpin] = (), links: Iterable[str] = (),
             link_macs: Iterable[str] = ()) -> str:
     """Table NFT_TABLE as nft input, one transaction: declared (a no-op when it exists), emptied
     and filled, so a rewrite keeps the table, and its place among the node's tables, as it was.
 
-    accept_local lets every local source in from the network; the table drops again all that
-    the martian check dropped but the one real hairpin, in every conntrack state:
+    accept_local lets every local source in from the network (and, with rp_filter 0, skips the
+    kernel's check of broadcast sources); the table drops again all that the martian check
+    dropped but the one real hairpin, in every conntrack state:
     - to the node (a unicast, broadcast or multicast destination; prerouting): a local source
-      passes only as an LB IP to that same LB IP (set `hairpins`, `lb_ips`' pairs); the node's
-      own addresses, ClusterIPs and externalIPs as sources, to anything, are dropped. Only
+      passes only as an LB IP to that same LB IP's ServicePort (set `hairpins`: `hairpins`'
+      address . address . protocol . port), and then only in a connection the network opened
+      (marked) or opens now: not into a flow of the node's own, which has the same addresses
+      when a node process talks to its LB IP. A broadcast or anycast source is dropped. Only
       packets to the node: a bridge with br_netfilter shows the node's prerouting every frame it
       bridges, and a frame between two other hosts (a DSR answer from an endpoint's node, whose
       source is this node's NodePort address) is none of this table's business;
-    - through the node (forward): a local source is dropped but in the hairpins themselves
-      (DNATed to their endpoint before the masquerade: the conntrack mark) and in frames the
-      node only bridges. Those come in and leave by the same link (set `same-link`: `links`,
-      the node's interfaces holding its addresses; br_netfilter names the bridge for both) and
-      are addressed to another host's MAC; a packet the node routes is addressed to the MAC of
-      the link it came in by (set `link-macs`: `link_macs`), also when it leaves by that link.
+    - through the node (forward): a local, broadcast or anycast source is dropped but in the
+      hairpins themselves (DNATed to their endpoint before the masquerade: the conntrack mark)
+      and in frames the node only bridges. Those come in and leave by the same link (set
+      `same-link`: `links`, the node's interfaces holding its addresses; br_netfilter names the
+      bridge for both) and are addressed to another host's MAC; a packet the node routes is
+      addressed to the MAC of the link it came in by (set `link-macs`: `link_macs`), also when
+      it leaves by that link. A packet without a conntrack entry is dropped too;
+    - the node's own packets (output): a connection the node opens in the original direction of
+      an entry the network marked (a spoofed packet took its addresses and ports first) loses
+      the mark, so the node's answers are not sent out to the load balancer.
     Connections that pass are marked (ct mark `mark_bit`) and their answers too (packet mark: in
-    prerouting the endpoint's, in a route hook on output the relay's own)."""
-    mark = f"{mark_bit:#x}"
-    pairs = ", ".join(f"{a} . {a}" for a in sorted(str(a) for a in lb_ips if a.version == 4))
+    prerouting the endpoint's, in a route hook on output the relay's own). An earlier agent's
+    set `node-addresses` goes."""
+    mark, unmark = f"{mark_bit:#x}", f"{0xFFFFFFFF & ~mark_bit:#x}"
+    pairs = ", ".join(f"{a} . {a} . {proto.lower()} . {port}"
+                      for a, proto, port in sorted(hairpins, key=str) if a.version == 4)
     links_ = ", ".join(f'"{name}" . "{name}"' for name in sorted(set(links)))
     macs = ", ".join(sorted(set(link_macs)))
     pre = "type filter hook prerouting priority mangle; policy accept;"
     out = "type route hook output priority mangle; policy accept;"
     fwd = "type filter hook forward priority mangle; policy accept;"
+    key = "ip saddr . ip daddr . meta l4proto . th dport"
     local_source = 'iifname != "lo" fib saddr type local'
-    not_hairpin = f"ct mark & {mark} != {mark}"
+    to_node = "fib daddr type { local, broadcast, multicast }"
+    odd_source = 'iifname != "lo" ip saddr != 0.0.0.0 fib saddr type { local, broadcast, anycast }'
+    hairpin = f"ct mark & {mark} == {mark}"
     return f"""table ip {NFT_TABLE} {{
-  set hairpins {{ type ipv4_addr . ipv4_addr; }}
+  set hairpins {{ typeof {key}; }}
   set same-link {{ typeof meta iifname . meta oifname; }}
   set link-macs {{ type ether_addr; }}
   set node-addresses {{ type ipv4_addr; }}
@@ -116,7 +132,7 @@ delete set ip {NFT_TABLE} link-macs
 delete set ip {NFT_TABLE} node-addresses
 table ip {NFT_TABLE} {{
   set hairpins {{
-    type ipv4_addr . ipv4_addr;{_elements(pairs)}
+    typeof {key};{_elements(pairs)}
   }}
   set same-link {{
     typeof meta iifname . meta oifname;{_elements(links_)}
@@ -126,18 +142,23 @@ table ip {NFT_TABLE} {{
   }}
   chain prerouting {{
     {pre}
-    {local_source} fib daddr type {{ local, broadcast, multicast }} ip saddr . ip daddr != @hairpins drop
+    ct direction reply {hairpin} meta mark set meta mark | {mark}
+    iifname != "lo" ip saddr != 0.0.0.0 fib saddr type {{ broadcast, anycast }} {to_node} drop
+    {local_source} {to_node} {key} != @hairpins drop
     {local_source} ct state new fib daddr type local ct mark set ct mark | {mark}
-    ct direction reply ct mark & {mark} == {mark} meta mark set meta mark | {mark}
+    {local_source} fib daddr type local {hairpin} accept
+    {local_source} fib daddr type local drop
   }}
   chain forward {{
     {fwd}
-    {local_source} {not_hairpin} meta iifname . meta oifname @same-link ether daddr != @link-macs accept
-    {local_source} {not_hairpin} drop
+    {odd_source} {hairpin} accept
+    {odd_source} meta iifname . meta oifname @same-link ether daddr != @link-macs accept
+    {odd_source} drop
   }}
   chain output {{
     {out}
-    ct direction reply ct mark & {mark} == {mark} meta mark set meta mark | {mark}
+    ct direction reply {hairpin} meta mark set meta mark | {mark}
+    ct direction original {hairpin} ct mark set ct mark & {unmark}
   }}
 }}
 """
@@ -190,6 +211,11 @@ def remove_rules(ipr: Any) -> list[str]:
     return done
 
 
+def has_rules(ipr: Any) -> bool:
+    """Whether usproxy's policy rules (RULE_PROTOCOL) are there."""
+    return any(r.get_attr("FRA_PROTOCOL") == RULE_PROTOCOL for r in _rules(ipr))
+
+
 def _rules(ipr: Any) -> list[Any]:
     return list(ipr.get_rules(family=socket.AF_INET))
 
@@ -229,10 +255,10 @@ def link_macs(ipr: Any, names: Iterable[str]) -> set[str]:
             if link.get_attr("IFLA_IFNAME") in wanted and link.get_attr("IFLA_ADDRESS")}
 
 
-async def apply_table(mark: int, lb_ips: Iterable[IPAddress], links: Iterable[str] = (),
+async def apply_table(mark: int, hairpins: Iterable[Hairpin], links: Iterable[str] = (),
                       macs: Iterable[str] = ()) -> str:
     """Write NFT_TABLE (atomically, see `ruleset`) and accept_local; "" when done, else why not."""
-    code, err = await run(["nft", "-f", "-"], ruleset(mark, lb_ips, links, macs))
+    code, err = await run(["nft", "-f", "-"], ruleset(mark, hairpins, links, macs))
     if code:
         return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}"
     try:  # only now: the table drops what the martian check dropped
@@ -244,27 +270,39 @@ async def apply_table(mark: int, lb_ips: Iterable[IPAddress], links: Iterable[st
     return ""
 
 
-async def remove_table() -> str:
-    """Delete NFT_TABLE and, when there was one, set accept_local back to 0: without the table's
-    drop of the node's own addresses, accept_local would let them in from the network; "" when
-    done (or there was none), else why not."""
+async def table_exists() -> bool:
     listed, _ = await run(["nft", "list", "table", "ip", NFT_TABLE], "")
-    if listed:  # none (or no nft): accept_local is not ours to change
+    return listed == 0
+
+
+async def remove_table(ours: bool = False) -> str:
+    """Set accept_local back to 0, then delete NFT_TABLE, when there is one or `ours` (usproxy's
+    policy rules are there: the table went missing behind its back): accept_local without the
+    table's drops lets local sources in from the network; first, so that never happens in
+    between. "" when done (or neither was there), else why not."""
+    exists = await table_exists()
+    if not (exists or ours):  # accept_local is not ours to change
         return ""
-    code, err = await run(["nft", "-f", "-"], f"table ip {NFT_TABLE} {{}}\ndelete table ip {NFT_TABLE}\n")
-    if code:
-        return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}"
     try:
         ACCEPT_LOCAL.write_text("0\n")
     except OSError as exc:
         return f"accept_local: {exc.strerror or exc}"
+    if not exists:
+        return ""
+    code, err = await run(["nft", "-f", "-"], f"table ip {NFT_TABLE} {{}}\ndelete table ip {NFT_TABLE}\n")
+    if code:
+        return f"table ip {NFT_TABLE}: {err or f'nft exited {code}'}"
     return ""
 
 
 async def remove(worker: Any) -> tuple[str, list[str]]:
     """Take back everything: the table (remove_table) and the policy rules (remove_rules, through
     `worker`, a NetlinkWorker); (why not, "" when done; the rule changes made)."""
-    why = await remove_table()
+    try:
+        ours = await worker.call(has_rules)
+    except Exception as err:
+        return str(err), []
+    why = await remove_table(ours)
     try:
         done = await worker.call(remove_rules)
     except Exception as err:
@@ -274,15 +312,21 @@ async def remove(worker: Any) -> tuple[str, list[str]]:
 
 class ReturnRoute:
     """One agent's hairpin answers: the policy rules and table NFT_TABLE kept up to date with
-    what the table holds (the LB IPs, the node's links and their MACs). `mark`: --hairpin-mark
-    (None: leave whatever an earlier agent set up; 0: take it back; else: its bit). `worker`:
-    the relay's NetlinkWorker. Failures are logged and tried again at the next update: every
-    other client is served all the same."""
+    what the table holds (the LB IP frontends, the node's links and their MACs). `mark`:
+    --hairpin-mark (None: leave whatever an earlier agent set up; 0: take it back; else: its
+    bit). `worker`: the relay's NetlinkWorker. After each sync `update`; `watch` looks every
+    WATCH_PERIOD seconds whether the table is still there (a firewall reload flushes it, and
+    accept_local without it lets every local source in) and whether a link's MAC moved (a
+    bridge's follows its ports). Failures are logged and tried again: every other client is
+    served all the same."""
+
+    WATCH_PERIOD = 5.0
 
     def __init__(self, mark: int | None, worker: Any) -> None:
         self.mark, self.worker = mark, worker
         self._rules = False  # the policy rules are in place
-        self._written: tuple[frozenset[IPAddress], frozenset[str], frozenset[str]] | None = None
+        self._want: tuple[frozenset[Hairpin], frozenset[str]] | None = None
+        self._written: tuple[frozenset[Hairpin], frozenset[str], frozenset[str]] | None = None
 
     async def start(self) -> None:
         """--hairpin-mark 0: take back what an earlier agent set up (with a mark, `update` after
@@ -290,14 +334,26 @@ class ReturnRoute:
         if self.mark == 0:
             await self._remove()
 
-    async def update(self, lb_ips: Iterable[IPAddress], links: Iterable[str], refresh: bool = False) -> None:
+    async def update(self, hairpins: Iterable[Hairpin], links: Iterable[str], refresh: bool = False) -> None:
         """After a sync: write the rules (until once done) and the table when what it holds
-        changed or the last write failed; `refresh` (a full sync) reads the links' MACs again."""
+        changed or the last write failed; `refresh` (a full sync) reads the links' MACs again
+        and rewrites a table that went missing."""
         if not self.mark:
             return
-        ips, names = frozenset(a for a in lb_ips if a.version == 4), frozenset(links)
-        if self._rules and self._written and (ips, names) == self._written[:2] and not refresh:
-            return
+        self._want = (frozenset(h for h in hairpins if h[0].version == 4), frozenset(links))
+        if not (self._rules and self._written and self._want == self._written[:2]) or refresh:
+            await self._apply(check=refresh)
+
+    async def watch(self) -> None:
+        """Until cancelled: every WATCH_PERIOD, `_apply` with the table's presence checked."""
+        while True:
+            await asyncio.sleep(self.WATCH_PERIOD)
+            if self.mark and self._want is not None:
+                await self._apply(check=True)
+
+    async def _apply(self, check: bool) -> None:
+        assert self.mark and self._want is not None
+        ips, names = self._want
         try:
             if not self._rules:
                 await self._add_rules(self.mark)
@@ -307,6 +363,9 @@ class ReturnRoute:
             return
         if (ips, names, macs) != self._written:
             await self._write(ips, names, macs)
+        elif check and not await table_exists():
+            log.warning("table ip %s went missing (a firewall reload?): written again", NFT_TABLE)
+            await self._write(ips, names, macs)
 
     async def _add_rules(self, mark: int) -> None:
         done = await self.worker.call(lambda ipr: reconcile_rules(ipr, mark))
@@ -314,7 +373,7 @@ class ReturnRoute:
         if done:
             log.info("answers to LB hairpins are routed out: %s", " ".join(done))
 
-    async def _write(self, ips: frozenset[IPAddress], names: frozenset[str], macs: frozenset[str]) -> None:
+    async def _write(self, ips: frozenset[Hairpin], names: frozenset[str], macs: frozenset[str]) -> None:
         assert self.mark
         if why := await apply_table(self.mark, ips, names, macs):
             log.error("answers to LB hairpins stay on the node: %s", why)
