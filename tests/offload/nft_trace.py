@@ -31,7 +31,7 @@ Step = tuple[str, tuple[str, ...]]  # (what, arguments), parsed from the rule te
 _STEPS: list[tuple[str, re.Pattern[str]]] = [(what, re.compile(pattern + r"(?: |$)")) for what, pattern in [
     ("fib-local", r"fib daddr type local"),
     ("fib-src-local", r"fib saddr type local"),
-    ("iif-not-lo", r'iifname != "lo"'),
+    ("iif-not-lo", r"meta iiftype != loopback"),
     ("saddr-net", r"ip6? saddr (!= )?([0-9a-fA-F:.]+/\d+)"),
     ("daddr-not", r"ip6? daddr != (\S+)"),
     ("l4proto", r"meta l4proto (tcp|udp|sctp)"),
@@ -259,7 +259,7 @@ _MATCHES: dict[str, Callable[[FakeTable, _Packet, tuple[str, ...]], bool]] = {
     "fib-local": lambda t, pkt, a: pkt.dst in pkt.local,
     "fib-src-local": lambda t, pkt, a: pkt.src in pkt.local,
     # a packet from one of `local` is the node's own: in the kernel it meets the nat hooks in
-    # output, where `iifname` matches nothing (a local source from the network, a load
+    # output, where `meta iiftype` matches nothing (a local source from the network, a load
     # balancer's hairpin, is not traced here: tests/offload/test_lb_ip_source*.py send it)
     "iif-not-lo": lambda t, pkt, a: pkt.src not in pkt.local,
     "saddr-net": _saddr_net,

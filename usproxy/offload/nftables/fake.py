@@ -144,7 +144,7 @@ _UPDATE = re.compile(r"^update @(\S+) \{ ip6? saddr timeout (\d+)s \}$")
 _DNAT = re.compile(r"dnat ip6? to (?:\[([0-9a-fA-F:.]+)\]|([0-9.]+)):(\d+)$")
 _GOTO = re.compile(r"^goto (\S+)$")
 _DNAT_PICK = re.compile(r"dnat ip6? to numgen random mod \d+ map \{ (.*) \}$")
-_MATCHED = re.compile(r"^(?P<match>(?:fib saddr type local|ip6? saddr (?:!= )?\S+/\d+|iifname (?:!= )?\"[^\"]*\"))"
+_MATCHED = re.compile(r"^(?P<match>(?:fib saddr type local|meta iiftype != loopback|ip6? saddr (?:!= )?\S+/\d+|iifname (?:!= )?\"[^\"]*\"))"
                       r" (?P<rest>.+)$")
 _FIREWALL = re.compile(r"^ip6? saddr != \{ (.*) \} drop$")
 
