@@ -258,8 +258,9 @@ class Relay:
         self.capture.start()  # probes in the background; a capture waits for it
         await self.vip.setup()
         self.node_ips = await self._node_addresses()
-        self.returns = return_route.ReturnRoute(self.return_mark, self.vip.worker)
-        await self.returns.start()  # --hairpin-mark 0: an earlier agent's go; on: at the sync's end
+        if self.return_mark is not None:  # the agent's relay (None: a test's, in its own netns)
+            self.returns = return_route.ReturnRoute(self.return_mark, self.vip.worker)
+            await self.returns.start()  # --hairpin-mark 0: an earlier agent's go; on: at the sync's end
         log.info("NodePort addresses: %s", ", ".join(self.node_ips) or "none")
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         self._started = True
