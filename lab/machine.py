@@ -88,9 +88,16 @@ class Interrupted(Exception):
     """A signal asked the lab to stop; raised on the main thread so `finally` blocks tear down."""
 
 
+_held: list[str] = []  # signals that came while `signals_held` held them (at most: the first)
+_holding = False
+
+
 @contextmanager
 def signals_raise() -> Iterator[None]:
     def handler(signum: int, frame: FrameType | None) -> None:
+        if _holding:
+            _held[:] = _held or [signal.Signals(signum).name]
+            return
         raise Interrupted(signal.Signals(signum).name)
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -99,6 +106,21 @@ def signals_raise() -> Iterator[None]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def hold_signals() -> None:
+    """Hold signals_raise's signals while a child starts (a Popen left half way leaves its child
+    running with no one to kill it) until `release_signals`."""
+    global _holding
+    _holding = True
+
+
+def release_signals() -> None:
+    """Stop holding, and raise a signal that came meanwhile as Interrupted."""
+    global _holding
+    _holding = False
+    if _held:
+        raise Interrupted(_held.pop())
 
 
 def build_initramfs(root: Rootfs | Path, dest: Path) -> Path:
@@ -143,7 +165,25 @@ def boot_once(cmd: list[str], workdir: Path, timeout_s: float, quiet: bool = Fal
     console = workdir / "console.log"
     start = time.monotonic()
     env = {**os.environ, "TMPDIR": str(workdir)}  # snapshot=on overlays land here, removed with it
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    hold_signals()
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env)
+    except BaseException:
+        release_signals()
+        raise
+    try:  # from here on: a signal (Interrupted) anywhere, even before the wait, kills qemu
+        release_signals()
+        return _watch(proc, console, start, cmd[cmd.index("-accel") + 1], timeout_s, quiet)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _watch(proc: subprocess.Popen[bytes], console: Path, start: float, accel: str, timeout_s: float,
+           quiet: bool) -> Outcome:
+    """boot_once's wait for `proc` (qemu), with its console streamed to `console`."""
     lines: list[str] = []
 
     def pump() -> None:
@@ -159,7 +199,6 @@ def boot_once(cmd: list[str], workdir: Path, timeout_s: float, quiet: bool = Fal
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    accel = cmd[cmd.index("-accel") + 1]
     try:
         code = proc.wait(timeout=timeout_s)
         reason = "poweroff" if code == 0 else f"qemu exit {code}"
