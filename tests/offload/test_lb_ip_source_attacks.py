@@ -310,3 +310,34 @@ def icmp_from(watcher: socket.socket, source: str) -> bool:
         if peer == source:
             return True
     return False
+
+
+def test_a_bridge_mac_that_moves_is_followed(topology: Topology, hairpins: Hairpins) -> None:
+    """A bridge's MAC follows its ports (a pod joining may change it) or an admin sets it: the
+    agent reads the links' MACs again (every 5 s), so a packet the node routes back out of the
+    bridge with a node address as its source stays dropped under the new MAC (with the old set
+    it would pass as a bridged frame)."""
+    pods, _, _ = hairpins
+    node, spoofed = topology.node, topology.node_addresses[0]
+    other = pods.add("other", "10.244.1.6")  # a new port: usbr0's MAC may move now
+    pod = topology.ns("web")
+    nsexec(pod, "ip", "addr", "add", f"{spoofed}/32", "dev", "eth0")
+    nsexec(pod, "ip", "route", "add", "10.244.1.6/32", "via", "10.244.0.1")  # routed by the node
+    for conf in ("all", "eth0"):  # and kept so: the node's ICMP redirect would make it bridged
+        nsexec(pod, "sysctl", "-qw", f"net.ipv4.conf.{conf}.accept_redirects=0")
+    with udp_socket(other, ("10.244.1.6", 5350)) as receiver:
+        for mac in (bridge_mac(node), "02:00:5e:00:53:27"):
+            nsexec(node, "ip", "link", "set", "usbr0", "address", mac)
+            nsexec(pod, "ip", "neigh", "flush", "dev", "eth0")
+            deadline = time.monotonic() + 20  # the agent looks every 5 s
+            while mac not in nsexec(node, "nft", "list", "set", "ip", "usproxy-return", "link-macs").stdout:
+                assert time.monotonic() < deadline, f"link-macs did not follow usbr0's MAC {mac}"
+                time.sleep(0.5)
+            send(pod, (ENDPOINT, 0), ("10.244.1.6", 5350))
+            assert arrives(receiver), mac  # the node routes it back out of usbr0
+            send(pod, (spoofed, 0), ("10.244.1.6", 5350))
+            assert not arrives(receiver), mac
+
+
+def bridge_mac(node: str) -> str:
+    return nsexec(node, "cat", "/sys/class/net/usbr0/address").stdout.strip()
