@@ -20,11 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.netns import Topology, inside, nsexec
 from tests.offload.harness import Pods
 from tests.offload.test_lb_ip_source import ENDPOINT, LB_IP, LB_SIDE, NODE_SIDE, connect, echoes, greeting, start
-from tests.relay.harness import USPROXY, AgentProc
+from tests.relay.harness import USPROXY, AgentProc, slice_, svc
 
 pytestmark = pytest.mark.netns
 
@@ -341,3 +342,29 @@ def test_a_bridge_mac_that_moves_is_followed(topology: Topology, hairpins: Hairp
 
 def bridge_mac(node: str) -> str:
     return nsexec(node, "cat", "/sys/class/net/usbr0/address").stdout.strip()
+
+
+def test_an_lb_ip_that_is_a_node_address_or_a_cluster_ip_opens_nothing(topology: Topology, hairpins: Hairpins) -> None:
+    """A Service status naming one of the node's addresses, or another Service's ClusterIP, as
+    its LB IP: the pair stays out of the table's `hairpins` (else that address, spoofed as the
+    source to itself, would pass to the node); its ordinary LB IP goes in."""
+    _, agent, _ = hairpins
+    node = topology.node
+    doc = yaml.safe_load(agent.manifests.path.read_text())
+    impostor = svc("impostor", "10.96.10.20", [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
+                   type="LoadBalancer")
+    impostor["status"] = {"loadBalancer": {"ingress": [{"ip": topology.node_addresses[1]}, {"ip": CLUSTER_IP},
+                                                       {"ip": "198.51.100.9"}]}}
+    agent.manifests.write(*doc["items"], impostor,
+                          slice_("impostor", [{"ip": ENDPOINT, "ready": True}],
+                                 [{"name": "http", "port": 8080, "protocol": "TCP"}]))
+    deadline = time.monotonic() + 20
+    while "198.51.100.9 . 198.51.100.9" not in (pairs := hairpin_set(node)):
+        assert time.monotonic() < deadline, pairs
+        time.sleep(0.3)
+    assert f"{LB_IP} . {LB_IP}" in pairs
+    assert topology.node_addresses[1] not in pairs and CLUSTER_IP not in pairs, pairs
+
+
+def hairpin_set(node: str) -> str:
+    return nsexec(node, "nft", "list", "set", "ip", "usproxy-return", "hairpins").stdout
