@@ -307,7 +307,7 @@ def short_circuit_rules(family: Family, rules: PortRules, if_local: str) -> dict
     the rest goes to the local endpoints, or is dropped when there is none. One chain per
     frontend kind (their local verdicts differ) and one DNAT chain over every endpoint.
     IPv4: a local source that came in from the network (the chain is reached from prerouting;
-    from output, `iifname` matches nothing) is a load balancer's hairpin, its LB IP as the
+    from output, `meta iiftype` matches nothing) is a load balancer's hairpin, its LB IP as the
     source (the only local source table usproxy-return lets in, relay/return_route.py): an
     outside client, as in kube-proxy, whose LB IPs are no local addresses."""
     be = rules.external
