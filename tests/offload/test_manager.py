@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 from usproxy.util.metrics import Metrics
 from usproxy.app.cleanup import remove_kernel_state
 from usproxy.model.config import ProxyConfig
-from usproxy.offload.kernel_datapath import KernelDatapathDeclaration
+from usproxy.offload.kernel_datapath import Capability, KernelDatapathDeclaration, TrafficKind
 from usproxy.core.datapath import Placement, ServicePortState, SyncRequest
 from usproxy.model.endpoint import Endpoint
 from usproxy.util.errors import OffloadError
@@ -481,3 +482,50 @@ async def test_a_datapath_conflicting_with_a_better_usable_one_is_left_out() -> 
     assert "ipvs serves here" in mgr.capabilities["iptables"].detail
     mgr2, _, _ = make(FakeKernelDatapath("ipvs", available=False), FakeKernelDatapath("iptables"))
     assert [k.name for k in mgr2.usable_kernels()] == ["iptables"]
+
+
+class SlowProbe(FakeKernelDatapath):
+    """A probe that takes a while (the BPF object's load, iptables' restore in a netns): it
+    says when it started and then waits for `go` (at most 5 s)."""
+
+    def __init__(self, name: str, traffic: frozenset[TrafficKind], *, available: bool) -> None:
+        super().__init__(name, traffic, available=available)
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def probe(self) -> Capability:
+        self.started.set()
+        self.go.wait(5)
+        return super().probe()
+
+
+async def test_flows_view_in_a_worker_during_the_first_probe_leaves_the_ladder_whole() -> None:
+    """/flows runs flows_view in a worker thread; when it came before the first sync had
+    probed, the sync read a ladder still being probed and left every ServicePort in the relay
+    ("demoted: bpf unavailable") beside a usable nftables (the VM lab's cgroup1, once)."""
+    bpf = SlowProbe("bpf", frozenset({"local"}), available=False)
+    nft = FakeKernelDatapath()
+    mgr, _, _ = make(bpf, nft, after=0.0)
+    viewer = threading.Thread(target=mgr.flows_view)
+    viewer.start()
+    bpf.started.wait(1)  # the viewer is probing, if it probes at all
+    threading.Timer(0.3, bpf.go.set).start()
+    await mgr.sync(req(web("10.244.1.1"), full=True))
+    viewer.join(5)
+    p = mgr.placement(A)
+    assert p is not None and p.datapath == "nftables", p
+    assert set(nft.installed) == {A}
+
+
+async def test_usable_kernels_from_two_threads_both_get_the_whole_ladder() -> None:
+    bpf = SlowProbe("bpf", frozenset({"local"}), available=False)
+    nft = FakeKernelDatapath()
+    mgr, _, _ = make(bpf, nft)
+    seen: list[list[str]] = []
+    first = threading.Thread(target=lambda: seen.append([k.name for k in mgr.usable_kernels()]))
+    first.start()
+    assert bpf.started.wait(5)
+    threading.Timer(0.3, bpf.go.set).start()
+    second = await asyncio.to_thread(lambda: [k.name for k in mgr.usable_kernels()])
+    first.join(5)
+    assert seen == [["nftables"]] and second == ["nftables"]
+    assert set(mgr.capabilities) == {"bpf", "nftables"}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -109,6 +110,7 @@ class OffloadManager:
         self.ports: dict[ServicePortName, _Port] = {}
         self.capabilities: dict[str, Capability] = {}
         self._usable: list[KernelDatapath] | None = None
+        self._probe_lock = threading.Lock()
         self._waiting: set[ServicePortName] = set()
         self._timer: asyncio.TimerHandle | None = None
         self.stale = StaleCleanup(self.usable_kernels, self._live_states,
@@ -127,20 +129,28 @@ class OffloadManager:
     # -- kernels -------------------------------------------------------------------------------
     def usable_kernels(self) -> list[KernelDatapath]:
         """Kernel datapaths that probed available (probed once, on first use), but one that
-        conflicts with a better one that did (its declaration says why they cannot share a node)."""
-        if self._usable is None:
-            self._usable = []
-            for k in self.kernels:
-                cap = k.probe()
-                clash = next((u.name for u in self._usable if self._conflict(u.name, k.name)), None)
-                if cap.available and clash is not None:
-                    cap = Capability(k.name, False, f"{clash} serves here, and {k.name} writes kernel state of the "
-                                                    f"same names (kube-proxy runs one mode per node)")
-                self.capabilities[k.name] = cap
-                log.info("kernel datapath %s: %s (%s)", k.name, "available" if cap.available else "unavailable", cap.detail)
-                if cap.available:
-                    self._usable.append(k)
-        return self._usable
+        conflicts with a better one that did (its declaration says why they cannot share a node).
+        The list appears whole or not at all: /flows calls flows_view from a worker thread, and a
+        sync that read a list still being probed placed every ServicePort in the relay for good
+        (the VM lab's cgroup1 scenario, once: "demoted: bpf unavailable" beside a usable nftables)."""
+        with self._probe_lock:
+            if self._usable is None:
+                self._usable = self._probe_kernels()
+            return self._usable
+
+    def _probe_kernels(self) -> list[KernelDatapath]:
+        usable: list[KernelDatapath] = []
+        for k in self.kernels:
+            cap = k.probe()
+            clash = next((u.name for u in usable if self._conflict(u.name, k.name)), None)
+            if cap.available and clash is not None:
+                cap = Capability(k.name, False, f"{clash} serves here, and {k.name} writes kernel state of the "
+                                                f"same names (kube-proxy runs one mode per node)")
+            self.capabilities[k.name] = cap
+            log.info("kernel datapath %s: %s (%s)", k.name, "available" if cap.available else "unavailable", cap.detail)
+            if cap.available:
+                usable.append(k)
+        return usable
 
     def _conflict(self, a: str, b: str) -> bool:
         da, db = self.declared.get(a), self.declared.get(b)
@@ -440,7 +450,7 @@ class OffloadManager:
 
     def flows_view(self) -> list[FlowRow]:
         out: list[FlowRow] = []
-        for k in self.usable_kernels():
+        for k in self._usable or ():  # before the first sync's probes, no kernel holds a flow of ours
             out.extend(k.flows_view())
         return out
 
