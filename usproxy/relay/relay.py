@@ -46,6 +46,7 @@ from typing import cast
 
 from usproxy.util.heap import HeapTrim, give_back_free_heap
 from usproxy.util.metrics import Metrics
+from usproxy.util.netlink_worker import NetlinkWorker
 from usproxy.model.config import ProxyConfig, parse_cidrs
 from usproxy.model.service_cidr import union
 from usproxy.flows.flow_table import Flow
@@ -259,7 +260,10 @@ class Relay:
         await self.vip.setup()
         self.node_ips = await self._node_addresses()
         if self.return_mark is not None:  # the agent's relay (None: a test's, in its own netns)
-            self.returns = return_route.ReturnRoute(self.return_mark, self.vip.worker)
+            # a netlink thread of its own: the VIP interface's is busy adding the addresses in
+            # the background (1.3 s of the kernel's for 10,000), and the first sync's end, hence
+            # the kernel step, waited for it behind them
+            self.returns = return_route.ReturnRoute(self.return_mark, NetlinkWorker())
             await self.returns.start()  # --hairpin-mark 0: an earlier agent's go; on: at the sync's end
         log.info("NodePort addresses: %s", ", ".join(self.node_ips) or "none")
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
@@ -434,6 +438,8 @@ class Relay:
         for uf in list(self.udp.flows.values()):
             self.udp.close_flow(uf)
         self.origin.close()
+        if self.returns is not None:
+            self.returns.worker.close()
         if self._started:
             await self.vip.close()
 

@@ -316,11 +316,11 @@ class ReturnRoute:
     """One agent's hairpin answers: the policy rules and table NFT_TABLE kept up to date with
     what the table holds (the LB IP frontends, the node's links and their MACs). `mark`:
     --hairpin-mark (None: leave whatever an earlier agent set up; 0: take it back; else: its
-    bit). `worker`: the relay's NetlinkWorker. After each sync `update`; `watch` looks every
-    WATCH_PERIOD seconds whether the table is still there (a firewall reload flushes it, and
-    accept_local without it lets every local source in) and whether a link's MAC moved (a
-    bridge's follows its ports). Failures are logged and tried again: every other client is
-    served all the same."""
+    bit). `worker`: a NetlinkWorker of its own (the relay's is busy adding addresses). After
+    each sync `update`; `watch` looks every WATCH_PERIOD seconds whether the table is still
+    there (a firewall reload flushes it, and accept_local without it lets every local source
+    in) and whether a link's MAC moved (a bridge's follows its ports). Failures are logged and
+    tried again: every other client is served all the same."""
 
     WATCH_PERIOD = 5.0
 

@@ -22,12 +22,14 @@ class NetlinkWorker:
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="netlink")
         self._ipr: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # pyroute2's own, in the thread
 
     def _ip(self) -> Any:
         if self._ipr is None:
             from pyroute2 import IPRoute
 
-            self._ipr = IPRoute(use_event_loop=asyncio.SelectorEventLoop())
+            self._loop = asyncio.SelectorEventLoop()
+            self._ipr = IPRoute(use_event_loop=self._loop)
         return self._ipr
 
     def call_sync(self, fn: Callable[[Any], T]) -> T:
@@ -41,5 +43,9 @@ class NetlinkWorker:
             if self._ipr is not None:
                 self._ipr.close()
                 self._ipr = None
+            if self._loop is not None:  # IPRoute.close leaves the loop it was given open
+                self._loop.run_until_complete(asyncio.sleep(0))  # its transports' close callbacks
+                self._loop.close()
+                self._loop = None
         self._pool.submit(shut).result()
         self._pool.shutdown(wait=True)
