@@ -53,7 +53,7 @@ from usproxy.model.endpoint_slice import EndpointSlice, parse_endpoint_slice
 from usproxy.util.errors import ConfigError, SourceError
 from usproxy.util.gc_pause import gc_paused, promote_survivors
 from usproxy.model.service import PROXY_NAME, PROXY_NAME_LABEL, Service, parse_service, skip_reason
-from usproxy.sources import Provider, hold_syncs
+from usproxy.sources import Provider, hold_syncs, kube_client
 from usproxy.core.datapath import ServiceCIDRHandler
 from usproxy.model.service_cidr import ServiceCIDR, ServiceCIDRTracker, parse_service_cidr
 from usproxy.sources.api_list_watch import ENDPOINT_SLICES, NODES, SERVICE_CIDRS, SERVICES, ApiListWatch
@@ -299,15 +299,17 @@ def client_config(kubeconfig: Path | None) -> ClientConfig:
 
     Raises ConfigError naming the file when it cannot be used (`usproxy run` exits 2).
     """
-    from kubernetes_asyncio.client import Configuration
-    from kubernetes_asyncio.config import ConfigException
-    from kubernetes_asyncio.config.incluster_config import load_incluster_config
-    from kubernetes_asyncio.config.kube_config import KubeConfigLoader, KubeConfigMerger
+    k8s = kube_client.modules()
+    Configuration = k8s["kubernetes_asyncio.client.configuration"].Configuration
+    ConfigException = k8s["kubernetes_asyncio.config.config_exception"].ConfigException
+    load_incluster_config = k8s["kubernetes_asyncio.config.incluster_config"].load_incluster_config
+    KubeConfigLoader = k8s["kubernetes_asyncio.config.kube_config"].KubeConfigLoader
+    KubeConfigMerger = k8s["kubernetes_asyncio.config.kube_config"].KubeConfigMerger
 
     if kubeconfig is None:
         configuration = Configuration()
         try:
-            load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            load_incluster_config(client_configuration=configuration)
         except ConfigException as err:
             raise ConfigError(str(err), obj="in-cluster configuration") from None
 
@@ -382,7 +384,7 @@ class KubeSource:
         """Run the reflectors until cancelled. The Node is looked up first (for at most
         `node_wait` seconds) so the first sync already knows the zone. Raises PodCIDRsChanged
         when the Node's podCIDRs differ from `pod_cidrs` (NodeCIDR mode)."""
-        from kubernetes_asyncio.client import ApiClient
+        ApiClient = kube_client.api_client()
 
         configuration = await self._client_config()
         async with ApiClient(configuration) as api:
@@ -423,7 +425,7 @@ async def wait_for_pod_cidrs(cfg: ProxyConfig, node_name: str, *, timeout: float
     and every `remind` seconds, naming the Node. Raises SourceError after `timeout` seconds
     (kube-proxy gives up after 5 minutes and exits), ConfigError for an unusable kubeconfig or
     podCIDRs that do not parse (naming the Node and spec.podCIDRs)."""
-    from kubernetes_asyncio.client import ApiClient
+    ApiClient = kube_client.api_client()
 
     configuration = await client_config(cfg.kubeconfig)()
     loop = asyncio.get_running_loop()
@@ -496,7 +498,7 @@ async def list_once(kubeconfig: Path | None) -> list[dict[str, Any]]:
     """One list of Services and EndpointSlices (for `usproxy explain --kubeconfig`), as raw
     objects with their `kind` set, filtered by the same label selector as the reflectors.
     Raises ConfigError for an unusable kubeconfig, SourceError when the server cannot be read."""
-    from kubernetes_asyncio.client import ApiClient
+    ApiClient = kube_client.api_client()
 
     configuration = await client_config(kubeconfig)()
     out: list[dict[str, Any]] = []
