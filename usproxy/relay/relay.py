@@ -40,7 +40,7 @@ import asyncio
 import logging
 import resource
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -81,6 +81,15 @@ def raise_nofile_limit() -> int:
         except (ValueError, OSError):
             pass
     return soft
+
+
+async def _after(first: asyncio.Future[None] | None, then: Awaitable[None]) -> None:
+    """`then` after `first` (an add still running); either one's failure fails the whole."""
+    try:
+        if first is not None:
+            await first
+    finally:
+        await then
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,10 +201,12 @@ class Relay:
             now = time.monotonic()
             for ip in self.vip.addresses - self._uses.keys() - self.released.keys():
                 self.released[ip] = now
-        await self._addresses_added()
-        if self._readd:
-            await self._readd_addresses()
         defer = self._kernel_served(request)
+        opens = any(st is not None and spn not in defer for spn, st in request.changes.items())
+        if opens:  # a listener opens now: the addresses a sync is adding in the background first
+            await self._addresses_added()
+            if self._readd:
+                await self._readd_addresses()
         # Listeners (bound with IP_FREEBIND) and captures first, addresses after: a frontend's
         # first packet can only arrive once its address is local, and then finds the port held
         # by the relay or captured, never by a node daemon on a wildcard address (issue 29 item 6).
@@ -210,12 +221,12 @@ class Relay:
             self.capture.settle()  # in the background
         adding = self.vip.add_many(ip for st in request.changes.values() if st is not None
                                    for ip, _ in st.service_port.frontends() if ip not in self.host_ips)
-        if defer and len(defer) == sum(st is not None for st in request.changes.values()):
+        if not opens:
             # nothing this sync brings listens before the kernel step (its frontends' first
             # packets are the kernel's): the kernel adds the addresses (O(n) each on one
             # interface: 1.2 s of its time for 10,000) in the netlink thread while the loop goes on
-            # to the kernel datapaths' transaction
-            self._adding = asyncio.ensure_future(adding)
+            # to the kernel datapaths' transaction, after any add still running (the same thread)
+            self._adding = asyncio.ensure_future(_after(self._adding, adding))
         else:
             await adding
         await self._sync_addresses()
@@ -290,7 +301,8 @@ class Relay:
         serves = self.kernel_serves
         if serves is None:
             return set()
-        return {spn for spn, st in request.changes.items() if st is not None and spn not in self.ports and serves(st)}
+        return {spn for spn, st in request.changes.items()
+                if st is not None and (spn not in self.ports or spn in self._deferred) and serves(st)}
 
     async def _readd_addresses(self) -> None:
         """After a failed background add: every frontend address again (EEXIST counts as added)."""
@@ -299,15 +311,18 @@ class Relay:
         self._readd = False
 
     async def _addresses_added(self) -> None:
-        """Wait for the addresses a previous sync is adding in the background; when that failed,
-        log it and add them all again at the next sync (or sweep)."""
-        task, self._adding = self._adding, None
+        """Wait for the addresses a previous sync is adding in the background (any number of
+        waiters: the deferred listeners' opener waits without the sync lock); when that failed,
+        log it and add them all again before the next listener opens."""
+        task = self._adding
         if task is None:
             return
-        try:
-            await task
-        except Exception as err:
-            log.error("adding frontend addresses to %s: %s; adding them again", self.vip.name, err)
+        await asyncio.wait([task])  # a cancelled waiter leaves the add running
+        if self._adding is not task:
+            return  # another waiter took it
+        self._adding = None
+        if not task.cancelled() and task.exception() is not None:
+            log.error("adding frontend addresses to %s: %s; adding them again", self.vip.name, task.exception())
             self._readd = True
 
     async def _sync_one(self, spn: ServicePortName, state: ServicePortState | None, defer: bool = False) -> None:
@@ -327,6 +342,9 @@ class Relay:
                 port.configure(state, self.node_ips)  # the kernel serves it now; listeners after the sync
                 self._deferred.add(spn)
                 return
+        elif defer:  # still waiting for its listeners, and the kernel still serves it
+            port.configure(state, self.node_ips)
+            return
         self._deferred.discard(spn)
         await port.apply(state, self.node_ips)
         if port.errors:
@@ -369,12 +387,12 @@ class Relay:
         """Open the deferred listeners, OPEN_BATCH ServicePorts at a time with the loop running in
         between; a sync that comes meanwhile goes first and opens those it touches itself."""
         try:
-            async with self._applying:
-                await self._addresses_added()  # a listener binds only to an address that is there
-                if self._readd:
-                    await self._readd_addresses()
             while self._deferred:
+                while self._adding is not None:  # a listener binds only to an address that is there;
+                    await self._addresses_added()  # waited for without the lock: syncs go on meanwhile
                 async with self._applying:
+                    if self._readd:
+                        await self._readd_addresses()
                     for _ in range(min(OPEN_BATCH, len(self._deferred))):
                         spn = self._deferred.pop()
                         port = self.ports.get(spn)
