@@ -21,8 +21,10 @@ listeners (no flow exists yet that one could carry). They still open: the relay 
 under the kernel (a transaction refused later, a table flushed behind our back). When every
 ServicePort a sync brings is such, its frontend addresses are added in the netlink thread while
 the sync goes on (the kernel's work, O(n) per address on one interface, overlaps the kernel
-datapath's transaction); the deferred listeners, and the next sync, wait for them. A sync and that
-opener never apply at the same time (`_applying`).
+datapath's transaction); the deferred listeners wait for them, outside the sync lock, and so
+does a later sync that opens a listener itself; a sync that changes a ServicePort still waiting
+for its listeners, which the kernel still serves, leaves it waiting and waits for nothing. A sync
+and that opener never apply at the same time (`_applying`).
 
 It owns what the ServicePortRelays share and hands it to each through its constructor: the
 FlowAdmission (flow bounds and eviction, sized from the descriptor limit), the UdpRelay, the set
@@ -178,7 +180,7 @@ class Relay:
         # Whether a kernel datapath serves a new ServicePort from this very sync (the agent wires
         # the offload manager's serves_at_once): its listeners then open after the sync.
         self.kernel_serves: Callable[[ServicePortState], bool] | None = None
-        self._deferred: set[ServicePortName] = set()  # new ServicePorts whose listeners wait
+        self._deferred: set[ServicePortName] = set()  # ServicePorts the kernel serves whose listeners wait
         self._opener: asyncio.Task[None] | None = None
         self._applying = asyncio.Lock()  # a sync and the deferred opener never apply at once
         self._adding: asyncio.Future[None] | None = None  # addresses added while the sync goes on
@@ -385,7 +387,8 @@ class Relay:
 
     async def _open_deferred(self) -> None:
         """Open the deferred listeners, OPEN_BATCH ServicePorts at a time with the loop running in
-        between; a sync that comes meanwhile goes first and opens those it touches itself."""
+        between; a sync that comes meanwhile goes first, and opens those it changes that the
+        kernel no longer serves."""
         try:
             while self._deferred:
                 while self._adding is not None:  # a listener binds only to an address that is there;
