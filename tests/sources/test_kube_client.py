@@ -26,7 +26,9 @@ from usproxy.sources import kube, kube_client
 
 async def main():
     configuration = await kube.client_config(Path(sys.argv[1]))()
-    async with kube_client.api_client()(configuration) as api:
+    kube_client.load()
+    from kubernetes_asyncio.client import ApiClient
+    async with ApiClient(configuration) as api:
         resp = await api.call_api("/api/v1/services", "GET", query_params=[], header_params={"Accept": "application/json"},
                                   auth_settings=["BearerToken"], response_types_map={}, _preload_content=False)
         body = json.loads(await resp.read())

@@ -460,7 +460,7 @@ class Relay:
             self.udp.close_flow(uf)
         self.origin.close()
         if self.returns is not None:
-            self.returns.worker.close()
+            self.returns.close()
         if self._started:
             await self.vip.close()
 

@@ -324,6 +324,10 @@ class ReturnRoute:
 
     WATCH_PERIOD = 5.0
 
+    def close(self) -> None:
+        """Stop its netlink thread (the agent's exit; the table and rules stay)."""
+        self.worker.close()
+
     def __init__(self, mark: int | None, worker: Any) -> None:
         self.mark, self.worker = mark, worker
         self._rules = False  # the policy rules are in place

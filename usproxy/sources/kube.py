@@ -299,17 +299,16 @@ def client_config(kubeconfig: Path | None) -> ClientConfig:
 
     Raises ConfigError naming the file when it cannot be used (`usproxy run` exits 2).
     """
-    k8s = kube_client.modules()
-    Configuration = k8s["kubernetes_asyncio.client.configuration"].Configuration
-    ConfigException = k8s["kubernetes_asyncio.config.config_exception"].ConfigException
-    load_incluster_config = k8s["kubernetes_asyncio.config.incluster_config"].load_incluster_config
-    KubeConfigLoader = k8s["kubernetes_asyncio.config.kube_config"].KubeConfigLoader
-    KubeConfigMerger = k8s["kubernetes_asyncio.config.kube_config"].KubeConfigMerger
+    kube_client.load()
+    from kubernetes_asyncio.client import Configuration
+    from kubernetes_asyncio.config import ConfigException
+    from kubernetes_asyncio.config.incluster_config import load_incluster_config
+    from kubernetes_asyncio.config.kube_config import KubeConfigLoader, KubeConfigMerger
 
     if kubeconfig is None:
         configuration = Configuration()
         try:
-            load_incluster_config(client_configuration=configuration)
+            load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         except ConfigException as err:
             raise ConfigError(str(err), obj="in-cluster configuration") from None
 
@@ -384,7 +383,8 @@ class KubeSource:
         """Run the reflectors until cancelled. The Node is looked up first (for at most
         `node_wait` seconds) so the first sync already knows the zone. Raises PodCIDRsChanged
         when the Node's podCIDRs differ from `pod_cidrs` (NodeCIDR mode)."""
-        ApiClient = kube_client.api_client()
+        kube_client.load()
+        from kubernetes_asyncio.client import ApiClient
 
         configuration = await self._client_config()
         async with ApiClient(configuration) as api:
@@ -425,7 +425,8 @@ async def wait_for_pod_cidrs(cfg: ProxyConfig, node_name: str, *, timeout: float
     and every `remind` seconds, naming the Node. Raises SourceError after `timeout` seconds
     (kube-proxy gives up after 5 minutes and exits), ConfigError for an unusable kubeconfig or
     podCIDRs that do not parse (naming the Node and spec.podCIDRs)."""
-    ApiClient = kube_client.api_client()
+    kube_client.load()
+    from kubernetes_asyncio.client import ApiClient
 
     configuration = await client_config(cfg.kubeconfig)()
     loop = asyncio.get_running_loop()
@@ -498,7 +499,8 @@ async def list_once(kubeconfig: Path | None) -> list[dict[str, Any]]:
     """One list of Services and EndpointSlices (for `usproxy explain --kubeconfig`), as raw
     objects with their `kind` set, filtered by the same label selector as the reflectors.
     Raises ConfigError for an unusable kubeconfig, SourceError when the server cannot be read."""
-    ApiClient = kube_client.api_client()
+    kube_client.load()
+    from kubernetes_asyncio.client import ApiClient
 
     configuration = await client_config(kubeconfig)()
     out: list[dict[str, Any]] = []

@@ -9,7 +9,7 @@ all: `import kubernetes_asyncio.client` cost 38 MiB of RSS and 0.25 s here (Pyth
 kubernetes_asyncio 36.1; measured with ru_maxrss against a bare interpreter), the whole difference
 between a Kubernetes-mode agent's RSS and a static one's at 1,000 Services.
 
-`modules()` registers the three packages whose `__init__` pulls those in (`kubernetes_asyncio`,
+`load()` registers the three packages whose `__init__` pulls those in (`kubernetes_asyncio`,
 `.client`, `.client.models`) as plain namespace-like modules over their own directories, then
 imports only the submodules named in NEEDED; the names the rest of the library takes from
 `kubernetes_asyncio.client` (ApiClient, Configuration) are set on it. Submodules the library
@@ -25,7 +25,6 @@ import importlib.util
 import logging
 import sys
 import types
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +34,21 @@ NEEDED = ("kubernetes_asyncio.client.configuration", "kubernetes_asyncio.client.
           "kubernetes_asyncio.config.kube_config")
 
 
-def modules() -> dict[str, Any]:
-    """The loaded NEEDED modules by name (each imported once per process)."""
+def load() -> None:
+    """Import the NEEDED modules, lean when possible (once per process); the callers then
+    import what they use from kubernetes_asyncio as usual."""
     if "kubernetes_asyncio" not in sys.modules:
         try:
             _stub_packages()
-            return {name: importlib.import_module(name) for name in NEEDED}
+            for name in NEEDED:
+                importlib.import_module(name)
+            return
         except Exception as err:  # noqa: BLE001 - the whole library still works
             log.debug("kubernetes_asyncio without its models: %s; importing it whole", err)
             for name in [m for m in sys.modules if m == "kubernetes_asyncio" or m.startswith("kubernetes_asyncio.")]:
                 del sys.modules[name]
-    return {name: importlib.import_module(name) for name in NEEDED}
+    for name in NEEDED:
+        importlib.import_module(name)
 
 
 def _stub_packages() -> None:
@@ -64,7 +67,3 @@ def _stub_packages() -> None:
     client.Configuration = importlib.import_module("kubernetes_asyncio.client.configuration").Configuration  # type: ignore[attr-defined]
     client.ApiClient = importlib.import_module("kubernetes_asyncio.client.api_client").ApiClient  # type: ignore[attr-defined]
 
-
-def api_client() -> Any:
-    """kubernetes_asyncio.client.ApiClient (the class)."""
-    return modules()["kubernetes_asyncio.client.api_client"].ApiClient
