@@ -334,3 +334,23 @@ async def test_a_store_bug_is_logged_and_the_reflector_carries_on(api: FakeApiSe
     api.apply("services", svc("a", "10.96.0.1"))
     await eventually(lambda: same(api, running.store), what="recovery by relist")
     assert "unexpected error" in caplog.text and len(lists(api)) == 2
+
+
+async def test_a_reader_makes_each_item_as_it_is_decoded_in_a_worker_thread(api: FakeApiServer,
+                                                                              client: Any) -> None:
+    """ApiListWatch's `read` (kube.ObjectCache.read): the list holds what it made of each item,
+    in order, never the raw objects; it ran off the loop's thread."""
+    import threading
+
+    for i in range(7):
+        api.apply("services", svc(f"s{i}", f"10.96.0.{i + 1}"))
+    threads: set[int] = set()
+
+    def read(raw: dict[str, Any]) -> tuple[str, str]:
+        threads.add(threading.get_ident())
+        return ("read", raw["metadata"]["name"])
+
+    lw = ApiListWatch(client, SERVICES, options=ReflectorOptions(page_size=3), read=read)
+    result = await lw.list("")
+    assert result.items == [("read", f"s{i}") for i in range(7)]
+    assert threads and threading.get_ident() not in threads

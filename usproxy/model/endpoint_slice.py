@@ -17,6 +17,7 @@ pkg/apis/discovery/validation: maxEndpoints, maxPorts): this bounds the work one
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -68,8 +69,13 @@ def _endpoint_base(e: Fields, family: int) -> Endpoint | None:
         ready=ready is not False,
         serving=serving if serving is not None else ready is not False,
         terminating=terminating is True,
-        node_name=e.opt_str("nodeName"), zone=e.opt_str("zone"), zone_hints=tuple(hints),
+        node_name=_shared(e.opt_str("nodeName")), zone=_shared(e.opt_str("zone")), zone_hints=tuple(hints),
     )
+
+
+def _shared(text: str | None) -> str | None:
+    """A node or zone name, interned: a few of them recur in every slice (fields.py)."""
+    return None if text is None else sys.intern(text)
 
 
 def parse_endpoint_slice(raw: Mapping[str, Any]) -> EndpointSlice:
@@ -85,7 +91,7 @@ def parse_endpoint_slice(raw: Mapping[str, Any]) -> EndpointSlice:
     if not is_dns1123_label(labels[SERVICE_NAME_LABEL]):
         raise meta.error(f"labels[{SERVICE_NAME_LABEL}]",
                          f"must name a Service (a DNS-1123 label), got {labels[SERVICE_NAME_LABEL]!r}")
-    service = NamespacedName(name.namespace, labels[SERVICE_NAME_LABEL])
+    service = NamespacedName(name.namespace, sys.intern(labels[SERVICE_NAME_LABEL]))  # its Service's own string
     address_type = top.choice("addressType", ADDRESS_TYPES, "IPv4")
     if address_type == "FQDN":
         return EndpointSlice(name, service, address_type, {})

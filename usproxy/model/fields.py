@@ -7,11 +7,17 @@ Names are validated as the API server does (k8s.io/apimachinery/pkg/util/validat
 IsDNS1123Subdomain), because they end up in kernel commands (nftables element comments) and log
 lines: a name outside those alphabets (a quote, a newline) is refused here. `describe()` quotes
 a name that is not safe, so the error about it cannot forge a log line either.
+
+Repeated strings are shared, not copied: a label (namespace, Service and port names) is interned,
+and `choice` returns the allowed value itself, so 10,000 Services in one namespace keep one
+"default" and one "ClusterIP", not 10,000 each (a decoded body gives every occurrence its own
+string: at 10,000 Services, ~100,000 strings and 6 MiB).
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,7 +99,7 @@ class Fields:
         value = self.text(key, default)
         if not (value == default == "" or is_dns1123_label(value)):
             raise self.error(key, f"must be a DNS-1123 label ({_LABEL_HELP}, at most 63), got {value!r}")
-        return value
+        return sys.intern(value)
 
     def subdomain(self, key: str, default: str | None = None) -> str:
         """A DNS-1123 subdomain (object names such as an EndpointSlice's). Raises ConfigError."""
@@ -147,7 +153,7 @@ class Fields:
             return default
         if value not in choices:
             raise self.error(key, f"must be one of {', '.join(choices)}, got {value!r}")
-        return str(value)
+        return choices[choices.index(value)]
 
     def ip(self, key: str | int, text: object) -> IPAddress:
         if not isinstance(text, str):

@@ -28,7 +28,8 @@ import aiohttp
 
 from usproxy.util.errors import SourceError
 from usproxy.util.gc_pause import gc_paused, promote_survivors
-from usproxy.sources.reflector import ApiError, Gone, ListBody, ListResult, ReflectorOptions, WatchEvent, status_error
+from usproxy.sources.reflector import (ApiError, Gone, ItemReader, ListBody, ListResult, ReflectorOptions, WatchEvent,
+                                      status_error)
 
 SERVICES = "/api/v1/services"
 ENDPOINT_SLICES = "/apis/discovery.k8s.io/v1/endpointslices"
@@ -42,12 +43,13 @@ class ApiListWatch:
     """The ListWatch of one cluster-wide resource path (client-go cache.NewFilteredListWatchFromClient)."""
 
     def __init__(self, api: Any, path: str, *, label_selector: str = "", field_selector: str = "",
-                 options: ReflectorOptions | None = None) -> None:
+                 options: ReflectorOptions | None = None, read: ItemReader | None = None) -> None:
         self.api = api  # kubernetes_asyncio.client.ApiClient (untyped)
         self.path = path
         self.selectors: Query = [(k, v) for k, v in (("labelSelector", label_selector),
                                                      ("fieldSelector", field_selector)) if v]
         self.opts = options or ReflectorOptions()
+        self.read = read  # each listed item goes through it as it is decoded (ListResult.items)
 
     async def list(self, resource_version: str) -> ListResult:
         """Every page of the list (client-go pager): the first at `resource_version`, then by token."""
@@ -87,7 +89,7 @@ class ApiListWatch:
         # The collector is paused while a page is decoded (~10 objects per endpoint: its passes
         # over them held the GIL 0.1-0.2 s each) and the page is promoted unscanned (gc_pause).
         with gc_paused(True):
-            body = await asyncio.to_thread(decode_list, raw, content_type)
+            body = await asyncio.to_thread(decode_list, raw, content_type, self.read)
             promote_survivors()  # before the collector is back: its first pass would scan them all
         if not isinstance(body.get("items", []), list) or not str(body.get("kind", "List")).endswith("List"):
             raise SourceError(f"GET {self.path}: not a list (kind {body.get('kind')!r})")
@@ -147,17 +149,20 @@ _SPACE = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
 
 
-def decode_list(raw: bytes, content_type: str) -> dict[str, Any]:
+def decode_list(raw: bytes, content_type: str, read: ItemReader | None = None) -> dict[str, Any]:
     """A list body as `decode_json` decodes it (the same object, the same SourceErrors), decoded
     one value of the top-level object at a time and the "items" array one item at a time, so a
     worker thread running it holds the GIL for at most one item (an object of at most ~1.5 MB,
-    the API server's limit) at a stretch."""
+    the API server's limit) at a stretch. With `read`, each item is replaced by what `read`
+    makes of it as soon as it is decoded: the raw item is garbage before the next one is decoded,
+    so a list never holds every raw object at once, and the memory they took is reused at once
+    instead of being left in holes between the objects that stay."""
     try:
         text = raw.decode("utf-8")
         start = _skip(text, 0)
         if text[start:start + 1] != "{":
             return decode_json(raw, content_type)
-        body, end = _object_by_items(text, start)
+        body, end = _object_by_items(text, start, read)
         if end != len(text):
             raise ValueError("extra data after the object")
     except ValueError:
@@ -180,7 +185,7 @@ def _expect(text: str, i: int, chars: str) -> str:
     return char
 
 
-def _object_by_items(text: str, i: int) -> tuple[dict[str, Any], int]:
+def _object_by_items(text: str, i: int, read: ItemReader | None) -> tuple[dict[str, Any], int]:
     """The object starting at text[i] ("{") and the index after it, whitespace after it skipped;
     an "items" array is decoded item by item."""
     out: dict[str, Any] = {}
@@ -194,7 +199,7 @@ def _object_by_items(text: str, i: int) -> tuple[dict[str, Any], int]:
         _expect(text, i, ":")
         i = _skip(text, i + 1)
         if key == "items" and text[i:i + 1] == "[":
-            out[key], i = _array_by_items(text, i)
+            out[key], i = _array_by_items(text, i, read)
         else:
             out[key], i = _DECODER.raw_decode(text, i)
         i = _skip(text, i)
@@ -203,7 +208,7 @@ def _object_by_items(text: str, i: int) -> tuple[dict[str, Any], int]:
         i = _skip(text, i + 1)
 
 
-def _array_by_items(text: str, i: int) -> tuple[list[Any], int]:
+def _array_by_items(text: str, i: int, read: ItemReader | None) -> tuple[list[Any], int]:
     """The array starting at text[i] ("[") and the index after it, one raw_decode per item."""
     items: list[Any] = []
     i = _skip(text, i + 1)
@@ -211,7 +216,7 @@ def _array_by_items(text: str, i: int) -> tuple[list[Any], int]:
         return items, i + 1
     while True:
         item, i = _DECODER.raw_decode(text, i)
-        items.append(item)
+        items.append(read(item) if read is not None else item)
         i = _skip(text, i)
         if _expect(text, i, ",]") == "]":
             return items, i + 1

@@ -125,16 +125,18 @@ class ObjectCache(Generic[T]):
         self.skipped: set[NamespacedName] = set()
         self.synced = False
 
-    async def replace(self, items: list[dict[str, Any]]) -> None:
+    async def replace(self, items: list[Any]) -> None:
         """A full list: deletes for what vanished, updates for what changed, then synced once.
-        Parsing (pure) runs in a worker thread; delivery on the loop, giving it a turn every
-        TimeSlice budget; the cyclic collector is paused throughout (gc_pause)."""
+        `items` are raw objects or already `read` (an ApiListWatch given this cache's `read`
+        parses each item as it decodes it). Parsing (pure) runs in a worker thread; delivery on
+        the loop, giving it a turn every TimeSlice budget; the cyclic collector is paused
+        throughout (gc_pause)."""
         with gc_paused(True):  # the collector's passes over a growing heap stall the loop 0.1-0.2 s
             await self._replace(items)
             promote_survivors()
 
-    async def _replace(self, items: list[dict[str, Any]]) -> None:
-        parsed = await asyncio.to_thread(lambda: [self._read(raw) for raw in items])
+    async def _replace(self, items: list[Any]) -> None:
+        parsed = await asyncio.to_thread(lambda: [i if isinstance(i, Parsed) else self.read(i) for i in items])
         turn = TimeSlice()
         with self.hold():
             present = {p.name for p in parsed if p.name is not None}
@@ -150,9 +152,9 @@ class ObjectCache(Generic[T]):
                 self.on_synced()
 
     def upsert(self, obj: dict[str, Any]) -> None:
-        self._take(self._read(obj))
+        self._take(self.read(obj))
 
-    def _read(self, obj: RawObject) -> Parsed[T]:
+    def read(self, obj: RawObject) -> Parsed[T]:
         """Name, skip reason and parse of `obj`; reads no state (runs in a worker thread)."""
         name = _key(obj)
         if name is None:
@@ -405,8 +407,8 @@ class KubeSource:
     def _reflectors(self, api: Any) -> dict[str, Reflector]:
         opts = self.options
         node_lw = ApiListWatch(api, NODES, field_selector=f"metadata.name={self.node_name}", options=opts)
-        svc_lw = ApiListWatch(api, SERVICES, label_selector=LABEL_SELECTOR, options=opts)
-        eps_lw = ApiListWatch(api, ENDPOINT_SLICES, label_selector=LABEL_SELECTOR, options=opts)
+        svc_lw = ApiListWatch(api, SERVICES, label_selector=LABEL_SELECTOR, options=opts, read=self.services.read)
+        eps_lw = ApiListWatch(api, ENDPOINT_SLICES, label_selector=LABEL_SELECTOR, options=opts, read=self.slices.read)
         cidr_lw = OptionalListWatch(ApiListWatch(api, SERVICE_CIDRS, options=opts), "ServiceCIDRs")
         return {
             "node": Reflector(f"Node {self.node_name}", node_lw, self.node, opts),

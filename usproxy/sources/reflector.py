@@ -22,7 +22,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict
@@ -70,11 +70,17 @@ class Gone(ApiError):
         super().__init__(message, 410)
 
 
+# What a ListWatch may make of each listed item as it decodes it (kube.ObjectCache.read: the
+# parse, in the decoding thread); pure, since it runs off the loop.
+ItemReader = Callable[[dict[str, Any]], object]
+
+
 @dataclass(frozen=True, slots=True)
 class ListResult:
-    """Every item of a (possibly paged) list and the resourceVersion it was read at."""
+    """Every item of a (possibly paged) list and the resourceVersion it was read at. The items
+    are raw objects, or what the ListWatch's ItemReader made of them: its Store's own reader."""
 
-    items: list[dict[str, Any]]
+    items: list[Any]
     resource_version: str
 
 
@@ -91,9 +97,9 @@ class ListWatch(Protocol):
 class Store(Protocol):
     """What a Reflector keeps up to date (client-go cache.Store, reduced to what a proxy needs)."""
 
-    async def replace(self, items: list[dict[str, Any]]) -> None:
-        """The complete current set: objects not in `items` are gone. Async so that a large list
-        is applied with the loop running between pieces of it (kube.ObjectCache)."""
+    async def replace(self, items: list[Any]) -> None:
+        """The complete current set (ListResult.items): objects not in `items` are gone. Async so
+        that a large list is applied with the loop running between pieces of it (kube.ObjectCache)."""
 
     def upsert(self, obj: dict[str, Any]) -> None:
         """An object was added or modified."""
