@@ -27,6 +27,7 @@ from usproxy.model.config import (
     with_overrides,
 )
 from usproxy.util.errors import AlreadyRunning, CannotRun, ConfigError, SourceError
+from usproxy.util.lean_import import lean_pyroute2
 
 log = logging.getLogger("usproxy")
 
@@ -366,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose or
                         args.command == "run" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    lean_pyroute2()  # before any command imports it (util/lean_import.py)
     try:
         rc = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed stdout fails here, not at exit where it would print a traceback

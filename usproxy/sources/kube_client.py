@@ -10,9 +10,9 @@ kubernetes_asyncio 36.1; measured with ru_maxrss against a bare interpreter), th
 between a Kubernetes-mode agent's RSS and a static one's at 1,000 Services.
 
 `load()` registers the three packages whose `__init__` pulls those in (`kubernetes_asyncio`,
-`.client`, `.client.models`) as plain namespace-like modules over their own directories, then
-imports only the submodules named in NEEDED; the names the rest of the library takes from
-`kubernetes_asyncio.client` (ApiClient, Configuration) are set on it. Submodules the library
+`.client`, `.client.models`) with that `__init__` not run (util/lean_import.py), then imports only
+the submodules named in NEEDED; the names the rest of the library takes from
+`kubernetes_asyncio.client` (ApiClient, Configuration) come from their submodules (EXPORTS). Submodules the library
 imports itself (rest, exceptions, the config package) load as usual. If anything of that fails
 (another layout in another release), the stubs are removed and the library is imported whole,
 as before: slower, never wrong. A process that imported kubernetes_asyncio before keeps it as it is.
@@ -21,10 +21,10 @@ as before: slower, never wrong. A process that imported kubernetes_asyncio befor
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import sys
-import types
+
+from usproxy.util.lean_import import stub_package
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ STUBBED = ("kubernetes_asyncio", "kubernetes_asyncio.client", "kubernetes_asynci
 NEEDED = ("kubernetes_asyncio.client.configuration", "kubernetes_asyncio.client.api_client",
           "kubernetes_asyncio.config.config_exception", "kubernetes_asyncio.config.incluster_config",
           "kubernetes_asyncio.config.kube_config")
+EXPORTS = {"kubernetes_asyncio.client": {"ApiClient": "kubernetes_asyncio.client.api_client",
+                                         "Configuration": "kubernetes_asyncio.client.configuration"}}
 
 
 def load() -> None:
@@ -53,17 +55,5 @@ def load() -> None:
 
 def _stub_packages() -> None:
     for name in STUBBED:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
+        if not stub_package(name, EXPORTS.get(name, {})):
             raise ImportError(f"{name}: not a package")
-        pkg = types.ModuleType(name, f"{name}, its __init__ not run (usproxy.sources.kube_client)")
-        pkg.__path__ = list(spec.submodule_search_locations)
-        pkg.__package__ = name
-        sys.modules[name] = pkg
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, pkg)
-    client = sys.modules["kubernetes_asyncio.client"]
-    client.Configuration = importlib.import_module("kubernetes_asyncio.client.configuration").Configuration  # type: ignore[attr-defined]
-    client.ApiClient = importlib.import_module("kubernetes_asyncio.client.api_client").ApiClient  # type: ignore[attr-defined]
-
