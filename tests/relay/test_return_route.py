@@ -69,3 +69,19 @@ def test_a_new_hairpin_mark_replaces_the_old_rule(topology: Topology) -> None:
     assert call(node, lambda ipr: reconcile(ipr, 0x2000)) == ["+rule 99 fwmark 0x2000 lookup main",
                                                              f"-rule 99 fwmark {MARK:#x}"]
     assert [r for r in rules(node) if "fwmark" in r] == ["99: from all fwmark 0x2000/0x2000 lookup main proto 67"]
+
+
+def test_table_exists_asks_for_its_own_table_only(topology: Topology) -> None:
+    """The watch's check (every WATCH_PERIOD): true only for table ip usproxy-return; a table of
+    another name (the nftables datapath's, another program's) does not make it true."""
+    import asyncio
+
+    def exists() -> bool:
+        with inside(topology.node):
+            return asyncio.run(return_route.table_exists())
+
+    nsexec(topology.node, "nft", "add", "table", "ip", "usproxy-returned")  # a longer name, not ours
+    nsexec(topology.node, "nft", "add", "table", "inet", return_route.NFT_TABLE)  # ours in the wrong family
+    assert exists() is False
+    nsexec(topology.node, "nft", "add", "table", "ip", return_route.NFT_TABLE)
+    assert exists() is True
