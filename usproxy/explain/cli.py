@@ -45,7 +45,9 @@ def _common(p: argparse.ArgumentParser, inputs: bool = True) -> None:
     p.add_argument("--node-name", metavar="NAME", help="decides which endpoints are local")
     p.add_argument("--cluster-cidr", action="append", default=[], metavar="CIDR",
                    help="pod CIDR: enables kube-proxy's local-traffic masquerade rules")
-    p.add_argument("--service-cidr", action="append", default=[], metavar="CIDR")
+    p.add_argument("--service-cidr", action="append", default=[], metavar="CIDR",
+                   help="Service CIDR (repeat or comma-separate; kube-proxy's --service-cluster-ip-range): "
+                        "its unallocated addresses dropped (kube-proxy's cluster-ips-check)")
     if inputs:
         p.add_argument("--nft-format", choices=["list", "dump"], default="list",
                        help="`nft list table` text, or kube-proxy's transaction lines")
