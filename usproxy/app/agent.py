@@ -46,7 +46,6 @@ from usproxy.util.rows import FlowRow, ServiceRow
 
 if TYPE_CHECKING:
     from usproxy.offload.manager import OffloadManager
-    from usproxy.relay.relay import Relay
     from usproxy.sources.parse_helper import Prefetch
 
 log = logging.getLogger(__name__)
@@ -74,7 +73,6 @@ def build_datapaths(cfg: ProxyConfig, node: NodeFacts, metrics: Metrics,
         return [relay]
     from usproxy.offload.kernel_datapath import BuildContext
     from usproxy.offload.manager import OffloadManager
-    from usproxy.relay.relay import Relay
     from usproxy.offload.settings import OffloadSettings
 
     settings = OffloadSettings.from_config(cfg)
@@ -190,11 +188,6 @@ class Agent:
         """The tour's results directory whose plots the web view shows (--tour-results)."""
         return self.cfg.tour_results
 
-    def _relays(self) -> list[Relay]:
-        from usproxy.relay.relay import Relay
-
-        return [d for d in self.datapaths if isinstance(d, Relay)]
-
     def offload_manager(self) -> OffloadManager | None:
         """The offload manager over the kernel datapaths, if this agent offloads."""
         if not registry.allowed(self.cfg.offload):
@@ -242,8 +235,6 @@ class Agent:
         await self.admin.start()
         for role, addr in self.admin.bound.items():
             log.info("serving %s on %s", role, format_hostport(addr[0], addr[1]))
-        for relay in self._relays():
-            relay.prepare()  # while the source makes its first list
         self._guard("sync-runner", self.proxier.runner.loop())
         self._guard("source", source.run())
         if self._real:  # real datapaths: they follow this node's NodePort addresses

@@ -159,7 +159,6 @@ class Relay:
         # pods and the node, for externalTrafficPolicy Local's short-circuit and drops
         self.origin = ClientOrigin(node.detector, lambda ip: ip in self.host_ips or ip in self.vip.addresses)
         self._sweeper: asyncio.Task[None] | None = None
-        self._starting: asyncio.Task[None] | None = None  # _start, from prepare() or the first sync
         self._started = False
         self.released: dict[IPAddress, float] = {}  # unused address -> since when (monotonic)
         self._uses: dict[IPAddress, int] = {}  # address -> ServicePorts with a frontend on it
@@ -195,24 +194,10 @@ class Relay:
         if self._deferred and (self._opener is None or self._opener.done()):
             self._opener = asyncio.get_running_loop().create_task(self._open_deferred())
 
-    def prepare(self) -> None:
-        """Start, in the background, what the first sync needs and no Service decides: the
-        ClusterIP interface, the capture's probe, the node's addresses, the hairpin's netlink
-        thread (the agent, while its source makes the first list: at 10,000 Services 1 s of
-        parsing the loop only waits for). The first sync waits for it; a failure is its failure."""
-        if self._starting is None:
-            self._starting = asyncio.get_running_loop().create_task(self._start())
-
     async def _sync(self, request: SyncRequest) -> None:
         first = not self._started
         if first:
-            self.prepare()
-            assert self._starting is not None
-            try:
-                await asyncio.shield(self._starting)
-            except Exception:
-                self._starting = None  # the next sync starts again, as before a failed start
-                raise
+            await self._start()
         elif request.full:
             self.node_ips = await self._node_addresses()
         if request.full:  # addresses a previous agent left that nothing claims any more
@@ -463,8 +448,6 @@ class Relay:
         hands to its protocol only later is reset, not relayed into the exit's FIN), reset every
         relayed TCP connection on both legs, close the listeners and UDP flows, give up the VIP
         interface's addresses."""
-        if self._starting is not None:  # a start under way finishes, so that what it made is closed
-            await asyncio.gather(self._starting, return_exceptions=True)
         for task in (self._sweeper, self._opener, self._return_watch):
             if task is not None:
                 task.cancel()
