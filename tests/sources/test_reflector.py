@@ -354,3 +354,19 @@ async def test_a_reader_makes_each_item_as_it_is_decoded_in_a_worker_thread(api:
     result = await lw.list("")
     assert result.items == [("read", f"s{i}") for i in range(7)]
     assert threads and threading.get_ident() not in threads
+
+
+def test_a_readers_own_value_error_is_not_taken_for_bad_json() -> None:
+    """decode_list reports JSON that does not decode as a SourceError ("expected JSON"); a
+    ValueError the reader raises is the reader's (a bug), and says so."""
+    from usproxy.sources.api_list_watch import decode_list
+    from usproxy.util.errors import SourceError
+
+    def read(raw: dict[str, Any]) -> object:
+        raise ValueError("a bug in a parse")
+
+    body = b'{"kind": "ServiceList", "metadata": {}, "items": [{"metadata": {"name": "a"}}]}'
+    with pytest.raises(RuntimeError, match="reading a listed item: ValueError"):
+        decode_list(body, "application/json", read)
+    with pytest.raises(SourceError, match="expected JSON"):
+        decode_list(body[:-3], "application/json", read)

@@ -216,11 +216,20 @@ def _array_by_items(text: str, i: int, read: ItemReader | None) -> tuple[list[An
         return items, i + 1
     while True:
         item, i = _DECODER.raw_decode(text, i)
-        items.append(read(item) if read is not None else item)
+        items.append(item if read is None else _made(read, item))
         i = _skip(text, i)
         if _expect(text, i, ",]") == "]":
             return items, i + 1
         i = _skip(text, i + 1)
+
+
+def _made(read: ItemReader, item: dict[str, Any]) -> object:
+    """`read(item)`; a ValueError of its own is not the body's (decode_list takes a ValueError
+    for JSON that does not decode), so it leaves as a RuntimeError naming where it came from."""
+    try:
+        return read(item)
+    except ValueError as err:
+        raise RuntimeError(f"reading a listed item: {err!r}") from err
 
 
 def decode_event(line: bytes) -> WatchEvent:

@@ -12,8 +12,8 @@ between a Kubernetes-mode agent's RSS and a static one's at 1,000 Services.
 `load()` registers the three packages whose `__init__` pulls those in (`kubernetes_asyncio`,
 `.client`, `.client.models`) with that `__init__` not run (util/lean_import.py), then imports only
 the submodules named in NEEDED; the names the rest of the library takes from
-`kubernetes_asyncio.client` (ApiClient, Configuration) come from their submodules (EXPORTS). Submodules the library
-imports itself (rest, exceptions, the config package) load as usual. If anything of that fails
+`kubernetes_asyncio.client` (ApiClient, Configuration) come from their submodules (EXPORTS).
+Submodules the library imports itself (rest, exceptions, the config package) load as usual. If anything of that fails
 (another layout in another release), the stubs are removed and the library is imported whole,
 as before: slower, never wrong. A process that imported kubernetes_asyncio before keeps it as it is.
 """
