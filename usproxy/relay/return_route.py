@@ -327,15 +327,15 @@ class ReturnRoute:
 
     WATCH_PERIOD = 5.0
 
-    def close(self) -> None:
-        """Stop its netlink thread (the agent's exit; the table and rules stay)."""
-        self.worker.close()
-
     def __init__(self, mark: int | None, worker: Any) -> None:
         self.mark, self.worker = mark, worker
         self._rules = False  # the policy rules are in place
         self._want: tuple[frozenset[Hairpin], frozenset[str]] | None = None
         self._written: tuple[frozenset[Hairpin], frozenset[str], frozenset[str]] | None = None
+
+    def close(self) -> None:
+        """Stop its netlink thread (the agent's exit; the table and rules stay)."""
+        self.worker.close()
 
     async def start(self) -> None:
         """--hairpin-mark 0: take back what an earlier agent set up (with a mark, `update` after

@@ -13,9 +13,9 @@ between a Kubernetes-mode agent's RSS and a static one's at 1,000 Services.
 `.client`, `.client.models`) with that `__init__` not run (util/lean_import.py), then imports only
 the submodules named in NEEDED; the names the rest of the library takes from
 `kubernetes_asyncio.client` (ApiClient, Configuration) come from their submodules (EXPORTS).
-Submodules the library imports itself (rest, exceptions, the config package) load as usual. If anything of that fails
-(another layout in another release), the stubs are removed and the library is imported whole,
-as before: slower, never wrong. A process that imported kubernetes_asyncio before keeps it as it is.
+Submodules the library imports itself (rest, exceptions, the config package) load as usual. If
+anything of that fails (another layout in another release), the stubs are removed and the library
+is imported whole, as before: slower, never wrong. A process that imported kubernetes_asyncio before keeps it as it is.
 """
 
 from __future__ import annotations
@@ -42,13 +42,16 @@ def load() -> None:
     if "kubernetes_asyncio" not in sys.modules:
         try:
             _stub_packages()
-            for name in NEEDED:
-                importlib.import_module(name)
+            _import_needed()
             return
         except Exception as err:  # noqa: BLE001 - the whole library still works
             log.debug("kubernetes_asyncio without its models: %s; importing it whole", err)
             for name in [m for m in sys.modules if m == "kubernetes_asyncio" or m.startswith("kubernetes_asyncio.")]:
                 del sys.modules[name]
+    _import_needed()
+
+
+def _import_needed() -> None:
     for name in NEEDED:
         importlib.import_module(name)
 

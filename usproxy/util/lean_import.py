@@ -11,8 +11,9 @@ files import everything they have:
 `stub_package(name, exports)` registers `name` as a module over the package's own directory, so
 its submodules import as usual, with a module `__getattr__` (PEP 562): a name in `exports` is taken
 from the submodule that defines it at its first use (`from pyroute2 import IPRoute` imports
-pyroute2.iproute), a submodule's name imports the submodule; any other name runs the package's real `__init__` into the stub first, so the
-package is then whole and answers as it always does. Never wrong, at worst the old cost.
+pyroute2.iproute), a submodule's name imports the submodule; any other name runs the package's
+real `__init__` into the stub first, so the package is then whole and answers as it always does.
+Never wrong, at worst the old cost.
 
 Invariants: a package already imported is left as it is (False); a package that cannot be stubbed
 (not found, not a package) is left to the usual import.
@@ -21,7 +22,6 @@ Invariants: a package already imported is left as it is (False); a package that 
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -54,7 +54,7 @@ def stub_package(name: str, exports: Mapping[str, str]) -> bool:
     pkg.__package__ = name
     pkg.__spec__ = spec
     pkg.__file__ = spec.origin
-    setattr(pkg, "__getattr__", _lazy(pkg, spec, dict(exports)))
+    setattr(pkg, "__getattr__", _lazy(pkg, dict(exports)))
     sys.modules[name] = pkg
     parent, _, child = name.rpartition(".")
     if parent and parent in sys.modules:
@@ -62,8 +62,7 @@ def stub_package(name: str, exports: Mapping[str, str]) -> bool:
     return True
 
 
-def _lazy(pkg: types.ModuleType, spec: importlib.machinery.ModuleSpec,
-          exports: dict[str, str]) -> Callable[[str], object]:
+def _lazy(pkg: types.ModuleType, exports: dict[str, str]) -> Callable[[str], object]:
     """The stub's module `__getattr__`."""
     def attr(attr_name: str) -> object:
         if attr_name.startswith("__"):  # probes (__all__, __path__ hooks, __warningregistry__): no init
@@ -74,7 +73,7 @@ def _lazy(pkg: types.ModuleType, spec: importlib.machinery.ModuleSpec,
         elif importlib.util.find_spec(f"{pkg.__name__}.{attr_name}") is not None:  # a submodule
             value = importlib.import_module(f"{pkg.__name__}.{attr_name}")
         else:
-            whole(pkg, spec)
+            _whole(pkg)
             if attr_name not in vars(pkg):
                 raise AttributeError(f"module {pkg.__name__!r} has no attribute {attr_name!r}")
             value = vars(pkg)[attr_name]
@@ -83,9 +82,9 @@ def _lazy(pkg: types.ModuleType, spec: importlib.machinery.ModuleSpec,
     return attr
 
 
-def whole(pkg: types.ModuleType, spec: importlib.machinery.ModuleSpec) -> None:
+def _whole(pkg: types.ModuleType) -> None:
     """Run the package's real `__init__` into the stub, once: it is then the package itself."""
     if vars(pkg).pop("__getattr__", None) is None:
         return
-    assert spec.loader is not None
-    spec.loader.exec_module(pkg)
+    assert pkg.__spec__ is not None and pkg.__spec__.loader is not None
+    pkg.__spec__.loader.exec_module(pkg)
