@@ -22,7 +22,7 @@ import yaml
 
 from bench.procs import PYTHON, ROOT, Procs
 from bench.servers import BULK, CONN, HOLD, HTTP, IPERF, REDIS, RR, RR_SIZE, UDP
-from bench.topology import SERVER_IP, BenchTopology, inside
+from bench.topology import ROUTED_IP, SERVER_IP, BenchTopology, inside
 
 USPROXY = str(ROOT / ".venv" / "bin" / "usproxy")
 TCP_PORTS = (BULK, RR, CONN, HOLD, HTTP, IPERF, REDIS)
@@ -99,6 +99,17 @@ def wait_ready(ctx: Ctx, target: str, timeout: float = 10.0) -> None:
 class Direct(Contender):
     def __init__(self) -> None:
         super().__init__("direct", SERVER_IP, notes="client → server pod, bridged on the node")
+
+
+class RoutedDirect(Contender):
+    """The pod dialled through the node's IP forwarding (and its conntrack, from the other
+    contenders' tables), no NAT: the hop every ClusterIP datapath at the node adds to `direct`,
+    so offloaded ÷ direct-routed is the datapath's own cost. TCP only: the server's UDP sockets
+    are bound to the wildcard address and answer from SERVER_IP, not ROUTED_IP."""
+
+    def __init__(self) -> None:
+        super().__init__("direct-routed", ROUTED_IP, udp=False,
+                         notes="client → node (routed: forwarding, conntrack, no NAT) → server pod; TCP only")
 
 
 # -- usproxy -----------------------------------------------------------------------------------------
@@ -306,7 +317,7 @@ class Prototype(Contender):
 def default_contenders(prototypes: bool, offloaded: str = "nftables") -> list[Contender]:
     """`offloaded`: the kernel datapath of the "offloaded" contender (one offloading agent per
     network namespace: a run measures one of them)."""
-    out: list[Contender] = [Direct(), Usproxy("relay", "10.96.100.10", 1), Usproxy("offloaded", "10.96.101.10", 2, offloaded),
+    out: list[Contender] = [Direct(), RoutedDirect(), Usproxy("relay", "10.96.100.10", 1), Usproxy("offloaded", "10.96.101.10", 2, offloaded),
                             HAProxy("10.96.200.10")]
     if prototypes:
         # --mode protocol (the relay's shape minus bookkeeping) is left out: under the short-connection

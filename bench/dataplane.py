@@ -192,5 +192,6 @@ class DataPlane:
         cpu = {m: {c: statistics.median(v) for c, v in per.items()} for m, per in lists(self.cpu).items()}
         return {"plan": self.plan.__dict__, "contenders": [c.name for c in self.contenders],
                 "median": med, "cpu": cpu, "samples": lists(self.samples), "cpu_samples": lists(self.cpu),
-                "ratio_vs_direct": self.ratios("direct"), "ratio_vs_haproxy": self.ratios("haproxy"),
+                "ratio_vs_direct": self.ratios("direct"),
+                "ratio_vs_direct-routed": self.ratios("direct-routed"), "ratio_vs_haproxy": self.ratios("haproxy"),
                 "ratio_vs_relay": self.ratios("relay"), "checksum_ok": self.checksums}

@@ -136,7 +136,7 @@ class ToolPlane(DataPlane):
     """DataPlane's rounds and ratios with the real tools as the steps."""
 
     def __init__(self, ctx: Ctx, contenders: list[Contender], plan: ToolPlan, log: Callable[[str], None]) -> None:
-        super().__init__(ctx, [c for c in contenders if c.name in ("direct", "relay", "offloaded", "haproxy")],
+        super().__init__(ctx, [c for c in contenders if c.name in ("direct", "direct-routed", "relay", "offloaded", "haproxy")],
                          Plan(rounds=plan.rounds, bulk_bytes=0, duration=float(plan.seconds)), log)
         self.tools = plan
         self.headline = "http_close_rps"
