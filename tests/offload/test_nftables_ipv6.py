@@ -5,21 +5,14 @@ ClusterIP and NodePort, a dual-stack Service whose two ClusterIPs keep to their 
 ClientIP affinity and endpoint removal, C24 hairpin masquerade, stale UDP conntrack entries of a
 removed endpoint (C03), and read back of the ip6 table by a second datapath.
 
-Topology: `Topology` gives IPv4 only, so `_enable_ipv6` gives the node bridge NODE6 (fd00:244::1/64,
-forwarding on) and routes the ClusterIP range fd00:96::/112 to the bridge without making it local
-(so a refusal can only come from the table's `reject`); `_host` makes a pod or client with an IPv4
-address (add_host needs one for its default route) and IPv6 addresses on the same /64 with a
-default route via the node. Every address is added with `nodad`, so it is usable at once. The
-pods' servers are `Responders`: threads of this process serving sockets created inside the pod
-namespaces, on both families (tests/offload/idsrv.py listens on IPv4 only).
+Topology: IPv6 as tests/offload/ipv6_topology.py adds it (the ClusterIP range routed to the node's
+bridge without being local, so a refusal can only come from the table's `reject`); the pods'
+servers are its `Responders`.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import socket
-import threading
-from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -29,143 +22,15 @@ from usproxy.offload.nftables.datapath import NftablesDatapath
 from usproxy.offload.nftables.rules import port_rules
 from usproxy.offload.nftables.transaction import Transaction
 
-from tests.netns import Topology, inside, nsexec
+from tests.netns import Topology, nsexec
 from tests.offload.harness import hairpin_ports, nft_list
+from tests.offload.ipv6_topology import NODE6, Responders, enable_ipv6, host6, tcp_id, udp6
 from tests.offload.helpers import ep, spn, state
 
 pytestmark = pytest.mark.netns
 
-NODE6 = "fd00:244::1"
 VIP6 = "fd00:96::6a"
 WEB6 = spn("web6", "http", ns="ipv6")
-
-
-# -- topology -----------------------------------------------------------------------------------
-def _enable_ipv6(topo: Topology) -> None:
-    n = topo.node
-    nsexec(n, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
-    nsexec(n, "sysctl", "-qw", "net.ipv6.icmp.ratelimit=0")  # every refusal gets its ICMPv6 error
-    # the bridge's link-local address is still tentative (DAD) for a second or two after it came
-    # up, and until then the node cannot solicit its neighbours for forwarded packets: the first
-    # packets to each endpoint would be lost. Replace it with one that skips DAD.
-    for conf in ("all", "default", "usbr0"):
-        nsexec(n, "sysctl", "-qw", f"net.ipv6.conf.{conf}.accept_dad=0")
-    nsexec(n, "ip", "-6", "addr", "flush", "dev", "usbr0", "scope", "link")
-    nsexec(n, "ip", "-6", "addr", "add", "fe80::1/64", "dev", "usbr0", "nodad")
-    nsexec(n, "ip", "-6", "addr", "add", f"{NODE6}/64", "dev", "usbr0", "nodad")
-    nsexec(n, "ip", "-6", "route", "add", "fd00:96::/112", "dev", "usbr0")
-
-
-def _host(topo: Topology, short: str, v4: str, *v6: str) -> str:
-    """A pod or client: `v4` (/16) and `v6` (the first /64, the others /128) on eth0."""
-    ns = topo.add_host(short, v4)
-    # as the node's bridge: a link-local address without DAD (fe80:: and the first one's interface id)
-    nsexec(ns, "sysctl", "-qw", "net.ipv6.conf.eth0.accept_dad=0")
-    nsexec(ns, "ip", "-6", "addr", "flush", "dev", "eth0", "scope", "link")
-    iid = int(ipaddress.IPv6Address(v6[0])) & ((1 << 64) - 1)
-    nsexec(ns, "ip", "-6", "addr", "add", f"{ipaddress.IPv6Address((0xfe80 << 112) | iid)}/64", "dev", "eth0", "nodad")
-    for i, a in enumerate(v6):
-        nsexec(ns, "ip", "-6", "addr", "add", f"{a}/{64 if i == 0 else 128}", "dev", "eth0", "nodad")
-    nsexec(ns, "ip", "-6", "route", "add", "default", "via", NODE6, "dev", "eth0")
-    return ns
-
-
-class Responders:
-    """TCP and UDP servers on `port`, IPv4 and IPv6, for pods; one thread per socket.
-
-    TCP: sends b"NAME <local address> <peer address>\\n" and closes. UDP: answers
-    b"NAME|<peer address>|" + payload and counts the datagrams per NAME."""
-
-    def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.threads: list[threading.Thread] = []
-        self.socks: list[socket.socket] = []
-        self.udp: Counter[str] = Counter()
-
-    def start(self, ns: str, name: str, port: int = 8080) -> None:
-        for fam, wildcard in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-            for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
-                with inside(ns):
-                    s = socket.socket(fam, kind)
-                self.socks.append(s)
-                if fam == socket.AF_INET6:
-                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind((wildcard, port))
-                s.settimeout(0.1)
-                if kind == socket.SOCK_STREAM:
-                    s.listen(256)
-                t = threading.Thread(target=self._tcp if kind == socket.SOCK_STREAM else self._udp,
-                                     args=(s, name), daemon=True)
-                t.start()
-                self.threads.append(t)
-
-    def _tcp(self, s: socket.socket, name: str) -> None:
-        while not self.stop.is_set():
-            try:
-                c, peer = s.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with c:
-                try:
-                    c.sendall(f"{name} {c.getsockname()[0]} {peer[0]}\n".encode())
-                except OSError:
-                    pass
-
-    def _udp(self, s: socket.socket, name: str) -> None:
-        while not self.stop.is_set():
-            try:
-                data, peer = s.recvfrom(2048)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.udp[name] += 1
-            try:
-                s.sendto(f"{name}|{peer[0]}|".encode() + data, peer)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(5)
-        for s in self.socks:
-            s.close()
-
-
-def _family(addr: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in addr else socket.AF_INET
-
-
-def tcp_id(ns: str, addr: str, port: int, src: str | None = None, timeout: float = 3.0) -> tuple[str, str, str]:
-    """Connect from `ns` (IPv4 or IPv6); (endpoint name, endpoint address, client address seen)."""
-    with inside(ns):
-        s = socket.socket(_family(addr), socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    try:
-        if src:
-            s.bind((src, 0))
-        s.connect((addr, port))
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(256)
-            if not chunk:
-                break
-            data += chunk
-        name, local, peer = data.decode().split()
-        return name, local, peer
-    finally:
-        s.close()
-
-
-def udp6(ns: str, src: tuple[str, int] = ("::", 0)) -> socket.socket:
-    with inside(ns):
-        s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
-    s.bind(src)
-    return s
 
 
 # -- fixtures -----------------------------------------------------------------------------------
@@ -173,7 +38,7 @@ def udp6(ns: str, src: tuple[str, int] = ("::", 0)) -> socket.socket:
 def dp(topology: Topology) -> Iterator[NftablesDatapath]:
     # ClusterIPs routed but not local, as in test_nftables_kernel.py
     nsexec(topology.node, "ip", "route", "add", "10.96.0.0/16", "dev", "usbr0")
-    _enable_ipv6(topology)
+    enable_ipv6(topology)
     d = NftablesDatapath(netns=topology.node)
     try:
         yield d
@@ -191,7 +56,7 @@ def servers(topology: Topology) -> Iterator[Responders]:
 
 
 def pod(topo: Topology, servers: Responders, name: str, v4: str, *v6: str, port: int = 8080) -> str:
-    ns = _host(topo, name, v4, *v6)
+    ns = host6(topo, name, v4, *v6)
     servers.start(ns, name, port)
     return ns
 
@@ -208,7 +73,7 @@ async def test_tcp_and_udp_to_ipv6_clusterip_reach_only_the_endpoints(
     pod(topology, servers, "be6-b", "10.244.62.5", eps["be6-b"])
     pod(topology, servers, "be6-c", "10.244.63.5", "fd00:244::63:5")  # serving, but no endpoint
     cli6 = "fd00:244::69:10"
-    cli = _host(topology, "cli6", "10.244.69.10", cli6)
+    cli = host6(topology, "cli6", "10.244.69.10", cli6)
     dns6 = spn("dns6", proto="UDP", ns="ipv6")
     udp = state(dns6, "fd00:96::6b", 53, [ep(a, 8080) for a in eps.values()])
     await dp.apply({WEB6: web6(*eps.values()), dns6: udp})
@@ -239,7 +104,7 @@ async def test_c01_ipv6_without_endpoints_is_refused_then_served(
         topology: Topology, dp: NftablesDatapath, servers: Responders) -> None:
     pod(topology, servers, "be6-r", "10.244.64.5", "fd00:244::64:5")
     cli6 = "fd00:244::69:20"
-    cli = _host(topology, "cli6", "10.244.69.20", cli6)
+    cli = host6(topology, "cli6", "10.244.69.20", cli6)
     np = dict(node_port=30680, service_type="NodePort")
     dns6 = spn("dns6-empty", proto="UDP", ns="ipv6")
 
@@ -287,7 +152,7 @@ async def test_dual_stack_service_each_clusterip_keeps_to_its_family(
              "ds-c": ("10.244.67.5", "fd00:244::67:5")}
     for name, (v4, v6) in addrs.items():
         pod(topology, servers, name, v4, v6)
-    cli = _host(topology, "cli6", "10.244.69.30", "fd00:244::69:30")
+    cli = host6(topology, "cli6", "10.244.69.30", "fd00:244::69:30")
     vip4, vip6 = "10.96.60.60", "fd00:96::6d"
     ds = spn("dual", "http", ns="ipv6")
     eps = [ep(addrs["ds-a"][0]), ep(addrs["ds-b"][0]), ep(addrs["ds-b"][1]), ep(addrs["ds-c"][1])]
@@ -311,7 +176,7 @@ async def test_client_ip_affinity_over_ipv6_and_endpoint_removal(
     for i, (name, a) in enumerate(eps.items()):
         pod(topology, servers, name, f"10.244.7{i + 1}.5", a)
     clients = [f"fd00:244::79:{10 + i:x}" for i in range(24)]
-    cli = _host(topology, "cli6", "10.244.79.10", *clients)
+    cli = host6(topology, "cli6", "10.244.79.10", *clients)
 
     def sticky(*ips: str) -> ServicePortState:
         return web6(*ips, session_affinity="ClientIP", affinity_timeout=60)
@@ -346,7 +211,7 @@ async def test_c03_ipv6_udp_flow_leaves_a_removed_endpoint(
         topology: Topology, dp: NftablesDatapath, servers: Responders) -> None:
     pod(topology, servers, "st-a", "10.244.75.5", "fd00:244::75:5", port=8125)
     pod(topology, servers, "st-b", "10.244.76.5", "fd00:244::76:5", port=8125)
-    cli = _host(topology, "cli6", "10.244.79.40", "fd00:244::79:40")
+    cli = host6(topology, "cli6", "10.244.79.40", "fd00:244::79:40")
     statsd = spn("statsd6", proto="UDP", ns="ipv6")
 
     def st(*ips: str) -> ServicePortState:

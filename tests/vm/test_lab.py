@@ -16,6 +16,8 @@ What is asserted besides "passed" (which the guest decides, lab/guest/scenario.p
   nftables on cgroup v1 with no socket LB, iptables without nf_tables once that datapath exists;
 - arm64: the guest is aarch64 and loaded the wheel's BPF object, byte for byte the one in the
   wheel built here (sha256), the same one an amd64 guest loads.
+- ipvs: the IPVS datapath's own kernel tests and kube-proxy's IPVS expectations, which skip on
+  this machine, run in the guest (`--run`) and all pass, none skipped.
 The edge soak runs EDGE_SOAK_S here (the README reports the full 10-minute run).
 """
 
@@ -125,6 +127,19 @@ def test_ipvs(tmp_path: Path) -> None:
         pytest.xfail(out["pending"])
     assert out["passed"], out
     assert set(out["datapaths"].values()) == {"ipvs"}, out["datapaths"]  # the agent ran --offload ipvs
+
+
+@needs_lab
+def test_ipvs_datapath_suites_in_the_ipvs_guest(tmp_path: Path) -> None:
+    """The IPVS datapath's kernel tests (IPv4, IPv6 and dual-stack traffic, transitions under live
+    flows) and kube-proxy's IPVS expectations replayed as traffic skip on this machine, which has
+    no IPVS: here they run in the ipvs guest, every one of them (none may skip there)."""
+    code, out, err = vm(tmp_path, "ipvs", "--run", "python -m pytest -q -p no:cacheprovider -rs "
+                        "tests/offload/ipvs tests/conformance/test_ipvs_reference.py")
+    log = (tmp_path / "results" / "guest" / "run.log").read_text()
+    assert code == 0 and out["run_exit"] == 0, f"{out}\n{err}\n{log[-4000:]}"
+    summary = log.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, log[-4000:]
 
 
 @needs_lab

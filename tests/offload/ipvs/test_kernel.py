@@ -3,6 +3,7 @@ project's machines have no IPVS, so these run in the VM lab's ipvs guest
 (`bash scripts/vm.sh ipvs --run 'python -m pytest -q tests/offload/ipvs'`) and skip elsewhere.
 
 Forwarded TCP and UDP to every endpoint, a virtual server without real servers refusing (C01),
+the same over IPv6 and for a dual-stack Service's two ClusterIPs,
 a NodePort masqueraded, the node's own connections with ClientIP persistence; a TCP connection to
 a removed endpoint running on while new ones avoid it (graceful termination); a removed
 ServicePort's connection running on while new connections reach the socket bound to the VIP (a
@@ -36,6 +37,7 @@ from usproxy.offload.ipvs.datapath import IpvsDatapath
 from tests.netns import Topology, inside, nsexec, sh
 from tests.offload.harness import Pods, tcp_name, tcp_peer_name, udp_socket, wait_listening
 from tests.offload.helpers import ep, spn, state
+from tests.offload.ipv6_topology import NODE6, Responders, enable_ipv6, host6, tcp_id, udp6
 from tests.offload.ipvs.guest import NEEDS_IPVS
 from tests.offload.live_flows import UdpSession
 from tests.relay.harness import USPROXY
@@ -106,6 +108,59 @@ async def test_traffic_refusal_nodeport_and_the_nodes_own(topology: Topology, dp
     assert "persistent 60" in ipvsadm(topology)
     names = {tcp_name(topology.node, VIP, 80) for _ in range(8)}  # the node's own, one endpoint (persistence)
     assert len(names) == 1
+
+
+@pytest.fixture
+def servers() -> Iterator[Responders]:
+    r = Responders()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+async def test_ipv6_and_dual_stack_through_ipvs(topology: Topology, dp: IpvsDatapath, servers: Responders) -> None:
+    """IPv6 ClusterIPs as IPVS virtual servers: refused without real servers (the address is on
+    kube-ipvs0 and no socket has the port), then TCP and UDP to both IPv6 endpoints, the client's
+    address kept (pod to ClusterIP is not masqueraded), UDP answered from the ClusterIP; a
+    dual-stack Service's two ClusterIPs each reach only their own family's endpoints."""
+    enable_ipv6(topology)
+    addrs = {"v6-a": ("10.244.61.5", "fd00:244::61:5"), "v6-b": ("10.244.62.5", "fd00:244::62:5"),
+             "v6-c": ("10.244.63.5", "fd00:244::63:5")}
+    for name, (v4, v6) in addrs.items():
+        servers.start(host6(topology, name, v4, v6), name)
+    cli6 = "fd00:244::69:10"
+    cli = host6(topology, "cli6", "10.244.69.10", cli6)
+    vip6, dns_vip6, ds4, ds6 = "fd00:96::6a", "fd00:96::6b", "10.96.60.60", "fd00:96::6d"
+    web6, dns6, dual = spn("web6", "http"), spn("dns6", "dns", "UDP"), spn("dual", "http")
+    six = [ep(addrs["v6-a"][1]), ep(addrs["v6-b"][1])]
+    await dp.apply({web6: state(web6, vip6, 80, [])})
+    with pytest.raises(ConnectionRefusedError):
+        tcp_id(cli, vip6, 80)
+    both = [ep(addrs["v6-a"][0]), ep(addrs["v6-b"][0]), ep(addrs["v6-b"][1]), ep(addrs["v6-c"][1])]
+    await dp.apply({web6: state(web6, vip6, 80, six), dns6: state(dns6, dns_vip6, 53, six),
+                    dual: state(dual, ds4, 80, both, cluster_ips=(ipaddress.ip_address(ds4), ipaddress.ip_address(ds6)))})
+    assert f"[{vip6}]:80" in ipvsadm(topology)
+    seen = [tcp_id(cli, vip6, 80) for _ in range(30)]
+    assert {(n, local) for n, local, _ in seen} == {("v6-a", addrs["v6-a"][1]), ("v6-b", addrs["v6-b"][1])}
+    assert {peer for _, _, peer in seen} == {cli6}
+    names = set()
+    for _ in range(16):
+        s = udp6(cli)
+        try:
+            s.settimeout(2)
+            s.sendto(b"q", (dns_vip6, 53))
+            data, src = s.recvfrom(512)
+        finally:
+            s.close()
+        assert src[:2] == (dns_vip6, 53)  # IPVS reverses the NAT
+        names.add(data.split(b"|")[0])
+    assert names == {b"v6-a", b"v6-b"}
+    over4 = {(n, local) for n, local, _ in (tcp_id(cli, ds4, 80) for _ in range(30))}
+    over6 = {(n, local) for n, local, _ in (tcp_id(cli, ds6, 80) for _ in range(30))}
+    assert over4 == {("v6-a", addrs["v6-a"][0]), ("v6-b", addrs["v6-b"][0])}
+    assert over6 == {("v6-b", addrs["v6-b"][1]), ("v6-c", addrs["v6-c"][1])}
+    assert NODE6 not in ipvsadm(topology)  # a ClusterIP Service: no virtual server on the node's address
 
 
 async def test_a_removed_endpoint_keeps_its_connection(topology: Topology, dp: IpvsDatapath, pods: Pods) -> None:
