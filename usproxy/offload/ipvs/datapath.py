@@ -249,26 +249,26 @@ class IpvsDatapath:
                 installed[spn] = st
         full = self._need_full
         self._need_full = True
+        zero_to_n, turned = self._udp_newly_active(changes)
         try:
-            await self._sync(installed, set(changes), full)
+            await self._sync(installed, set(changes), full, zero_to_n)
         except OffloadError:
             await self._read_view()
             raise
         self._need_full = False
-        zero_to_n, turned = self._udp_newly_active(changes)
         self.installed = installed
         self._held -= set(changes)
-        if zero_to_n:
-            await self.conntrack.delete_udp(orig_dst=zero_to_n)
         if turned:
             await self.conntrack.delete_udp_turned_answers(turned)
         self._start_checker()
 
     async def _sync(self, installed: Mapping[ServicePortName, ServicePortState], changed: set[ServicePortName],
-                    full: bool) -> None:
+                    full: bool, zero_to_n: set[tuple[str, int]]) -> None:
         tables = {f: await self._tables(f, installed, changed, full) for f in self.families}
         plan = self._plan(tables)
         await self.kernel.run(self._execute_add, plan)
+        if zero_to_n:  # at once: until it is gone, a datagram IPVS forwards gets an answer the kernel drops
+            await self.conntrack.delete_udp(orig_dst=zero_to_n)
         await self._write_iptables(tables, full)
         await self.kernel.run(self._execute_remove, plan)
         for f, t in tables.items():
