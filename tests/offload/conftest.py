@@ -1,5 +1,6 @@
-"""Fixtures shared by the nftables offload tests: pods (idsrv in pod namespaces of `topology`)
-and real agents with nftables offload, each stopped at the end of its test whatever happens."""
+"""Fixtures shared by the offload tests: pods (idsrv in pod namespaces of `topology`), IPv6 and
+IPv4 responders for pods (ipv6_topology.py) and real agents with nftables offload, each stopped
+at the end of its test whatever happens."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from tests.netns import Topology
 from tests.offload.harness import OFFLOAD, Pods
+from tests.offload.ipv6_topology import Responders
 from tests.relay.harness import AgentProc, Manifests
 
 
@@ -20,6 +22,15 @@ def pods(topology: Topology, tmp_path: Path) -> Iterator[Pods]:
         yield p
     finally:
         p.close()
+
+
+@pytest.fixture
+def servers(topology: Topology) -> Iterator[Responders]:
+    r = Responders()
+    try:
+        yield r
+    finally:
+        r.close()
 
 
 @pytest.fixture

@@ -46,15 +46,6 @@ def dp(topology: Topology) -> Iterator[NftablesDatapath]:
         d.close()
 
 
-@pytest.fixture
-def servers(topology: Topology) -> Iterator[Responders]:
-    r = Responders()
-    try:
-        yield r
-    finally:
-        r.close()
-
-
 def pod(topo: Topology, servers: Responders, name: str, v4: str, *v6: str, port: int = 8080) -> str:
     ns = host6(topo, name, v4, *v6)
     servers.start(ns, name, port)

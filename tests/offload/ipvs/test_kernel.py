@@ -110,15 +110,6 @@ async def test_traffic_refusal_nodeport_and_the_nodes_own(topology: Topology, dp
     assert len(names) == 1
 
 
-@pytest.fixture
-def servers() -> Iterator[Responders]:
-    r = Responders()
-    try:
-        yield r
-    finally:
-        r.close()
-
-
 async def test_ipv6_and_dual_stack_through_ipvs(topology: Topology, dp: IpvsDatapath, servers: Responders) -> None:
     """IPv6 ClusterIPs as IPVS virtual servers: refused without real servers (the address is on
     kube-ipvs0 and no socket has the port), then TCP and UDP to both IPv6 endpoints, the client's
