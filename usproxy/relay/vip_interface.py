@@ -21,7 +21,7 @@ from typing import Any
 
 from usproxy.model.types import IPAddress
 from usproxy.util.netlink_worker import NetlinkWorker
-from usproxy.relay.address_batch import add_addresses
+from usproxy.util.netlink_batch import add_addresses
 
 log = logging.getLogger(__name__)
 IFA_F_NODAD = 0x02
@@ -79,7 +79,7 @@ class VipInterface:
 
     async def add_many(self, ips: Iterable[IPAddress]) -> None:
         """Add addresses in one trip to the netlink thread, packed many to a system call
-        (address_batch.py: a cold sync of 10,000 Services costs ~20 sendmsg, not 10,000 round
+        (util/netlink_batch.py: a cold sync of 10,000 Services costs ~20 sendmsg, not 10,000 round
         trips through pyroute2). Raises OSError (the sync fails and is retried: EEXIST counts as
         added)."""
         new = sorted({ip for ip in ips if ip not in self.addresses}, key=lambda a: (a.version, int(a)))
