@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import socket
+from functools import partial
 
 import pytest
 
@@ -45,7 +46,7 @@ def test_requests_returns_each_messages_errno_in_order_across_batches(topology: 
         add_addresses(index, ips[:5], IFA_F_NODAD)
         bad = {3: index + 1000, BATCH + 4: index + 1000}  # no such interface
         codes = requests(socket.NETLINK_ROUTE, [
-            lambda seq, n=n, ip=ip: newaddr(seq, bad.get(n, index), ip, IFA_F_NODAD) for n, ip in enumerate(ips)])
+            partial(newaddr, index=bad.get(n, index), ip=ip, flags=IFA_F_NODAD) for n, ip in enumerate(ips)])
     assert codes == [errno.ENODEV if n in bad else errno.EEXIST if n < 5 else 0 for n in range(len(ips))]
     shown = {row.split()[3] for row in nsexec(ns, "ip", "-o", "addr", "show", "dev", "uspab1").stdout.splitlines()}
     assert shown == {f"{ip}/32" for n, ip in enumerate(ips) if n not in bad or n < 5}

@@ -24,7 +24,9 @@ import os
 import socket
 import struct
 from collections.abc import Callable, Sequence
+from functools import partial
 
+NETLINK_GENERIC = 16  # not in Python's socket module
 RTM_NEWADDR = 20
 NLMSG_ERROR = 2
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
@@ -68,7 +70,7 @@ def _acknowledged(sock: socket.socket, seqs: range) -> list[int]:
     return [got[s] for s in seqs]
 
 
-def newaddr(seq: int, index: int, ip: Address, flags: int) -> bytes:
+def newaddr(seq: int, *, index: int, ip: Address, flags: int) -> bytes:
     """One RTM_NEWADDR request: `ip` as a host address (/32, /128) on interface `index`."""
     packed = ip.packed
     family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
@@ -82,7 +84,7 @@ def newaddr(seq: int, index: int, ip: Address, flags: int) -> bytes:
 def add_addresses(index: int, ips: Sequence[Address], flags: int) -> None:
     """Add `ips` to interface `index` with ifaddrmsg `flags` (IFA_F_NODAD). Raises OSError for
     the first address refused other than with EEXIST."""
-    codes = requests(socket.NETLINK_ROUTE, [lambda seq, ip=ip: newaddr(seq, index, ip, flags) for ip in ips])
+    codes = requests(socket.NETLINK_ROUTE, [partial(newaddr, index=index, ip=ip, flags=flags) for ip in ips])
     for ip, code in zip(ips, codes):
         if code not in (0, errno.EEXIST):
             raise OSError(code, f"adding {ip}: {os.strerror(code)}")

@@ -381,6 +381,45 @@ async def test_a_restart_adopts_everything_under_a_live_connection(topology: Top
         dp2.close()
 
 
+def virtual_servers(topology: Topology) -> dict[str, set[str]]:
+    """`ipvsadm -Ln`: "PROTO addr:port scheduler" -> {"addr:port weight"} of its real servers."""
+    out: dict[str, set[str]] = {}
+    head = ""
+    for line in ipvsadm(topology).splitlines():
+        if line.startswith(("TCP", "UDP")):
+            head = " ".join(line.split()[:3])
+            out[head] = set()
+        elif line.strip().startswith("->") and head:
+            words = line.split()
+            out[head].add(f"{words[1]} {words[3]}")
+    return out
+
+
+async def test_hundreds_of_virtual_servers_land_in_batched_writes(topology: Topology, dp: IpvsDatapath,
+                                                                  pods: Pods) -> None:
+    """A cold sync sends its new virtual servers with their real servers many to a netlink write
+    (messages.py): 300 ServicePorts with 2 endpoints each (900 messages, several writes) land
+    exactly, kube-ipvs0 holds their 300 ClusterIPs, a leftover virtual server of the same key
+    (EEXIST in the middle of a write) is taken over without stopping the rest, and traffic
+    reaches the endpoints through one of them."""
+    pods.add("be-a", "10.244.1.5")
+    cli = topology.add_host("cli", "10.244.9.10")
+    nsexec(topology.node, "ipvsadm", "-A", "-t", "10.96.21.150:80", "-s", "wlc")  # a kube-proxy leftover
+    wanted = {spn(f"s{n}", "http"): state(spn(f"s{n}", "http"), f"10.96.{20 + n // 100}.{n % 100 + 100}", 80,
+                                          [ep("10.244.1.5"), ep(f"10.244.3.{n % 200 + 1}")]) for n in range(300)}
+    await dp.apply(wanted)
+    assert virtual_servers(topology) == {
+        f"TCP {st.service_port.cluster_ips[0]}:80 rr": {"10.244.1.5:8080 1", f"10.244.3.{n % 200 + 1}:8080 1"}
+        for n, st in enumerate(wanted.values())}
+    shown = nsexec(topology.node, "ip", "-o", "-4", "addr", "show", "dev", "kube-ipvs0").stdout.splitlines()
+    assert {row.split()[3] for row in shown} == {f"{st.service_port.cluster_ips[0]}/32" for st in wanted.values()}
+    await dp.apply({s: state(s, str(st.service_port.cluster_ips[0]), 80, [ep("10.244.1.5")])
+                    for s, st in list(wanted.items())[150:151]})  # the taken-over one, one endpoint
+    assert virtual_servers(topology)["TCP 10.96.21.150:80 rr"] == {"10.244.1.5:8080 1"}
+    wait_listening(cli, "10.244.1.5", 8080)
+    assert tcp_name(cli, "10.96.21.150", 80) == "be-a"
+
+
 async def test_cleanup_leaves_what_is_not_usproxys(topology: Topology, dp: IpvsDatapath) -> None:
     await dp.apply({WEB: web("10.244.1.5", node_port=30080, service_type="NodePort")})
     nsexec(topology.node, "ipvsadm", "-A", "-t", "198.51.100.7:443", "-s", "wlc")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import ipaddress
 import logging
 from collections import Counter
@@ -345,10 +346,7 @@ class IpvsDatapath:
         self._ipset_restore("add", p.set_add)
         if p.bind and p.device is not None:
             self.kernel.bind(p.device, p.bind)
-        for svc, dests, spn in p.add_vs:
-            self._add_vs(svc, spn, dests[0] if dests else None)
-            for d in dests:
-                self._put_dest(svc.key, d)
+        self._add_all(p.add_vs)
         for svc, spn in p.edit_vs:
             self.kernel.edit_service(svc)
             vs = self._vs[svc.key]
@@ -356,18 +354,33 @@ class IpvsDatapath:
         for key, d in p.put_dest:
             self._put_dest(key, d)
 
-    def _add_vs(self, svc: Service, spn: str, first: Dest | None) -> None:
-        """A new virtual server with its first real server in the same write (kernel.py: never
-        without one while live traffic arrives); one of the same key that is not ours yet (a
-        kube-proxy leftover) is taken over as it is named now."""
-        try:
-            self.kernel.add_service(svc, first)
-            self._vs[svc.key] = _Vs(svc, {} if first is None else {first.key: first}, spn)
-        except OffloadError as err:
-            if err.errno != errno.EEXIST:
-                raise
-            self.kernel.edit_service(svc)
-            self._vs[svc.key] = _Vs(svc, {d.key: d for d in self.kernel.dests(svc.key)}, spn)
+    def _add_all(self, adds: list[tuple[Service, list[Dest], str]]) -> None:
+        """New virtual servers with their real servers, many to a netlink write (kernel.py); one
+        whose key exists and is not ours yet (a kube-proxy leftover) is taken over as it is named
+        now. Every outcome is recorded before the first refusal is raised."""
+        if not adds:
+            return
+        failure: OffloadError | None = None
+        for (svc, dests, spn), (code, codes) in zip(adds, self.kernel.add_services([(s, d) for s, d, _ in adds])):
+            if code == errno.EEXIST:
+                self._take_over(svc, spn, dests)
+                continue
+            if code:
+                failure = failure or OffloadError(f"IPVS add service {svc.key}: {os.strerror(code)}", errno=code)
+                continue
+            self._vs[svc.key] = _Vs(svc, {d.key: d for d, c in zip(dests, codes) if c == 0}, spn)
+            refused = next(((d, c) for d, c in zip(dests, codes) if c), None)
+            if refused is not None and failure is None:
+                d, c = refused
+                failure = OffloadError(f"IPVS add real server {d.key} to {svc.key}: {os.strerror(c)}", errno=c)
+        if failure is not None:
+            raise failure
+
+    def _take_over(self, svc: Service, spn: str, dests: list[Dest]) -> None:
+        self.kernel.edit_service(svc)
+        self._vs[svc.key] = _Vs(svc, {d.key: d for d in self.kernel.dests(svc.key)}, spn)
+        for d in dests:
+            self._put_dest(svc.key, d)
 
     def _put_dest(self, key: VsKey, d: Dest) -> None:
         vs = self._vs[key]

@@ -65,12 +65,16 @@ class FakeIpvsKernel:
         return fn(*args)
 
     def _enter(self, what: str) -> None:
+        """A call into the kernel: noted in `calls`, refused if it is `fail_on` or IPVS is not loaded."""
         self.calls.append(what)
+        self._inject(what)
+        if not self.is_loaded:
+            raise OffloadError("IPVS: generic netlink family IPVS not found", errno.ENOENT)
+
+    def _inject(self, what: str) -> None:
         if self.fail_on == what:
             self.fail_on = None
             raise OffloadError(f"IPVS {what}: injected failure", errno.EINVAL)
-        if not self.is_loaded:
-            raise OffloadError("IPVS: generic netlink family IPVS not found", errno.ENOENT)
 
     # -- IPVS ---------------------------------------------------------------------------------------
     def loaded(self) -> bool:
@@ -86,21 +90,24 @@ class FakeIpvsKernel:
     def dests(self, key: VsKey) -> list[Dest]:
         return [replace(d, active=self.conns.get((key, d.key), 0)) for d in self.reals.get(key, {}).values()]
 
-    def add_service(self, s: Service, first: Dest | None = None) -> None:
+    def add_services(self, items: Sequence[tuple[Service, Sequence[Dest]]]) -> list[tuple[int, list[int]]]:
+        """One netlink write: seen from outside as one step (`_enter` once), its messages run as
+        the kernel runs them, each whatever the others' outcome (a real server of a virtual server
+        that failed to be added fails too, or joins the one that exists)."""
+        self._enter("add_services")
+        return [(_code(self._new_service, s), [_code(self._new_dest, s.key, d) for d in dests]) for s, dests in items]
+
+    def add_service(self, s: Service) -> None:
         self._enter("add_service")
+        self._new_service(s)
+
+    def _new_service(self, s: Service) -> None:
+        self._inject("add_service")
         if s.key in self.services:
-            if first is not None and first.key not in self.reals[s.key]:  # the batch's second message
-                self.reals[s.key][first.key] = first
             raise OffloadError(f"IPVS add service {s.key}: File exists", errno.EEXIST)
         if s.scheduler not in self.schedulers:
             raise OffloadError(f"IPVS add service {s.key}: No such file or directory", errno.ENOENT)
         self.services[s.key], self.reals[s.key] = s, {}
-        if first is not None:  # the batch's second message, in the same write; it may fail on its own
-            self.calls.append("add_dest")
-            if self.fail_on == "add_dest":
-                self.fail_on = None
-                raise OffloadError(f"IPVS add real server {first.key}: injected failure", errno.EINVAL)
-            self.reals[s.key][first.key] = first
 
     def edit_service(self, s: Service) -> None:
         self._enter("edit_service")
@@ -115,6 +122,10 @@ class FakeIpvsKernel:
 
     def add_dest(self, key: VsKey, d: Dest) -> None:
         self._enter("add_dest")
+        self._new_dest(key, d)
+
+    def _new_dest(self, key: VsKey, d: Dest) -> None:
+        self._inject("add_dest")
         if key not in self.services:
             raise OffloadError(f"IPVS add real server to {key}: No such process", errno.ESRCH)
         if d.key in self.reals[key]:
@@ -223,6 +234,14 @@ class FakeIpvsTools(FakeIptablesClient):
                 raise OffloadError("iptables-restore: line 9 failed: Couldn't load match `socket'")
             return super()._run(["unshare", "--net", *restore], stdin)
         return super()._run(argv, stdin)
+
+
+def _code(fn: Callable[..., object], *args: object) -> int:
+    try:
+        fn(*args)
+    except OffloadError as err:
+        return err.errno or errno.EINVAL
+    return 0
 
 
 def ip(text: str) -> IPAddress:

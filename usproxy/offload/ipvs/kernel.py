@@ -12,7 +12,9 @@ IPv6 service is a prefix length in the attribute's four bytes as the host orders
 adds its own "hashed" flag (0x2) to every service; a real server's forwarding method 0 is Masq;
 a service with no real server answers every new packet with ICMP port unreachable ("no destination
 available"), so a new service and its first real server go in one write: generic netlink runs the
-messages of one write one after the other in the same system call.
+messages of one write one after the other in the same system call. New virtual servers with their
+real servers, the bulk of a cold sync, go many to a write (messages.py); edits, deletes and dumps
+go through pyroute2, one request each.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import ipaddress
 import os
 import socket
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from usproxy.model.types import IPAddress
+from usproxy.offload.ipvs import messages
 from usproxy.offload.netns_worker import NetnsWorker
+from usproxy.util import netlink_batch
 from usproxy.util.errors import OffloadError
 
 PROTOCOLS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": socket.IPPROTO_SCTP}
@@ -76,8 +81,8 @@ class Dest:
 
 
 def _netmask(family: int) -> str:
-    """The netmask attribute: 255.255.255.255 for IPv4, the prefix 128 for IPv6 (module docstring)."""
-    return "255.255.255.255" if family == 4 else socket.inet_ntoa((128).to_bytes(4, sys.byteorder))
+    """The netmask attribute as pyroute2 takes it: messages.netmask's four bytes in host order."""
+    return socket.inet_ntoa(messages.netmask(family).to_bytes(4, sys.byteorder))
 
 
 def _service_msg(s: Service) -> Any:
@@ -102,18 +107,6 @@ def _dest_msg(d: Dest) -> Any:
 
     return IPVSDest(addr=str(d.address), port=d.port, weight=d.weight, fwd_method=d.fwd,
                     addr_family=socket.AF_INET if d.address.version == 4 else socket.AF_INET6)
-
-
-def _request(family: int, cmd: int, attrs: list[tuple[str, Any]]) -> Any:
-    """One IPVS command that creates, with its acknowledgement asked for (for a batch)."""
-    from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST
-    from pyroute2.netlink.generic.ipvs import GENL_VERSION, ipvsmsg
-
-    msg = ipvsmsg()
-    msg["cmd"], msg["version"], msg["attrs"] = cmd, GENL_VERSION, attrs
-    msg["header"]["type"] = family
-    msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
-    return msg
 
 
 def _attr(msg: Any, nla: str, name: str) -> Any:
@@ -206,24 +199,31 @@ class IpvsKernel:
         ipvs = self._sock()
         return [_dest_of(d) for d in self._call(f"dump {key}", lambda: list(ipvs.dest("dump", service=_key_msg(key))))]
 
-    def add_service(self, s: Service, first: Dest | None = None) -> None:
-        """A new service; with `first`, its first real server in the same netlink write (module
-        docstring: the kernel runs both messages in one system call, so a packet that arrives
-        between them finds no real server only for microseconds, not for a round trip)."""
-        if first is None:
-            self._call(f"add service {s.key}", self._sock().service, "add", service=_service_msg(s))
-            return
-        from pyroute2.netlink.generic.ipvs import IPVS_CMD_NEW_DEST, IPVS_CMD_NEW_SERVICE
-
-        ipvs = self._sock()
-        msgs = [_request(ipvs.prid, IPVS_CMD_NEW_SERVICE, [("IPVS_CMD_ATTR_SERVICE", _service_msg(s).dump_nla())]),
-                _request(ipvs.prid, IPVS_CMD_NEW_DEST, [("IPVS_CMD_ATTR_SERVICE", _key_msg(s.key).dump_key()),
-                                                        ("IPVS_CMD_ATTR_DEST", _dest_msg(first).dump_nla())])]
+    def add_services(self, items: Sequence[tuple[Service, Sequence[Dest]]]) -> list[tuple[int, list[int]]]:
+        """New virtual servers, each followed by its real servers, many to a netlink write
+        (messages.py, util/netlink_batch.py); per virtual server, its errno and its real servers'
+        (0: added). A virtual server is never without its first real server while live traffic
+        arrives: both go in one write, and the kernel runs them in the same system call."""
+        family = self._sock().prid
+        requests: list[Callable[[int], bytes]] = []
+        for s, dests in items:
+            key = (PROTOCOLS[s.proto], s.address, s.port)
+            requests.append(partial(messages.new_service, family, service=messages.service_attrs(
+                key, s.scheduler, s.flags, s.timeout)))
+            named = messages.service_key_attrs(key)
+            requests += [partial(messages.new_dest, family, key=named,
+                                 dest=messages.dest_attrs(d.address, d.port, d.weight, d.fwd)) for d in dests]
         try:
-            self._call(f"add service {s.key} with real server {first.key}", lambda: list(ipvs.nlm_request_batch(msgs)))
-        except OffloadError:
-            self.close_sockets()  # the second answer may be unread: the next call starts clean
-            raise
+            codes = iter(netlink_batch.requests(netlink_batch.NETLINK_GENERIC, requests))
+        except OSError as err:
+            raise OffloadError(f"IPVS add services: {err}", errno=err.errno or 0) from None
+        return [(next(codes), [next(codes) for _ in dests]) for _, dests in items]
+
+    def add_service(self, s: Service) -> None:
+        """One virtual server without real servers (the probe's)."""
+        (code, _), = self.add_services([(s, [])])
+        if code:
+            raise OffloadError(f"IPVS add service {s.key}: {os.strerror(code)}", errno=code)
 
     def edit_service(self, s: Service) -> None:
         self._call(f"edit service {s.key}", self._sock().service, "set", service=_service_msg(s))
@@ -268,14 +268,11 @@ class IpvsKernel:
         return {ipaddress.ip_address(a.get_attr("IFA_ADDRESS")) for a in ipr.get_addr(index=found[0])}
 
     def bind(self, index: int, addrs: Iterable[IPAddress]) -> None:
-        ipr = self._ip()
-        for ip in addrs:
-            try:
-                ipr.addr("add", index=index, address=str(ip), prefixlen=32 if ip.version == 4 else 128,
-                         flags=IFA_F_NODAD)
-            except Exception as err:
-                if _errno(err) != errno.EEXIST:
-                    raise OffloadError(f"bind {ip} to {self.device}: {err}", errno=_errno(err) or 0) from None
+        """Host addresses on kube-ipvs0, many to a netlink write; one already there counts as bound."""
+        try:
+            netlink_batch.add_addresses(index, list(addrs), IFA_F_NODAD)
+        except OSError as err:
+            raise OffloadError(f"bind to {self.device}: {err}", errno=err.errno or 0) from None
 
     def unbind(self, index: int, addrs: Iterable[IPAddress]) -> None:
         ipr = self._ip()
