@@ -8,6 +8,7 @@ is usproxy's. (The same against the kernel: tests/offload/ipvs/test_kernel.py, i
 from __future__ import annotations
 
 import ipaddress
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -295,3 +296,43 @@ def test_what_it_does_not_serve(kernel: FakeIpvsKernel) -> None:
 
 def test_spn_text_round_trips() -> None:
     assert ServicePortName.from_key(WEB.key()) == WEB
+
+
+def kernel_state(k: FakeIpvsKernel) -> tuple[object, ...]:
+    return (k.services, {key: set(r.values()) for key, r in k.reals.items()},
+            {name: members for name, (_, _, members) in k.sets.items()}, k.addresses)
+
+
+async def test_partial_syncs_end_where_a_cold_sync_of_the_same_state_does() -> None:
+    """A partial sync compares only what the changed ServicePorts touch (datapath._Scope). Over
+    random changes (endpoints, affinity, NodePorts, removals, and an externalIP:port that several
+    Services claim, whose virtual server passes to the next claimant by name), after every one the
+    kernel holds what a cold sync of the same ServicePorts into an empty kernel holds."""
+    rng = random.Random(25)
+    kernel = FakeIpvsKernel()
+    dp = datapath(kernel)
+    current: dict[ServicePortName, ServicePortState] = {}
+    for _ in range(80):
+        changes: dict[ServicePortName, ServicePortState | None] = {}
+        for _ in range(rng.randint(1, 3)):
+            n = rng.randrange(8)
+            name = spn(f"s{n}", "http", "UDP" if n == 7 else "TCP")
+            if rng.random() < 0.2:
+                changes[name] = None
+                continue
+            eps = [ep(f"10.244.{rng.randrange(3)}.{rng.randrange(1, 4)}") for _ in range(rng.randint(0, 3))]
+            kw: dict[str, object] = {"external_ips": ["198.51.100.9"] if rng.random() < 0.5 else []}
+            if rng.random() < 0.3:
+                kw.update(session_affinity="ClientIP", affinity_timeout=rng.choice((30, 60)))
+            if rng.random() < 0.3:
+                kw.update(node_port=30000 + n, service_type="NodePort")
+            changes[name] = state(name, f"10.96.0.{n + 1}", 80, eps, **kw)
+        await dp.apply(changes)
+        for name, st in changes.items():
+            if st is None:
+                current.pop(name, None)
+            else:
+                current[name] = st
+        cold = FakeIpvsKernel()
+        await datapath(cold).apply(dict(current))
+        assert kernel_state(kernel) == kernel_state(cold)

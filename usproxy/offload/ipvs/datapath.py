@@ -111,6 +111,24 @@ class _Plan:
     unbind: list[IPAddress] = field(default_factory=list)
 
 
+@dataclass
+class _Scope:
+    """What a partial sync of one family may change: the virtual servers, set entries and
+    kube-ipvs0 addresses named by the changed ServicePorts' fragments, old and new. The plan
+    compares only these with the view, so one change costs what it touches, not the node's
+    10,000 Services; a full sync has no scope and compares everything."""
+
+    keys: set[VsKey] = field(default_factory=set)
+    entries: set[tuple[str, str]] = field(default_factory=set)  # (set by its IPv4 name, entry)
+    bound: set[IPAddress] = field(default_factory=set)
+
+    def take(self, frag: rules.Fragment | None) -> None:
+        if frag is not None:
+            self.keys.update(vs.key for vs in frag.servers)
+            self.entries.update(frag.entries)
+            self.bound.update(frag.bound)
+
+
 class IpvsDatapath:
     """Kernel offload through IPVS: local and forwarded traffic."""
 
@@ -252,7 +270,7 @@ class IpvsDatapath:
         self._need_full = True
         zero_to_n, turned = self._udp_newly_active(changes)
         try:
-            await self._sync(installed, set(changes), full, zero_to_n)
+            plan = await self._sync(installed, set(changes), full, zero_to_n)
         except OffloadError:
             await self._read_view()
             raise
@@ -261,12 +279,15 @@ class IpvsDatapath:
         self._held -= set(changes)
         if turned:
             await self.conntrack.delete_udp_turned_answers(turned)
-        self._start_checker()
+        self._start_checker(self._vs.keys() if full else {key for key, _ in plan.drop_dest} | set(plan.retire))
 
     async def _sync(self, installed: Mapping[ServicePortName, ServicePortState], changed: set[ServicePortName],
-                    full: bool, zero_to_n: set[tuple[str, int]]) -> None:
-        tables = {f: await self._tables(f, installed, changed, full) for f in self.families}
-        plan = self._plan(tables)
+                    full: bool, zero_to_n: set[tuple[str, int]]) -> _Plan:
+        scopes: dict[Family, _Scope | None] = {}
+        tables = {}
+        for f in self.families:
+            tables[f], scopes[f] = await self._tables(f, installed, changed, full)
+        plan = self._plan(tables, scopes)
         await self.kernel.run(self._execute_add, plan)
         if zero_to_n:  # at once: until it is gone, a datagram IPVS forwards gets an answer the kernel drops
             await self.conntrack.delete_udp(orig_dst=zero_to_n)
@@ -276,22 +297,29 @@ class IpvsDatapath:
             self._fam[f].tables = t
         self.syncs += 1
         self.full_syncs += full
+        return plan
 
     async def _tables(self, family: Family, installed: Mapping[ServicePortName, ServicePortState],
-                      changed: set[ServicePortName], full: bool) -> rules.Tables:
+                      changed: set[ServicePortName], full: bool) -> tuple[rules.Tables, _Scope | None]:
         """The generator's state after this change: fragments of the changed ServicePorts only,
-        unless what every fragment depends on changed (the node's addresses, its facts)."""
+        with the scope they touch, unless what every fragment depends on changed (the node's
+        addresses, its facts): then every fragment anew, and no scope."""
         node = self._node(family)
         addrs = await self._node_addresses(family)
         old = self._fam[family].tables
         redo = full or addrs != self._node_addrs[family] or node != old.node
         self._node_addrs[family] = addrs
         t = rules.Tables(family, node) if redo else _copy(old)
+        scope = None if redo else _Scope()
         for spn in (installed if redo else changed):
             st = installed.get(spn)
             fp = family_port_of(st, family) if st is not None else None
-            t.put(rules.fragment(fp, node, addrs, self.lb_policy) if fp is not None else None, spn)
-        return t
+            frag = rules.fragment(fp, node, addrs, self.lb_policy) if fp is not None else None
+            if scope is not None:
+                scope.take(t.fragments.get(spn))
+                scope.take(frag)
+            t.put(frag, spn)
+        return t, scope
 
     def _node(self, family: Family) -> Node:
         return Node(self.node.name, tuple(ip for ip in self.node_ips() if ip.version == family),
@@ -304,21 +332,35 @@ class IpvsDatapath:
         return self.node.nodeport_ips(local, self.clusterip_interface)
 
     # -- the plan ---------------------------------------------------------------------------------
-    def _plan(self, tables: Mapping[Family, rules.Tables]) -> _Plan:
-        """What to change to go from the view to `tables`; the view's sets and addresses become
-        the plan's (virtual servers change in the view as their steps run)."""
+    def _plan(self, tables: Mapping[Family, rules.Tables], scopes: Mapping[Family, _Scope | None]) -> _Plan:
+        """What to change to go from the view to `tables`, within each family's scope (all of
+        it when it has none); the view's sets and addresses become the plan's (virtual servers
+        change in the view as their steps run)."""
         p = _Plan(device=self._device)
-        wanted: dict[VsKey, tuple[Service, dict[tuple[IPAddress, int], Dest], str]] = {}
-        for t in tables.values():
-            for key, vs in t.servers().items():
-                svc = Service(vs.proto, vs.address, vs.port, vs.scheduler, rules.PERSISTENT if vs.persistent else 0,
-                              vs.persistent or 0)
-                wanted[key] = (svc, {(e.ip, e.port): Dest(e.ip, e.port) for e in vs.reals}, vs.spn.key())
         names: dict[Family, set[str]] = {4: set(), 6: set()}
+        for f, t in tables.items():
+            wanted = self._wanted(t, scopes[f])
+            self._plan_servers(p, wanted, names[f])
+            scope = scopes[f]
+            candidates = self._vs.keys() if scope is None else scope.keys
+            p.retire += [key for key in candidates if _family(key) == f and key in self._vs
+                         and key not in wanted and not self._vs[key].retired]
+            self._plan_sets(p, f, t, scope)
+            p.set_add[f][ipsets.NAMES_SET] = sorted(names[f])
+        return p
+
+    def _wanted(self, t: rules.Tables, scope: _Scope | None) -> dict[VsKey, tuple[Service, dict[tuple[IPAddress, int], Dest], str]]:
+        servers = t.servers() if scope is None else {k: vs for k in scope.keys if (vs := t.server(k)) is not None}
+        return {key: (Service(vs.proto, vs.address, vs.port, vs.scheduler, rules.PERSISTENT if vs.persistent else 0,
+                              vs.persistent or 0), {(e.ip, e.port): Dest(e.ip, e.port) for e in vs.reals}, vs.spn.key())
+                for key, vs in servers.items()}
+
+    def _plan_servers(self, p: _Plan, wanted: Mapping[VsKey, tuple[Service, dict[tuple[IPAddress, int], Dest], str]],
+                      names: set[str]) -> None:
         for key, (svc, dests, spn) in wanted.items():
             have = self._vs.get(key)
             if have is None or have.spn != spn:
-                names[_family(key)].add(ipsets.named_entry(_vs_entry(key), spn))
+                names.add(ipsets.named_entry(_vs_entry(key), spn))
             if have is None:
                 p.add_vs.append((svc, list(dests.values()), spn))
                 continue
@@ -326,20 +368,33 @@ class IpvsDatapath:
                 p.edit_vs.append((svc, spn))
             p.put_dest += [(key, d) for dk, d in dests.items() if not _same(have.dests.get(dk), d)]
             p.drop_dest += [(key, old) for dk, old in have.dests.items() if dk not in dests]
-        p.retire = [key for key, have in self._vs.items() if key not in wanted and not have.retired]
-        for f, t in tables.items():
-            fam = self._fam[f]
+
+    def _plan_sets(self, p: _Plan, f: Family, t: rules.Tables, scope: _Scope | None) -> None:
+        """The ipset entries and kube-ipvs0 addresses to add and remove: every one compared on a
+        full sync, the scope's only on a partial one."""
+        fam = self._fam[f]
+        if scope is None:
             want = {s.named(f): set(t.entries[s.name]) for s in rules.SETS}
             for name, members in want.items():
                 have_m = fam.sets.get(name, set())
                 p.set_add[f][name] = sorted(members - have_m)
                 p.set_del[f][name] = sorted(have_m - members)
-            p.set_add[f][ipsets.NAMES_SET] = sorted(names[f])
             bound = set(t.bound)
             p.bind += sorted(bound - fam.bound, key=lambda ip: ip.packed)
             p.unbind += sorted(fam.bound - bound, key=lambda ip: ip.packed)
             fam.sets, fam.bound = want, bound
-        return p
+            return
+        for name, entry in sorted(scope.entries):
+            real, present = rules.SET_BY_NAME[name].named(f), entry in t.entries[name]
+            members = fam.sets.setdefault(real, set())
+            if present != (entry in members):
+                (p.set_add if present else p.set_del)[f].setdefault(real, []).append(entry)
+                (members.add if present else members.discard)(entry)
+        for ip in sorted(scope.bound, key=lambda ip: ip.packed):
+            present = ip in t.bound
+            if present != (ip in fam.bound):
+                (p.bind if present else p.unbind).append(ip)
+                (fam.bound.add if present else fam.bound.discard)(ip)
 
     # -- run in the kernel's worker thread --------------------------------------------------------
     def _execute_add(self, p: _Plan) -> None:
@@ -568,9 +623,14 @@ class IpvsDatapath:
         return self._fam[family].tables
 
     # -- the periodic check -----------------------------------------------------------------------
-    def _start_checker(self) -> None:
-        pending = any(vs.retired or any(d.weight == 0 for d in vs.dests.values()) for vs in self._vs.values())
-        if pending and (self._checker is None or self._checker.done()):
+    def _start_checker(self, touched: Collection[VsKey]) -> None:
+        """The periodic check, if a real server is left draining or a virtual server retired
+        among `touched` (a partial sync's drops and retirements, or every virtual server after a
+        full one, which may have adopted draining ones); it runs until none is left."""
+        if self._checker is not None and not self._checker.done():
+            return
+        vss = [self._vs[key] for key in touched if key in self._vs]
+        if any(vs.retired or any(d.weight == 0 for d in vs.dests.values()) for vs in vss):
             self._checker = asyncio.get_running_loop().create_task(self._check_loop())
 
     async def _check_loop(self) -> None:
@@ -657,7 +717,7 @@ def _vs_entry(key: VsKey) -> str:
 
 def _copy(t: rules.Tables) -> rules.Tables:
     return rules.Tables(t.family, t.node, dict(t.fragments), {k: Counter(v) for k, v in t.entries.items()},
-                        Counter(t.bound), Counter(t.no_node_access))
+                        Counter(t.bound), Counter(t.no_node_access), dict(t.claims))
 
 
 def probe_input(family: Family, random_fully: bool = False) -> str:

@@ -263,15 +263,34 @@ class Tables:
     entries: dict[str, Counter[str]] = field(default_factory=lambda: {s.name: Counter() for s in SETS})
     bound: Counter[IPAddress] = field(default_factory=Counter)
     no_node_access: Counter[tuple[IPAddress, str, int]] = field(default_factory=Counter)
+    claims: dict[VsKey, frozenset[ServicePortName]] = field(default_factory=dict)  # the fragments naming each virtual server (frozen: a copy of Tables shares them)
 
     def put(self, frag: Fragment | None, spn: ServicePortName) -> None:
         """Replace `spn`'s fragment (None: remove it)."""
         old = self.fragments.pop(spn, None)
         if old is not None:
             self._count(old, -1)
+            self._claim(old, spn, False)
         if frag is not None:
             self.fragments[spn] = frag
             self._count(frag, 1)
+            self._claim(frag, spn, True)
+
+    def _claim(self, frag: Fragment, spn: ServicePortName, on: bool) -> None:
+        for vs in frag.servers:
+            names = self.claims.get(vs.key, frozenset())
+            names = names | {spn} if on else names - {spn}
+            if names:
+                self.claims[vs.key] = names
+            else:
+                self.claims.pop(vs.key, None)
+
+    def server(self, key: VsKey) -> VirtualServer | None:
+        """The virtual server of `key` as `servers()` has it, found through `claims`."""
+        names = self.claims.get(key)
+        if not names:
+            return None
+        return next(vs for vs in self.fragments[min(names)].servers if vs.key == key)
 
     def _count(self, frag: Fragment, n: int) -> None:
         for name, entry in frag.entries:
