@@ -178,20 +178,25 @@ def test_unallocated_service_address_is_dropped(datapath: str, topology: Topolog
 
 
 
-def test_read_local_addresses_is_ip_addr_without_the_clusterip_interface(topology: Topology) -> None:
+def test_read_local_addresses_is_ip_addr_without_the_skipped_interfaces(topology: Topology) -> None:
     """The struct-parsed netlink dump agrees with `ip addr`, and skips the ClusterIP interface's
-    addresses (one per Service) by its index."""
+    addresses (one per Service), and kube-ipvs0's too when asked, by their indexes."""
     node = topology.node
     nsexec(node, "ip", "link", "add", "usproxy0", "type", "bridge")
     for addr in ("10.96.0.1/32", "10.96.0.2/32", "2001:db8:96::1/128"):
         nsexec(node, "ip", "addr", "add", addr, "dev", "usproxy0")
     nsexec(node, "ip", "addr", "add", "2001:db8::10/64", "dev", "usbr0", "nodad")
+    nsexec(node, "ip", "link", "add", "kube-ipvs0", "type", "bridge")  # IPVS's device (a dummy where there is one)
+    nsexec(node, "ip", "addr", "add", "10.96.0.1/32", "dev", "kube-ipvs0")
     listed = set()
     for line in nsexec(node, "ip", "-o", "addr", "show").stdout.splitlines():
         fields = line.split()
         listed.add((fields[1], ipaddress.ip_address(fields[3].split("/")[0])))
     with inside(node):
         every, skipped = read_local_addresses(), read_local_addresses("usproxy0")
+        neither = read_local_addresses("usproxy0", "kube-ipvs0")
     assert set(every) == listed and len(every) == len(listed)
     assert set(skipped) == {(n, a) for n, a in listed if n != "usproxy0"}
     assert ("usbr0", ipaddress.ip_address("192.0.2.11")) in skipped and len(skipped) == len(listed) - 3
+    assert set(neither) == {(n, a) for n, a in listed if n not in ("usproxy0", "kube-ipvs0")}
+    assert len(neither) == len(listed) - 4

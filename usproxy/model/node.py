@@ -32,6 +32,7 @@ import os
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -257,14 +258,15 @@ _NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
 _IFA_ADDRESS, _IFA_LOCAL = 1, 2
 
 
-def read_local_addresses(skip_interface: str | None = None) -> LocalAddresses:
+def read_local_addresses(*skip_interfaces: str | None) -> LocalAddresses:
     """Every (interface name, address) of the calling thread's network namespace but those of
-    `skip_interface`, by one RTM_GETADDR netlink dump parsed with struct. Blocking (call it from a
+    `skip_interfaces`, by one RTM_GETADDR netlink dump parsed with struct. Blocking (call it from a
     worker thread). Not pyroute2: its parsing costs ~0.1 ms per address, and the ClusterIP
-    interface holds one address per Service (1.2 s of CPU per read at 10,000 Services); here
-    those are skipped by their interface index before any attribute is read. Raises OSError."""
+    interface (and IPVS's kube-ipvs0) holds one address per Service (1.2 s of CPU per read at
+    10,000 Services); here those are skipped by their interface index before any attribute is
+    read. Raises OSError."""
     names = dict(socket.if_nameindex())
-    skip = next((i for i, n in names.items() if n == skip_interface), -1)
+    skip = {i for i, n in names.items() if n in skip_interfaces}
     out: LocalAddresses = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as sock:
         sock.bind((0, 0))
@@ -275,7 +277,7 @@ def read_local_addresses(skip_interface: str | None = None) -> LocalAddresses:
                 return out
 
 
-def _parse_addresses(buf: bytes, skip: int, names: Mapping[int, str], out: LocalAddresses) -> bool:
+def _parse_addresses(buf: bytes, skip: AbstractSet[int], names: Mapping[int, str], out: LocalAddresses) -> bool:
     """Append the addresses of one netlink reply buffer to `out`; True at the end of the dump."""
     off = 0
     while off + 16 <= len(buf):
@@ -287,7 +289,7 @@ def _parse_addresses(buf: bytes, skip: int, names: Mapping[int, str], out: Local
             raise OSError(code, f"netlink address dump: {os.strerror(code)}")
         if kind == _RTM_NEWADDR:
             index = struct.unpack_from("=I", buf, off + 20)[0]
-            if index != skip:
+            if index not in skip:
                 ip = _address_attr(buf, off + 24, off + length)
                 if ip is not None:
                     out.append((names.get(index, "?"), ip))

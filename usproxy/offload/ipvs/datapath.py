@@ -161,7 +161,7 @@ class IpvsDatapath:
             worker = self._addr_worker = NetnsWorker("ipvs-addresses", netns)
 
             async def addresses() -> LocalAddresses:
-                return await worker.run(read_local_addresses, clusterip_interface)
+                return await worker.run(read_local_addresses, clusterip_interface, DUMMY)
         self._addresses = addresses
         self.node_ips = node_ips
         self.families: tuple[Family, ...] = FAMILIES
