@@ -94,18 +94,21 @@ def tcp_name(ns: str, dst: tuple[str, int]) -> str:
 
 
 def stream_across_removal(cli: str, m: Manifests) -> tuple[list[tuple[float, bytes | None]], float, str]:
-    """Ask 10 times/s for 3 s; at 1 s remove the endpoint that has been answering."""
+    """Ask 10 times/s for 4 s, each question answered before the next is sent (up to 2 s: a
+    loaded machine delays answers, and a late one must not be taken for the next question's);
+    at the 11th, remove the endpoint that has been answering. Each answer is stamped with the
+    time its question was sent."""
     answers: list[tuple[float, bytes | None]] = []
     removed = ""
     t_upd = 0.0
-    with client_socket(cli, socket.AF_INET6, connect=V6_DNS, timeout=0.09) as s:
+    with client_socket(cli, socket.AF_INET6, connect=V6_DNS, timeout=2.0) as s:
         t0 = time.monotonic()
-        for i in range(30):
-            at = t0 + i / 10
-            time.sleep(max(0.0, at - time.monotonic()))
+        for i in range(40):
+            time.sleep(max(0.0, t0 + i / 10 - time.monotonic()))
             if i == 10:
                 removed = answers[-1][1].split(b"|")[0].decode() if answers[-1][1] else "?"
                 t_upd = write(m, [n for n in ("be1", "be2") if n != removed])
+            at = time.monotonic()
             s.send(b"q%d" % i)
             try:
                 answers.append((at, s.recv(65535)))
@@ -125,7 +128,7 @@ def test_ipv6_udp_and_mixed_family(topology: Topology, backends: Backends, workd
         assert removed in ("be1", "be2")
         before = [a for at, a in answers if at < t_upd]
         assert all(a is not None and a.startswith(removed.encode() + b"|") for a in before)
-        after = [a for at, a in answers if at >= t_upd + 1]
+        after = [a for at, a in answers if at >= t_upd + 1.5]
         kept = ({"be1", "be2"} - {removed}).pop()
         assert after and all(a is not None and a.startswith(kept.encode() + b"|") for a in after), after
         assert agent.get("/healthz", port=10256) is not None
