@@ -88,6 +88,10 @@ def test_check_without_privileges_says_not_permitted(netns: str) -> None:
                                "what this node supports; run it as root")
     dummy = next(line for line in proc.stdout.splitlines() if line.startswith("interface dummy"))
     assert "not permitted" in dummy and "driver" not in dummy
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()}
+    assert rows["nftables"].split(None, 2)[2].startswith("not permitted: needs CAP_NET_ADMIN")
+    assert "probed without CAP_NET_ADMIN" in rows["iptables"]  # not read as missing matches
+    assert proc.stderr.strip().splitlines() == [last_line(proc)]  # libnftables' own "(you must be root)" kept out
 
 
 def test_lock_file_that_cannot_be_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

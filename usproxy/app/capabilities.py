@@ -10,9 +10,13 @@ datapaths' own, so `usproxy check` and the agent cannot disagree.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from collections.abc import Callable
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +96,38 @@ def probe_all(cfg: ProxyConfig = ProxyConfig()) -> list[Capability]:
     for d in registry.KERNEL_DATAPATHS:
         caps += d.probes(cfg)
     return [*caps, probe_conntrack(), probe_relay_capture()]
+
+
+def unprivileged(caps: list[Capability]) -> list[Capability]:
+    """The rows as a process without CAP_NET_ADMIN must show them: a "no" the kernel gave for want
+    of privilege says "not permitted", with what the probe saw after it; any other "no" says it
+    was probed without the capability (an iptables probe refused for want of privilege otherwise
+    reads as missing matches), since the feature may be there all the same."""
+    out = []
+    for c in caps:
+        if not c.available and c.detail != NOT_PERMITTED:
+            refused = any(w in c.detail for w in _PERMISSION_WORDS)
+            c = replace(c, detail=f"{NOT_PERMITTED}; the probe saw: {c.detail}" if refused else
+                        f"{c.detail} (probed without CAP_NET_ADMIN: it may be a refusal, not a missing feature)")
+        out.append(c)
+    return out
+
+
+_PERMISSION_WORDS = ("Operation not permitted", "Permission denied", "you must be root", "EPERM", "(1, ")
+
+
+@contextlib.contextmanager
+def stderr_captured() -> Iterator[Callable[[], str]]:
+    """File descriptor 2 redirected to a temporary file for the block (libnftables prints "Operation
+    not permitted (you must be root)" there itself when its context opens without privilege);
+    yields a function returning what was written."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lambda: (tmp.seek(0), tmp.read())[1].decode(errors="replace")
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)

@@ -297,17 +297,24 @@ def cmd_flows(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from usproxy.app.capabilities import probe_all
+    from usproxy.app.capabilities import probe_all, stderr_captured, unprivileged
     from usproxy.app.privileges import has_net_admin
     from usproxy.util.table import render_table
 
-    caps = probe_all()
+    privileged = has_net_admin()
+    with stderr_captured() as written:
+        caps = probe_all()
+        noise = written()
+    if privileged:
+        sys.stderr.write(noise)
+    else:  # what the libraries printed about permission the rows say, and the last line
+        caps = unprivileged(caps)
     if args.json:
         print(json.dumps([c.as_dict() for c in caps], indent=1))
     else:
         print(render_table(["capability", "available", "detail"],
                            [[c.name, "yes" if c.available else "no", c.detail] for c in caps]))
-    if not has_net_admin():  # every probe that needs it said "not permitted": no answer about the node
+    if not privileged:  # every probe that needs it said "not permitted": no answer about the node
         print("usproxy check: not permitted: without CAP_NET_ADMIN the probes cannot tell what this "
               "node supports; run it as root", file=sys.stderr)
         return 1
