@@ -152,3 +152,19 @@ def test_healthz_says_what_fails() -> None:
 
 def test_unknown_capabilities_leave_it_to_the_kernel() -> None:
     assert has_net_admin(Path("/nonexistent")) is True
+
+
+@pytest.mark.netns
+def test_run_without_a_source_says_so_before_anything_else(netns: str) -> None:
+    """No --services, no --kubeconfig, not in a cluster: one line, exit 2, before any datapath is
+    built (a fresh-user run saw two INFO lines from the offload set-up first)."""
+    proc = usproxy(netns, "run")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["usproxy run: give --services PATH or --kubeconfig PATH"]
+
+
+def test_explain_scale_that_is_not_a_number_is_named() -> None:
+    proc = subprocess.run([USPROXY, "explain", "--services", str(EXAMPLE), "--scale", "abc"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert last_line(proc) == "usproxy explain: error: argument --scale: must be a whole number of Services, got 'abc'"

@@ -190,6 +190,11 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
         raise ConfigError("give --services or --kubeconfig, not both", obj="usproxy run")
     if cfg.services is not None:  # before the agent says anything
         require_path(cfg.services)
+    elif not cfg.cleanup:
+        from usproxy.app.agent import uses_api_server
+
+        if not uses_api_server(cfg):  # before anything is built (and logs)
+            raise ConfigError("give --services PATH or --kubeconfig PATH", obj="usproxy run")
     for flag, value in (("--healthz-bind-address", cfg.healthz_bind_address),
                         ("--metrics-bind-address", cfg.metrics_bind_address)):
         if value:

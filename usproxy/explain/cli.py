@@ -76,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _scale_count(text: str) -> int:
-    n = int(text)
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of Services, got {text!r}") from None
     if not 1 <= n <= scale.MAX_SERVICES:
         raise argparse.ArgumentTypeError(f"must be between 1 and {scale.MAX_SERVICES}, got {n}")
     return n
