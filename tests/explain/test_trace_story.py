@@ -85,7 +85,8 @@ def test_the_answers_say_endpoints_masquerade_what_the_backend_sees_and_rules_wa
         assert got[name].startswith("to 1 of its 3 endpoints (1/3 each)"), name  # examples/: 3 ready endpoints
         assert f"; {walked} rules walked" in got[name], name
     # the relay opens a connection of its own: the backend sees the node, no NAT involved
-    assert "no NAT at all; the backend sees this node (the relay's second connection)" in got["userspace"]
+    assert ("no NAT in usproxy's relay (kube-proxy 1.0 REDIRECTed to its proxy); the backend sees this node "
+            "(the relay's second connection)") in got["userspace"]
     # the kernel modes DNAT and masquerade only a pod reaching itself (kube-proxy's hairpin rule)
     for name in ("iptables", "ipvs", "nftables"):
         assert ("masqueraded only when it lands on 10.244.1.10 itself (hairpin, 1/3); the backend sees "

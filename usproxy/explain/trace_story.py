@@ -152,7 +152,9 @@ def _masquerade(pkt: Packet, reached: Sequence[Path]) -> str:
     total = sum((p.share for p in reached), Fraction(0))
     masq = [p for p in reached if p.masquerade]
     if not masq:
-        return "no NAT at all" if all(p.seen for p in reached) else "not masqueraded"
+        # only the userspace paths are `seen` (proxied): usproxy's relay translates no packet, kube-proxy 1.0 REDIRECTed
+        return ("no NAT in usproxy's relay (kube-proxy 1.0 REDIRECTed to its proxy)" if all(p.seen for p in reached)
+                else "not masqueraded")
     if len(masq) == len(reached):
         return "masqueraded"
     share = _share_text(sum((p.share for p in masq), Fraction(0)) / total)
