@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from usproxy.model.node import read_local_addresses
+from usproxy.model.node import interface_addresses, read_local_addresses
 
 from tests.netns import Topology, inside, nsexec
 from tests.offload.agent import placement, wait_for, web
@@ -180,7 +180,8 @@ def test_unallocated_service_address_is_dropped(datapath: str, topology: Topolog
 
 def test_read_local_addresses_is_ip_addr_without_the_skipped_interfaces(topology: Topology) -> None:
     """The struct-parsed netlink dump agrees with `ip addr`, and skips the ClusterIP interface's
-    addresses (one per Service), and kube-ipvs0's too when asked, by their indexes."""
+    addresses (one per Service), and kube-ipvs0's too when asked, by their indexes; one
+    interface's addresses alone (interface_addresses) are those ip addr lists on it."""
     node = topology.node
     nsexec(node, "ip", "link", "add", "usproxy0", "type", "bridge")
     for addr in ("10.96.0.1/32", "10.96.0.2/32", "2001:db8:96::1/128"):
@@ -195,8 +196,10 @@ def test_read_local_addresses_is_ip_addr_without_the_skipped_interfaces(topology
     with inside(node):
         every, skipped = read_local_addresses(), read_local_addresses("usproxy0")
         neither = read_local_addresses("usproxy0", "kube-ipvs0")
+        ipvs0, missing = interface_addresses("kube-ipvs0"), interface_addresses("kube-ipvs9")
     assert set(every) == listed and len(every) == len(listed)
     assert set(skipped) == {(n, a) for n, a in listed if n != "usproxy0"}
     assert ("usbr0", ipaddress.ip_address("192.0.2.11")) in skipped and len(skipped) == len(listed) - 3
     assert set(neither) == {(n, a) for n, a in listed if n not in ("usproxy0", "kube-ipvs0")}
     assert len(neither) == len(listed) - 4
+    assert ipvs0 == {ipaddress.ip_address("10.96.0.1")} and missing is None

@@ -32,7 +32,6 @@ import os
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -267,17 +266,30 @@ def read_local_addresses(*skip_interfaces: str | None) -> LocalAddresses:
     read. Raises OSError."""
     names = dict(socket.if_nameindex())
     skip = {i for i, n in names.items() if n in skip_interfaces}
+    return _dump_addresses(lambda index: index not in skip, names)
+
+
+def interface_addresses(name: str) -> set[IPAddress] | None:
+    """The addresses of interface `name` (None when it does not exist), read as
+    read_local_addresses reads them. Blocking; raises OSError."""
+    index = next((i for i, n in socket.if_nameindex() if n == name), None)
+    if index is None:
+        return None
+    return {ip for _, ip in _dump_addresses(lambda i: i == index, {index: name})}
+
+
+def _dump_addresses(keep: Callable[[int], bool], names: Mapping[int, str]) -> LocalAddresses:
     out: LocalAddresses = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as sock:
         sock.bind((0, 0))
         sock.send(struct.pack("=LHHLLBBBBI", 24, _RTM_GETADDR, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0, 0, 0, 0, 0, 0))
         while True:
             buf = sock.recv(1 << 20)
-            if _parse_addresses(buf, skip, names, out):
+            if _parse_addresses(buf, keep, names, out):
                 return out
 
 
-def _parse_addresses(buf: bytes, skip: AbstractSet[int], names: Mapping[int, str], out: LocalAddresses) -> bool:
+def _parse_addresses(buf: bytes, keep: Callable[[int], bool], names: Mapping[int, str], out: LocalAddresses) -> bool:
     """Append the addresses of one netlink reply buffer to `out`; True at the end of the dump."""
     off = 0
     while off + 16 <= len(buf):
@@ -289,7 +301,7 @@ def _parse_addresses(buf: bytes, skip: AbstractSet[int], names: Mapping[int, str
             raise OSError(code, f"netlink address dump: {os.strerror(code)}")
         if kind == _RTM_NEWADDR:
             index = struct.unpack_from("=I", buf, off + 20)[0]
-            if index not in skip:
+            if keep(index):
                 ip = _address_attr(buf, off + 24, off + length)
                 if ip is not None:
                     out.append((names.get(index, "?"), ip))

@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,7 @@ from usproxy.model.service_set import load_manifests, service_set
 from usproxy.model.types import ServicePortName
 from usproxy.offload.ipvs import ipsets
 from usproxy.offload.ipvs.datapath import IpvsDatapath
+from usproxy.offload.ipvs.kernel import Dest, IpvsKernel, Service, _key_msg
 
 from tests.netns import Topology, inside, nsexec, sh
 from tests.offload.harness import Pods, tcp_name, tcp_peer_name, udp_socket, wait_listening
@@ -418,6 +420,67 @@ async def test_hundreds_of_virtual_servers_land_in_batched_writes(topology: Topo
     assert virtual_servers(topology)["TCP 10.96.21.150:80 rr"] == {"10.244.1.5:8080 1"}
     wait_listening(cli, "10.244.1.5", 8080)
     assert tcp_name(cli, "10.96.21.150", 80) == "be-a"
+
+
+def pyroute2_dump(kernel: IpvsKernel) -> list[tuple[Service, list[Dest]]]:
+    """The reference reader: pyroute2's IPVS dumps, decoded by its message classes (in the
+    kernel's worker thread, inside the node's namespace)."""
+    def attr(msg: Any, nla: str, name: str) -> Any:
+        return msg.get(nla).get_attr(name)
+
+    def read() -> list[tuple[Service, list[Dest]]]:
+        ipvs, out = kernel._sock(), []
+        for m in ipvs.service("dump"):
+            s = "IPVS_CMD_ATTR_SERVICE"
+            if attr(m, s, "IPVS_SVC_ATTR_FWMARK"):
+                continue
+            svc = Service({6: "TCP", 17: "UDP"}[attr(m, s, "IPVS_SVC_ATTR_PROTOCOL")],
+                          ipaddress.ip_address(str(attr(m, s, "IPVS_SVC_ATTR_ADDR"))), attr(m, s, "IPVS_SVC_ATTR_PORT"),
+                          attr(m, s, "IPVS_SVC_ATTR_SCHED_NAME"), attr(m, s, "IPVS_SVC_ATTR_FLAGS")["flags"] & ~0x2,
+                          attr(m, s, "IPVS_SVC_ATTR_TIMEOUT"))
+            d = "IPVS_CMD_ATTR_DEST"
+            dests = [Dest(ipaddress.ip_address(str(attr(r, d, "IPVS_DEST_ATTR_ADDR"))), attr(r, d, "IPVS_DEST_ATTR_PORT"),
+                          attr(r, d, "IPVS_DEST_ATTR_WEIGHT"), attr(r, d, "IPVS_DEST_ATTR_FWD_METHOD") & 7,
+                          attr(r, d, "IPVS_DEST_ATTR_ACTIVE_CONNS"), attr(r, d, "IPVS_DEST_ATTR_INACT_CONNS"))
+                     for r in ipvs.dest("dump", service=_key_msg(svc.key))]
+            out.append((svc, dests))
+        return out
+    return kernel.worker.call(read, timeout=60)
+
+
+async def test_the_struct_dump_reads_what_pyroute2_reads(topology: Topology, dp: IpvsDatapath, pods: Pods) -> None:
+    """IpvsKernel.dump (messages.py's dump requests and parsers) against pyroute2's reading of the
+    same kernel: IPv4 and IPv6, TCP and UDP, persistence, a weight-0 real server, a live
+    connection's count, and another program's firewall-mark and plain virtual servers."""
+    pods.add("be-a", "10.244.1.5")
+    cli = topology.add_host("cli", "10.244.9.10")
+    web6 = spn("web6", "http")
+    await dp.apply({WEB: web("10.244.1.5", session_affinity="ClientIP", affinity_timeout=60), DNS: dns("10.244.1.5"),
+                    web6: state(web6, "fd00:96::7", 80, [ep("fd00:244::5"), ep("fd00:244::6")])})
+    node = topology.node
+    nsexec(node, "ipvsadm", "-e", "-t", "[fd00:96::7]:80", "-r", "[fd00:244::6]:8080", "-m", "-w", "0")
+    nsexec(node, "ipvsadm", "-A", "-f", "7", "-s", "rr")
+    nsexec(node, "ipvsadm", "-A", "-u", "198.51.100.7:53", "-s", "sh")
+    nsexec(node, "ipvsadm", "-a", "-u", "198.51.100.7:53", "-r", "198.51.100.8:53", "-m", "-w", "3")
+    wait_listening(cli, "10.244.1.5", 8080)
+    held = subprocess.Popen(["ip", "netns", "exec", cli, "python3", "-c",
+                             f"import socket, time; s = socket.create_connection(('{VIP}', 80)); time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            ours = dp.kernel.worker.call(dp.kernel.dump, timeout=60)
+            if any(d.active for _, ds in ours for d in ds) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert sorted(ours, key=str) == sorted(pyroute2_dump(dp.kernel), key=str)
+    finally:
+        held.kill()
+        held.wait()
+    assert {s.key for s, _ in ours} == {("TCP", ipaddress.ip_address(VIP), 80), ("UDP", ipaddress.ip_address(DNS_VIP), 53),
+                                        ("TCP", ipaddress.ip_address("fd00:96::7"), 80),
+                                        ("UDP", ipaddress.ip_address("198.51.100.7"), 53)}
+    assert any(d.active for _, ds in ours for d in ds), "the live connection's count"
+    assert any(d.weight == 0 for _, ds in ours for d in ds) and any(s.timeout == 60 for s, _ in ours)
 
 
 async def test_cleanup_leaves_what_is_not_usproxys(topology: Topology, dp: IpvsDatapath) -> None:

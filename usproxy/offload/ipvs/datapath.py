@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
 import ipaddress
 import logging
+import os
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
@@ -109,6 +109,9 @@ class _Plan:
     set_del: dict[Family, dict[str, list[str]]] = field(default_factory=lambda: {4: {}, 6: {}})
     bind: list[IPAddress] = field(default_factory=list)
     unbind: list[IPAddress] = field(default_factory=list)
+
+
+_Wanted = dict[VsKey, tuple[Service, dict[tuple[IPAddress, int], Dest], str]]
 
 
 @dataclass
@@ -349,14 +352,17 @@ class IpvsDatapath:
             p.set_add[f][ipsets.NAMES_SET] = sorted(names[f])
         return p
 
-    def _wanted(self, t: rules.Tables, scope: _Scope | None) -> dict[VsKey, tuple[Service, dict[tuple[IPAddress, int], Dest], str]]:
+    def _wanted(self, t: rules.Tables, scope: _Scope | None) -> _Wanted:
+        """The virtual servers `t` holds (those of `scope` only, when there is one) as the kernel
+        should: by key, the service, its real servers and its ServicePortName's text."""
         servers = t.servers() if scope is None else {k: vs for k in scope.keys if (vs := t.server(k)) is not None}
         return {key: (Service(vs.proto, vs.address, vs.port, vs.scheduler, rules.PERSISTENT if vs.persistent else 0,
                               vs.persistent or 0), {(e.ip, e.port): Dest(e.ip, e.port) for e in vs.reals}, vs.spn.key())
                 for key, vs in servers.items()}
 
-    def _plan_servers(self, p: _Plan, wanted: Mapping[VsKey, tuple[Service, dict[tuple[IPAddress, int], Dest], str]],
-                      names: set[str]) -> None:
+    def _plan_servers(self, p: _Plan, wanted: _Wanted, names: set[str]) -> None:
+        """Virtual servers to add or edit and real servers to put or drop; `names` gets the
+        USPROXY-IPVS entries of those not yet named as they are now."""
         for key, (svc, dests, spn) in wanted.items():
             have = self._vs.get(key)
             if have is None or have.spn != spn:

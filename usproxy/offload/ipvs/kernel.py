@@ -13,15 +13,15 @@ adds its own "hashed" flag (0x2) to every service; a real server's forwarding me
 a service with no real server answers every new packet with ICMP port unreachable ("no destination
 available"), so a new service and its first real server go in one write: generic netlink runs the
 messages of one write one after the other in the same system call. New virtual servers with their
-real servers, the bulk of a cold sync, go many to a write (messages.py); edits, deletes and dumps
-go through pyroute2, one request each.
+real servers, the bulk of a cold sync, go many to a write (messages.py), and dumps (a restart
+reads back every virtual server's real servers) and kube-ipvs0's addresses are read with struct;
+edits and deletes go through pyroute2, one request each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import os
 import socket
 import sys
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from usproxy.model.node import interface_addresses
 from usproxy.model.types import IPAddress
 from usproxy.offload.ipvs import messages
 from usproxy.offload.netns_worker import NetnsWorker
@@ -109,30 +110,19 @@ def _dest_msg(d: Dest) -> Any:
                     addr_family=socket.AF_INET if d.address.version == 4 else socket.AF_INET6)
 
 
-def _attr(msg: Any, nla: str, name: str) -> Any:
-    return msg.get(nla).get_attr(name)
-
-
-def _service_of(msg: Any) -> Service | None:
+def _service(parsed: tuple[int, IPAddress, int, str, int, int] | None) -> Service | None:
     """A dumped service; None for what usproxy never writes (fwmark services, unknown protocols)."""
-    nla = "IPVS_CMD_ATTR_SERVICE"
-    proto = PROTOCOL_NAMES.get(_attr(msg, nla, "IPVS_SVC_ATTR_PROTOCOL") or 0)
-    addr = _attr(msg, nla, "IPVS_SVC_ATTR_ADDR")
-    if proto is None or not addr or _attr(msg, nla, "IPVS_SVC_ATTR_FWMARK"):
+    if parsed is None or parsed[0] not in PROTOCOL_NAMES:
         return None
-    flags = _attr(msg, nla, "IPVS_SVC_ATTR_FLAGS") or {}
-    return Service(proto, ipaddress.ip_address(str(addr)), int(_attr(msg, nla, "IPVS_SVC_ATTR_PORT")),
-                   str(_attr(msg, nla, "IPVS_SVC_ATTR_SCHED_NAME")), int(flags.get("flags", 0)) & ~HASHED,
-                   int(_attr(msg, nla, "IPVS_SVC_ATTR_TIMEOUT") or 0))
+    proto, address, port, scheduler, flags, timeout = parsed
+    return Service(PROTOCOL_NAMES[proto], address, port, scheduler, flags & ~HASHED, timeout)
 
 
-def _dest_of(msg: Any) -> Dest:
-    nla = "IPVS_CMD_ATTR_DEST"
-    return Dest(ipaddress.ip_address(str(_attr(msg, nla, "IPVS_DEST_ATTR_ADDR"))), int(_attr(msg, nla, "IPVS_DEST_ATTR_PORT")),
-                int(_attr(msg, nla, "IPVS_DEST_ATTR_WEIGHT") or 0),
-                int(_attr(msg, nla, "IPVS_DEST_ATTR_FWD_METHOD") or 0) & FWD_MASK,
-                int(_attr(msg, nla, "IPVS_DEST_ATTR_ACTIVE_CONNS") or 0),
-                int(_attr(msg, nla, "IPVS_DEST_ATTR_INACT_CONNS") or 0))
+def _socket() -> socket.socket:
+    """A generic netlink socket in the calling thread's network namespace, bound."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, netlink_batch.NETLINK_GENERIC)
+    sock.bind((0, 0))
+    return sock
 
 
 def _errno(err: BaseException) -> int | None:
@@ -184,20 +174,32 @@ class IpvsKernel:
         return module_installed()
 
     def dump(self) -> list[tuple[Service, list[Dest]]]:
-        """Every address-based service with its real servers."""
-        ipvs = self._sock()
-        out = []
-        for msg in self._call("dump", lambda: list(ipvs.service("dump"))):
-            svc = _service_of(msg)
-            if svc is None:
-                continue
-            dests = self._call(f"dump {svc.key}", lambda s=svc: list(ipvs.dest("dump", service=_key_msg(s.key))))
-            out.append((svc, [_dest_of(d) for d in dests]))
-        return out
+        """Every address-based service with its real servers: one dump of the services, then one
+        of each service's real servers, read with struct (messages.py) on one socket."""
+        family = self._sock().prid
+        with _socket() as sock:
+            out = []
+            for payload in self._dumped("dump", sock, messages.get_services(family, 1)):
+                svc = _service(messages.parse_service(payload))
+                if svc is not None:
+                    out.append((svc, self._dests(sock, family, svc.key)))
+            return out
 
     def dests(self, key: tuple[str, IPAddress, int]) -> list[Dest]:
-        ipvs = self._sock()
-        return [_dest_of(d) for d in self._call(f"dump {key}", lambda: list(ipvs.dest("dump", service=_key_msg(key))))]
+        with _socket() as sock:
+            return self._dests(sock, self._sock().prid, key)
+
+    def _dests(self, sock: socket.socket, family: int, key: tuple[str, IPAddress, int]) -> list[Dest]:
+        proto, addr, port = key
+        request = messages.get_dests(family, 1, messages.service_key_attrs((PROTOCOLS[proto], addr, port)))
+        found = (messages.parse_dest(p) for p in self._dumped(f"dump {key}", sock, request))
+        return [Dest(a, p, w, fwd & FWD_MASK, act, inact) for a, p, w, fwd, act, inact in filter(None, found)]
+
+    def _dumped(self, what: str, sock: socket.socket, request: bytes) -> list[bytes]:
+        try:
+            return netlink_batch.dump(sock, request)
+        except OSError as err:
+            raise OffloadError(f"IPVS {what}: {err}", errno=err.errno or 0) from None
 
     def add_services(self, items: Sequence[tuple[Service, Sequence[Dest]]]) -> list[tuple[int, list[int]]]:
         """New virtual servers, each followed by its real servers, many to a netlink write
@@ -260,12 +262,12 @@ class IpvsKernel:
         return int(found[0])
 
     def device_addresses(self) -> set[IPAddress] | None:
-        """The addresses on kube-ipvs0; None when it does not exist."""
-        ipr = self._ip()
-        found = ipr.link_lookup(ifname=self.device)
-        if not found:
-            return None
-        return {ipaddress.ip_address(a.get_attr("IFA_ADDRESS")) for a in ipr.get_addr(index=found[0])}
+        """The addresses on kube-ipvs0 (one per ClusterIP IPVS serves), read with struct
+        (model/node.py); None when it does not exist."""
+        try:
+            return interface_addresses(self.device)
+        except OSError as err:
+            raise OffloadError(f"read {self.device}'s addresses: {err}", errno=err.errno or 0) from None
 
     def bind(self, index: int, addrs: Iterable[IPAddress]) -> None:
         """Host addresses on kube-ipvs0, many to a netlink write; one already there counts as bound."""
