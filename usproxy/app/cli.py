@@ -190,11 +190,6 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
         raise ConfigError("give --services or --kubeconfig, not both", obj="usproxy run")
     if cfg.services is not None:  # before the agent says anything
         require_path(cfg.services)
-    elif not cfg.cleanup:
-        from usproxy.app.agent import uses_api_server
-
-        if not uses_api_server(cfg):  # before anything is built (and logs)
-            raise ConfigError("give --services PATH or --kubeconfig PATH", obj="usproxy run")
     for flag, value in (("--healthz-bind-address", cfg.healthz_bind_address),
                         ("--metrics-bind-address", cfg.metrics_bind_address)):
         if value:
@@ -240,6 +235,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         from usproxy.app.cleanup import cleanup
 
         return int(cleanup(cfg))
+    if cfg.services is None:
+        from usproxy.app.agent import uses_api_server
+
+        if not uses_api_server(cfg):  # before anything is built (and logs)
+            raise ConfigError("give --services PATH or --kubeconfig PATH", obj="usproxy run")
     # A static agent's manifests are read now and partly parsed by a forked child while the
     # agent starts (sources/parse_helper.py): before any import below, thread or event loop.
     prefetch = None
