@@ -113,7 +113,7 @@ def unprivileged(caps: list[Capability]) -> list[Capability]:
     return out
 
 
-_PERMISSION_WORDS = ("Operation not permitted", "Permission denied", "you must be root", "EPERM", "(1, ")
+_PERMISSION_WORDS = ("Operation not permitted", "Permission denied", "you must be root", "EPERM")
 
 
 @contextlib.contextmanager
@@ -124,9 +124,13 @@ def stderr_captured() -> Iterator[Callable[[], str]]:
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as tmp:
+        def written() -> str:
+            tmp.seek(0)
+            return tmp.read().decode(errors="replace")
+
         os.dup2(tmp.fileno(), 2)
         try:
-            yield lambda: (tmp.seek(0), tmp.read())[1].decode(errors="replace")
+            yield written
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)

@@ -29,7 +29,7 @@ from functools import partial
 NETLINK_GENERIC = 16  # not in Python's socket module
 RTM_NEWADDR = 20
 NLMSG_ERROR, NLMSG_DONE = 2, 3
-NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE, NLM_F_DUMP = 0x1, 0x4, 0x200, 0x400, 0x300
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 BATCH = 128  # messages per sendmsg: their acknowledgements (~1 KiB each as the kernel counts them) fit the default receive buffer
 

@@ -29,7 +29,7 @@ import struct
 from collections.abc import Mapping
 
 from usproxy.model.types import IPAddress
-from usproxy.util.netlink_batch import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST
+from usproxy.util.netlink_batch import NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST
 
 IPVS_CMD_NEW_SERVICE, IPVS_CMD_NEW_DEST = 1, 5
 IPVS_CMD_ATTR_SERVICE, IPVS_CMD_ATTR_DEST = 1, 2
@@ -100,7 +100,6 @@ def new_dest(family: int, seq: int, key: bytes, dest: bytes) -> bytes:
 # -- dumps: the kernel's answers read with struct ---------------------------------------------------
 IPVS_CMD_GET_SERVICE, IPVS_CMD_GET_DEST = 4, 8
 SVC_FWMARK, DEST_ACTIVE, DEST_INACTIVE = 5, 7, 8
-NLM_F_DUMP = 0x300
 _TYPE_MASK = 0x3FFF  # without NLA_F_NESTED and NLA_F_NET_BYTEORDER
 
 
