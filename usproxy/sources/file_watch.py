@@ -11,7 +11,6 @@ see nothing; files in its subdirectories are found by polling.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 from collections.abc import Callable
@@ -29,7 +28,7 @@ IN_NONBLOCK, IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
 
 def _libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the interpreter's C library (find_library forks ldconfig)
     except OSError:
         return None
     return libc if hasattr(libc, "inotify_init1") and hasattr(libc, "inotify_add_watch") else None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import logging
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ def glibc_trim() -> Callable[[], int] | None:
     """glibc's `malloc_trim(0)` as a callable returning 1 when memory was released; None when the
     C library is not glibc (musl has no malloc_trim; its allocator returns memory itself)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the C library the interpreter runs on (find_library forks ldconfig)
         libc.gnu_get_libc_version  # glibc only
         fn = libc.malloc_trim
     except (OSError, AttributeError):
