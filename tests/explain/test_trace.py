@@ -100,6 +100,13 @@ def test_bad_destination_is_a_config_error(dst: str) -> None:
         trace.parse_packet("10.0.0.1", dst, load("clusterip"))
 
 
+def test_a_destination_without_protocol_is_tcp() -> None:
+    """The usage line says DST:PORT[/PROTO]: left out, the protocol is TCP."""
+    bare = trace.parse_packet("10.0.0.1", "10.96.1.1:80", load("clusterip"))
+    assert (bare.proto, bare.dport) == ("TCP", 80)
+    assert bare == trace.parse_packet("10.0.0.1", "10.96.1.1:80/tcp", load("clusterip"))
+
+
 def test_a_jump_to_an_undeclared_chain_is_reported_as_refused_input() -> None:
     pkt = Packet(ipaddress.ip_address("10.0.0.1"), ipaddress.ip_address("10.96.0.1"), 80, "TCP")
     ipt = iptables_trace.Walker(iptables_trace.parse_restore("*nat\n:A - [0:0]\n-A A -j B\nCOMMIT\n"), pkt)

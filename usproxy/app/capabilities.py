@@ -71,7 +71,7 @@ def probe_conntrack() -> Capability:
             ct.close()
     except Exception as err:
         return Capability("conntrack", False, f"pyroute2 Conntrack: {err}")
-    return Capability("conntrack", True, f"{n} entries readable")
+    return Capability("conntrack", True, f"{n} {'entry' if n == 1 else 'entries'} readable")
 
 
 def probe_relay_capture() -> Capability:

@@ -56,12 +56,13 @@ def _common(p: argparse.ArgumentParser, inputs: bool = True) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="usproxy explain",
                                 description="render Services as each kube-proxy mode holds them",
-                                epilog="usproxy explain trace SRC DST:PORT/PROTO --services PATH: the path one "
+                                epilog="usproxy explain trace SRC DST:PORT[/PROTO] --services PATH: the path one "
                                        "new connection takes through each mode (see `usproxy explain trace -h`); "
                                        "usproxy explain diff OLD NEW: what one change does to each mode's rules")
     _common(p)
     p.add_argument("--live", action="store_true", help="also show this node's running agent")
-    p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT")
+    p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT",
+                   help="where the running agent serves /services and /flows (read with --live; default %(default)s)")
     p.add_argument("--html", type=Path, metavar="FILE",
                    help="write the drawings of every mode, with their rules and why, in numbers (also at "
                         f"--scale N Services, default {HTML_SCALE:,}), as one self-contained HTML file")
@@ -96,7 +97,7 @@ def build_trace_parser() -> argparse.ArgumentParser:
                         "traffic from elsewhere. SRC is a pod on this node when the input places it here "
                         "(an endpoint's nodeName, or a Node's podCIDRs: without --node-name, the trace "
                         "renders for that node) or when it is in --cluster-cidr")
-    p.add_argument("dst", metavar="DST:PORT/PROTO")
+    p.add_argument("dst", metavar="DST:PORT[/PROTO]", help="the destination; PROTO is TCP, UDP or SCTP (TCP when left out)")
     p.add_argument("--detail", action="store_true",
                    help="every path in full, hop by hop, with what follows its first packet (the "
                         "default prints the hops all paths share once, one path in full and one line "

@@ -1,4 +1,4 @@
-"""`usproxy explain trace SRC DST:PORT/PROTO`: the path one new connection takes in each mode.
+"""`usproxy explain trace SRC DST:PORT[/PROTO]`: the path one new connection takes in each mode.
 
 One tracer per mode, each over the text that mode's view prints, as kube-proxy's tests trace their
 own dumps: iptables over the iptables-restore input (`iptables_trace`), nftables over the
