@@ -50,8 +50,8 @@ class Endpoint:
     def address(self) -> tuple[IPAddress, int]:
         return (self.ip, self.port)
 
-    def __str__(self) -> str:
-        return format_hostport(self.ip, self.port)
+    def __str__(self) -> str:  # from `host`: the datapaths sort endpoints by this text (kube-proxy's order)
+        return format_hostport(self.host, self.port)
 
     def sort_key(self) -> tuple[int, int, int]:
         """Order by family, address, port: IPv4 and IPv6 endpoints sort together safely."""

@@ -208,7 +208,7 @@ def fragment(fp: FamilyPort, node: Node, node_ips: Sequence[IPAddress],
     sched = scheduler(sp.lb_policy or default_policy)
 
     def vs(addr: IPAddress, at: int, local: bool, kind: str) -> VirtualServer:
-        reals = tuple(sorted(_reals(fp, local), key=lambda e: (e.ip.packed, e.port)))
+        reals = tuple(sorted(_reals(fp, local), key=Endpoint.sort_key))  # (family, address, port): the packed order
         return VirtualServer(sp.protocol, addr, at, sched, persistent, reals, sp.name, kind)
 
     servers = [vs(fp.cluster_ip, port, fp.internal_policy_local, "cluster IP")]
