@@ -226,10 +226,10 @@ async def _change_beside_the_add(topology: Topology) -> None:
             moved = ServicePortState(st.service_port, eps, eps, eps)  # its endpoint moved
             await asyncio.wait_for(relay.sync(SyncRequest({spn: moved})), 2)  # the add still runs
             assert vip.addresses == set() and not listening(relay, "10.96.80.1")
-            assert relay.ports[spn].state is moved
             vip.gate.set()
             await wait_opened(relay)
             assert listening(relay, "10.96.80.1")
+            assert relay.ports[spn].state is moved  # the listener opened with the change's state
         finally:
             vip.gate.set()
             await relay.close()

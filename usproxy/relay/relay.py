@@ -17,7 +17,8 @@ ended (HeapTrim).
 A new ServicePort that a kernel datapath serves from this very sync (`kernel_serves`: the offload
 manager's serves_at_once, for --offload-after 0) does not wait for its listeners: they open right
 after the sync, a batch at a time, so a cold start's kernel step is not queued behind 10,000
-listeners (no flow exists yet that one could carry). They still open: the relay stays the fallback
+listeners (no flow exists yet that one could carry). The sync keeps only such a ServicePort's
+state; the opener builds its ServicePortRelay (0.07 s of a 10,000-Service start's sync). They still open: the relay stays the fallback
 under the kernel (a transaction refused later, a table flushed behind our back). When every
 ServicePort a sync brings is such, its frontend addresses are added in the netlink thread while
 the sync goes on (the kernel's work, O(n) per address on one interface, overlaps the kernel
@@ -181,7 +182,9 @@ class Relay:
         # Whether a kernel datapath serves a new ServicePort from this very sync (the agent wires
         # the offload manager's serves_at_once): its listeners then open after the sync.
         self.kernel_serves: Callable[[ServicePortState], bool] | None = None
-        self._deferred: set[ServicePortName] = set()  # ServicePorts the kernel serves whose listeners wait
+        # ServicePorts the kernel serves whose listeners wait, by their latest state: the opener
+        # builds their ServicePortRelays (not the sync, which the kernel step would wait for)
+        self._deferred: dict[ServicePortName, ServicePortState] = {}
         self._opener: asyncio.Task[None] | None = None
         self._applying = asyncio.Lock()  # a sync and the deferred opener never apply at once
         self._adding: asyncio.Future[None] | None = None  # addresses added while the sync goes on
@@ -309,8 +312,8 @@ class Relay:
 
     async def _readd_addresses(self) -> None:
         """After a failed background add: every frontend address again (EEXIST counts as added)."""
-        await self.vip.add_many(ip for port in self.ports.values() for ip, _ in port.state.service_port.frontends()
-                                if ip not in self.host_ips)
+        states = (*(port.state for port in self.ports.values()), *self._deferred.values())
+        await self.vip.add_many(ip for st in states for ip, _ in st.service_port.frontends() if ip not in self.host_ips)
         self._readd = False
 
     async def _addresses_added(self) -> None:
@@ -330,36 +333,39 @@ class Relay:
 
     async def _sync_one(self, spn: ServicePortName, state: ServicePortState | None, defer: bool = False) -> None:
         port = self.ports.get(spn)
-        self._count_addresses(port.state if port is not None else None, state)
+        waiting = self._deferred.pop(spn, None)
+        self._count_addresses(port.state if port is not None else waiting, state)
         if state is None:
-            self._deferred.discard(spn)
             if port is not None:
                 del self.ports[spn]
                 await port.close()
             return
-        if port is None:
-            port = self.ports[spn] = ServicePortRelay(
-                state, admission=self.admission, udp=self.udp, listening=self.listening,
-                default_policy=self.default_policy, origin=self.origin, capture=self.capture)
-            if defer:
-                port.configure(state, self.node_ips)  # the kernel serves it now; listeners after the sync
-                self._deferred.add(spn)
-                return
-        elif defer:  # still waiting for its listeners, and the kernel still serves it
-            port.configure(state, self.node_ips)
+        if defer:  # the kernel serves it now (new, or still waiting): its listeners after the sync
+            self._deferred[spn] = state
             return
-        self._deferred.discard(spn)
+        if port is None:
+            port = self.ports[spn] = self._new_port(state)
         await port.apply(state, self.node_ips)
         if port.errors:
             self._failing.add(spn)
 
+    def _new_port(self, state: ServicePortState) -> ServicePortRelay:
+        return ServicePortRelay(state, admission=self.admission, udp=self.udp, listening=self.listening,
+                                default_policy=self.default_policy, origin=self.origin, capture=self.capture)
+
     def _count_addresses(self, old: ServicePortState | None, new: ServicePortState | None) -> None:
         """Reference counts of frontend addresses; an address nobody uses goes to `released`."""
-        before = {ip for ip, _ in old.service_port.frontends()} if old is not None else set()
-        after = {ip for ip, _ in new.service_port.frontends()} if new is not None else set()
-        for ip in after - before:
-            self._uses[ip] = self._uses.get(ip, 0) + 1
-            self.released.pop(ip, None)
+        was = old.service_port.frontends() if old is not None else ()
+        now = new.service_port.frontends() if new is not None else ()
+        if was == now:  # an endpoint change: nothing to count (and no address hashed)
+            return
+        before = {ip for ip, _ in was}
+        after = {ip for ip, _ in now}
+        uses, released = self._uses, self.released
+        for ip in after - before if before else after:
+            uses[ip] = uses.get(ip, 0) + 1
+            if released:
+                released.pop(ip, None)
         for ip in before - after:
             self._uses[ip] -= 1
             if not self._uses[ip]:
@@ -399,13 +405,12 @@ class Relay:
                     if self._readd:
                         await self._readd_addresses()
                     for _ in range(min(OPEN_BATCH, len(self._deferred))):
-                        spn = self._deferred.pop()
-                        port = self.ports.get(spn)
-                        if port is not None:
-                            await port.apply(port.state, self.node_ips)
-                            opened += 1
-                            if port.errors:
-                                self._failing.add(spn)
+                        spn, state = self._deferred.popitem()
+                        port = self.ports[spn] = self._new_port(state)
+                        await port.apply(state, self.node_ips)
+                        opened += 1
+                        if port.errors:
+                            self._failing.add(spn)
                 await asyncio.sleep(0)
             if opened >= LARGE:  # listeners live as long as their ServicePort: out of the collector's
                 freeze_heap()  # full passes, as a large sync's state (a cold start's 10,000: 0.25 s each)
@@ -414,11 +419,11 @@ class Relay:
             log.exception("opening deferred listeners failed; the next sync retries")
 
     def placement(self, spn: ServicePortName) -> Placement | None:
+        if spn in self._deferred:
+            return Placement("userspace", "served by the kernel; the relay's listeners open after the kernel step")
         port = self.ports.get(spn)
         if port is None:
             return None
-        if spn in self._deferred:
-            return Placement("userspace", "served by the kernel; the relay's listeners open after the kernel step")
         if port.errors:
             return Placement("userspace", "; ".join(sorted(set(port.errors.values()))), error=True)
         listening = ", ".join(sorted(format_hostport(a, p) + (f" ({port.captured[(a, p, k)]})" if (a, p, k) in port.captured
@@ -429,10 +434,11 @@ class Relay:
     def dump(self) -> str:
         lines = [f"interface {self.vip.name} ({self.vip.kind}): "
                  + " ".join(sorted(str(ip) for ip in self.vip.addresses))]
-        for spn in sorted(self.ports):
-            port = self.ports[spn]
-            ls = " ".join(f"{format_hostport(a, p)}[{k}]" for a, p, k in sorted(port.listeners))
-            eps = " ".join(str(e) for e in port.state.cluster_endpoints) or "<none>"
+        for spn in sorted(self.ports.keys() | self._deferred.keys()):
+            port = self.ports.get(spn)
+            state = port.state if port is not None else self._deferred[spn]
+            ls = " ".join(f"{format_hostport(a, p)}[{k}]" for a, p, k in sorted(port.listeners)) if port else ""
+            eps = " ".join(str(e) for e in state.cluster_endpoints) or "<none>"
             lines.append(f"{spn.key()} listen {ls or '<none>'} -> {eps}")
         return "\n".join(lines)
 
