@@ -33,8 +33,8 @@ left; until then its rules refuse (their ports are closed), never hand the front
 holder. A BPF sk_lookup program would serve TCP on kernels without netfilter NAT but not UDP
 (a reply must leave from port P, which the holder keeps); it is not implemented.
 
-The kernel calls run as subprocesses on the event loop's subprocess support (nothing blocks the
-loop; the relay imports no other datapath). Where no mechanism works, a held frontend is
+The kernel calls run as commands (util/command.py: started with vfork, waited for in a worker
+thread; nothing blocks the loop; the relay imports no other datapath). Where no mechanism works, a held frontend is
 reported as before (port_holder.py) with the reason capture is unavailable.
 """
 
@@ -45,9 +45,11 @@ import errno
 import logging
 import shutil
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
+
+from usproxy.util.command import output, run
 
 log = logging.getLogger(__name__)
 
@@ -137,39 +139,6 @@ def iptables_input(rules: Rules, family: int) -> str:
 
 
 JUMPS = (("nat", "PREROUTING", NAT_CHAIN), ("nat", "OUTPUT", NAT_CHAIN), ("filter", "INPUT", REFUSE_CHAIN))
-
-
-async def run(argv: Sequence[str], stdin: str = "") -> tuple[int, str]:
-    """(exit code, stderr) of a command; 127 when it is not installed."""
-    try:  # no pipe without input: writing to one the command never reads fails on uvloop
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-    except OSError as exc:
-        return 127, exc.strerror or str(exc)
-    try:
-        _, stderr = await proc.communicate(stdin.encode() if stdin else None)
-    except asyncio.CancelledError:  # the agent stops: no command left running behind it
-        proc.kill()
-        await proc.wait()
-        raise
-    return proc.returncode or 0, stderr.decode(errors="replace").strip()
-
-
-async def output(argv: Sequence[str]) -> str:
-    """What a command writes to stdout ("" when it cannot run); killed when cancelled."""
-    try:
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-    except OSError:
-        return ""
-    try:
-        out, _ = await proc.communicate()
-    except asyncio.CancelledError:
-        proc.kill()
-        await proc.wait()
-        raise
-    return out.decode(errors="replace")
 
 
 class PortCapture:

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from usproxy.model.types import IPAddress
-from usproxy.relay.port_capture import run
+from usproxy.util.command import run
 
 log = logging.getLogger(__name__)
 
