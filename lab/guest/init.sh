@@ -36,6 +36,10 @@ for m in $LAB_LOAD_MODULES; do modprobe "$m" || say "modprobe $m failed"; done
 if [ -d /lab/debs ]; then
   dpkg -i /lab/debs/*.deb > /lab/out/dpkg.log 2>&1 || say "dpkg -i of the scenario's packages failed: $(tail -n 3 /lab/out/dpkg.log)"
 fi
+# A guest that hangs leaves nothing but its console: from here on the kernel's warnings and the
+# backtraces of a soft lockup or RCU stall reach it in full (the boot stays quiet at loglevel=4)
+echo 7 > /proc/sys/kernel/printk
+echo 1 > /proc/sys/kernel/softlockup_all_cpu_backtrace 2>/dev/null || true
 t0=$(cut -d' ' -f1 /proc/uptime)
 pip install --disable-pip-version-check -q --no-deps --no-index --no-compile /lab/usproxy-*.whl > /lab/out/pip.log 2>&1 \
   || say "pip install of the wheel failed: $(tail -n 3 /lab/out/pip.log)"
