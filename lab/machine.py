@@ -17,6 +17,12 @@ Acceleration: TCG (software emulation) unless KVM is shown to work here: a tiny 
 must print its marker within KVM_PROBE_S; the answer is remembered per host boot. On this
 project's machines KVM guests die ("KVM internal error", nested virtualization), so TCG it is.
 
+A guest whose kernel reports a soft lockup of LOCKUP_GIVE_UP_S seconds or more on its console
+is given up at once ("locked up: " and that line) rather than at the timeout: it does not come
+back, and 15 minutes of a CI run went to one (an ipvs guest under TCG, 2026-12-06). Shorter
+reports are only noted: under an emulator on a loaded host the watchdog can report a stall the
+guest comes out of.
+
 Teardown: qemu is killed and the run's directory removed whatever happens (timeout, an exception,
 SIGINT, SIGTERM, SIGHUP); `run()` installs handlers that turn the signals into an exception.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -43,6 +50,8 @@ from lab.rootfs import CACHE, Rootfs, log
 from lab.scenarios import Arch
 
 OUTPUT_DISK_MIB = 128
+LOCKUP_GIVE_UP_S = 120  # a CPU stuck this long in the guest's kernel: it is hung
+_LOCKUP = re.compile(r"soft lockup - CPU#\d+ stuck for (\d+)s!")
 KVM_PROBE_S = 20.0
 INIT = """#!/bin/busybox sh
 # the lab's initramfs: reach the root disk, bring this run's files in, hand over to the root
@@ -76,7 +85,7 @@ class Boot:
 
 @dataclass
 class Outcome:
-    exit_reason: str  # "poweroff", "timeout", "qemu exit N"
+    exit_reason: str  # "poweroff", "timeout", "qemu exit N", "locked up: <the console's line>"
     wall_s: float
     accel: str
     console: Path
@@ -183,8 +192,11 @@ def boot_once(cmd: list[str], workdir: Path, timeout_s: float, quiet: bool = Fal
 
 def _watch(proc: subprocess.Popen[bytes], console: Path, start: float, accel: str, timeout_s: float,
            quiet: bool) -> Outcome:
-    """boot_once's wait for `proc` (qemu), with its console streamed to `console`."""
+    """boot_once's wait for `proc` (qemu), with its console streamed to `console`, until it
+    exits, timeout_s passes or the guest's kernel reports a lockup of LOCKUP_GIVE_UP_S."""
     lines: list[str] = []
+    wake = threading.Event()  # the console ended (qemu exits) or reported a lockup
+    hung_line: list[str] = []
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -196,12 +208,19 @@ def _watch(proc: subprocess.Popen[bytes], console: Path, start: float, accel: st
                 lines.append(line)
                 if not quiet:
                     print(f"guest: {line}", file=sys.stderr, flush=True)
+                if not hung_line and locked_up(line):
+                    hung_line.append(line.strip())
+                    wake.set()
+        wake.set()
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
-        code = proc.wait(timeout=timeout_s)
-        reason = "poweroff" if code == 0 else f"qemu exit {code}"
+        if wake.wait(timeout=timeout_s) and hung_line and proc.poll() is None:
+            reason = f"locked up: {hung_line[0]}"
+        else:
+            code = proc.wait(timeout=max(0.0, start + timeout_s - time.monotonic()))
+            reason = "poweroff" if code == 0 else f"qemu exit {code}"
     except subprocess.TimeoutExpired:
         reason = "timeout"
     finally:
@@ -210,6 +229,12 @@ def _watch(proc: subprocess.Popen[bytes], console: Path, start: float, accel: st
             proc.wait()
         reader.join(timeout=5)
     return Outcome(reason, round(time.monotonic() - start, 1), accel, console, lines=lines)
+
+
+def locked_up(line: str) -> bool:
+    """Whether a console line is the kernel's report of a CPU stuck LOCKUP_GIVE_UP_S or more."""
+    m = _LOCKUP.search(line)
+    return m is not None and int(m.group(1)) >= LOCKUP_GIVE_UP_S
 
 
 def kvm_works(root: Rootfs) -> bool:
