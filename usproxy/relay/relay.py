@@ -18,8 +18,9 @@ A new ServicePort that a kernel datapath serves from this very sync (`kernel_ser
 manager's serves_at_once, for --offload-after 0) does not wait for its listeners: they open right
 after the sync, a batch at a time, so a cold start's kernel step is not queued behind 10,000
 listeners (no flow exists yet that one could carry). The sync keeps only such a ServicePort's
-state; the opener builds its ServicePortRelay (0.07 s of a 10,000-Service start's sync). They still open: the relay stays the fallback
-under the kernel (a transaction refused later, a table flushed behind our back). When every
+state; the opener builds its ServicePortRelay (~0.05 s of a 10,000-Service start's sync). They
+still open: the relay stays the fallback under the kernel (a transaction refused later, a table
+flushed behind our back). When every
 ServicePort a sync brings is such, its frontend addresses are added in the netlink thread while
 the sync goes on (the kernel's work, O(n) per address on one interface, overlaps the kernel
 datapath's transaction); the deferred listeners wait for them, outside the sync lock, and so
