@@ -34,8 +34,8 @@ holder. A BPF sk_lookup program would serve TCP on kernels without netfilter NAT
 (a reply must leave from port P, which the holder keeps); it is not implemented.
 
 The kernel calls run as commands (util/command.py: started with vfork, waited for in a worker
-thread; nothing blocks the loop; the relay imports no other datapath). Where no mechanism works, a held frontend is
-reported as before (port_holder.py) with the reason capture is unavailable.
+thread; nothing blocks the loop; the relay imports no other datapath). Where no mechanism works,
+a held frontend is reported as before (port_holder.py) with the reason capture is unavailable.
 """
 
 from __future__ import annotations
