@@ -115,3 +115,29 @@ def test_status_table_says_which_datapath_serves_external_traffic_and_why() -> N
                               "EXTERNAL", "WHY"]
     assert line.split()[5:7] == ["bpf", "tc"] and line.endswith("established 1.0s ago; external: tc (tcx) on eth0")
     assert render_services([{**row, "external": None, "externalReason": ""}]).split("\n")[1].split()[6] == "-"
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["run", "--offload", "bogus"], "argument --offload: invalid choice: 'bogus'"),
+    (["explain", "--mode", "foo"], "argument --mode: invalid choice: 'foo'"),
+    (["explain", "--scale", "abc"], "argument --scale: must be a whole number of Services, got 'abc'"),
+    (["explain", "trace"], "the following arguments are required: SRC"),
+    (["bogus"], "argument command: invalid choice: 'bogus'"),
+])
+def test_a_usage_error_is_one_line_naming_the_argument(argv: list[str], named: str) -> None:
+    """argparse's usage block is not printed (32 lines for `run`): one line, exit 2."""
+    res = run(*argv)
+    assert res.returncode == 2, res
+    assert res.stderr.count("\n") == 1 and named in res.stderr and "--help)" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("command", ["status", "flows"])
+@pytest.mark.parametrize("addr", ["127.0.0.1:notaport", "127.0.0.1:99999", "nocolon", "a b:80", "[zz]:80"])
+def test_a_bad_agent_address_is_a_usage_error(command: str, addr: str) -> None:
+    """status and flows check --metrics-bind-address as `run` does: one line naming the flag,
+    exit 2, before any connection (it was a 45-line traceback for a port that is not a number)."""
+    res = run(command, "--metrics-bind-address", addr)
+    assert res.returncode == 2, res
+    assert res.stderr == (f"usproxy {command}: --metrics-bind-address: expected HOST:PORT (a name, an IPv4 "
+                          f"address or [an IPv6 address], and a port), got {addr!r}\n")

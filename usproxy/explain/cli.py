@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from usproxy.util.argument_parser import ArgumentParser
 from usproxy.explain import cost, diff, pod_source, registry, scale, trace
 from usproxy.explain.live import read_live
 from usproxy.explain.mode import Mode, TraceOptions
@@ -54,7 +55,7 @@ def _common(p: argparse.ArgumentParser, inputs: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="usproxy explain",
+    p = ArgumentParser(prog="usproxy explain",
                                 description="render Services as each kube-proxy mode holds them",
                                 epilog="usproxy explain trace SRC DST:PORT[/PROTO] --services PATH: the path one "
                                        "new connection takes through each mode (see `usproxy explain trace -h`); "
@@ -87,7 +88,7 @@ def _scale_count(text: str) -> int:
 
 
 def build_trace_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="usproxy explain trace",
+    p = ArgumentParser(prog="usproxy explain trace",
                                 description="the path one new connection takes in each mode")
     p.add_argument("src", metavar="SRC",
                    help="the packet's source address. An address in --node-ip is the node itself (the "
@@ -252,7 +253,7 @@ def _trace(argv: list[str]) -> int:
 
 
 def build_diff_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="usproxy explain diff",
+    p = ArgumentParser(prog="usproxy explain diff",
                                 usage="usproxy explain diff [options] OLD NEW | --kubeconfig FILE NEW",
                                 description="what one change of the Services changes in each mode's rules")
     p.add_argument("paths", type=Path, nargs="+", metavar="OLD NEW",
