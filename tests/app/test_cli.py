@@ -132,12 +132,19 @@ def test_a_usage_error_is_one_line_naming_the_argument(argv: list[str], named: s
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.parametrize("command", ["status", "flows"])
+@pytest.mark.parametrize("command", [["status"], ["flows"], ["explain", "--live"]])
 @pytest.mark.parametrize("addr", ["127.0.0.1:notaport", "127.0.0.1:99999", "nocolon", "a b:80", "[zz]:80"])
-def test_a_bad_agent_address_is_a_usage_error(command: str, addr: str) -> None:
-    """status and flows check --metrics-bind-address as `run` does: one line naming the flag,
-    exit 2, before any connection (it was a 45-line traceback for a port that is not a number)."""
-    res = run(command, "--metrics-bind-address", addr)
+def test_a_bad_agent_address_is_a_usage_error(command: list[str], addr: str) -> None:
+    """status, flows and explain --live check --metrics-bind-address before any connection: one
+    line naming the flag, exit 2 (it was a 45-line traceback for a port that is not a number)."""
+    res = run(*command, "--metrics-bind-address", addr)
     assert res.returncode == 2, res
-    assert res.stderr == (f"usproxy {command}: --metrics-bind-address: expected HOST:PORT (a name, an IPv4 "
-                          f"address or [an IPv6 address], and a port), got {addr!r}\n")
+    prog = "usproxy " + command[0]
+    assert res.stderr == (f"{prog}: error: argument --metrics-bind-address: expected HOST:PORT (a name, an IPv4 "
+                          f"address or [an IPv6 address], and a port), got {addr!r} (see {prog} --help)\n")
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:1", "localhost:1", "[::1]:1"])
+def test_a_good_agent_address_is_dialled(addr: str) -> None:
+    res = run("status", "--metrics-bind-address", addr)
+    assert res.returncode == 1 and "cannot reach the agent" in res.stderr and "Connection refused" in res.stderr

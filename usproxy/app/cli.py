@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import os
 import json
 import logging
-import re
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from usproxy.util.argument_parser import ArgumentParser
+from usproxy.util.argument_parser import ArgumentParser, agent_address
 from usproxy.model.datapath_name import KERNEL_DATAPATH_NAMES, OFFLOAD_MODES
 from usproxy.model.config import (
     ProxyConfig,
@@ -147,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("flows", "print the running agent's flow table"),
                            ("status", "print the running agent's ServicePorts")):
         s = sub.add_parser(name, help=helptext)
-        s.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT")
+        s.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT", type=agent_address,
+                       help="where the running agent serves /services and /flows (default %(default)s)")
         s.add_argument("--json", action="store_true")
     c = sub.add_parser("check", help="probe this node's kernel datapaths")
     c.add_argument("--json", action="store_true")
@@ -278,27 +277,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return agent[0].exit_code if agent else 1
 
 
-_HOST_NAME = re.compile(r"[A-Za-z0-9.-]+")  # a DNS name or an IPv4 literal
-
-
-def _agent_address(args: argparse.Namespace) -> str:
-    """status's and flows' --metrics-bind-address, checked as `run` checks it (ConfigError, exit 2)."""
-    from usproxy.admin.server import split_hostport
-
-    text = str(args.metrics_bind_address)
-    host = text.rpartition(":")[0]
-    try:
-        split_hostport(text, "--metrics-bind-address")
-        if host.startswith("[") and host.endswith("]"):
-            ipaddress.IPv6Address(host[1:-1])
-        elif not _HOST_NAME.fullmatch(host):
-            raise ValueError(host)
-    except ValueError:
-        raise ConfigError(f"--metrics-bind-address: expected HOST:PORT (a name, an IPv4 address or [an IPv6 "
-                          f"address], and a port), got {text!r}", obj=f"usproxy {args.command}") from None
-    return text
-
-
 def _get_json(addr: str, path: str) -> Any:
     url = f"http://{addr}{path}"
     try:
@@ -312,7 +290,7 @@ def _get_json(addr: str, path: str) -> Any:
 def cmd_status(args: argparse.Namespace) -> int:
     from usproxy.util.table import render_services
 
-    rows = _get_json(_agent_address(args), "/services")
+    rows = _get_json(args.metrics_bind_address, "/services")
     print(json.dumps(rows, indent=1) if args.json else render_services(rows))
     return 0
 
@@ -320,7 +298,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_flows(args: argparse.Namespace) -> int:
     from usproxy.util.table import render_flows
 
-    rows = _get_json(_agent_address(args), "/flows")
+    rows = _get_json(args.metrics_bind_address, "/flows")
     print(json.dumps(rows, indent=1) if args.json else render_flows(rows))
     return 0
 

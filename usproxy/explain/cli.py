@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from usproxy.util.argument_parser import ArgumentParser
+from usproxy.util.argument_parser import ArgumentParser, agent_address
 from usproxy.explain import cost, diff, pod_source, registry, scale, trace
 from usproxy.explain.live import read_live
 from usproxy.explain.mode import Mode, TraceOptions
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "usproxy explain diff OLD NEW: what one change does to each mode's rules")
     _common(p)
     p.add_argument("--live", action="store_true", help="also show this node's running agent")
-    p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT",
+    p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT", type=agent_address,
                    help="where the running agent serves /services and /flows (read with --live; default %(default)s)")
     p.add_argument("--html", type=Path, metavar="FILE",
                    help="write the drawings of every mode, with their rules and why, in numbers (also at "
