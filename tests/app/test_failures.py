@@ -167,4 +167,5 @@ def test_explain_scale_that_is_not_a_number_is_named() -> None:
     proc = subprocess.run([USPROXY, "explain", "--services", str(EXAMPLE), "--scale", "abc"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert last_line(proc) == "usproxy explain: error: argument --scale: must be a whole number of Services, got 'abc'"
+    assert proc.stderr.splitlines() == ["usproxy explain: error: argument --scale: must be a whole number of "
+                                        "Services, got 'abc' (see usproxy explain --help)"]  # no usage block
