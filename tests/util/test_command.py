@@ -66,3 +66,36 @@ def test_a_cancelled_command_is_killed_and_reaped(go: Callable[[Coroutine[Any, A
     pid = go(cancel_it())
     with pytest.raises(ProcessLookupError):  # killed and reaped: no zombie keeps the pid
         os.kill(pid, 0)
+
+
+def test_a_command_cancelled_at_once_leaves_no_pipe_open(go: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    """Cancelled while its communicate() still waits for a worker thread (the loop's executor
+    busy): killed, reaped, its pipes closed, not left to the garbage collector (a
+    ResourceWarning in a CI run)."""
+    import gc
+    import threading
+
+    unraisable: list[str] = []
+
+    async def cancel_at_once() -> None:
+        loop = asyncio.get_running_loop()
+        busy = threading.Event()
+        blockers = [loop.run_in_executor(None, busy.wait) for _ in range(64)]  # every worker thread taken
+        tasks = [asyncio.ensure_future(f([sys.executable, "-c", "import time; time.sleep(60)"]))
+                 for f in (run, output)]
+        await asyncio.sleep(0.1)  # both started their commands; communicate() waits for a thread
+        for task in tasks:
+            task.cancel()
+        busy.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*blockers)
+        assert all(isinstance(r, asyncio.CancelledError) for r in results)
+
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: unraisable.append(repr(u.exc_value))
+    try:
+        go(cancel_at_once())
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert unraisable == []

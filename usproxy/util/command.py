@@ -22,9 +22,18 @@ async def _finish(proc: subprocess.Popen[bytes], stdin: bytes | None) -> tuple[b
         out, err = await asyncio.to_thread(proc.communicate, stdin)
     except asyncio.CancelledError:
         proc.kill()
-        await asyncio.to_thread(proc.wait)
+        await asyncio.to_thread(_reap, proc)
         raise
     return out or b"", err or b""
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for a killed command and close its pipes: a cancellation that came before the worker
+    thread ran communicate() leaves them open (a close waits here for a read still running)."""
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 async def run(argv: Sequence[str], stdin: str = "") -> tuple[int, str]:
