@@ -56,10 +56,10 @@ def _common(p: argparse.ArgumentParser, inputs: bool = True) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="usproxy explain",
-                                description="render Services as each kube-proxy mode holds them",
-                                epilog="usproxy explain trace SRC DST:PORT[/PROTO] --services PATH: the path one "
-                                       "new connection takes through each mode (see `usproxy explain trace -h`); "
-                                       "usproxy explain diff OLD NEW: what one change does to each mode's rules")
+                       description="render Services as each kube-proxy mode holds them",
+                       epilog="usproxy explain trace SRC DST:PORT[/PROTO] --services PATH: the path one "
+                              "new connection takes through each mode (see `usproxy explain trace -h`); "
+                              "usproxy explain diff OLD NEW: what one change does to each mode's rules")
     _common(p)
     p.add_argument("--live", action="store_true", help="also show this node's running agent")
     p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", metavar="HOST:PORT", type=agent_address,
@@ -89,7 +89,7 @@ def _scale_count(text: str) -> int:
 
 def build_trace_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="usproxy explain trace",
-                                description="the path one new connection takes in each mode")
+                       description="the path one new connection takes in each mode")
     p.add_argument("src", metavar="SRC",
                    help="the packet's source address. An address in --node-ip is the node itself (the "
                         "output hooks); any other is a packet arriving at the node (prerouting), as a pod "
@@ -254,8 +254,8 @@ def _trace(argv: list[str]) -> int:
 
 def build_diff_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="usproxy explain diff",
-                                usage="usproxy explain diff [options] OLD NEW | --kubeconfig FILE NEW",
-                                description="what one change of the Services changes in each mode's rules")
+                       usage="usproxy explain diff [options] OLD NEW | --kubeconfig FILE NEW",
+                       description="what one change of the Services changes in each mode's rules")
     p.add_argument("paths", type=Path, nargs="+", metavar="OLD NEW",
                    help="manifests before and after the change (files or directories); with "
                         "--kubeconfig, NEW alone")

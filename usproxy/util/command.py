@@ -4,8 +4,8 @@ The child is started with subprocess.Popen, which forks with vfork (about 0.7 ms
 in a worker thread. The event loop's own subprocess support is not used: uvloop's (libuv's) spawn
 forks the whole agent, copying its page tables on the loop's thread: 7 ms per command in a
 process of 150 MiB with uvloop 0.23 on Python 3.11 here, against 0.2-0.8 ms of the loop's time
-this way (a start of 10,000 Services runs 6 to 8 commands). A command still
-running when its caller is cancelled (the agent stops) is killed and reaped before the
+this way (a start of 10,000 Services runs 6 to 8 commands). A command still running when its
+caller is cancelled (the agent stops) is killed and reaped, its pipes closed, before the
 cancellation goes on.
 """
 
