@@ -132,6 +132,16 @@ def test_a_usage_error_is_one_line_naming_the_argument(argv: list[str], named: s
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("flag", ["--healthz-bind-address", "--metrics-bind-address"])
+@pytest.mark.parametrize("addr", ["127.0.0.1:notaport", "a b:80"])
+def test_a_bad_bind_address_exits_2_naming_the_flag(flag: str, addr: str) -> None:
+    """`run` reads its bind addresses as status/flows read theirs, before anything starts."""
+    res = run("run", flag, addr, *OWN_LOCKS)
+    assert res.returncode == 2 and res.stderr == (
+        f"usproxy run: {flag}: expected HOST:PORT (a name, an IPv4 address or [an IPv6 address], and a port), "
+        f"got {addr!r}\n"), res.stderr
+
+
 @pytest.mark.parametrize("command", [["status"], ["flows"], ["explain", "--live"]])
 @pytest.mark.parametrize("addr", ["127.0.0.1:notaport", "127.0.0.1:99999", "nocolon", "a b:80", "[zz]:80"])
 def test_a_bad_agent_address_is_a_usage_error(command: list[str], addr: str) -> None:

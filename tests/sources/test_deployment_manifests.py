@@ -17,7 +17,8 @@ import pytest
 from aiohttp import web
 
 from tests.deploy.manifests import docs
-from usproxy.admin.server import health_routes, split_hostport
+from usproxy.admin.server import health_routes
+from usproxy.util.host_port import bind_address
 from usproxy.util.locks import LOCK_DIR
 from usproxy.app.cli import build_parser, config_from_args
 from usproxy.model.node import resolve_node
@@ -70,8 +71,8 @@ def test_args_parse_and_agree_with_probes(ds: dict[str, Any], objs: dict[tuple[s
     cfg = config_from_args(build_parser().parse_args(args))
     assert args[0] == "run" and cfg.kubeconfig is None  # in-cluster
     assert resolve_node(cfg, kubernetes=True, environ={}).name == "node-x"
-    healthz_port = split_hostport(cfg.healthz_bind_address, "healthz")[1]
-    assert split_hostport(cfg.healthz_bind_address, "")[0] == "0.0.0.0"  # the kubelet probes the node IP
+    healthz_port = bind_address(cfg.healthz_bind_address)[1]
+    assert bind_address(cfg.healthz_bind_address)[0] == "0.0.0.0"  # the kubelet probes the node IP
     assert cfg.metrics_bind_address == "127.0.0.1:10249"
     assert healthz_port == 10256
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"healthz": healthz_port}

@@ -48,6 +48,7 @@ from usproxy.admin.health import Health
 from usproxy.admin.send_watch import SendWatch, reset
 from usproxy.admin.snapshot import SharedBuild, encoded_rows, write_chunked
 from usproxy.model.types import format_hostport
+from usproxy.util import host_port
 from usproxy.util.errors import CannotRun
 from usproxy.util.metrics import Metrics
 from usproxy.util.ratelimit import RateLimitedLog
@@ -122,14 +123,6 @@ def metrics_routes(app: web.Application, view: AdminView) -> None:
     app.router.add_get("/services", services)
     app.router.add_get("/flows", flows)
     web_view.add_routes(app, view)
-
-
-def split_hostport(text: str, flag: str) -> tuple[str, int]:
-    """"host:port" or "[v6]:port" → (host, port). Raises ValueError naming the flag."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{flag}: expected HOST:PORT, got {text!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def connection_limit(nofile: int) -> int:
@@ -235,8 +228,8 @@ class AdminServer:
         self.view = view
         self.max_connections = max_connections
         self._listeners: list[asyncio.AbstractServer] = []
-        self.addrs = {"healthz": split_hostport(healthz, "--healthz-bind-address") if healthz else None,
-                      "metrics": split_hostport(metrics, "--metrics-bind-address") if metrics else None}
+        self.addrs = {"healthz": host_port.bind_address(healthz) if healthz else None,
+                      "metrics": host_port.bind_address(metrics) if metrics else None}
         self._runners: list[web.AppRunner] = []
         self.bound: dict[str, tuple[str, int]] = {}
         self.send_watch = SendWatch(self._connections, "healthz/metrics")

@@ -184,9 +184,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 
 def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) -> None:
     """Reject settings that cannot work before anything starts."""
-    from usproxy.admin.server import split_hostport
     from usproxy.model.node import detector_of
     from usproxy.model.service_set import require_path
+    from usproxy.util import host_port
 
     if given_services and given_kubeconfig:
         raise ConfigError("give --services or --kubeconfig, not both", obj="usproxy run")
@@ -196,9 +196,9 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
                         ("--metrics-bind-address", cfg.metrics_bind_address)):
         if value:
             try:
-                split_hostport(value, flag)
+                host_port.bind_address(value)
             except ValueError as err:
-                raise ConfigError(str(err), obj="usproxy run") from None
+                raise ConfigError(str(err), obj="usproxy run", field=flag) from None
     for flag, seconds in (("--offload-after", cfg.offload_after), ("--sync-period", cfg.sync_period),
                           ("--min-sync-period", cfg.min_sync_period),
                           ("--udp-idle-timeout", cfg.udp_idle_timeout),

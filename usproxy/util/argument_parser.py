@@ -9,9 +9,9 @@ same class (argparse makes them with the parent's class).
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import re
 from typing import NoReturn
+
+from usproxy.util import host_port
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -19,21 +19,11 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-_HOST_NAME = re.compile(r"[A-Za-z0-9.-]+")  # a DNS name or an IPv4 literal
-
-
 def agent_address(text: str) -> str:
-    """HOST:PORT with HOST a name, an IPv4 address or [an IPv6 address] and PORT 0-65535; else
-    argparse.ArgumentTypeError (a usage error naming the flag)."""
-    host, sep, port = text.rpartition(":")
+    """HOST:PORT as util.host_port reads it, HOST not empty; else argparse.ArgumentTypeError (a usage
+    error naming the flag)."""
     try:
-        if not sep or not port.isdigit() or int(port) > 65535:
-            raise ValueError(port)
-        if host.startswith("[") and host.endswith("]"):
-            ipaddress.IPv6Address(host[1:-1])
-        elif not _HOST_NAME.fullmatch(host):
-            raise ValueError(host)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT (a name, an IPv4 address or [an IPv6 address], "
-                                         f"and a port), got {text!r}") from None
+        host_port.split(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return text
