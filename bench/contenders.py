@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from bench.procs import PYTHON, ROOT, Procs
-from bench.servers import BULK, CONN, HOLD, HTTP, IPERF, REDIS, RR, RR_SIZE, UDP
+from bench.servers import BULK, CONN, HOLD, HTTP, IPERF, IPERF_ROUTED, REDIS, RR, RR_SIZE, UDP
 from bench.topology import ROUTED_IP, SERVER_IP, BenchTopology, inside
 
 USPROXY = str(ROOT / ".venv" / "bin" / "usproxy")
@@ -48,6 +48,8 @@ class Contender:
     pid: int | None = None
     notes: str = ""
     max_conns: int = 0  # a configured connection limit (0: none)
+    iperf_port: int = IPERF  # the port its iperf3 runs dial
+    iperf_udp: bool | None = None  # iperf3 -u through it; None: as `udp`
 
     def start(self, ctx: Ctx) -> None:
         """Bring the contender up; sets available/reason on failure instead of raising."""
@@ -104,12 +106,15 @@ class Direct(Contender):
 class RoutedDirect(Contender):
     """The pod dialled through the node's IP forwarding (and its conntrack, from the other
     contenders' tables), no NAT: the hop every ClusterIP datapath at the node adds to `direct`,
-    so offloaded ÷ direct-routed is the datapath's own cost. TCP only: the server's UDP sockets
-    are bound to the wildcard address and answer from SERVER_IP, not ROUTED_IP."""
+    so offloaded ÷ direct-routed is the datapath's own cost. Bench's own UDP rows skip it: the
+    server's UDP sockets are bound to the wildcard address and answer from SERVER_IP, not ROUTED_IP.
+    The real tools' UDP row (iperf3 -u) dials an `iperf3 -s` bound to ROUTED_IP (IPERF_ROUTED),
+    which answers from it."""
 
     def __init__(self) -> None:
-        super().__init__("direct-routed", ROUTED_IP, udp=False,
-                         notes="client → node (routed: forwarding, conntrack, no NAT) → server pod; TCP only")
+        super().__init__("direct-routed", ROUTED_IP, udp=False, iperf_port=IPERF_ROUTED, iperf_udp=True,
+                         notes="client → node (routed: forwarding, conntrack, no NAT) → server pod; "
+                               "UDP: iperf3 only")
 
 
 # -- usproxy -----------------------------------------------------------------------------------------

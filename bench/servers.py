@@ -8,7 +8,7 @@ Ports (the same for every contender; contenders forward them unchanged):
   closes first (so TIME_WAIT stays on the server side and the client's ports are not held).
 - UDP: echo, datagram for datagram.
 - HOLD: accepts and keeps connections open without traffic (idle flows for the memory test).
-- HTTP, IPERF (TCP and UDP), REDIS: not served here; bench/tools.py runs nginx, `iperf3 -s` and
+- HTTP, IPERF (TCP and UDP), IPERF_ROUTED, REDIS: not served here; bench/tools.py runs nginx, `iperf3 -s` and
   redis-server on them in the same pod netns for the real tools' runs.
 
 Run as `python -m bench.servers NAME [--workers N]`; prints "ready" when listening. Workers share
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 BULK, RR, CONN, UDP, HOLD = 5001, 5002, 5003, 5004, 5005
 HTTP, IPERF, REDIS = 8080, 5201, 6379  # the real tools' servers (bench/tools.py)
+IPERF_ROUTED = 5211  # a second `iperf3 -s`, bound to the routed address (bench/topology.py ROUTED_IP)
 RR_SIZE = 1024
 CONN_SIZE = 64
 BULK_HEADER = struct.Struct("!QQ")

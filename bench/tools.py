@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.contenders import Contender, Ctx
+from bench.topology import ROUTED_IP
 from bench.dataplane import GiB, DataPlane, Plan
-from bench.servers import HTTP, IPERF, REDIS
+from bench.servers import HTTP, IPERF, IPERF_ROUTED, REDIS
 
 BINARIES = ("wrk", "iperf3", "redis-benchmark", "redis-server", "nginx")
 
@@ -74,7 +75,8 @@ def missing() -> list[str]:
 
 
 class ToolServers:
-    """nginx, `iperf3 -s` and redis-server in the server pod's netns, stopped by close()."""
+    """nginx, `iperf3 -s` (twice: one bound to ROUTED_IP) and redis-server in the server pod's netns,
+    stopped by close()."""
 
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
@@ -87,10 +89,13 @@ class ToolServers:
         self.procs.append(spawn(ns, ["nginx", "-p", str(work), "-c", str(conf), "-e", str(work / "nginx-error.log")],
                                 log=work / "nginx.log"))
         self.procs.append(spawn(ns, ["iperf3", "-s", "-p", str(IPERF)], log=work / "iperf3.log"))
+        # direct-routed's: its UDP datagrams must come back from the address they were sent to
+        self.procs.append(spawn(ns, ["iperf3", "-s", "-p", str(IPERF_ROUTED), "-B", ROUTED_IP],
+                                log=work / "iperf3-routed.log"))
         self.procs.append(spawn(ns, ["redis-server", "--port", str(REDIS), "--bind", "0.0.0.0", "--save", "",
                                      "--appendonly", "no", "--protected-mode", "no", "--dir", str(work)],
                                 log=work / "redis.log"))
-        time.sleep(0.5)  # all three listen within milliseconds; the first tool run retries nothing
+        time.sleep(0.5)  # all listen within milliseconds; the first tool run retries nothing
         dead = [p.args for p in self.procs if p.poll() is not None]
         if dead:
             raise RuntimeError(f"tool server exited: {dead}")
@@ -171,9 +176,9 @@ class ToolPlane(DataPlane):
             self._record(self.cpu, f"{key}_cpu_s_per_10k", c, cpu / (reqs / 1e4))
 
     def iperf(self, c: Contender, streams: int, udp: bool) -> None:
-        if udp and not c.udp:
+        if udp and not (c.udp if c.iperf_udp is None else c.iperf_udp):
             return
-        argv = ["iperf3", "-c", c.target, "-p", str(IPERF), "-t", str(self.tools.seconds), "-J", "-P", str(streams)]
+        argv = ["iperf3", "-c", c.target, "-p", str(c.iperf_port), "-t", str(self.tools.seconds), "-J", "-P", str(streams)]
         if udp:
             argv += ["-u", "-b", "0", "-l", "1400"]
         out, cpu = self._tool(c, argv)
