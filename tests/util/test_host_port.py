@@ -19,7 +19,7 @@ def test_a_host_and_port_are_split(text: str, expected: tuple[str, int]) -> None
 
 
 @pytest.mark.parametrize("text", ["127.0.0.1:notaport", "127.0.0.1:99999", "nocolon", "a b:80", "[zz]:80",
-                                  "127.0.0.1:", ":80", "[::1:80", "host:-1"])
+                                  "127.0.0.1:", ":80", "[::1:80", "host:-1", "127.0.0.1:²", "127.0.0.1:٣"])
 def test_anything_else_is_refused_saying_what_was_expected(text: str) -> None:
     with pytest.raises(ValueError) as err:
         host_port.split(text)

@@ -16,7 +16,7 @@ def split(text: str, *, empty_host: str | None = None) -> tuple[str, int]:
     one is given (a bind address's "all addresses"), else refused. ValueError says what was
     expected and what was given."""
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535 or not _host_ok(host, empty_host):
+    if not sep or not (port.isascii() and port.isdigit()) or int(port) > 65535 or not _host_ok(host, empty_host):
         raise ValueError(f"{EXPECTED}, got {text!r}")
     if host.startswith("["):
         host = host[1:-1]
