@@ -127,6 +127,28 @@ def test_bpf_lb_mode_from_file_and_flag(tmp_path: Path) -> None:
         build_parser().parse_args(["run", "--bpf-lb-mode", "direct"])
 
 
+@pytest.mark.parametrize("mode, offload", [("iptables", "iptables"), ("ipvs", "ipvs"), ("nftables", "nftables"),
+                                           ('""', "auto"), ("", "auto"), ("userspace", "none")])
+def test_kube_proxys_mode_in_the_file_picks_the_datapath(tmp_path: Path, mode: str, offload: str) -> None:
+    """A KubeProxyConfiguration's `mode` is --offload's default (it was ignored: `mode: ipvs` ran
+    the ladder); blank is the best available, userspace the relay alone; the flag wins."""
+    f = tmp_path / "kp.yaml"
+    f.write_text(f"kind: KubeProxyConfiguration\nmode: {mode}\n")
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["run", "--config", str(f)])).offload == offload
+    assert config_from_args(parse(["run", "--config", str(f), "--offload", "bpf"])).offload == "bpf"
+
+
+@pytest.mark.parametrize("mode", ["bogus", "bpf", "kernelspace", "[iptables]", "1"])
+def test_a_mode_kube_proxy_refuses_is_refused_naming_the_field(tmp_path: Path, mode: str) -> None:
+    f = tmp_path / "kp.yaml"
+    f.write_text(f"kind: KubeProxyConfiguration\nmode: {mode}\n")
+    with pytest.raises(ConfigError) as err:
+        load_kube_proxy_configuration(f)
+    assert str(err.value).startswith(f"KubeProxyConfiguration {f}: mode: must be iptables, ipvs, nftables, "
+                                     "userspace or blank"), err.value
+
+
 def test_iptables_localhost_nodeports_from_file_and_flag(tmp_path: Path) -> None:
     f = tmp_path / "kp.yaml"
     f.write_text("kind: KubeProxyConfiguration\niptables:\n  localhostNodePorts: false\n")

@@ -115,8 +115,9 @@ def parse_cidrs(texts: tuple[str, ...], where: str) -> tuple[IPNetwork, ...]:
             if "/" not in text:
                 raise ValueError("must be a CIDR (address/prefix length)")
             out.append(parse_cidr_sloppy(text))
-        except ValueError as err:
-            raise ConfigError(f"{text!r}: {err}", field=where) from None
+        except ValueError as err:  # ipaddress's own message names the value already
+            said = str(err)
+            raise ConfigError(said if repr(text) in said else f"{text!r}: {said}", field=where) from None
     return tuple(out)
 
 
@@ -159,11 +160,17 @@ KNOWN_FIELDS: dict[str, str] = {
     "nftables.masqueradeAll": "masquerade_all",
     "linux.masqueradeAll": "masquerade_all",
     "iptables.localhostNodePorts": "iptables_localhost_nodeports",
+    "mode": "offload",  # kube-proxy's proxy mode: MODES below
     "bpf.lbMode": "bpf_lb_mode",  # not kube-proxy's: Cilium's bpf-lb-mode, in the same file
 }
+# kube-proxy's `mode` -> --offload. Blank is kube-proxy's "best-available proxy": usproxy's ladder.
+# `userspace` (kube-proxy's before 1.26) is the relay alone. kube-proxy refuses any other word, and
+# so does usproxy (bpf is --offload's word only: kube-proxy has no such mode).
+MODES: dict[str, OffloadMode] = {"": "auto", "iptables": "iptables", "ipvs": "ipvs", "nftables": "nftables",
+                                 "userspace": "none"}
 DURATIONS = ("sync_period", "min_sync_period", "udp_idle_timeout", "tcp_established_timeout",
              "tcp_close_wait_timeout")
-IGNORED_QUIETLY = {"apiVersion", "kind", "mode", "bindAddress", "featureGates"}
+IGNORED_QUIETLY = {"apiVersion", "kind", "bindAddress", "featureGates"}
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -205,6 +212,11 @@ def _convert(name: str, key: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"must be a string, got {value!r}", field=key)
         return value
+    if name == "offload":
+        if value is not None and (not isinstance(value, str) or value not in MODES):
+            raise ConfigError(f"must be iptables, ipvs, nftables, userspace or blank (the best available: "
+                              f"usproxy's ladder, --offload auto), got {value!r}", field=key)
+        return MODES[value or ""]
     if name == "bpf_lb_mode":
         if value not in BPF_LB_MODES:
             raise ConfigError(f"must be one of {', '.join(BPF_LB_MODES)}, got {value!r}", field=key)
