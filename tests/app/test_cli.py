@@ -65,6 +65,29 @@ def test_a_hairpin_mark_of_more_than_one_bit_exits_2(value: str) -> None:
     assert res.returncode == 2 and res.stderr.startswith("usproxy run: --hairpin-mark: must be one bit"), res.stderr
 
 
+def test_a_hairpin_mark_that_is_not_a_number_says_what_it_expects() -> None:
+    res = run("run", "--hairpin-mark", "zz", *OWN_LOCKS)
+    assert res.returncode == 2 and res.stderr == ("usproxy run: error: argument --hairpin-mark: expected an integer "
+                                                  "(4096, 0x1000), got 'zz' (see usproxy run --help)\n"), res.stderr
+
+
+def test_a_bad_nodeport_cidr_is_named_once() -> None:
+    res = run("run", "--nodeport-addresses", "300.1.1.1/8", *OWN_LOCKS)
+    assert res.returncode == 2 and res.stderr == ("usproxy run: --nodeport-addresses: '300.1.1.1/8' does not appear "
+                                                  "to be an IPv4 or IPv6 network\n"), res.stderr
+
+
+def test_a_config_files_unknown_mode_exits_2_before_anything_starts(tmp_path: Path) -> None:
+    """`mode: bogus` in --config was ignored and the agent started on the ladder (BPF on the host's
+    cgroup, for a user who had asked for something else): now refused as kube-proxy refuses it."""
+    f = tmp_path / "kp.yaml"
+    f.write_text("kind: KubeProxyConfiguration\nmode: bogus\n")
+    res = run("run", "--config", str(f), *OWN_LOCKS)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"usproxy: KubeProxyConfiguration {f}: mode: must be iptables, ipvs, nftables, "
+                                 "userspace or blank"), res.stderr
+
+
 def test_missing_cluster_cidr_is_logged_once(tmp_path: Path) -> None:
     f = tmp_path / "bad.yaml"
     f.write_text("apiVersion: v1\nkind: Service\n  metadata: [\n")  # the agent starts, logs, then exits 2 on it

@@ -58,7 +58,7 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--service-cidr", dest="service_cidrs", metavar="CIDR,...", type=_comma_list,
                    help="the cluster's Service CIDRs: traffic to an unallocated address in them is dropped")
     p.add_argument("--vip-interface", metavar="NAME")
-    p.add_argument("--hairpin-mark", type=lambda v: int(v, 0), metavar="BIT",
+    p.add_argument("--hairpin-mark", type=_integer, metavar="BIT",
                    help="the mark bit of connections a load balancer hairpins (source and destination a "
                         "LoadBalancer IP), whose answers are routed back out; one bit no other program on the "
                         f"node uses, or 0 to leave such connections unserved (default {d.hairpin_mark:#x})")
@@ -76,7 +76,10 @@ def _run_parser(sub: Any) -> None:
                    help="a relayed TCP connection idle this long is reset (default 24h, as kube-proxy's flag)")
     p.add_argument("--conntrack-tcp-timeout-close-wait", dest="tcp_close_wait_timeout", metavar="DURATION",
                    help="a half-closed relayed TCP connection idle this long is reset (default 1h)")
-    p.add_argument("--bpf-cgroup", type=Path)
+    p.add_argument("--bpf-cgroup", type=Path, metavar="DIR",
+                   help="the cgroup v2 directory whose processes' connect() the BPF socket LB rewrites "
+                        f"(default {d.bpf_cgroup}, where a hybrid hierarchy mounts cgroup v2; "
+                        "on a host with cgroup v2 alone: /sys/fs/cgroup)")
     p.add_argument("--bpf-lb-mode", choices=["snat", "dsr"],
                    help="NodePorts, LB IPs and externalIPs at tc (--offload bpf), backend on another node: SNAT to the node "
                         "(default) or direct server return, the client's address kept (Cilium's)")
@@ -128,6 +131,14 @@ def _bool(text: str) -> bool:
     if text.lower() in ("false", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _integer(text: str) -> int:
+    """A number as C writes it: 4096, 0x1000, 0o10000."""
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer (4096, 0x1000), got {text!r}") from None
 
 
 def _comma_list(text: str) -> tuple[str, ...]:

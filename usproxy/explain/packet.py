@@ -91,7 +91,7 @@ class Path:
 
 
 def parse_packet(src: str, dst: str, ss: ServiceSet) -> Packet:
-    """SRC and "DST:PORT/PROTO" (IPv6 as "[addr]:port/proto"). Raises ConfigError. The packet
+    """SRC and "DST:PORT[/PROTO]" (IPv6 as "[addr]:port/proto"). Raises ConfigError. The packet
     is not marked as a pod's (`src_pod`): the caller knows what the input says about SRC."""
     try:
         target, _, proto = dst.rpartition("/") if "/" in dst else (dst, "", "TCP")
@@ -100,7 +100,7 @@ def parse_packet(src: str, dst: str, ss: ServiceSet) -> Packet:
         s = parse_ip_sloppy(src)
         n = int(port)
     except ValueError:
-        raise ConfigError("expected SRC DST:PORT/PROTO, e.g. 10.0.0.5 10.96.0.10:53/UDP",
+        raise ConfigError("expected SRC DST:PORT[/PROTO] (TCP when left out), e.g. 10.0.0.5 10.96.0.10:53/UDP",
                           obj="trace", field=f"{src} {dst}") from None
     if proto.upper() not in ("TCP", "UDP", "SCTP"):
         raise ConfigError(f"protocol must be TCP, UDP or SCTP, got {proto!r}", obj="trace", field=dst)
