@@ -49,7 +49,7 @@ class Contender:
     notes: str = ""
     max_conns: int = 0  # a configured connection limit (0: none)
     iperf_port: int = IPERF  # the port its iperf3 runs dial
-    iperf_udp: bool | None = None  # iperf3 -u through it; None: as `udp`
+    iperf_udp: bool = False  # iperf3 -u through it even where `udp` is off (bench's own UDP rows)
 
     def start(self, ctx: Ctx) -> None:
         """Bring the contender up; sets available/reason on failure instead of raising."""

@@ -176,7 +176,7 @@ class ToolPlane(DataPlane):
             self._record(self.cpu, f"{key}_cpu_s_per_10k", c, cpu / (reqs / 1e4))
 
     def iperf(self, c: Contender, streams: int, udp: bool) -> None:
-        if udp and not (c.udp if c.iperf_udp is None else c.iperf_udp):
+        if udp and not (c.udp or c.iperf_udp):
             return
         argv = ["iperf3", "-c", c.target, "-p", str(c.iperf_port), "-t", str(self.tools.seconds), "-J", "-P", str(streams)]
         if udp:

@@ -16,16 +16,13 @@ def split(text: str, *, empty_host: str | None = None) -> tuple[str, int]:
     one is given (a bind address's "all addresses"), else refused. ValueError says what was
     expected and what was given."""
     host, sep, port = text.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or int(port) > 65535 or not _host_ok(host, empty_host):
+    host = host or empty_host or ""
+    if not sep or not (port.isascii() and port.isdigit()) or int(port) > 65535 or not _host_ok(host):
         raise ValueError(f"{EXPECTED}, got {text!r}")
-    if host.startswith("["):
-        host = host[1:-1]
-    return host or str(empty_host), int(port)
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
-def _host_ok(host: str, empty_host: str | None) -> bool:
-    if not host:
-        return empty_host is not None
+def _host_ok(host: str) -> bool:
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
