@@ -36,6 +36,7 @@ from usproxy.offload.bpf import loader
 from usproxy.offload.bpf.datapath import BpfDatapath
 from usproxy.model.service_port import ServicePort
 from usproxy.model.types import Protocol, ServicePortName
+from usproxy.util import cgroup2
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = str(Path(__file__).with_name("bpf_client.py"))
@@ -57,7 +58,7 @@ def _states() -> dict[ServicePortName, ServicePortState | None]:
 @contextlib.contextmanager
 def _setup() -> Iterator[tuple[Topology, Path, str]]:
     topo, token = Topology(), secrets.token_hex(4)
-    cg = Path("/sys/fs/cgroup/unified") / f"usproxy-bench-{token}"
+    cg = cgroup2.mount_point() / f"usproxy-bench-{token}"
     dp = BpfDatapath(cg, loader.BPFFS / f"usproxy-bench-{token}")
     server = None
     try:

@@ -81,6 +81,7 @@ from tests.cluster.cluster import EXT, LAN, Cluster, node_ip
 from tests.netns import inside, nsexec
 from usproxy.offload.bpf import loader
 from usproxy.offload.pin_root import PIN_ROOT_ENV
+from usproxy.util import cgroup2
 
 POD = "10.244.1.10"
 BACKEND_NODE = 1
@@ -90,7 +91,7 @@ SOURCES = [EXT] + [f"203.0.113.{11 + i}" for i in range(15)]
 # another path's connection from the same address and port. (Until dsr.h dropped a stale DSR
 # reply entry on a SYN without the option, such a direct connection stalled: found by this bench.)
 DIRECT_SOURCES = [f"203.0.113.{40 + i}" for i in range(16)]
-CGROUP2 = Path("/sys/fs/cgroup/unified")
+CGROUP2 = cgroup2.mount_point()  # where this host mounts cgroup v2 (the agent's default --bpf-cgroup)
 PIN_PREFIX = "usproxy-bench16-"
 COMMON = ("--offload-after", "0.5", "--min-sync-period", "200ms")
 SYSCTLS = ("net.ipv4.ip_local_port_range=1024 65535", "net.ipv4.tcp_tw_reuse=1",

@@ -13,14 +13,18 @@ mount -t devpts devpts /dev/pts
 mount -t tmpfs -o mode=755 tmpfs /run
 mount -t tmpfs -o size=64m tmpfs /tmp
 mount -t tmpfs -o size=16m tmpfs /dev/shm
-# cgroups: v1 controllers always; cgroup2 at /sys/fs/cgroup/unified (Debian's hybrid layout, the
-# agent's default --bpf-cgroup) unless the scenario is cgroup v1 only
-mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup
-for c in cpu,cpuacct memory pids devices freezer; do
-  mkdir -p /sys/fs/cgroup/$c && mount -t cgroup -o $c cgroup /sys/fs/cgroup/$c
-done
-if [ "$LAB_CGROUPS" = hybrid ]; then
-  mkdir -p /sys/fs/cgroup/unified && mount -t cgroup2 cgroup2 /sys/fs/cgroup/unified
+# cgroups as the scenario says: v2 = cgroup2 alone at /sys/fs/cgroup (systemd's unified hierarchy);
+# hybrid = v1 controllers plus cgroup2 at /sys/fs/cgroup/unified; v1 = the v1 controllers only
+if [ "$LAB_CGROUPS" = v2 ]; then
+  mount -t cgroup2 cgroup2 /sys/fs/cgroup
+else
+  mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup
+  for c in cpu,cpuacct memory pids devices freezer; do
+    mkdir -p /sys/fs/cgroup/$c && mount -t cgroup -o $c cgroup /sys/fs/cgroup/$c
+  done
+  if [ "$LAB_CGROUPS" = hybrid ]; then
+    mkdir -p /sys/fs/cgroup/unified && mount -t cgroup2 cgroup2 /sys/fs/cgroup/unified
+  fi
 fi
 mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
 hostname "lab-$LAB_SCENARIO"

@@ -17,7 +17,9 @@ from node import OUT, say
 
 PARAMS: dict[str, Any] = json.loads(Path("/lab/params.json").read_text())
 WORK = Path("/lab/work")
-BPF_CGROUP = Path("/sys/fs/cgroup/unified/lab-node")  # the socket LB serves this cgroup's processes only
+# the socket LB serves this cgroup's processes only: under the scenario's cgroup v2 mount (init.sh)
+CGROUP2_MOUNT = Path("/sys/fs/cgroup" if PARAMS.get("cgroups") == "v2" else "/sys/fs/cgroup/unified")
+BPF_CGROUP = CGROUP2_MOUNT / "lab-node"
 
 
 class Result:

@@ -17,8 +17,9 @@ from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf import loader, nodeport
 from usproxy.offload.bpf.layout import CT_MAPS, CtEntry
 from usproxy.offload.pin_root import PIN_ROOT_ENV
+from usproxy.util import cgroup2
 
-CGROUP2 = Path("/sys/fs/cgroup/unified")
+CGROUP2 = cgroup2.mount_point()  # where this host mounts cgroup v2 (the agent's default --bpf-cgroup)
 
 
 @contextlib.contextmanager

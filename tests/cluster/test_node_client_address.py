@@ -34,10 +34,11 @@ from tests.netns import inside
 from tests.sources.fake_apiserver import FakeApiServer, kubeconfig_text
 from usproxy.offload.bpf import loader
 from usproxy.offload.pin_root import PIN_ROOT_ENV
+from usproxy.util import cgroup2
 
 pytestmark = pytest.mark.netns
 
-CGROUP2 = Path("/sys/fs/cgroup/unified")
+CGROUP2 = cgroup2.mount_point()  # where this host mounts cgroup v2 (the agent's default --bpf-cgroup)
 CLUSTER_IP, LB_IP, POD = "10.96.30.10", "198.51.100.30", "10.244.2.10"
 DATAPATHS = {"relay-uvloop": ("none", "uvloop"), "relay-asyncio": ("none", "asyncio"),
              "nftables": ("nftables", "uvloop"), "iptables": ("iptables", "uvloop"), "bpf": ("bpf", "uvloop")}

@@ -51,9 +51,10 @@ from tests.conformance.probe import Attempt, Spec, run
 from tests.netns import Topology, inside, nsexec, sh
 from tests.relay.harness import USPROXY, AgentProc, Manifests
 from tests.conformance.reference import ALL_GROUPS, Group
+from usproxy.util import cgroup2
 
 HERE = Path(__file__).parent
-CGROUP2 = Path("/sys/fs/cgroup/unified")
+CGROUP2 = cgroup2.mount_point()  # where this host mounts cgroup v2 (the agent's default --bpf-cgroup)
 BPFFS = Path("/sys/fs/bpf")
 # no --service-cidr: the agents take the Service CIDR from the manifest's ServiceCIDR object, as
 # kube-proxy does (manifests.objects)

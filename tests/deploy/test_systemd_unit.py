@@ -28,6 +28,7 @@ from tests.deploy.manifests import daemonset
 from tests.deploy.pod import container
 from usproxy.app.cli import build_parser, config_from_args
 from usproxy.sources import static
+from usproxy.util import cgroup2
 
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "systemd" / "usproxy.service"
@@ -79,7 +80,8 @@ def test_exec_start_runs_the_static_source_over_the_default_layout(tmp_path: Pat
     assert cfg.services == LAYOUT / "services.d" and cfg.kubeconfig is None
     assert cfg.healthz_bind_address == "127.0.0.1:10256" and cfg.metrics_bind_address == "127.0.0.1:10249"
     assert (cfg.sync_period, cfg.min_sync_period) == (30.0, 1.0)
-    assert str(cfg.bpf_cgroup) == env["USPROXY_BPF_CGROUP"] == "/sys/fs/cgroup"
+    # no --bpf-cgroup: the agent finds cgroup v2 in the mount table, hybrid or alone
+    assert "--bpf-cgroup" not in argv and cfg.bpf_cgroup == cgroup2.mount_point()
     # services.d ships without manifests: nothing in it is one (the README is not read)
     from usproxy.model.manifest import manifest_files
 

@@ -99,8 +99,13 @@ def test_no_xtables(tmp_path: Path) -> None:
     # amd64 loads the wheel's object as it is, the same bytes the arm64 guest loads (test_arm64)
     assert out["bpf_object"]["sha256"] == wheel_bpf_object(out["wheel"]), out["bpf_object"]
     assert {forwarded(d) for d in out["datapaths"].values()} == {"userspace"}, out["datapaths"]
-    probes = guest_result(tmp_path)["probes"]["after"]
+    result = guest_result(tmp_path)
+    probes = result["probes"]["after"]
     assert all(p["carried_by"] == "userspace" for p in probes.values()), probes
+    # cgroup v2 alone at /sys/fs/cgroup: `usproxy check` with no --bpf-cgroup finds it there
+    assert result["present"]["cgroup2"]["cgroup2_mounts"] == ["/sys/fs/cgroup"], result["present"]["cgroup2"]
+    lb = next(c for c in result["check"] if c["name"] == "bpf cgroup hooks")
+    assert lb["available"] and "cgroup /sys/fs/cgroup;" in lb["detail"], lb
 
 
 @needs_lab

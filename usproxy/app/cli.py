@@ -78,8 +78,7 @@ def _run_parser(sub: Any) -> None:
                    help="a half-closed relayed TCP connection idle this long is reset (default 1h)")
     p.add_argument("--bpf-cgroup", type=Path, metavar="DIR",
                    help="the cgroup v2 directory whose processes' connect() the BPF socket LB rewrites "
-                        f"(default {d.bpf_cgroup}, where a hybrid hierarchy mounts cgroup v2; "
-                        "on a host with cgroup v2 alone: /sys/fs/cgroup)")
+                        f"(default: where /proc/self/mountinfo puts cgroup v2, here {d.bpf_cgroup})")
     p.add_argument("--bpf-lb-mode", choices=["snat", "dsr"],
                    help="NodePorts, LB IPs and externalIPs at tc (--offload bpf), backend on another node: SNAT to the node "
                         "(default) or direct server return, the client's address kept (Cilium's)")

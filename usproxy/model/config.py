@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +18,7 @@ import yaml
 
 from usproxy.model.types import IPNetwork, parse_cidr_sloppy
 from usproxy.model.datapath_name import OffloadMode
+from usproxy.util import cgroup2
 from usproxy.util.errors import ConfigError
 from usproxy.model.service_port import LBPolicy
 
@@ -53,7 +54,8 @@ class ProxyConfig:
     # idle timeouts of relayed TCP flows: kube-proxy's conntrack flags for the kernel's entries
     tcp_established_timeout: float = 86400.0
     tcp_close_wait_timeout: float = 3600.0
-    bpf_cgroup: Path = Path("/sys/fs/cgroup/unified")
+    # where the mount table puts cgroup v2: /sys/fs/cgroup alone, /sys/fs/cgroup/unified hybrid
+    bpf_cgroup: Path = field(default_factory=cgroup2.mount_point)
     # NodePorts at tc with a backend on another node: SNAT, or direct server return (Cilium's
     # bpf-lb-mode; usproxy/offload/bpf/dsr.h)
     bpf_lb_mode: BpfLbMode = "snat"

@@ -32,10 +32,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from usproxy.tour.manifests import ENDPOINTS, UPDATE_ENDPOINTS
+from usproxy.util import cgroup2
 
 log = logging.getLogger(__name__)
 
-CGROUP2 = Path("/sys/fs/cgroup/unified")
 BPFFS = Path("/sys/fs/bpf")
 STATE_DIR = Path("/run/usproxy")
 NODE_IP = "10.244.0.1"
@@ -99,7 +99,7 @@ class TourNetwork:
         self.name = f"{PREFIX}{self.token}"
         self.node = f"{self.name}-node"
         self.pods = f"{self.name}-pods"
-        self.cgroup = CGROUP2 / f"usproxy-tour-{self.token}"
+        self.cgroup = cgroup2.mount_point() / f"usproxy-tour-{self.token}"
         self.pin_root = BPFFS / f"usproxy-tour-{self.token}"
         self.state = STATE_DIR / f"tour-{self.token}.json"
         self.bpffs_was_mounted = _mount_type(BPFFS) == "bpf"

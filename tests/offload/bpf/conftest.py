@@ -26,9 +26,10 @@ from tests.netns import Topology, nsexec
 from usproxy.offload.bpf import libbpf as bpf
 from usproxy.offload.bpf import loader
 from usproxy.offload.bpf.datapath import BpfDatapath
+from usproxy.util import cgroup2
 
 HERE = Path(__file__).parent
-CGROUP2 = Path("/sys/fs/cgroup/unified")
+CGROUP2 = cgroup2.mount_point()  # where this host mounts cgroup v2 (the agent's default --bpf-cgroup)
 
 
 def _kill_cgroup_procs(cg: Path) -> None:

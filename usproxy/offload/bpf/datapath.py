@@ -88,6 +88,7 @@ from usproxy.offload.bpf.tables import Group, IdAllocator, Journal, Tables, Want
 from usproxy.offload.external_route import RELAY
 from usproxy.offload.kernel_datapath import ALL_TRAFFIC, Capability, TrafficKind
 from usproxy.model.types import ServicePortName, format_hostport
+from usproxy.util import cgroup2
 from usproxy.util.rows import FlowRow
 
 log = logging.getLogger(__name__)
@@ -112,11 +113,11 @@ class BpfDatapath:
     name = "bpf"
     write_unit = "BPF map writes"
 
-    def __init__(self, cgroup: Path = Path("/sys/fs/cgroup/unified"), pin_root: Path | None = None,
+    def __init__(self, cgroup: Path | None = None, pin_root: Path | None = None,
                  *, selection: str = "random", nodeport_cidrs: tuple[IPNetwork, ...] | None = None,
                  lb_mode: BpfLbMode = "snat", acceleration: BpfLbAcceleration = "disabled",
                  map_sizes: MapSizeFlags = MapSizeFlags(), enable_tcx: bool = True) -> None:
-        self.cgroup = cgroup
+        self.cgroup = cgroup if cgroup is not None else cgroup2.mount_point()
         self.pins = loader.PinLayout(pin_root or default_pin_root())
         self.selection: Selection = _selection(selection)
         self.nodeport_cidrs = nodeport_cidrs  # None: no tc programs

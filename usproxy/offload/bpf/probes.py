@@ -14,11 +14,14 @@ from typing import Any
 
 from usproxy.offload.bpf.map_sizes import MapSizeFlags
 from usproxy.offload.kernel_datapath import Capability
+from usproxy.util import cgroup2
 
 PROBE_LINK = "usproxy-probe"
 
 
-def probe_bpf(cgroup: Path = Path("/sys/fs/cgroup/unified")) -> Capability:
+def probe_bpf(cgroup: Path | None = None) -> Capability:
+    """The socket LB's probe, at `cgroup` (where this host mounts cgroup v2 when None)."""
+    cgroup = cgroup if cgroup is not None else cgroup2.mount_point()
     missing = []
     if not Path("/sys/kernel/btf/vmlinux").exists():
         missing.append("no BTF")
