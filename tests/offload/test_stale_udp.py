@@ -136,6 +136,34 @@ def test_every_turned_answer_entry_is_deleted(topology: Topology) -> None:
     assert "dst=10.96.10.20" not in left and left.count("dst=10.96.10.21") == 1, left
 
 
+@pytest.mark.netns
+def test_entries_listed_before_a_change_are_deleted_after_it_without_a_new_listing(topology: Topology) -> None:
+    """KernelConntrack.list_udp then delete_listed (the IPVS datapath lists a relayed UDP
+    frontend's entries before its virtual server goes in, and deletes them right after): exactly
+    the entries to that frontend when listed go, of every session, the relay's own included;
+    entries made after the listing stay (the datapath's next delete_udp takes them); another
+    frontend's are never read."""
+    with inside(topology.node):
+        assert fill_udp(3, ("10.96.0.10", 53), ("10.96.0.10", 53)) == 3  # relayed sessions: no NAT
+        assert fill_udp(2, ("10.96.0.10", 53), ("10.244.1.5", 53), clients="10.244.201.0") == 2
+        assert fill_udp(4, ("10.96.0.11", 53), ("10.96.0.11", 53), clients="10.244.202.0") == 4
+
+    async def change() -> tuple[int, int]:
+        ct = KernelConntrack(topology.node)
+        try:
+            listed = await ct.list_udp([("10.96.0.10", 53)])
+            with inside(topology.node):  # a session that starts between the listing and the delete
+                assert fill_udp(1, ("10.96.0.10", 53), ("10.96.0.10", 53), clients="10.244.203.0") == 1
+            return len(listed), await ct.delete_listed(listed)
+        finally:
+            ct.close()
+
+    assert asyncio.run(change()) == (5, 5)
+    left = nsexec(topology.node, "conntrack", "-L", "-p", "udp").stdout
+    assert left.count("dst=10.96.0.10 ") == 1 and "src=10.244.203.1 " in left, left
+    assert left.count("dst=10.96.0.11 ") == 4, left
+
+
 def test_a_failing_child_is_an_error_naming_it() -> None:
     with pytest.raises(OSError, match="conntrack cleanup: not a StaleUdp rule: Expecting property name"):
         _run_cleanup("{not json")

@@ -80,6 +80,17 @@ class KernelConntrack:
             deleted += await self._worker.run(self._delete_udp, set(), od)
         return deleted
 
+    async def list_udp(self, orig_dst: Iterable[tuple[str, int]]) -> ListedUdp:
+        """The UDP entries whose original destination is one of `orig_dst`, listed now on sockets
+        kept open, for `delete_listed` to delete after a change without opening or dumping
+        anything (the IPVS datapath's offload of relayed UDP sessions: offload/ipvs/datapath.py)."""
+        return await self._worker.run(_list_udp, set(orig_dst))
+
+    async def delete_listed(self, listed: ListedUdp) -> int:
+        """Delete the entries `listed` holds, one request each, and close its sockets. Returns how
+        many were deleted (an entry gone meanwhile is not counted)."""
+        return await self._worker.run(listed.delete)
+
     def _delete_udp(self, reply_src: set[tuple[str, int]], orig_dst: set[tuple[str, int]]) -> int:
         from pyroute2 import Conntrack
 
@@ -175,6 +186,54 @@ class KernelConntrack:
     def close(self) -> None:
         self._worker.close()
         self._cleaner.close()
+
+
+class ListedUdp:
+    """UDP entries listed ahead of a change, each with the conntrack socket (one per family) it
+    was listed on: deleting them costs one request per entry. Made, used and closed in the
+    conntrack worker's thread."""
+
+    def __init__(self) -> None:
+        self.listed: list[tuple[Any, list[Any]]] = []  # (pyroute2 Conntrack, original tuples)
+
+    def __len__(self) -> int:
+        return sum(len(tuples) for _, tuples in self.listed)
+
+    def delete(self) -> int:
+        deleted = 0
+        try:
+            for ct, tuples in self.listed:
+                for o in tuples:
+                    try:
+                        ct.entry("del", tuple_orig=o)
+                        deleted += 1
+                    except Exception as err:  # gone meanwhile: fine
+                        log.debug("conntrack delete %s: %s", o, err)
+        finally:
+            self.close()
+        return deleted
+
+    def close(self) -> None:
+        for ct, _ in self.listed:
+            ct.close()
+        self.listed = []
+
+
+def _list_udp(orig_dst: set[tuple[str, int]]) -> ListedUdp:
+    from pyroute2 import Conntrack
+
+    out = ListedUdp()
+    try:
+        for family in FAMILIES:
+            if not any((":" in a) == (family == socket.AF_INET6) for a, _ in orig_dst):
+                continue
+            ct = Conntrack(nfgen_family=family)
+            out.listed.append((ct, []))
+            out.listed[-1][1].extend(_matching(ct, family, set(), orig_dst))
+    except BaseException:
+        out.close()
+        raise
+    return out
 
 
 async def reconcile_logged(ct: KernelConntrack, rule: StaleUdp) -> None:

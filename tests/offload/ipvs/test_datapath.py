@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import pytest
 
@@ -24,6 +24,7 @@ from usproxy.util.errors import OffloadError
 
 from tests.offload.helpers import ep, every_feature, spn, state
 from tests.offload.ipvs.helpers import NoConntrack, datapath
+from usproxy.offload.kernel_conntrack import ListedUdp
 
 WEB, DNS = spn("web", "http"), spn("dns", "dns", "UDP")
 IP = ipaddress.ip_address
@@ -236,7 +237,7 @@ async def test_udp_entries_to_a_frontend_new_here_go_once(kernel: FakeIpvsKernel
     dp = datapath(kernel)
     ct: NoConntrack = dp.conntrack  # type: ignore[assignment]
     await dp.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53)])})
-    assert ct.deleted == [{("10.96.0.10", 53)}]
+    assert ct.listed == ct.deleted == [{("10.96.0.10", 53)}]
     assert ct.turned == [{(("10.244.1.1", 53), "10.96.0.10")}]
     await dp.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53), ep("10.244.2.1", 53)])})
     assert len(ct.deleted) == 1 and len(ct.turned) == 1
@@ -244,6 +245,46 @@ async def test_udp_entries_to_a_frontend_new_here_go_once(kernel: FakeIpvsKernel
     await dp2.read_back()
     await dp2.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53), ep("10.244.2.1", 53)])})
     assert dp2.conntrack.deleted == [] and dp2.conntrack.turned == []  # type: ignore[attr-defined]
+
+
+async def test_a_relayed_udp_sessions_entries_are_listed_before_the_virtual_server_and_deleted_right_after(
+        kernel: FakeIpvsKernel) -> None:
+    """The window in which IPVS's answers to a relayed session clash with its entry runs from the
+    virtual server's write to the entry's delete: the entries are listed before the write (no
+    socket opened, no table dumped inside the window), deleted next, then swept once more for
+    entries made meanwhile, all before the iptables rules are written."""
+    tools = FakeIpvsTools()
+    seen: list[tuple[str, bool, int]] = []
+    dns_key = vs_key("UDP", "10.96.0.10", 53)
+
+    class Watching(NoConntrack):
+        def note(self) -> None:
+            seen.append((self.calls[-1], dns_key in kernel.services, len(tools.restores)))
+
+        async def list_udp(self, orig_dst: Iterable[tuple[str, int]]) -> ListedUdp:
+            out = await super().list_udp(orig_dst)
+            self.note()
+            return out
+
+        async def delete_listed(self, listed: ListedUdp) -> int:
+            n = await super().delete_listed(listed)
+            self.note()
+            return n
+
+        async def delete_udp(self, *, reply_src: object = (), orig_dst: object = ()) -> int:
+            n = await super().delete_udp(reply_src=reply_src, orig_dst=orig_dst)
+            self.note()
+            return n
+
+    dp = datapath(kernel, tools)
+    dp.conntrack = Watching()
+    await dp.apply({})  # the datapath's own set-up (tables, probes) first
+    before = len(tools.restores)
+    await dp.apply({DNS: state(DNS, "10.96.0.10", 53, [ep("10.244.1.1", 53)])})
+    assert [(name, vs_in) for name, vs_in, _ in seen] == [
+        ("list_udp", False), ("delete_listed", True), ("delete_udp", True)]
+    assert all(n == before for _, _, n in seen), (seen, tools.restores[before:])  # no iptables yet
+    assert len(tools.restores) > before  # and then the rules
 
 
 class WatchedKernel(FakeIpvsKernel):

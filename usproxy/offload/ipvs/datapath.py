@@ -291,9 +291,7 @@ class IpvsDatapath:
         for f in self.families:
             tables[f], scopes[f] = await self._tables(f, installed, changed, full)
         plan = self._plan(tables, scopes)
-        await self.kernel.run(self._execute_add, plan)
-        if zero_to_n:  # at once: until it is gone, a datagram IPVS forwards gets an answer the kernel drops
-            await self.conntrack.delete_udp(orig_dst=zero_to_n)
+        await self._add_deleting_udp(plan, zero_to_n)
         await self._write_iptables(tables, full)
         await self.kernel.run(self._execute_remove, plan)
         for f, t in tables.items():
@@ -301,6 +299,21 @@ class IpvsDatapath:
         self.syncs += 1
         self.full_syncs += full
         return plan
+
+    async def _add_deleting_udp(self, p: _Plan, zero_to_n: set[tuple[str, int]]) -> None:
+        """The plan's additions, and the conntrack entries to `zero_to_n` deleted as soon as the
+        virtual servers are in: until an entry is gone, a datagram IPVS forwards on it gets an
+        answer the kernel drops (the entry, made by the relay's session, has no NAT; test_kernel).
+        The entries are listed before the write, so the delete after it opens and dumps nothing;
+        then one more pass takes those made between the listing and the write."""
+        listed = await self.conntrack.list_udp(zero_to_n) if zero_to_n else None
+        try:
+            await self.kernel.run(self._execute_add, p)
+        finally:
+            if listed is not None:
+                await self.conntrack.delete_listed(listed)
+        if zero_to_n:
+            await self.conntrack.delete_udp(orig_dst=zero_to_n)
 
     async def _tables(self, family: Family, installed: Mapping[ServicePortName, ServicePortState],
                       changed: set[ServicePortName], full: bool) -> tuple[rules.Tables, _Scope | None]:
