@@ -6,7 +6,8 @@ start and after syncs: an endpoint removed while the agent was down leaves entri
 reports, issue 29 item 7); delete UDP entries whose reply comes from an endpoint that went away
 (`delete_udp(reply_src=...)`, field case C03); delete UDP entries to a frontend that had no
 endpoints (`delete_udp(orig_dst=...)`, else a sender's earlier "refused" entry outlives the 0 -> N
-change). It also lists the DNATed entries of offloaded frontends for /flows.
+change; the IPVS datapath lists them first, `list_udp`, and deletes them right after its virtual
+server's write, `delete_listed`). It also lists the DNATed entries of offloaded frontends for /flows.
 
 The first two list the whole UDP table once and delete in batches, in a child process
 (usproxy/offload/ctnetlink.py: off the event loop and off the agent's GIL; with 150,000 entries
