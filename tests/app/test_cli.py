@@ -156,13 +156,29 @@ def test_a_usage_error_is_one_line_naming_the_argument(argv: list[str], named: s
 
 
 @pytest.mark.parametrize("flag", ["--healthz-bind-address", "--metrics-bind-address"])
-@pytest.mark.parametrize("addr", ["127.0.0.1:notaport", "a b:80"])
+@pytest.mark.parametrize("addr", ["127.0.0.1:notaport", "a b:80", "300.1.1.1:99"])
 def test_a_bad_bind_address_exits_2_naming_the_flag(flag: str, addr: str) -> None:
     """`run` reads its bind addresses as status/flows read theirs, before anything starts."""
     res = run("run", flag, addr, *OWN_LOCKS)
     assert res.returncode == 2 and res.stderr == (
         f"usproxy run: {flag}: expected HOST:PORT (a name, an IPv4 address or [an IPv6 address], and a port), "
         f"got {addr!r}\n"), res.stderr
+
+
+@pytest.mark.parametrize("name", ["thisnameiswaytoolongforlinux", "a/b", "a:b", "a b", "", "..", "sixteen-chars-xx"])
+def test_a_vip_interface_that_cannot_be_an_interface_name_exits_2(name: str) -> None:
+    """The kernel refuses such a name (dev_valid_name); before, the agent fell back to lo and
+    left the ClusterIPs there, which --cleanup did not remove."""
+    res = run("run", *OWN_LOCKS, "--vip-interface", name)
+    assert res.returncode == 2 and res.stderr == (
+        "usproxy run: --vip-interface: not a network interface name (1-15 characters, no '/', ':' or space), "
+        f"got {name!r}\n"), res.stderr
+
+
+def test_a_fifteen_character_vip_interface_name_is_taken() -> None:
+    from usproxy.app.cli import _interface_name_ok
+
+    assert _interface_name_ok("fifteen-chars-x") and _interface_name_ok("usproxy0")
 
 
 @pytest.mark.parametrize("command", [["status"], ["flows"], ["explain", "--live"]])

@@ -70,6 +70,17 @@ def test_admin_port_in_use(netns: str) -> None:
 
 
 @pytest.mark.netns
+def test_an_admin_address_whose_name_does_not_resolve_says_why(netns: str) -> None:
+    """A name the resolver cannot find: the resolver's own words, not "Unknown error -3"."""
+    proc = usproxy(netns, "run", "--services", str(EXAMPLE), "--offload", "none",
+                   "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "no-such-host.invalid:10249")
+    assert proc.returncode == 1
+    line = last_line(proc)
+    assert line.startswith("usproxy: --metrics-bind-address no-such-host.invalid:10249: cannot listen: "), line
+    assert "Unknown error" not in line and line.rsplit(": ", 1)[1].strip(), line
+
+
+@pytest.mark.netns
 @pytest.mark.parametrize("who", [NOBODY, NO_NET_ADMIN], ids=["not-root", "root-without-net-admin"])
 def test_without_net_admin_run_says_not_permitted(netns: str, who: tuple[str, ...]) -> None:
     for args, command in ((("run", "--services", str(EXAMPLE)), "usproxy run"), (("run", "--cleanup"), "usproxy run --cleanup")):

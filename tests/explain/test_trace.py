@@ -100,6 +100,13 @@ def test_bad_destination_is_a_config_error(dst: str) -> None:
         trace.parse_packet("10.0.0.1", dst, load("clusterip"))
 
 
+@pytest.mark.parametrize("dst", ["10.96.1.1:99999", "10.96.1.1:0/UDP", "10.96.1.1:-1"])
+def test_a_port_outside_1_to_65535_is_refused_not_traced(dst: str) -> None:
+    """It traced to "no Service's frontend" with exit 0."""
+    with pytest.raises(ConfigError, match=r"port must be between 1 and 65535"):
+        trace.parse_packet("10.0.0.1", dst, load("clusterip"))
+
+
 def test_a_destination_without_protocol_is_tcp() -> None:
     """The usage line says DST:PORT[/PROTO]: left out, the protocol is TCP."""
     bare = trace.parse_packet("10.0.0.1", "10.96.1.1:80", load("clusterip"))

@@ -57,7 +57,8 @@ def test_flags_override_file(tmp_path: Path) -> None:
     assert cfg.metrics_bind_address == "127.0.0.1:11249"
 
 
-@pytest.mark.parametrize("text,seconds", [("30s", 30.0), ("1m0s", 60.0), ("250ms", 0.25), ("1h", 3600.0), (5, 5.0)])
+@pytest.mark.parametrize("text,seconds", [("30s", 30.0), ("1m0s", 60.0), ("250ms", 0.25), ("1h", 3600.0), (5, 5.0),
+                                          ("0", 0.0)])  # Go's ParseDuration takes a bare 0
 def test_durations(text: object, seconds: float) -> None:
     assert parse_duration(text, "x") == seconds
 
@@ -67,6 +68,21 @@ def test_bad_value_names_file_and_field(tmp_path: Path) -> None:
     f.write_text("kind: KubeProxyConfiguration\nconntrack:\n  udpTimeout: soon\n")
     with pytest.raises(ConfigError, match=r"KubeProxyConfiguration .*kp.yaml: conntrack.udpTimeout: not a duration"):
         load_kube_proxy_configuration(f)
+
+
+def test_a_file_that_is_not_text_is_one_error_naming_it(tmp_path: Path) -> None:
+    f = tmp_path / "kp.yaml"
+    f.write_bytes(b"\x00\x01\xff\xfe")
+    with pytest.raises(ConfigError, match=r"^KubeProxyConfiguration .*kp.yaml: cannot read: 'utf-8' codec can't decode"):
+        load_kube_proxy_configuration(f)
+
+
+def test_the_userspace_modes_udp_idle_timeout_is_read(tmp_path: Path) -> None:
+    """kube-proxy's v1alpha1 udpIdleTimeout (its userspace mode's, before 1.26): the relay's."""
+    f = tmp_path / "kp.yaml"
+    f.write_text("kind: KubeProxyConfiguration\nmode: userspace\nudpIdleTimeout: 250ms\n")
+    cfg = load_kube_proxy_configuration(f)
+    assert cfg.udp_idle_timeout == 0.25 and cfg.offload == "none"
 
 
 def test_nodeport_addresses_and_service_cidrs_name_the_flag_or_field(tmp_path: Path) -> None:

@@ -30,6 +30,15 @@ def test_out_must_be_a_directory(tmp_path: Path) -> None:
     assert res.returncode == 2 and "--out" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
+def test_an_out_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+    """It was a FileNotFoundError traceback (`--out /proc/nope`)."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    res = tour("--out", str(f / "sub"), "--quick")
+    assert res.returncode == 2, res
+    assert res.stderr.strip().splitlines() == [f"usproxy tour: --out {f / 'sub'}: cannot create: Not a directory"]
+
+
 def test_out_is_required() -> None:
     res = tour("--quick")
     assert res.returncode == 2 and "--out" in res.stderr

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import resource
+import socket
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
@@ -268,8 +269,9 @@ class AdminServer:
             flags = " and ".join(f"--{role}-bind-address" for role, a in self.addrs.items() if a == addr)
             hint = (" (another kube-proxy or usproxy serves it? stop it, or give another port)"
                     if err.errno == errno.EADDRINUSE else "")
+            reason = err.strerror if isinstance(err, socket.gaierror) or not err.errno else os.strerror(err.errno)
             raise CannotRun(f"{flags} {format_hostport(addr[0], addr[1])}: cannot listen: "
-                            f"{os.strerror(err.errno) if err.errno else err}{hint}") from None
+                            f"{reason or err}{hint}") from None
         self._listeners.append(listener)
         socks = list(listener.sockets or [])
         real = socks[0].getsockname()[:2] if socks else addr

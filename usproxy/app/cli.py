@@ -192,6 +192,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     return cfg
 
 
+def _interface_name_ok(name: str) -> bool:
+    """As the kernel's dev_valid_name: 1-15 bytes (IFNAMSIZ 16 with its NUL), not "." or "..",
+    no '/', ':' or white space."""
+    return (0 < len(name.encode()) < 16 and name not in (".", "..")
+            and not any(c in "/:" or c.isspace() for c in name))
+
+
 def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) -> None:
     """Reject settings that cannot work before anything starts."""
     from usproxy.model.node import detector_of
@@ -222,6 +229,9 @@ def validate(cfg: ProxyConfig, *, given_services: bool, given_kubeconfig: bool) 
                           obj="usproxy run", field="--hairpin-mark")
     if cfg.sync_period <= 0:
         raise ConfigError(f"must be greater than 0, got {cfg.sync_period}", obj="usproxy run", field="--sync-period")
+    if not _interface_name_ok(cfg.vip_interface):
+        raise ConfigError(f"not a network interface name (1-15 characters, no '/', ':' or space), got "
+                          f"{cfg.vip_interface!r}", obj="usproxy run", field="--vip-interface")
     for flag, n in (("--conntrack-max-per-core", cfg.conntrack_max_per_core), ("--conntrack-min", cfg.conntrack_min)):
         if n < 0:
             raise ConfigError(f"must not be negative, got {n}", obj="usproxy run", field=flag)

@@ -102,6 +102,8 @@ def parse_packet(src: str, dst: str, ss: ServiceSet) -> Packet:
     except ValueError:
         raise ConfigError("expected SRC DST:PORT[/PROTO] (TCP when left out), e.g. 10.0.0.5 10.96.0.10:53/UDP",
                           obj="trace", field=f"{src} {dst}") from None
+    if not 0 < n < 65536:
+        raise ConfigError(f"port must be between 1 and 65535, got {n}", obj="trace", field=dst)
     if proto.upper() not in ("TCP", "UDP", "SCTP"):
         raise ConfigError(f"protocol must be TCP, UDP or SCTP, got {proto!r}", obj="trace", field=dst)
     if s.version != d.version:

@@ -99,6 +99,8 @@ def parse_duration(text: object, where: str) -> float:
     """Go duration text (or a number of seconds) → seconds. Raises ConfigError naming `where`."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         return float(text)
+    if text == "0":  # Go's time.ParseDuration takes a bare 0
+        return 0.0
     if not isinstance(text, str) or not text or _DURATION.sub("", text):
         raise ConfigError(f"not a duration: {text!r}", field=where)
     return sum(float(n) * _UNIT[u] for n, u in _DURATION.findall(text))
@@ -151,6 +153,7 @@ KNOWN_FIELDS: dict[str, str] = {
     "conntrack.maxPerCore": "conntrack_max_per_core",
     "conntrack.min": "conntrack_min",
     "conntrack.udpTimeout": "udp_idle_timeout",
+    "udpIdleTimeout": "udp_idle_timeout",  # kube-proxy's userspace mode (before 1.26): the relay's
     "conntrack.tcpEstablishedTimeout": "tcp_established_timeout",
     "conntrack.tcpCloseWaitTimeout": "tcp_close_wait_timeout",
     "clusterCIDR": "cluster_cidrs",
@@ -235,7 +238,7 @@ def load_kube_proxy_configuration(path: Path, base: ProxyConfig | None = None) -
     where = f"KubeProxyConfiguration {path}"
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read: {' '.join(str(err).split())}", obj=where) from None
     if not isinstance(data, dict):
         raise ConfigError("must be a YAML object", obj=where)

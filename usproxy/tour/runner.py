@@ -33,6 +33,7 @@ from usproxy.tour import plots, results
 from usproxy.tour.network import TourNetwork, sweep
 from usproxy.tour.results import ModeResult
 from usproxy.tour.visit import MATCH_HOW, Plan, Visit
+from usproxy.util.errors import ConfigError
 
 QUICK = Plan(sizes=(10, 1000), rounds=3, window=0.3, conc=16, latency_count=100, changes=3, uniform_count=10_000)
 FULL = Plan(sizes=(10, 1000, 10_000), rounds=3, window=0.6, conc=16, latency_count=300, changes=3,
@@ -46,8 +47,10 @@ RELAY_WHY = "the relay, usproxy's own (kube-proxy 1.0's userspace mode): runs wh
 def run(out: Path, plan: Plan, modes: Sequence[str] = MODE_NAMES, *,
         say: Callable[[str], None] = print, after: Callable[[Visit], None] | None = None) -> int:
     """The tour into `out`; 0 when every mode that this machine has was measured, else 1."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "logs").mkdir(exist_ok=True)
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # one line naming --out, not a traceback
+        raise ConfigError(f"cannot create: {err.strerror or err}", obj="usproxy tour", field=f"--out {out}") from None
     for left in sweep():
         say(f"removed what an interrupted tour left: {left}")
     started, load_before = time.monotonic(), os.getloadavg()

@@ -8,6 +8,7 @@ import ipaddress
 import re
 
 _HOST_NAME = re.compile(r"[A-Za-z0-9.-]+")  # a DNS name or an IPv4 literal
+_DOTTED_DIGITS = re.compile(r"[0-9.]+")
 EXPECTED = "expected HOST:PORT (a name, an IPv4 address or [an IPv6 address], and a port)"
 
 
@@ -29,6 +30,11 @@ def _host_ok(host: str) -> bool:
         except ValueError:
             return False
         return True
+    if _DOTTED_DIGITS.fullmatch(host):  # 300.1.1.1 is a bad address, not a name to look up
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return False
     return _HOST_NAME.fullmatch(host) is not None
 
 
