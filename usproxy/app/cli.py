@@ -52,12 +52,14 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--metrics-bind-address", metavar="HOST:PORT",
                    help="serves /metrics, /services and /flows (read by `usproxy status` and `flows`) "
                         f"(default {d.metrics_bind_address})")
-    p.add_argument("--hostname-override", metavar="NAME")
+    p.add_argument("--hostname-override", metavar="NAME",
+                   help="this node's name (default $NODE_NAME, else with --kubeconfig the hostname, as kube-proxy)")
     p.add_argument("--nodeport-addresses", metavar="CIDR,...|primary", type=_comma_list,
                    help="addresses that serve NodePorts: local addresses in these CIDRs, or 'primary'")
     p.add_argument("--service-cidr", dest="service_cidrs", metavar="CIDR,...", type=_comma_list,
                    help="the cluster's Service CIDRs: traffic to an unallocated address in them is dropped")
-    p.add_argument("--vip-interface", metavar="NAME")
+    p.add_argument("--vip-interface", metavar="NAME",
+                   help=f"the interface that holds the ClusterIPs as local addresses (default {d.vip_interface})")
     p.add_argument("--hairpin-mark", type=_integer, metavar="BIT",
                    help="the mark bit of connections a load balancer hairpins (source and destination a "
                         "LoadBalancer IP), whose answers are routed back out; one bit no other program on the "
@@ -67,11 +69,16 @@ def _run_parser(sub: Any) -> None:
                         "annotation: the relay and the BPF socket LB follow it (BPF picks at random for "
                         "leastConnections); nftables picks at random and leaves leastConnections to the "
                         f"relay (default {d.lb_policy})")
-    p.add_argument("--sync-period", metavar="DURATION")
-    p.add_argument("--min-sync-period", metavar="DURATION")
-    p.add_argument("--conntrack-max-per-core", type=int)
-    p.add_argument("--conntrack-min", type=int)
-    p.add_argument("--udp-idle-timeout", metavar="DURATION")
+    p.add_argument("--sync-period", metavar="DURATION",
+                   help="a full sync at least this often (default 30s, as kube-proxy; greater than 0)")
+    p.add_argument("--min-sync-period", metavar="DURATION",
+                   help="syncs at most this often, changes batched meanwhile (default 250ms)")
+    p.add_argument("--conntrack-max-per-core", type=int, metavar="N",
+                   help="the relay's flow table holds N per CPU, at least --conntrack-min (default 32768, "
+                        "kube-proxy's rule)")
+    p.add_argument("--conntrack-min", type=int, metavar="N", help="the flow table's least size (default 131072)")
+    p.add_argument("--udp-idle-timeout", metavar="DURATION",
+                   help="a relayed UDP session idle this long ends (default 30s)")
     p.add_argument("--conntrack-tcp-timeout-established", dest="tcp_established_timeout", metavar="DURATION",
                    help="a relayed TCP connection idle this long is reset (default 24h, as kube-proxy's flag)")
     p.add_argument("--conntrack-tcp-timeout-close-wait", dest="tcp_close_wait_timeout", metavar="DURATION",
@@ -108,9 +115,12 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--cluster-cidr", dest="cluster_cidrs", metavar="CIDR[,CIDR]",
                    type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
                    help="pod network: ClusterIP traffic from outside it is masqueraded (kube-proxy's)")
-    p.add_argument("--detect-local-mode", choices=["ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix"])
-    p.add_argument("--pod-bridge-interface", dest="bridge_interface", metavar="NAME")
-    p.add_argument("--pod-interface-name-prefix", dest="interface_name_prefix", metavar="PREFIX")
+    p.add_argument("--detect-local-mode", choices=["ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix"],
+                   help="what counts as traffic from a pod, as kube-proxy's (default ClusterCIDR)")
+    p.add_argument("--pod-bridge-interface", dest="bridge_interface", metavar="NAME",
+                   help="--detect-local-mode BridgeInterface: the pods' bridge")
+    p.add_argument("--pod-interface-name-prefix", dest="interface_name_prefix", metavar="PREFIX",
+                   help="--detect-local-mode InterfaceNamePrefix: the pods' interfaces' name prefix")
     p.add_argument("--masquerade-all", action="store_true", default=None,
                    help="masquerade all traffic to Service addresses (kube-proxy's --masquerade-all)")
     p.add_argument("--tour-results", type=Path, metavar="DIR",

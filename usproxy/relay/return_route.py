@@ -396,4 +396,5 @@ class ReturnRoute:
         if why:
             log.error("hairpin answers: removing an earlier agent's table and rules: %s", why)
         elif done:
-            log.info("hairpin answers are off (--hairpin-mark 0): %s", " ".join(done))
+            log.info("hairpin answers are off (--hairpin-mark 0, or a datapath beside which they stay off): %s",
+                     " ".join(done))
