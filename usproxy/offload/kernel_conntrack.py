@@ -99,12 +99,7 @@ class KernelConntrack:
         for family in FAMILIES:  # pyroute2 dumps one family per socket (AF_INET by default)
             ct = Conntrack(nfgen_family=family)
             try:
-                for o in _matching(ct, family, reply_src, orig_dst):
-                    try:
-                        ct.entry("del", tuple_orig=o)
-                        deleted += 1
-                    except Exception as err:  # gone meanwhile: fine
-                        log.debug("conntrack delete %s: %s", o, err)
+                deleted += _delete_each(ct, _matching(ct, family, reply_src, orig_dst))
             finally:
                 ct.close()
         return deleted
@@ -136,12 +131,7 @@ class KernelConntrack:
                          for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=family, proto=socket.IPPROTO_UDP,
                                                                            saddr=a, sport=p))
                          if ((a, p), str(e.tuple_reply.daddr)) in mine]
-                for o in found:
-                    try:
-                        ct.entry("del", tuple_orig=o)
-                        deleted += 1
-                    except Exception as err:  # gone meanwhile: fine
-                        log.debug("conntrack delete %s: %s", o, err)
+                deleted += _delete_each(ct, found)
             finally:
                 ct.close()
         return deleted
@@ -201,23 +191,28 @@ class ListedUdp:
         return sum(len(tuples) for _, tuples in self.listed)
 
     def delete(self) -> int:
-        deleted = 0
         try:
-            for ct, tuples in self.listed:
-                for o in tuples:
-                    try:
-                        ct.entry("del", tuple_orig=o)
-                        deleted += 1
-                    except Exception as err:  # gone meanwhile: fine
-                        log.debug("conntrack delete %s: %s", o, err)
+            return sum(_delete_each(ct, tuples) for ct, tuples in self.listed)
         finally:
             self.close()
-        return deleted
 
     def close(self) -> None:
         for ct, _ in self.listed:
             ct.close()
         self.listed = []
+
+
+def _delete_each(ct: Any, tuples: list[Any]) -> int:
+    """Delete each entry by its original tuple on the pyroute2 socket `ct`; how many went (one
+    gone meanwhile is fine, and not counted)."""
+    deleted = 0
+    for o in tuples:
+        try:
+            ct.entry("del", tuple_orig=o)
+            deleted += 1
+        except Exception as err:
+            log.debug("conntrack delete %s: %s", o, err)
+    return deleted
 
 
 def _list_udp(orig_dst: set[tuple[str, int]]) -> ListedUdp:
